@@ -1,0 +1,33 @@
+# Two commands set everything up on a fresh machine: `make train` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup train test test-all bench clean
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The main job on the embedded default: SFT warm start (cached), GRPO, final evaluation.
+train: $(STAMP)
+	$(PY) train.py $(ARGS)
+
+# The default test set (CPU, under 10 minutes); `make test-all` adds the slow ones.
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) bench/step_profile.py
+
+clean:
+	rm -rf outputs .cache

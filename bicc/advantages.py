@@ -1,0 +1,52 @@
+"""Advantage estimators, registered by name, one signature:
+
+    fn(rewards [N], group_ids [N], delta [N] | None, cfg) -> (advantages [N], metrics)
+
+``group_ids`` says which query each sample answers (integers, any order). ``delta`` is the per-sample
+sequence log-prob shift used by reward-confidence correction; estimators that do not use it ignore it.
+Every group needs at least 2 samples: a group-relative advantage of one sample is meaningless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bicc.registry import Registry
+
+ADVANTAGES: Registry = Registry("advantage estimator")
+
+
+def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample group mean, population std and group size. All [N]."""
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if (counts < 2).any():
+        raise ValueError(f"every group needs >= 2 samples for a group-relative advantage; got sizes {counts.tolist()}")
+    values = values.double()
+    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, values)
+    means = sums / counts
+    sq = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, (values - means[inverse]) ** 2)
+    stds = (sq / counts).sqrt()
+    return means[inverse], stds[inverse], counts[inverse]
+
+
+def _degenerate_share(std: torch.Tensor, counts: torch.Tensor) -> float:
+    """Share of groups whose rewards are all equal (their advantage is 0: no learning signal).
+    Each sample carries 1/count of its group, so summing over samples counts each group once."""
+    num_groups = (1.0 / counts).sum()
+    return (((std == 0).double() / counts).sum() / num_groups).item()
+
+
+@ADVANTAGES.register("grpo")
+def grpo_advantage(rewards, group_ids, delta, cfg):
+    """A_i = (r_i - mean r) / (std r + eps) over the group, population std (paper eq. 5)."""
+    mean, std, counts = group_stats(rewards, group_ids)
+    adv = (rewards.double() - mean) / (std + cfg.adv_eps)
+    return adv.to(rewards.dtype), {"train/adv_zero_group_share": _degenerate_share(std, counts)}
+
+
+@ADVANTAGES.register("mean_centered")
+def mean_centered_advantage(rewards, group_ids, delta, cfg):
+    """A_i = r_i - mean r, no std normalisation (Dr.GRPO)."""
+    mean, std, counts = group_stats(rewards, group_ids)
+    adv = rewards.double() - mean
+    return adv.to(rewards.dtype), {"train/adv_zero_group_share": _degenerate_share(std, counts)}

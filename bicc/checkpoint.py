@@ -1,0 +1,75 @@
+"""Checkpoints: the model and tokenizer in HF format (safetensors; loadable by transformers and vLLM)
+plus the trainer state (optimizer, scheduler, step, data position, RNG) as tensors and plain values
+loaded with ``weights_only=True``.
+
+A checkpoint is written into ``<dir>.tmp`` and renamed into place, so a crash mid-write leaves the
+previous checkpoint intact; a directory counts as complete only when it has ``COMPLETE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TRAINER_STATE = "trainer_state.pt"
+COMPLETE = "COMPLETE"
+
+
+def rng_state() -> dict:
+    return {
+        "torch": torch.random.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": json.dumps(random.getstate()),
+        "numpy": json.dumps(np.random.get_state(legacy=True)[1].tolist()),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.random.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    version, internal, gauss = json.loads(state["python"])
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(("MT19937", np.array(json.loads(state["numpy"]), dtype=np.uint32), 0, 0, 0.0))
+
+
+def save_hf(model, tokenizer, path: Path) -> None:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def save_checkpoint(ckpt_dir: Path, model, tokenizer, trainer_state: dict, keep_last: int) -> Path:
+    """Write ``ckpt_dir`` atomically and prune older ``step_*`` siblings beyond ``keep_last``."""
+    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_hf(model, tokenizer, tmp)
+    torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
+    (tmp / COMPLETE).write_text("ok\n")
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    os.replace(tmp, ckpt_dir)
+    if keep_last > 0:
+        for old in list_checkpoints(ckpt_dir.parent)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return ckpt_dir
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete ``step_N`` dirs under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    done = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and (p / COMPLETE).exists()]
+    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+
+def load_trainer_state(ckpt_dir: Path) -> dict:
+    path = ckpt_dir / TRAINER_STATE
+    if not (ckpt_dir / COMPLETE).exists() or not path.exists():
+        raise FileNotFoundError(f"checkpoint {ckpt_dir} is incomplete (no {COMPLETE} marker or {TRAINER_STATE})")
+    return torch.load(path, weights_only=True)

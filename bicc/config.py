@@ -1,0 +1,259 @@
+"""Typed config schemas (Hydra ConfigStore) and validation that runs before any model is loaded.
+
+Every YAML file under ``conf/`` is checked against these dataclasses when Hydra composes it, so a
+misspelt key fails at start-up. Fields without a sensible default are ``MISSING``: a config group
+must set them. ``validate`` then checks names against the registries and values against their
+ranges, naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class AlgoConfig:
+    """Policy loss and advantage estimator (conf/algo)."""
+
+    name: str = MISSING
+    loss: str = MISSING
+    advantage: str = MISSING
+    loss_agg: str = MISSING
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    adv_eps: float = 1e-6
+
+
+@dataclass
+class TinyArchConfig:
+    """Architecture of a model built from a config (random init), used by ``model=tiny``."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 3
+    intermediate_size: int = 256
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+
+
+@dataclass
+class ModelConfig:
+    """Policy model (conf/model). ``path`` is an HF id or a local dir; ``tiny`` builds one instead."""
+
+    name: str = MISSING
+    path: Optional[str] = None
+    tiny: Optional[TinyArchConfig] = None
+    attn_implementation: str = "sdpa"
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class ArithConfig:
+    """The embedded arithmetic task: integer expressions with worked steps."""
+
+    min_operands: int = 2
+    max_operands: int = 3
+    max_operand: int = 49
+    ops: str = "+-"
+    slip_rate: float = 0.3
+    slip_max: int = 2
+    test_size: int = 500
+    test_share: float = 0.1
+
+
+@dataclass
+class DataConfig:
+    """Training/eval task (conf/data)."""
+
+    task: str = MISSING
+    seed: int = 0
+    arith: ArithConfig = field(default_factory=ArithConfig)
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engine and sampling at training time (conf/rollout)."""
+
+    engine: str = MISSING
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    batch_size: int = 256
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    clip_grad: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    """The RL stage."""
+
+    steps: int = 200
+    time_budget_s: float = 0.0
+    epochs_per_rollout: int = 1
+    minibatches_per_rollout: int = 1
+    micro_batch_size: int = 128
+    log_every: int = 1
+    save_every: int = 100
+    keep_last: int = 2
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start on demonstrations (some with deliberate slips)."""
+
+    enabled: bool = True
+    steps: int = 600
+    time_budget_s: float = 0.0
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    cache_dir: str = MISSING
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (conf/eval)."""
+
+    name: str = MISSING
+    num_problems: int = 200
+    samples_per_problem: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    greedy: bool = True
+    batch_size: int = 512
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go (conf/logger)."""
+
+    wandb_mode: str = "offline"
+    wandb_project: str = "bicc"
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    """Top-level config composed by train.py and eval.py."""
+
+    algo: AlgoConfig = MISSING
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    eval: EvalConfig = MISSING
+    logger: LoggerConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    seed: int = 0
+    stage: str = "all"
+    device: str = "auto"
+    threads: int = 0
+    run_name: str = MISSING
+    resume: Optional[str] = None
+    ckpt: Optional[str] = None
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra; YAML files pick them up through their defaults list."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="algo", name="algo_schema", node=AlgoConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
+    cs.store(group="eval", name="eval_schema", node=EvalConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+
+
+STAGES = ("all", "sft", "rl")
+WANDB_MODES = ("online", "offline", "disabled")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"config field '{field_name}': {message}")
+
+
+def validate(cfg: Any) -> None:
+    """Fail fast, before any model is loaded, with the field's name and what is allowed."""
+    # Imported here so the registries are filled by their modules' decorators.
+    from bicc.advantages import ADVANTAGES
+    from bicc.data import TASKS
+    from bicc.losses import AGGREGATIONS, KL_ESTIMATORS, LOSSES
+    from bicc.rollout import ENGINES
+
+    for field_name, registry, value in (
+        ("algo.loss", LOSSES, cfg.algo.loss),
+        ("algo.advantage", ADVANTAGES, cfg.algo.advantage),
+        ("algo.loss_agg", AGGREGATIONS, cfg.algo.loss_agg),
+        ("algo.kl_estimator", KL_ESTIMATORS, cfg.algo.kl_estimator),
+        ("data.task", TASKS, cfg.data.task),
+        ("rollout.engine", ENGINES, cfg.rollout.engine),
+    ):
+        _check(value in registry, field_name, f"'{value}' unknown; choose from: {', '.join(registry.names())}")
+
+    a = cfg.algo
+    _check(a.clip_eps_low > 0, "algo.clip_eps_low", f"must be > 0, got {a.clip_eps_low}")
+    _check(a.clip_eps_high > 0, "algo.clip_eps_high", f"must be > 0, got {a.clip_eps_high}")
+    _check(a.clip_eps_low < 1, "algo.clip_eps_low", f"must be < 1 (ratio floor 1-eps), got {a.clip_eps_low}")
+    _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
+    _check(a.adv_eps >= 0, "algo.adv_eps", f"must be >= 0, got {a.adv_eps}")
+
+    r = cfg.rollout
+    _check(r.group_size >= 2, "rollout.group_size", f"must be >= 2 (a group-relative advantage needs 2+ samples), got {r.group_size}")
+    _check(r.prompts_per_step >= 1, "rollout.prompts_per_step", f"must be >= 1, got {r.prompts_per_step}")
+    _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+    _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+
+    t = cfg.train
+    _check(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
+    _check(t.epochs_per_rollout >= 1, "train.epochs_per_rollout", f"must be >= 1, got {t.epochs_per_rollout}")
+    _check(t.minibatches_per_rollout >= 1, "train.minibatches_per_rollout", f"must be >= 1, got {t.minibatches_per_rollout}")
+    _check(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
+    rollout_size = r.prompts_per_step * r.group_size
+    _check(rollout_size % t.minibatches_per_rollout == 0, "train.minibatches_per_rollout",
+           f"must divide prompts_per_step * group_size = {rollout_size}, got {t.minibatches_per_rollout}")
+
+    o = cfg.optim
+    _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _check(o.clip_grad > 0, "optim.clip_grad", f"must be > 0, got {o.clip_grad}")
+
+    _check(cfg.stage in STAGES, "stage", f"'{cfg.stage}' unknown; choose from: {', '.join(STAGES)}")
+    _check(cfg.logger.wandb_mode in WANDB_MODES, "logger.wandb_mode",
+           f"'{cfg.logger.wandb_mode}' unknown; choose from: {', '.join(WANDB_MODES)}")
+    _check(cfg.model.dtype in DTYPES, "model.dtype", f"'{cfg.model.dtype}' unknown; choose from: {', '.join(DTYPES)}")
+    _check((cfg.model.path is None) != (cfg.model.tiny is None), "model.path",
+           "set exactly one of model.path (HF id or local dir) and model.tiny (build from a config)")
+
+    ar = cfg.data.arith
+    _check(2 <= ar.min_operands <= ar.max_operands, "data.arith.min_operands",
+           f"need 2 <= min_operands <= max_operands, got {ar.min_operands}..{ar.max_operands}")
+    _check(0 <= ar.slip_rate <= 1, "data.arith.slip_rate", f"must be in [0, 1], got {ar.slip_rate}")
+    _check(set(ar.ops) <= set("+-") and ar.ops != "", "data.arith.ops", f"use a non-empty subset of '+-', got '{ar.ops}'")
+    _check(0 < ar.test_share < 1, "data.arith.test_share", f"must be in (0, 1), got {ar.test_share}")

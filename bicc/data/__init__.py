@@ -1,0 +1,37 @@
+"""Tasks: where prompts, ground-truth answers and (for warm starts) demonstrations come from.
+
+A task is built by name from the ``data`` config (``TASKS.get(cfg.data.task)(cfg.data)``) and offers:
+``train_problem(index)`` (deterministic in the index, so the data position is one integer that a
+checkpoint can store), ``test_problems(n)`` and, when it supports supervised warm starts,
+``demonstration(problem, rng)``.
+"""
+
+from dataclasses import dataclass
+
+from bicc.registry import Registry
+
+TASKS: Registry = Registry("task")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One query: the user-turn text and the ground-truth final answer."""
+
+    id: str
+    prompt: str
+    answer: str
+
+
+def build_task(data_cfg):
+    return TASKS.get(data_cfg.task)(data_cfg)
+
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of the chat-formatted user turn, with the assistant turn opened."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+
+
+from bicc.data import arith  # noqa: E402,F401  (registers "arith")

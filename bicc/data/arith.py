@@ -1,0 +1,121 @@
+"""The embedded task: integer expressions with worked steps, generated from a seed.
+
+A problem is ``Compute 12+34-5.``; its demonstration evaluates left to right, one step a line,
+and ends with the boxed answer::
+
+    12+34=46
+    46-5=41
+    \\boxed{41}
+
+A share of demonstrations (``slip_rate``) carries a deliberate slip: one step is off by 1..slip_max
+and the error is carried to the end. A model fine-tuned on them is an imperfect baseline that RL can
+improve, which is the point of the warm start.
+
+Train and test are disjoint by construction: an expression belongs to the test split iff a stable
+hash of its text falls below ``test_share``; training draws skip those expressions.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+from bicc.data import TASKS, Problem
+from bicc.rewards import exact_match_reward
+
+
+def _stable_unit(text: str) -> float:
+    """A hash of ``text`` mapped to [0, 1), identical across processes and Python versions."""
+    return zlib.crc32(text.encode()) / 2**32
+
+
+def _rng(seed: int, stream: str, index: int) -> random.Random:
+    return random.Random(f"{seed}:{stream}:{index}")
+
+
+@TASKS.register("arith")
+class ArithTask:
+    def __init__(self, data_cfg):
+        self.cfg = data_cfg.arith
+        self.seed = data_cfg.seed
+        self._test_cache: list[Problem] = []
+
+    # ---- sampling ---------------------------------------------------------------------------
+    def _draw(self, rng: random.Random) -> tuple[list[int], list[str]]:
+        n = rng.randint(self.cfg.min_operands, self.cfg.max_operands)
+        operands = [rng.randint(1, self.cfg.max_operand) for _ in range(n)]
+        ops = [rng.choice(self.cfg.ops) for _ in range(n - 1)]
+        return operands, ops
+
+    @staticmethod
+    def _expression(operands: list[int], ops: list[str]) -> str:
+        parts = [str(operands[0])]
+        for op, x in zip(ops, operands[1:]):
+            parts += [op, str(x)]
+        return "".join(parts)
+
+    def _is_test(self, expression: str) -> bool:
+        return _stable_unit(f"{self.seed}:{expression}") < self.cfg.test_share
+
+    def _problem(self, pid: str, operands: list[int], ops: list[str]) -> Problem:
+        expression = self._expression(operands, ops)
+        value = operands[0]
+        for op, x in zip(ops, operands[1:]):
+            value = value + x if op == "+" else value - x
+        return Problem(id=pid, prompt=f"Compute {expression}.", answer=str(value))
+
+    def train_problem(self, index: int) -> Problem:
+        rng = _rng(self.seed, "train", index)
+        while True:
+            operands, ops = self._draw(rng)
+            if not self._is_test(self._expression(operands, ops)):
+                return self._problem(f"arith-train-{index}", operands, ops)
+
+    def test_problems(self, n: int) -> list[Problem]:
+        if n > self.cfg.test_size:
+            raise ValueError(f"asked for {n} test problems but data.arith.test_size is {self.cfg.test_size}")
+        if not self._test_cache:
+            rng = _rng(self.seed, "test", 0)
+            seen: set[str] = set()
+            while len(self._test_cache) < self.cfg.test_size:
+                operands, ops = self._draw(rng)
+                expression = self._expression(operands, ops)
+                if expression in seen or not self._is_test(expression):
+                    continue
+                seen.add(expression)
+                self._test_cache.append(self._problem(f"arith-test-{len(self._test_cache)}", operands, ops))
+        return self._test_cache[:n]
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return exact_match_reward(completion, problem.answer)
+
+    # ---- demonstrations ---------------------------------------------------------------------
+    def demonstration(self, problem: Problem, rng: random.Random) -> str:
+        """Worked steps for ``problem``; with probability slip_rate one step is off and carried."""
+        tokens = problem.prompt.removeprefix("Compute ").removesuffix(".")
+        operands, ops = _parse(tokens)
+        slip_step = rng.randrange(len(ops)) if rng.random() < self.cfg.slip_rate else -1
+        lines = []
+        value = operands[0]
+        for step, (op, x) in enumerate(zip(ops, operands[1:])):
+            result = value + x if op == "+" else value - x
+            if step == slip_step:
+                result += rng.choice([-1, 1]) * rng.randint(1, self.cfg.slip_max)
+            lines.append(f"{value}{op}{x}={result}")
+            value = result
+        lines.append(f"\\boxed{{{value}}}")
+        return "\n".join(lines)
+
+
+def _parse(expression: str) -> tuple[list[int], list[str]]:
+    """Split a left-to-right expression like '12+34-5' into operands and operators."""
+    operands, ops, digits = [], [], ""
+    for ch in expression:
+        if ch.isdigit():
+            digits += ch
+        else:
+            operands.append(int(digits))
+            ops.append(ch)
+            digits = ""
+    operands.append(int(digits))
+    return operands, ops

@@ -1,0 +1,17 @@
+"""Policy losses, registered by name, one signature:
+
+    fn(logp, old_logp, ref_logp, adv, mask, cfg, totals) -> (loss, metrics)
+
+logp, old_logp, ref_logp: [B, L] per-token log-probs (ref_logp may be None when no KL is used);
+adv: [B] per-sequence advantages; mask: [B, L] completion mask; cfg: the ``algo`` config;
+totals: ``StepTotals`` of the whole optimizer step (the aggregation's normaliser).
+``loss`` is this micro-batch's share of the step's loss; ``metrics`` are floats for logging.
+"""
+
+from bicc.losses.agg import AGGREGATIONS, StepTotals, aggregate, masked_mean  # noqa: F401
+from bicc.losses.kl import KL_ESTIMATORS  # noqa: F401
+from bicc.registry import Registry
+
+LOSSES: Registry = Registry("policy loss")
+
+from bicc.losses import grpo  # noqa: E402,F401  (registers "grpo")

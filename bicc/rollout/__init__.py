@@ -1,0 +1,56 @@
+"""Rollout engines: generate G samples per prompt and accept new weights. Nothing else.
+
+An engine is built by name (``ENGINES.get(cfg.rollout.engine)(model, tokenizer, cfg)``) and offers
+
+- ``generate(prompts, sampling) -> RolloutOutput``: ``prompts`` are token-id lists; each is sampled
+  ``sampling.n`` times; output rows are grouped by prompt (rows ``i*n .. i*n+n-1`` belong to prompt ``i``).
+- ``update_weights(model)``: make the engine sample from ``model``'s current parameters.
+
+The trainer never reaches into an engine beyond these two calls, so HF ``generate`` (here) and vLLM
+(a later engine) are interchangeable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from bicc.registry import Registry
+
+ENGINES: Registry = Registry("rollout engine")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy decoding."""
+
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+
+
+@dataclass
+class RolloutOutput:
+    """Sampled completions, ``N = num_prompts * n`` rows grouped by prompt.
+
+    prompt_ids:      N lists of prompt token ids (repeated for each sample of a prompt)
+    completion_ids:  N lists of sampled ids, cut after EOS (EOS included when it was sampled)
+    texts:           N decoded completions without special tokens
+    finished:        N flags, True when the completion ended with EOS (False = hit max_new_tokens)
+    logprobs:        N lists of sampling log-probs, or None when the engine does not return them
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    texts: list[str]
+    finished: list[bool]
+    logprobs: Optional[list[list[float]]] = None
+
+
+def build_engine(name: str, model, tokenizer, rollout_cfg):
+    return ENGINES.get(name)(model, tokenizer, rollout_cfg)
+
+
+from bicc.rollout import hf  # noqa: E402,F401  (registers "hf")

@@ -1,0 +1,79 @@
+"""Rollout with HF ``generate`` on the training module itself (no second copy of the weights).
+
+Because the engine samples from the very module being trained, ``update_weights`` has nothing to copy;
+it only checks that it was handed that module. Prompts are left-padded per chunk of at most
+``rollout.batch_size`` output rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bicc.rollout import ENGINES, RolloutOutput, SamplingParams
+
+
+@ENGINES.register("hf")
+class HFEngine:
+    def __init__(self, model, tokenizer, rollout_cfg):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_rows = rollout_cfg.batch_size
+
+    def update_weights(self, model) -> None:
+        if model is not self.model:
+            self.model.load_state_dict(model.state_dict())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        device = next(self.model.parameters()).device
+        pad_id, eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        greedy = sampling.temperature == 0
+        n = 1 if greedy else sampling.n
+        prompts_per_chunk = max(1, self.max_rows // n)
+        # Seeding from the call's seed makes a rollout a function of (weights, prompts, seed).
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(sampling.seed)
+        was_training = self.model.training
+        self.model.eval()
+        out = RolloutOutput([], [], [], [])
+        try:
+            for start in range(0, len(prompts), prompts_per_chunk):
+                chunk = prompts[start : start + prompts_per_chunk]
+                width = max(len(p) for p in chunk)
+                input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)  # [P, W]
+                attention_mask = torch.zeros_like(input_ids)  # [P, W]
+                for i, p in enumerate(chunk):
+                    input_ids[i, width - len(p) :] = torch.tensor(p)
+                    attention_mask[i, width - len(p) :] = 1
+                sequences = self.model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    do_sample=not greedy,
+                    temperature=sampling.temperature if not greedy else None,
+                    top_p=sampling.top_p if not greedy else None,
+                    top_k=None,
+                    num_return_sequences=n,
+                    max_new_tokens=sampling.max_new_tokens,
+                    pad_token_id=pad_id,
+                    eos_token_id=eos_id,
+                )  # [P*n, W + L]
+                new_tokens = sequences[:, width:].tolist()
+                for row, ids in enumerate(new_tokens):
+                    finished = eos_id in ids
+                    ids = ids[: ids.index(eos_id) + 1] if finished else ids
+                    out.prompt_ids.append(chunk[row // n])
+                    out.completion_ids.append(ids)
+                    out.finished.append(finished)
+            out.texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        finally:
+            torch.random.set_rng_state(generator_state)
+            self.model.train(was_training)
+        if greedy and sampling.n > 1:
+            out = _repeat(out, sampling.n)
+        return out
+
+
+def _repeat(out: RolloutOutput, n: int) -> RolloutOutput:
+    """Greedy decoding is deterministic: one decode per prompt stands for all n samples."""
+    rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+    return RolloutOutput(rep(out.prompt_ids), rep(out.completion_ids), rep(out.texts), rep(out.finished))

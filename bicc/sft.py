@@ -1,0 +1,96 @@
+"""Supervised warm start: fine-tune on task demonstrations, some with deliberate slips.
+
+A random model never earns reward, so RL on the embedded task starts from an imperfect SFT model —
+the "SFT baseline" row of the paper's tables. The result is cached as an HF-format checkpoint keyed by
+everything that determines it (architecture, task, SFT settings, seed), and reused when present.
+Run the stage alone with ``python train.py stage=sft``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from bicc.checkpoint import COMPLETE, save_hf
+from bicc.data import encode_prompt
+from bicc.logprobs import batch_logprobs, make_token_batch
+from bicc.losses.agg import masked_mean
+from bicc.models import build_tiny
+from bicc.optim import build_optimizer, warmup_cosine
+
+SFT_INDEX_OFFSET = 10**9  # SFT draws its problems from a stream apart from RL's
+
+
+def cache_key(cfg) -> str:
+    """Hash of the resolved settings that determine the SFT checkpoint."""
+    sft = OmegaConf.to_container(cfg.sft, resolve=True)
+    sft.pop("cache_dir")
+    keyed = {"model": OmegaConf.to_container(cfg.model.tiny, resolve=True), "data": OmegaConf.to_container(cfg.data, resolve=True),
+             "sft": sft, "seed": cfg.seed, "format": 1}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def cache_path(cfg) -> Path:
+    return Path(cfg.sft.cache_dir) / f"sft-{cache_key(cfg)}"
+
+
+def demonstration_batch(task, tokenizer, indices: list[int], seed: int):
+    prompts, completions = [], []
+    for index in indices:
+        problem = task.train_problem(index)
+        demo = task.demonstration(problem, random.Random(f"{seed}:demo:{index}"))
+        prompts.append(encode_prompt(tokenizer, problem.prompt))
+        completions.append(tokenizer(demo, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+    return make_token_batch(prompts, completions, tokenizer.pad_token_id)
+
+
+def train_sft(cfg, task, device: torch.device, progress: bool = True):
+    """Build the tiny model and fine-tune it; returns (model, tokenizer, metrics)."""
+    model, tokenizer = build_tiny(cfg.model.tiny, cfg.seed)
+    model.to(device).train()
+    sft = cfg.sft
+    optimizer = build_optimizer(model, sft.lr, cfg.optim.betas, sft.weight_decay)
+    scheduler = warmup_cosine(optimizer, sft.warmup_steps, sft.steps, sft.min_lr_ratio)
+    start = time.perf_counter()
+    bar = tqdm(range(sft.steps), desc="sft", disable=not progress, dynamic_ncols=True)
+    loss_value = float("nan")
+    for step in bar:
+        first = SFT_INDEX_OFFSET + step * sft.batch_size
+        batch = demonstration_batch(task, tokenizer, list(range(first, first + sft.batch_size)), cfg.seed).to(device)
+        logp, _ = batch_logprobs(model, batch)
+        loss = -masked_mean(logp, batch.completion_mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
+        optimizer.step()
+        scheduler.step()
+        loss_value = loss.item()
+        bar.set_postfix(loss=f"{loss_value:.3f}")
+        if sft.time_budget_s and time.perf_counter() - start > sft.time_budget_s:
+            break
+    metrics = {"sft/loss": loss_value, "sft/steps": step + 1, "sft/seconds": time.perf_counter() - start}
+    return model, tokenizer, metrics
+
+
+def warm_start(cfg, task, device: torch.device, progress: bool = True) -> Path:
+    """Path of the cached SFT checkpoint, training and saving it first if it is missing."""
+    path = cache_path(cfg)
+    if (path / COMPLETE).exists():
+        print(f"[sft] reusing cached warm start {path}")
+        return path
+    model, tokenizer, metrics = train_sft(cfg, task, device, progress)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_hf(model, tokenizer, tmp)
+    (tmp / "sft_metrics.json").write_text(json.dumps(metrics, indent=1))
+    (tmp / COMPLETE).write_text("ok\n")
+    tmp.replace(path)
+    print(f"[sft] {metrics['sft/steps']} steps in {metrics['sft/seconds']:.0f}s, final loss {metrics['sft/loss']:.3f} -> {path}")
+    return path

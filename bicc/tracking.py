@@ -1,0 +1,41 @@
+"""Metrics sinks: ``metrics.jsonl`` in the run dir (always) and wandb (mode from config).
+
+Only rank 0 logs. wandb's ``offline`` mode needs no network; ``disabled`` skips it entirely.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class Tracker:
+    def __init__(self, run_dir: Path, run_name: str, config: dict, wandb_mode: str, wandb_project: str,
+                 enabled: bool = True):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self._wandb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, name=run_name, dir=str(run_dir), mode=wandb_mode,
+                                     config=config, reinit="finish_previous")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in metrics.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                                 for k, v in clean.items()}}) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+
+    def finish(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

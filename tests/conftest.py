@@ -1,0 +1,30 @@
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from bicc.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+SHARED_DATA = Path(os.environ.get("BICC_DATA_DIR", ROOT.parent / "shared" / "data"))
+
+register_configs()
+
+
+def compose_cfg(overrides=()):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.fixture
+def cfg():
+    return compose_cfg(["sft.cache_dir=/tmp/unused"])
+
+
+@pytest.fixture
+def shared_data():
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data dir {SHARED_DATA} is absent (set BICC_DATA_DIR)")
+    return SHARED_DATA

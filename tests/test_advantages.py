@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from bicc.advantages import ADVANTAGES, group_stats
+
+
+class Cfg:
+    adv_eps = 1e-6
+
+
+def test_grpo_hand_computed():
+    # group 0: r = [1, 0, 0, 1] -> mean 0.5, population std 0.5 -> A = [1, -1, -1, 1]
+    # group 1: r = [1, 0, 0, 0] -> mean 0.25, std sqrt(0.1875)=0.4330 -> A = [1.7321, -0.5774 x3]
+    rewards = torch.tensor([1.0, 0, 0, 1, 1, 0, 0, 0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    adv, metrics = ADVANTAGES.get("grpo")(rewards, groups, None, Cfg)
+    expected = torch.tensor([1.0, -1, -1, 1, 1.7320508, -0.5773503, -0.5773503, -0.5773503])
+    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
+    assert metrics["train/adv_zero_group_share"] == 0.0
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0])
+def test_all_equal_groups_get_zero(value):
+    rewards = torch.cat([torch.full((4,), value), torch.tensor([1.0, 0, 1, 0])])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    for name in ("grpo", "mean_centered"):
+        adv, metrics = ADVANTAGES.get(name)(rewards, groups, None, Cfg)
+        assert torch.all(adv[:4] == 0)
+        assert adv[4:].abs().sum() > 0
+        assert metrics["train/adv_zero_group_share"] == 0.5
+
+
+def test_group_of_one_rejected():
+    with pytest.raises(ValueError, match=">= 2 samples"):
+        ADVANTAGES.get("grpo")(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1]), None, Cfg)
+
+
+def test_vectorised_matches_loop_with_interleaved_groups():
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 2, (60,), generator=gen).float()
+    groups = torch.randperm(60, generator=gen) % 7  # 7 groups, shuffled order, uneven sizes
+    adv, _ = ADVANTAGES.get("grpo")(rewards, groups, None, Cfg)
+    for i in range(60):
+        members = rewards[groups == groups[i]]
+        ref = (rewards[i] - members.mean()) / (members.std(unbiased=False) + Cfg.adv_eps)
+        assert abs(adv[i].item() - ref.item()) < 1e-5
+    mean, std, counts = group_stats(rewards, groups)
+    assert counts.sum().item() == sum((groups == g).sum().item() ** 2 for g in range(7))
+
+
+def test_mean_centered_no_std():
+    adv, _ = ADVANTAGES.get("mean_centered")(torch.tensor([1.0, 0, 0, 0]), torch.zeros(4, dtype=torch.long), None, Cfg)
+    torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, -0.25, -0.25]))

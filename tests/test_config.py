@@ -1,0 +1,73 @@
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from bicc.config import validate
+from tests.conftest import CONF, compose_cfg
+
+GROUPS = ["algo", "model", "data", "rollout", "eval", "logger"]
+
+
+def options(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_composes_and_validates(group):
+    for option in options(group):
+        cfg = compose_cfg([f"{group}={option}", "sft.cache_dir=/tmp/x"])
+        validate(cfg)
+        assert OmegaConf.to_container(cfg, resolve=False)
+
+
+def test_every_yaml_field_has_a_comment():
+    for path in CONF.rglob("*.yaml"):
+        lines = Path(path).read_text().splitlines()
+        for i, line in enumerate(lines):
+            stripped = line.strip()
+            if not stripped or stripped.startswith("#") or stripped.startswith("- ") or stripped == "defaults:":
+                continue
+            if stripped.endswith(":") and not lines[i - 1].strip().startswith("#"):
+                # a section header ("optim:") may go without one only when it is a known group block
+                assert stripped[:-1] in {"optim", "train", "sft", "hydra", "run", "sweep", "job", "tiny", "arith"}, f"{path}:{i + 1}"
+                continue
+            assert lines[i - 1].strip().startswith("#"), f"{path}:{i + 1} '{stripped}' has no comment above it"
+
+
+def test_overrides_apply():
+    cfg = compose_cfg(["rollout.group_size=4", "optim.lr=1e-5", "sft.cache_dir=/tmp/x"])
+    assert cfg.rollout.group_size == 4 and cfg.optim.lr == 1e-5
+    assert cfg.run_name == "grpo-tiny-arith-s0"
+
+
+def test_unknown_algo_names_the_choices():
+    with pytest.raises(Exception, match="grpo"):
+        compose_cfg(["algo=dapoo"])
+
+
+def test_unknown_key_is_rejected_by_the_schema():
+    with pytest.raises(Exception, match="clip_epsilon"):
+        compose_cfg(["algo.clip_epsilon=0.3"])
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("algo.clip_eps_low=0", "algo.clip_eps_low"),
+        ("algo.clip_eps_high=-0.1", "algo.clip_eps_high"),
+        ("algo.kl_coef=-1", "algo.kl_coef"),
+        ("algo.loss=nope", "algo.loss"),
+        ("algo.loss_agg=mean", "algo.loss_agg"),
+        ("rollout.group_size=1", "rollout.group_size"),
+        ("rollout.temperature=0", "rollout.temperature"),
+        ("rollout.engine=vllmm", "rollout.engine"),
+        ("train.minibatches_per_rollout=3", "train.minibatches_per_rollout"),
+        ("data.arith.ops=*", "data.arith.ops"),
+        ("stage=finetune", "stage"),
+    ],
+)
+def test_validation_names_the_field(override, field):
+    cfg = compose_cfg([override, "sft.cache_dir=/tmp/x"])
+    with pytest.raises(ValueError, match=f"config field '{field}'"):
+        validate(cfg)

@@ -1,0 +1,55 @@
+import random
+
+from bicc.data import build_task, encode_prompt
+from bicc.data.arith import _parse
+from bicc.rewards import exact_match_reward
+from bicc.tokenizer import build_char_tokenizer
+
+
+def evaluate_left_to_right(expression):
+    operands, ops = _parse(expression)
+    value = operands[0]
+    for op, x in zip(ops, operands[1:]):
+        value = value + x if op == "+" else value - x
+    return value
+
+
+def test_problems_are_deterministic_and_correct(cfg):
+    task, again = build_task(cfg.data), build_task(cfg.data)
+    for i in range(50):
+        p = task.train_problem(i)
+        assert p == again.train_problem(i)
+        expression = p.prompt.removeprefix("Compute ").removesuffix(".")
+        assert int(p.answer) == evaluate_left_to_right(expression)
+        assert 2 <= len(_parse(expression)[0]) <= 3
+
+
+def test_train_and_test_are_disjoint(cfg):
+    task = build_task(cfg.data)
+    test = {p.prompt for p in task.test_problems(500)}
+    assert len(test) == 500
+    train = {task.train_problem(i).prompt for i in range(5000)}
+    assert not (train & test)
+
+
+def test_demonstrations_without_slips_are_correct(cfg):
+    cfg.data.arith.slip_rate = 0.0
+    task = build_task(cfg.data)
+    for i in range(100):
+        p = task.train_problem(i)
+        demo = task.demonstration(p, random.Random(i))
+        assert exact_match_reward(demo, p.answer) == 1.0
+        assert demo.count("\n") == len(_parse(p.prompt[8:-1])[1])
+
+
+def test_slip_rate_is_respected(cfg):
+    task = build_task(cfg.data)  # slip_rate 0.3 by default
+    wrong = sum(exact_match_reward(task.demonstration(task.train_problem(i), random.Random(i)), task.train_problem(i).answer) == 0
+                for i in range(2000))
+    assert 0.25 < wrong / 2000 < 0.35
+
+
+def test_prompt_encoding_round_trips():
+    tok = build_char_tokenizer()
+    ids = encode_prompt(tok, "Compute 12+3.")
+    assert tok.decode(ids) == "<|im_start|>user\nCompute 12+3.<|im_end|>\n<|im_start|>assistant\n"

@@ -1,0 +1,71 @@
+"""train.py end to end in a subprocess, on a shrunken embedded default."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["sft.steps=5", "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
+         "rollout.max_new_tokens=16", "eval.num_problems=8", "eval.samples_per_problem=2", "eval.max_new_tokens=16",
+         "logger.wandb_mode=disabled", "logger.progress=false"]
+
+
+def run_train(args, tmp_path, check=True):
+    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train([*SMALL, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert f"outputs in {run_dir}" in proc.stdout.strip().splitlines()[-1]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(0 <= r["reward/mean"] <= 1 and r["train/lr"] > 0 for r in steps)
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["steps"] == 2 and 0 <= results["final"]["eval/pass@1"] <= 1
+    assert (run_dir / "checkpoints" / "step_2" / "model.safetensors").exists()
+
+    # resume: continue the same run to step 3 from its latest checkpoint
+    proc = run_train([*[a for a in SMALL if not a.startswith("train.steps")], "train.steps=3", "resume=auto",
+                      f"hydra.run.dir={run_dir}"], tmp_path)
+    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
+    before = load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")
+    after = load_file(run_dir / "checkpoints" / "step_3" / "model.safetensors")
+    assert any(not (before[k] == after[k]).all() for k in before)
+
+
+def test_sft_stage_alone_is_cached(tmp_path):
+    first = run_train([*SMALL, "stage=sft", f"hydra.run.dir={tmp_path / 'a'}"], tmp_path)
+    assert "[sft] 5 steps" in first.stdout
+    second = run_train([*SMALL, "stage=sft", f"hydra.run.dir={tmp_path / 'b'}"], tmp_path)
+    assert "reusing cached warm start" in second.stdout
+
+
+def test_unknown_algo_fails_with_choices(tmp_path):
+    proc = run_train(["algo=dapoo", *SMALL], tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "grpo" in proc.stderr and "algo" in proc.stderr
+
+
+def test_invalid_value_fails_before_loading(tmp_path):
+    proc = run_train(["rollout.group_size=1", *SMALL], tmp_path, check=False)
+    assert proc.returncode != 0 and "config field 'rollout.group_size'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_multirun_makes_one_dir_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_train(["-m", *SMALL, "train.steps=1", "rollout.group_size=2,4", f"hydra.sweep.dir={sweep}"], tmp_path)
+    dirs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and (p / "results.json").exists())
+    assert len(dirs) == 2 and "rollout.group_size=2" in dirs[0]

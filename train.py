@@ -1,0 +1,180 @@
+"""Train a policy with a GRPO-family algorithm: ``python train.py algo=grpo``.
+
+Stages: SFT warm start (tiny models; cached) -> RL -> final evaluation. Each RL step follows the
+paper's Algorithm 1 in marked phases: rollout -> reward -> log-probs -> advantages -> loss and
+optimizer step -> weight sync -> log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+from tqdm import tqdm
+from transformers.utils import logging as hf_logging
+
+from bicc.advantages import ADVANTAGES
+from bicc.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint, set_rng_state
+from bicc.config import register_configs, validate
+from bicc.data import build_task, encode_prompt
+from bicc.evaluation import evaluate, format_eval
+from bicc.logprobs import make_token_batch
+from bicc.models import frozen_copy, load_pretrained, num_parameters
+from bicc.optim import build_optimizer, warmup_cosine
+from bicc.rollout import SamplingParams, build_engine
+from bicc.sft import warm_start
+from bicc.tracking import Tracker
+from bicc.trainer import RLState, logprobs_no_grad, needs_reference, update_policy
+
+register_configs()
+hf_logging.disable_progress_bar()
+
+
+def rl_step(s: RLState, cfg) -> dict:
+    t0 = time.perf_counter()
+    P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    device = next(s.model.parameters()).device
+
+    # ---- 1. rollout: G samples for each of P queries from pi_old --------------------------------
+    problems = [s.task.train_problem(s.data_pos + i) for i in range(P)]
+    prompts = [encode_prompt(s.tokenizer, p.prompt) for p in problems]
+    sampling = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed * 1_000_003 + s.step)
+    out = s.engine.generate(prompts, sampling)
+    t_rollout = time.perf_counter()
+
+    # ---- 2. reward: binary correctness of the final answer -------------------------------------
+    rewards = torch.tensor([s.task.reward(text, problems[i // G]) for i, text in enumerate(out.texts)])  # [P*G]
+    group_ids = torch.arange(P).repeat_interleave(G)  # [P*G]
+
+    # ---- 3. log-probs of pi_old (and pi_ref when a KL term needs it) ---------------------------
+    batch = make_token_batch(out.prompt_ids, out.completion_ids, s.tokenizer.pad_token_id).to(device)
+    old_logp = logprobs_no_grad(s.model, batch, cfg.train.micro_batch_size, cfg.rollout.temperature)  # [P*G, L]
+    ref_logp = (logprobs_no_grad(s.ref_model, batch, cfg.train.micro_batch_size, cfg.rollout.temperature)
+                if s.ref_model is not None else None)
+    t_logprobs = time.perf_counter()
+
+    # ---- 4. advantages -------------------------------------------------------------------------
+    adv, adv_metrics = ADVANTAGES.get(cfg.algo.advantage)(rewards, group_ids, None, cfg.algo)  # [P*G]
+
+    # ---- 5. loss and optimizer step(s) ---------------------------------------------------------
+    update_metrics = update_policy(s, batch, old_logp, ref_logp, adv.to(device), cfg, step_seed=sampling.seed)
+    t_update = time.perf_counter()
+
+    # ---- 6. weight sync: the rollout engine samples from the updated policy next step ----------
+    s.engine.update_weights(s.model)
+    s.data_pos += P
+    s.step += 1
+
+    # ---- 7. metrics ----------------------------------------------------------------------------
+    lengths = batch.completion_mask.sum(-1).float()
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item(),
+        "rollout/response_len": lengths.mean().item(),
+        "rollout/truncated_share": 1 - sum(out.finished) / len(out.finished),
+        **adv_metrics, **update_metrics,
+        "perf/rollout_s": t_rollout - t0, "perf/logprob_s": t_logprobs - t_rollout,
+        "perf/update_s": t_update - t_logprobs, "perf/step_s": time.perf_counter() - t0,
+        "perf/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - t0),
+    }
+
+
+def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device) -> RLState:
+    """Policy from ``policy_path`` (the initial policy, or a checkpoint when resuming); the frozen
+    reference is always the initial policy at ``init_path``."""
+    model, tokenizer = load_pretrained(policy_path, cfg.model, device)
+    ref_model = frozen_copy(init_path, cfg.model, device) if needs_reference(cfg.algo) else None
+    optimizer = build_optimizer(model, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
+    total = cfg.train.steps * cfg.train.epochs_per_rollout * cfg.train.minibatches_per_rollout
+    scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
+    engine = build_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout)
+    return RLState(model, ref_model, tokenizer, engine, optimizer, scheduler, build_task(cfg.data), init_path)
+
+
+def resume_dir(resume: str, run_dir: Path) -> Path | None:
+    """``auto``: the latest complete checkpoint of this run dir; a run dir: its latest; else the dir itself."""
+    root = run_dir if resume == "auto" else Path(resume)
+    found = list_checkpoints(root / "checkpoints")
+    if found:
+        return found[-1]
+    if resume == "auto":
+        return None
+    return root
+
+
+def run_rl(cfg, init_path: str, device: torch.device, run_dir: Path, tracker: Tracker) -> RLState:
+    ckpt = resume_dir(cfg.resume, run_dir) if cfg.resume else None
+    if ckpt is None:
+        s = build_rl_state(cfg, init_path, init_path, device)
+    else:
+        state = load_trainer_state(ckpt)
+        s = build_rl_state(cfg, str(ckpt), state["init_path"], device)
+        s.load_trainer_state(state)
+        set_rng_state(state["rng"])
+        print(f"[rl] resumed from {ckpt} at step {s.step}")
+    print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
+          f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples")
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.train.steps, initial=s.step, desc="rl", disable=not cfg.logger.progress, dynamic_ncols=True)
+    while s.step < cfg.train.steps:
+        metrics = rl_step(s, cfg)
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", loss=f"{metrics['train/loss']:.3f}")
+        if s.step % cfg.train.log_every == 0:
+            tracker.log(metrics, step=s.step)
+        out_of_time = cfg.train.time_budget_s and time.perf_counter() - start > cfg.train.time_budget_s
+        if (cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time:
+            save_checkpoint(run_dir / "checkpoints" / f"step_{s.step}", s.model, s.tokenizer, s.trainer_state(),
+                            cfg.train.keep_last)
+        if out_of_time:
+            print(f"[rl] time budget {cfg.train.time_budget_s}s reached at step {s.step}")
+            break
+    bar.close()
+    return s
+
+
+@hydra.main(config_path="conf", config_name="train", version_base=None)
+def main(cfg) -> dict:
+    validate(cfg)
+    torch.set_num_threads(cfg.threads or os.cpu_count())
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    torch.manual_seed(cfg.seed)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    task = build_task(cfg.data)
+
+    # ---- warm start: tiny models are fine-tuned first (cached by settings) ----------------------
+    init_path = str(warm_start(cfg, task, device, cfg.logger.progress)) if cfg.model.tiny is not None else cfg.model.path
+    if cfg.stage == "sft":
+        print(f"[sft] warm start at {init_path}")
+        return {"init_path": init_path}
+
+    tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
+                      cfg.logger.wandb_project)
+    baseline = None
+    if cfg.resume is None:
+        model, tokenizer = load_pretrained(init_path, cfg.model, device)
+        baseline = evaluate(build_engine(cfg.rollout.engine, model, tokenizer, cfg.eval), tokenizer, task, cfg.eval, cfg.seed)
+        print(f"[eval] initial policy: {format_eval(baseline)}")
+        del model
+
+    s = run_rl(cfg, init_path, device, run_dir, tracker)
+
+    final = evaluate(build_engine(cfg.rollout.engine, s.model, s.tokenizer, cfg.eval), s.tokenizer, task, cfg.eval, cfg.seed)
+    tracker.log(final, step=s.step)
+    tracker.finish()
+    results = {"initial": baseline, "final": final, "steps": s.step, "init_path": init_path}
+    (run_dir / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"[eval] final policy:   {format_eval(final)}")
+    print(f"[done] outputs in {run_dir}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
