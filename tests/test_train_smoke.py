@@ -53,17 +53,16 @@ def test_sft_stage_alone_is_cached(tmp_path):
 
 
 def test_unknown_algo_fails_with_choices(tmp_path):
-    proc = run_train(["algo=dapoo", *SMALL], tmp_path, check=False)
+    proc = run_train([*SMALL, "algo=dapoo"], tmp_path, check=False)
     assert proc.returncode != 0
     assert "grpo" in proc.stderr and "algo" in proc.stderr
 
 
 def test_invalid_value_fails_before_loading(tmp_path):
-    proc = run_train(["rollout.group_size=1", *SMALL], tmp_path, check=False)
+    proc = run_train([*SMALL, "rollout.group_size=1"], tmp_path, check=False)
     assert proc.returncode != 0 and "config field 'rollout.group_size'" in proc.stderr
 
 
-@pytest.mark.slow
 def test_multirun_makes_one_dir_per_job(tmp_path):
     sweep = tmp_path / "sweep"
     run_train(["-m", *SMALL, "train.steps=1", "rollout.group_size=2,4", f"hydra.sweep.dir={sweep}"], tmp_path)
