@@ -22,15 +22,15 @@ from transformers.utils import logging as hf_logging
 from bicc.advantages import ADVANTAGES
 from bicc.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint, set_rng_state
 from bicc.config import register_configs, validate
-from bicc.data import build_task, encode_prompt
+from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
 from bicc.logprobs import make_token_batch
 from bicc.models import frozen_copy, load_pretrained, num_parameters
 from bicc.optim import build_optimizer, warmup_cosine
-from bicc.rollout import SamplingParams, build_engine
+from bicc.rollout import build_engine
 from bicc.sft import warm_start
 from bicc.tracking import Tracker
-from bicc.trainer import RLState, logprobs_no_grad, needs_reference, update_policy
+from bicc.trainer import RLState, collect_rollout, logprobs_no_grad, needs_reference, update_policy
 
 register_configs()
 hf_logging.disable_progress_bar()
@@ -38,47 +38,41 @@ hf_logging.disable_progress_bar()
 
 def rl_step(s: RLState, cfg) -> dict:
     t0 = time.perf_counter()
-    P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     device = next(s.model.parameters()).device
+    step_seed = cfg.seed * 1_000_003 + s.step
 
-    # ---- 1. rollout: G samples for each of P queries from pi_old --------------------------------
-    problems = [s.task.train_problem(s.data_pos + i) for i in range(P)]
-    prompts = [encode_prompt(s.tokenizer, p.prompt) for p in problems]
-    sampling = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed * 1_000_003 + s.step)
-    out = s.engine.generate(prompts, sampling)
+    # ---- 1-2. rollout and reward: G samples per query from pi_old, scored (binary, plus shaping) --
+    ro = collect_rollout(s, cfg, step_seed)
     t_rollout = time.perf_counter()
 
-    # ---- 2. reward: binary correctness of the final answer -------------------------------------
-    rewards = torch.tensor([s.task.reward(text, problems[i // G]) for i, text in enumerate(out.texts)])  # [P*G]
-    group_ids = torch.arange(P).repeat_interleave(G)  # [P*G]
-
     # ---- 3. log-probs of pi_old (and pi_ref when a KL term needs it) ---------------------------
-    batch = make_token_batch(out.prompt_ids, out.completion_ids, s.tokenizer.pad_token_id).to(device)
-    old_logp = logprobs_no_grad(s.model, batch, cfg.train.micro_batch_size, cfg.rollout.temperature)  # [P*G, L]
+    batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
+    old_logp = logprobs_no_grad(s.model, batch, cfg.train.micro_batch_size, cfg.rollout.temperature)  # [N, L]
     ref_logp = (logprobs_no_grad(s.ref_model, batch, cfg.train.micro_batch_size, cfg.rollout.temperature)
                 if s.ref_model is not None else None)
     t_logprobs = time.perf_counter()
 
     # ---- 4. advantages -------------------------------------------------------------------------
-    adv, adv_metrics = ADVANTAGES.get(cfg.algo.advantage)(rewards, group_ids, None, cfg.algo)  # [P*G]
+    adv, adv_metrics = ADVANTAGES.get(cfg.algo.advantage)(ro.rewards, ro.group_ids, None, cfg.algo)  # [N]
 
     # ---- 5. loss and optimizer step(s) ---------------------------------------------------------
-    update_metrics = update_policy(s, batch, old_logp, ref_logp, adv.to(device), cfg, step_seed=sampling.seed)
+    update_metrics = update_policy(s, batch, old_logp, ref_logp, adv.to(device), cfg, step_seed=step_seed)
     t_update = time.perf_counter()
 
     # ---- 6. weight sync: the rollout engine samples from the updated policy next step ----------
     s.engine.update_weights(s.model)
-    s.data_pos += P
     s.step += 1
 
     # ---- 7. metrics ----------------------------------------------------------------------------
     lengths = batch.completion_mask.sum(-1).float()
     return {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item(),
+        "reward/accuracy": ro.correct.mean().item(),
+        "reward/mean": ro.rewards.mean().item(),
         "rollout/response_len": lengths.mean().item(),
-        "rollout/truncated_share": 1 - sum(out.finished) / len(out.finished),
+        "rollout/truncated_share": 1 - sum(ro.out.finished) / len(ro.out.finished),
+        "rollout/prompts_drawn": ro.prompts_drawn,
+        "rollout/generate_rounds": ro.rounds,
+        "rollout/groups": len(ro.correct) // cfg.rollout.group_size,
         **adv_metrics, **update_metrics,
         "perf/rollout_s": t_rollout - t0, "perf/logprob_s": t_logprobs - t_rollout,
         "perf/update_s": t_update - t_logprobs, "perf/step_s": time.perf_counter() - t0,

@@ -25,9 +25,16 @@ class AlgoConfig:
     loss_agg: str = MISSING
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
+    clip_higher: bool = False
+    dual_clip_c: float = 0.0
+    ratio_denominator: str = "old"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     adv_eps: float = 1e-6
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -220,7 +227,16 @@ def validate(cfg: Any) -> None:
     _check(a.clip_eps_low > 0, "algo.clip_eps_low", f"must be > 0, got {a.clip_eps_low}")
     _check(a.clip_eps_high > 0, "algo.clip_eps_high", f"must be > 0, got {a.clip_eps_high}")
     _check(a.clip_eps_low < 1, "algo.clip_eps_low", f"must be < 1 (ratio floor 1-eps), got {a.clip_eps_low}")
+    _check(not a.clip_higher or a.clip_eps_high >= a.clip_eps_low, "algo.clip_eps_high",
+           f"clip-higher needs clip_eps_high >= clip_eps_low, got {a.clip_eps_high} < {a.clip_eps_low}")
+    _check(a.dual_clip_c == 0 or a.dual_clip_c > 1, "algo.dual_clip_c", f"must be 0 (off) or > 1, got {a.dual_clip_c}")
+    _check(a.ratio_denominator in ("old", "ref"), "algo.ratio_denominator",
+           f"'{a.ratio_denominator}' unknown; choose from: old, ref")
     _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
+    _check(a.max_sampling_rounds >= 1, "algo.max_sampling_rounds", f"must be >= 1, got {a.max_sampling_rounds}")
+    _check(0 <= a.overlong_buffer < cfg.rollout.max_new_tokens, "algo.overlong_buffer",
+           f"must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}), got {a.overlong_buffer}")
+    _check(a.overlong_penalty >= 0, "algo.overlong_penalty", f"must be >= 0, got {a.overlong_penalty}")
     _check(a.adv_eps >= 0, "algo.adv_eps", f"must be >= 0, got {a.adv_eps}")
 
     r = cfg.rollout

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 MAX_CHARS = 20_000
 _BOX_OR_BRACE = re.compile(r"\\boxed\s*\{|\{|\}")
 _ANSWER_IS = re.compile(r"[Tt]he (?:final )?answer is:?\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
@@ -61,3 +63,11 @@ def exact_match_reward(completion: str, ground_truth: str) -> float:
     if predicted is None:
         return 0.0
     return float(normalize_answer(predicted) == normalize_answer(ground_truth))
+
+
+def overlong_penalty(lengths, max_len: int, buffer: int, penalty: float):
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer, then falling linearly to -penalty at
+    max_len: min(0, -(len - (max_len - buffer)) / buffer) * penalty. ``buffer = 0`` gives zeros."""
+    if buffer == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float64)
+    return (-(lengths.double() - (max_len - buffer)) / buffer).clamp(max=0) * penalty

@@ -9,8 +9,11 @@ from typing import Any, Optional
 
 import torch
 
+from bicc.data import encode_prompt
 from bicc.logprobs import TokenBatch, batch_logprobs
 from bicc.losses import LOSSES, StepTotals, masked_mean
+from bicc.rewards import overlong_penalty
+from bicc.rollout import RolloutOutput, SamplingParams
 
 
 @dataclass
@@ -39,7 +42,67 @@ class RLState:
 
 
 def needs_reference(algo_cfg) -> bool:
-    return algo_cfg.kl_coef > 0
+    return algo_cfg.kl_coef > 0 or algo_cfg.ratio_denominator == "ref"
+
+
+@dataclass
+class Rollout:
+    """One step's samples, grouped by query (G consecutive rows per query).
+
+    out:       the engine's output, N = num_groups * G rows
+    correct:   [N] binary correctness (what BiCC partitions on)
+    rewards:   [N] training reward: correctness plus any shaping
+    group_ids: [N] query index of each row
+    prompts_drawn / rounds: how many queries and generate calls it took (dynamic sampling draws more)
+    """
+
+    out: RolloutOutput
+    correct: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    prompts_drawn: int
+    rounds: int
+
+
+def _concat(outputs: list[RolloutOutput]) -> RolloutOutput:
+    return RolloutOutput(*(sum((getattr(o, f) for o in outputs), []) for f in ("prompt_ids", "completion_ids", "texts", "finished")))
+
+
+def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
+    """Sample G outputs for each of ``prompts_per_step`` queries and score them. With
+    ``algo.dynamic_sampling`` groups whose rewards are all equal are dropped and more queries drawn,
+    up to ``algo.max_sampling_rounds`` generate calls; a batch still short after that is used as is."""
+    P, G, algo = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algo
+    kept: list[tuple[RolloutOutput, torch.Tensor, torch.Tensor]] = []
+    num_kept, drawn, rounds = 0, 0, 0
+    while num_kept < P and rounds < algo.max_sampling_rounds:
+        want = P - num_kept
+        problems = [state.task.train_problem(state.data_pos + i) for i in range(want)]
+        state.data_pos += want
+        drawn += want
+        prompts = [encode_prompt(state.tokenizer, p.prompt) for p in problems]
+        sampling = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=seed + 7919 * rounds)
+        out = state.engine.generate(prompts, sampling)
+        rounds += 1
+        correct = torch.tensor([state.task.reward(t, problems[i // G]) for i, t in enumerate(out.texts)]).view(want, G)
+        lengths = torch.tensor([len(c) for c in out.completion_ids]).view(want, G)
+        shaped = correct.double() + overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer,
+                                                     algo.overlong_penalty)  # [want, G]
+        last_draw = (out, correct.flatten(), shaped.flatten())
+        keep = (shaped.max(1).values > shaped.min(1).values) if algo.dynamic_sampling else torch.ones(want, dtype=torch.bool)
+        rows = (keep.nonzero() * G + torch.arange(G)).flatten().tolist()  # sample rows of the kept groups
+        if rows:
+            part = RolloutOutput(*([getattr(out, f)[r] for r in rows] for f in ("prompt_ids", "completion_ids", "texts", "finished")))
+            kept.append((part, correct.flatten()[rows], shaped.flatten()[rows]))
+            num_kept += len(rows) // G
+    if not kept:  # every group was degenerate in every round: train on the last draw (zero advantages)
+        kept.append(last_draw)
+    out = _concat([k[0] for k in kept])
+    correct = torch.cat([k[1] for k in kept])
+    rewards = torch.cat([k[2] for k in kept]).float()
+    group_ids = torch.arange(len(correct) // G).repeat_interleave(G)
+    return Rollout(out, correct, rewards, group_ids, drawn, rounds)
 
 
 @torch.no_grad()
@@ -60,7 +123,6 @@ def update_policy(state: RLState, batch: TokenBatch, old_logp, ref_logp, adv, cf
     micro-batches, each normalised by its minibatch's global ``StepTotals``."""
     model, loss_fn = state.model, LOSSES.get(cfg.algo.loss)
     n = batch.input_ids.shape[0]
-    minibatch = n // cfg.train.minibatches_per_rollout
     generator = torch.Generator().manual_seed(step_seed)
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -72,8 +134,9 @@ def update_policy(state: RLState, batch: TokenBatch, old_logp, ref_logp, adv, cf
     model.train()
     for _ in range(cfg.train.epochs_per_rollout):
         order = torch.randperm(n, generator=generator) if cfg.train.minibatches_per_rollout > 1 else torch.arange(n)
-        for mb_start in range(0, n, minibatch):
-            mb_rows = order[mb_start : mb_start + minibatch]
+        for mb_rows in order.tensor_split(cfg.train.minibatches_per_rollout):
+            if len(mb_rows) == 0:
+                continue
             totals = StepTotals.of(batch.completion_mask[mb_rows], cfg.rollout.max_new_tokens)
             state.optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0

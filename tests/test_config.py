@@ -65,9 +65,34 @@ def test_unknown_key_is_rejected_by_the_schema():
         ("train.minibatches_per_rollout=3", "train.minibatches_per_rollout"),
         ("data.arith.ops=*", "data.arith.ops"),
         ("stage=finetune", "stage"),
+        ("algo.dual_clip_c=0.5", "algo.dual_clip_c"),
+        ("algo.ratio_denominator=new", "algo.ratio_denominator"),
+        ("algo.overlong_buffer=64", "algo.overlong_buffer"),
+        ("algo.max_sampling_rounds=0", "algo.max_sampling_rounds"),
     ],
 )
 def test_validation_names_the_field(override, field):
     cfg = compose_cfg([override, "sft.cache_dir=/tmp/x"])
     with pytest.raises(ValueError, match=f"config field '{field}'"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("algo", ["dapo", "aspo"])
+def test_clip_higher_needs_high_at_least_low(algo):
+    cfg = compose_cfg([f"algo={algo}", "algo.clip_eps_high=0.1", "sft.cache_dir=/tmp/x"])
+    with pytest.raises(ValueError, match="config field 'algo.clip_eps_high'.*clip-higher"):
+        validate(cfg)
+    validate(compose_cfg(["algo=grpo", "algo.clip_eps_high=0.1", "sft.cache_dir=/tmp/x"]))  # symmetric algos may
+
+
+def test_algo_presets_match_their_papers():
+    c = {name: compose_cfg([f"algo={name}", "sft.cache_dir=/tmp/x"]).algo for name in options("algo")}
+    assert set(c) == {"grpo", "dr_grpo", "dapo", "gspo", "gmpo", "aspo"}
+    assert (c["grpo"].clip_eps_low, c["grpo"].clip_eps_high, c["grpo"].loss_agg) == (0.2, 0.2, "seq-mean-token-mean")
+    assert (c["dr_grpo"].advantage, c["dr_grpo"].loss_agg, c["dr_grpo"].kl_coef) == ("mean_centered", "seq-mean-token-sum-norm", 0.01)
+    assert (c["dapo"].clip_eps_high, c["dapo"].loss_agg, c["dapo"].dynamic_sampling, c["dapo"].kl_coef) == (0.28, "token-mean", True, 0.0)
+    assert c["dapo"].overlong_buffer > 0
+    assert (c["gspo"].loss, c["gspo"].clip_eps_low, c["gspo"].clip_eps_high) == ("gspo", 3e-4, 4e-4)
+    assert (c["gmpo"].loss, c["gmpo"].clip_eps_low, c["gmpo"].clip_eps_high) == ("gmpo", 0.4, 0.4)
+    assert (c["aspo"].loss, c["aspo"].dual_clip_c, c["aspo"].clip_eps_high) == ("aspo", 3.0, 0.28)
+    assert all(name == c[name].name for name in c)

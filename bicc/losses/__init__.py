@@ -14,4 +14,4 @@ from bicc.registry import Registry
 
 LOSSES: Registry = Registry("policy loss")
 
-from bicc.losses import grpo  # noqa: E402,F401  (registers "grpo")
+from bicc.losses import aspo, gmpo, grpo, gspo  # noqa: E402,F401  (each registers its loss)

@@ -4,14 +4,10 @@ import pytest
 import torch
 
 from bicc.losses import AGGREGATIONS, LOSSES, StepTotals
+from tests.losses.helpers import cfg
 
 
-class Cfg:
-    clip_eps_low = 0.2
-    clip_eps_high = 0.2
-    kl_coef = 0.0
-    kl_estimator = "k3"
-    loss_agg = "seq-mean-token-mean"
+Cfg = cfg()
 
 
 def hand_case():
@@ -54,8 +50,7 @@ def test_zero_advantage_gives_zero_loss_and_gradient():
 
 
 def test_kl_term_k3_hand_computed():
-    class KLCfg(Cfg):
-        kl_coef = 0.5
+    KLCfg = cfg(kl_coef=0.5)
 
     logp = torch.tensor([[0.0, -1.0]], dtype=torch.float64)
     ref = torch.tensor([[-0.5, -1.0]], dtype=torch.float64)
@@ -70,9 +65,7 @@ def test_kl_term_k3_hand_computed():
 
 @pytest.mark.parametrize("agg", AGGREGATIONS.names())
 def test_gradient_matches_finite_differences(agg):
-    class AggCfg(Cfg):
-        loss_agg = agg
-        kl_coef = 0.1
+    AggCfg = cfg(loss_agg=agg, kl_coef=0.1)
 
     gen = torch.Generator().manual_seed(1)
     logp = (torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.3).requires_grad_(True)
@@ -87,9 +80,7 @@ def test_gradient_matches_finite_differences(agg):
 @pytest.mark.parametrize("agg", AGGREGATIONS.names())
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_micro_batch_split_gives_same_gradient(agg, splits):
-    class AggCfg(Cfg):
-        loss_agg = agg
-        kl_coef = 0.05
+    AggCfg = cfg(loss_agg=agg, kl_coef=0.05)
 
     gen = torch.Generator().manual_seed(2)
     n, length = 8, 6
