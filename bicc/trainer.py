@@ -70,7 +70,8 @@ def _concat(outputs: list[RolloutOutput]) -> RolloutOutput:
 
 def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
     """Sample G outputs for each of ``prompts_per_step`` queries and score them. With
-    ``algo.dynamic_sampling`` groups whose rewards are all equal are dropped and more queries drawn,
+    ``algo.dynamic_sampling`` groups whose accuracy is 0 or 1 are dropped (as in DAPO: on correctness,
+    not on shaped rewards) and more queries drawn,
     up to ``algo.max_sampling_rounds`` generate calls; a batch still short after that is used as is."""
     P, G, algo = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algo
     kept: list[tuple[RolloutOutput, torch.Tensor, torch.Tensor]] = []
@@ -90,7 +91,7 @@ def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
         shaped = correct.double() + overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer,
                                                      algo.overlong_penalty)  # [want, G]
         last_draw = (out, correct.flatten(), shaped.flatten())
-        keep = (shaped.max(1).values > shaped.min(1).values) if algo.dynamic_sampling else torch.ones(want, dtype=torch.bool)
+        keep = (correct.max(1).values > correct.min(1).values) if algo.dynamic_sampling else torch.ones(want, dtype=torch.bool)
         rows = (keep.nonzero() * G + torch.arange(G)).flatten().tolist()  # sample rows of the kept groups
         if rows:
             part = RolloutOutput(*([getattr(out, f)[r] for r in rows] for f in ("prompt_ids", "completion_ids", "texts", "finished")))

@@ -103,3 +103,12 @@ def test_overlong_penalty_values():
     assert overlong_penalty(lengths, 32, 8, 1.0).tolist() == [0, 0, -0.5, -1]
     assert overlong_penalty(lengths, 32, 0, 1.0).tolist() == [0, 0, 0, 0]
     assert overlong_penalty(lengths, 32, 8, 2.0).tolist() == pytest.approx([0, 0, -1, -2])
+
+
+def test_dynamic_sampling_filters_on_correctness_not_shaped_reward():
+    tok = build_char_tokenizer()
+    state = State(ScriptedTask(), ScriptedEngine(tok, long_completion=True), tok)
+    ro = collect_rollout(state, make_cfg(True, rounds=10, buffer=8, max_new=32), seed=0)
+    # problem 0 is all right; its long sample makes the shaped rewards differ, yet the group is dropped
+    groups = ro.correct.view(-1, 4)
+    assert all(0 < g.sum() < 4 for g in groups)
