@@ -44,10 +44,12 @@ class TokenBatch:
                                                     self.completion_mask)))
 
 
-def make_token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int) -> TokenBatch:
+def make_token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
+                     length: int | None = None) -> TokenBatch:
+    """Rows [left-padded prompt; right-padded completion]; completions padded to ``length`` if given."""
     n = len(prompt_ids)
     width = max(len(p) for p in prompt_ids)
-    length = max(1, max(len(c) for c in completion_ids))
+    length = length or max(1, max(len(c) for c in completion_ids))
     input_ids = torch.full((n, width + length), pad_id, dtype=torch.long)  # [N, P+L]
     attention_mask = torch.zeros((n, width + length), dtype=torch.long)  # [N, P+L]
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):

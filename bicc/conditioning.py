@@ -1,0 +1,207 @@
+"""Bilateral Context Conditioning: partition each group by reward, and build for every sample the
+prompt x^c that shows it the opposite partition's attempts under a token budget.
+
+x+ = [q; O-] for correct outputs and x- = [q; O+] for incorrect ones. The attempts go inside the user
+turn, after the problem and a short neutral preamble, before the assistant turn opens; the sampled
+output that follows keeps exactly its sampled token ids. Contexts are built at the token level (the
+attempts are the sampled ids themselves), so the budget is exact.
+
+Budget: the attempts of one context take at most floor(context_ratio * max_tokens) tokens together,
+shared max-min fairly (short attempts keep all their tokens, the rest split what is left). An attempt
+longer than its share is cut (``truncate``): ``middle`` keeps its head and its final answer with an
+elision marker between, ``head`` keeps the head, ``tail`` keeps the end. An attempt whose share is below
+``min_attempt_tokens`` (or whose final answer alone does not fit) is dropped, not cut further.
+
+Matching (``mode``): ``partition`` (the paper's Algorithm 1) shows every sample the whole opposite
+partition, so all samples of a partition share one prefix (which packing exploits); ``paired`` shows
+each sample ``paired_k`` opposite attempts assigned round-robin, reusing minority attempts.
+A group whose partition is empty keeps the plain prompt q (BiCC falls back to the base variant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SENTINEL = "\x00ATTEMPTS\x00"
+
+
+@dataclass
+class ConditionedPrompts:
+    """The conditioned prompt of every sample.
+
+    prompt_ids:  N lists of ids: x^c (or the plain prompt q where the group fell back)
+    context_key: N ints; samples with equal keys have identical ``prompt_ids`` (a shareable prefix)
+    conditioned: [N] bool, True where the sample sees opposite attempts
+    metrics:     ``bicc/`` diagnostics of the build
+    """
+
+    prompt_ids: list[list[int]]
+    context_key: list[int]
+    conditioned: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def partition(correct: torch.Tensor, threshold: float | None) -> torch.Tensor:
+    """Boolean mask of O+ (correct) samples. Rewards must be exactly 0 or 1 unless a threshold is set."""
+    if threshold is None:
+        bad = ~((correct == 0) | (correct == 1))
+        if bad.any():
+            raise ValueError(f"BiCC partitions on binary rewards, got {correct[bad][:5].tolist()}; "
+                             "set bicc.reward_threshold to partition non-binary rewards")
+        return correct == 1
+    return correct >= threshold
+
+
+def fair_shares(lengths: list[int], budget: int) -> list[int]:
+    """Max-min fair integer split of ``budget`` over items wanting ``lengths``; sum <= budget, and
+    == budget whenever the items want more than it."""
+    shares = [0] * len(lengths)
+    remaining, left = budget, len(lengths)
+    for rank, i in enumerate(sorted(range(len(lengths)), key=lambda j: lengths[j])):
+        share = remaining // left
+        if lengths[i] <= share:
+            shares[i] = lengths[i]
+        else:  # every item from here on wants at least `share`: split the rest evenly, remainder first
+            rest = sorted(range(len(lengths)), key=lambda j: lengths[j])[rank:]
+            base, extra = divmod(remaining, left)
+            for k, j in enumerate(rest):
+                shares[j] = min(lengths[j], base + (1 if k < extra else 0))
+            return shares
+        remaining -= shares[i]
+        left -= 1
+    return shares
+
+
+def answer_start(ids: list[int], tokenizer, anchors=("\\boxed", "answer is")) -> int:
+    """Index of the first token of the final answer: the shortest suffix whose text contains the last
+    anchor. Binary search over suffixes (O(log n) decodes). ``len(ids)`` when there is no anchor."""
+    text = tokenizer.decode(ids)
+    anchor = next((a for a in anchors if a in text), None)
+    if anchor is None:
+        return len(ids)
+    lo, hi = 0, len(ids)  # invariant: suffix ids[lo:] contains the anchor, ids[hi:] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if anchor in tokenizer.decode(ids[mid:]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def truncate(ids: list[int], keep: int, how: str, elision: list[int], ans_start: int, min_tokens: int) -> list[int] | None:
+    """``ids`` cut to at most ``keep`` tokens (elision marker included), or None when dropped."""
+    if len(ids) <= keep:
+        return ids
+    if keep < min_tokens:
+        return None
+    if how == "head":
+        return ids[:keep]
+    if how == "tail":
+        return elision + ids[len(ids) - (keep - len(elision)):] if keep > len(elision) else None
+    tail = ids[ans_start:]
+    head_len = keep - len(elision) - len(tail)
+    if head_len < 0:
+        return None  # the final answer alone does not fit: drop rather than lose it
+    return ids[:head_len] + elision + tail
+
+
+@dataclass
+class _Encoded:
+    """Template pieces as token ids."""
+
+    head: list[int]
+    tail: list[int]
+    preamble: list[int]
+    elision: list[int]
+    headers: list[list[int]]
+
+
+def _encode_template(tokenizer, prompt: str, bicc_cfg, max_attempts: int) -> _Encoded:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt + SENTINEL}], tokenize=False,
+                                             add_generation_prompt=True)
+    head_text, tail_text = rendered.split(SENTINEL)
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return _Encoded(enc(head_text), enc(tail_text), enc(bicc_cfg.preamble), enc(bicc_cfg.elision),
+                    [enc(bicc_cfg.attempt_header.format(i=i + 1)) for i in range(max_attempts)])
+
+
+def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct: torch.Tensor,
+                   group_ids: torch.Tensor, tokenizer, bicc_cfg, max_tokens: int,
+                   plain_prompt_ids: list[list[int]]) -> ConditionedPrompts:
+    """x^c for every sample. ``prompts`` holds the user-turn text of each sample's query (per sample),
+    ``plain_prompt_ids`` the ids of q used where a group falls back."""
+    positive = partition(correct, bicc_cfg.reward_threshold)
+    budget = int(bicc_cfg.context_ratio * max_tokens)
+    eos = tokenizer.eos_token_id
+    attempts = [ids[:-1] if ids and ids[-1] == eos else list(ids) for ids in completion_ids]
+    n = len(completion_ids)
+    out_ids: list[list[int]] = [list(p) for p in plain_prompt_ids]
+    keys = list(range(n))  # unconditioned samples: unique keys (their q prefix is not shared in packing)
+    conditioned = torch.zeros(n, dtype=torch.bool)
+    stats = {"groups": 0, "groups_conditioned": 0, "attempts": 0, "truncated": 0, "dropped": 0,
+             "context_tokens": 0, "contexts": 0}
+    cache: dict[tuple, tuple[list[int], int]] = {}
+    next_key = n
+    for g in torch.unique(group_ids).tolist():
+        rows = (group_ids == g).nonzero().flatten().tolist()
+        stats["groups"] += 1
+        pos = [r for r in rows if positive[r]]
+        neg = [r for r in rows if not positive[r]]
+        if not pos or not neg:
+            continue
+        stats["groups_conditioned"] += 1
+        enc = _encode_template(tokenizer, prompts[rows[0]], bicc_cfg, max(len(pos), len(neg)))
+        for side, opposite in ((pos, neg), (neg, pos)):
+            for j, r in enumerate(side):
+                if bicc_cfg.mode == "partition":
+                    chosen = tuple(opposite)
+                else:
+                    k = min(bicc_cfg.paired_k, len(opposite))
+                    chosen = tuple(opposite[(j * k + t) % len(opposite)] for t in range(k))
+                if chosen not in cache:
+                    ids, used = _render(enc, [attempts[o] for o in chosen], budget, bicc_cfg, tokenizer, stats)
+                    cache[chosen] = (ids, next_key)
+                    next_key += 1
+                    stats["context_tokens"] += used
+                    stats["contexts"] += 1
+                ids, key = cache[chosen]
+                if ids is not None:  # None: every attempt was dropped, the sample keeps q
+                    out_ids[r], keys[r] = ids, key
+                    conditioned[r] = True
+    metrics = {
+        "bicc/groups_conditioned_share": stats["groups_conditioned"] / max(1, stats["groups"]),
+        "bicc/samples_conditioned_share": conditioned.float().mean().item(),
+        "bicc/context_tokens": stats["context_tokens"] / max(1, stats["contexts"]),
+        "bicc/context_budget_used": stats["context_tokens"] / max(1, stats["contexts"] * budget),
+        "bicc/truncated_share": stats["truncated"] / max(1, stats["attempts"]),
+        "bicc/dropped_share": stats["dropped"] / max(1, stats["attempts"]),
+    }
+    return ConditionedPrompts(out_ids, keys, conditioned, metrics)
+
+
+def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, tokenizer, stats) -> tuple[list[int] | None, int]:
+    """Context ids for the chosen attempts and the attempt tokens used (elision markers included);
+    None when no attempt fits. Attempts that would fall below the minimum length are dropped one at a
+    time (latest first) and the budget re-shared among the rest."""
+    starts = [answer_start(a, tokenizer) if bicc_cfg.truncate == "middle" else len(a) for a in chosen]
+    candidates = list(range(len(chosen)))
+    stats["attempts"] += len(chosen)
+    while candidates:
+        shares = fair_shares([len(chosen[c]) for c in candidates], budget)
+        cuts = [truncate(chosen[c], share, bicc_cfg.truncate, enc.elision, starts[c], bicc_cfg.min_attempt_tokens)
+                for c, share in zip(candidates, shares)]
+        failed = [i for i, cut in enumerate(cuts) if cut is None]
+        if not failed:
+            break
+        candidates.pop(failed[-1])
+        stats["dropped"] += 1
+    if not candidates:
+        return None, 0
+    body: list[int] = []
+    for shown, (c, cut) in enumerate(zip(candidates, cuts)):
+        stats["truncated"] += int(len(chosen[c]) > len(cut) or cut != chosen[c])
+        body += enc.headers[shown] + cut
+    return enc.head + enc.preamble + body + enc.tail, sum(len(cut) for cut in cuts)

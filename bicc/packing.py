@@ -1,0 +1,128 @@
+"""Shared-prefix packing: several outputs behind one prefix in one row, so the prefix is computed once.
+
+A packed row is [prefix; o_1; ...; o_k]. Its 4-D attention mask lets every o_j attend to the prefix and
+causally to itself, never to another o_i; position ids restart after the prefix for each o_j, so each
+o_j sees exactly the positions it would in its own row [prefix; o_j]. The first token of every o_j is
+predicted from the prefix's last position, the rest from o_j's own previous position. Rows longer than
+``max_len`` are split (each piece repeats the prefix).
+
+On CPU the mask goes to SDPA as a bool mask (True = attend); eager attention gets the additive float form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bicc.logprobs import entropy_from_logits, logprobs_from_logits
+
+
+@dataclass
+class PackedBatch:
+    """Packed rows and where each sample's target tokens sit in them.
+
+    input_ids:      [R, T]
+    position_ids:   [R, T]
+    attention_mask: [R, 1, T, T] bool
+    row, pos:       [M] row and position whose logits predict each target token
+    target:         [M] target token ids
+    sample, step:   [M] sample index (0..n-1 in the caller's order) and token index within its output
+    num_tokens:     real (non-pad) tokens in the rows: the forward's work
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    row: torch.Tensor
+    pos: torch.Tensor
+    target: torch.Tensor
+    sample: torch.Tensor
+    step: torch.Tensor
+    num_tokens: int
+
+    def to(self, device) -> "PackedBatch":
+        return PackedBatch(*(t.to(device) for t in (self.input_ids, self.position_ids, self.attention_mask, self.row,
+                                                    self.pos, self.target, self.sample, self.step)), self.num_tokens)
+
+
+def plan_rows(prefixes: list[list[int]], keys: list[int], completions: list[list[int]], max_len: int):
+    """Group samples by prefix key into rows of at most ``max_len`` tokens (a sample alone may exceed it).
+    Returns a list of (prefix, [sample indices])."""
+    by_key: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        by_key.setdefault(k, []).append(i)
+    rows = []
+    for members in by_key.values():
+        prefix = prefixes[members[0]]
+        current, length = [], len(prefix)
+        for i in members:
+            if current and length + len(completions[i]) > max_len:
+                rows.append((prefix, current))
+                current, length = [], len(prefix)
+            current.append(i)
+            length += len(completions[i])
+        rows.append((prefix, current))
+    return rows
+
+
+def pack(prefixes: list[list[int]], keys: list[int], completions: list[list[int]], max_len: int,
+         pad_id: int) -> PackedBatch:
+    """Build packed rows for samples whose prefixes are given per sample (equal keys = equal prefixes)."""
+    rows = plan_rows(prefixes, keys, completions, max_len)
+    width = max(len(prefix) + sum(len(completions[i]) for i in members) for prefix, members in rows)
+    R = len(rows)
+    input_ids = torch.full((R, width), pad_id, dtype=torch.long)  # [R, T]
+    position_ids = torch.zeros((R, width), dtype=torch.long)  # [R, T]
+    segment = torch.full((R, width), -1, dtype=torch.long)  # [R, T]: 0 prefix, j>0 output j, -1 pad
+    row_idx, pos_idx, target, sample, step = [], [], [], [], []
+    for r, (prefix, members) in enumerate(rows):
+        P = len(prefix)
+        input_ids[r, :P] = torch.tensor(prefix, dtype=torch.long)
+        position_ids[r, :P] = torch.arange(P)
+        segment[r, :P] = 0
+        start = P
+        for j, i in enumerate(members, start=1):
+            ids = completions[i]
+            n = len(ids)
+            if n == 0:
+                continue
+            input_ids[r, start : start + n] = torch.tensor(ids, dtype=torch.long)
+            position_ids[r, start : start + n] = torch.arange(P, P + n)
+            segment[r, start : start + n] = j
+            # token t of o_j is predicted at position P-1 (t = 0) or start+t-1 (t > 0)
+            row_idx += [r] * n
+            pos_idx += [P - 1] + list(range(start, start + n - 1))
+            target += ids
+            sample += [i] * n
+            step += list(range(n))
+            start += n
+    causal = torch.tril(torch.ones(width, width, dtype=torch.bool))  # [T, T]
+    q_seg, k_seg = segment[:, :, None], segment[:, None, :]  # [R, T, 1], [R, 1, T]
+    allowed = causal & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))  # [R, T, T]
+    allowed |= torch.eye(width, dtype=torch.bool)  # pad queries attend to themselves: no empty softmax rows
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    return PackedBatch(input_ids, position_ids, allowed[:, None], as_long(row_idx), as_long(pos_idx), as_long(target),
+                       as_long(sample), as_long(step), int((segment >= 0).sum()))
+
+
+def packed_logprobs(model, packed: PackedBatch, num_samples: int, length: int, temperature: float = 1.0,
+                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [num_samples, length] (zeros past each output's end) from packed rows."""
+    mask = packed.attention_mask
+    if model.config._attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, torch.finfo(model.dtype).min)
+    first = int(packed.pos.min()) if len(packed.pos) else 0
+    logits = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
+                   logits_to_keep=packed.input_ids.shape[1] - first, use_cache=False).logits  # [R, T - first, V]
+    picked = logits[packed.row, packed.pos - first]  # [M, V]
+    if temperature != 1.0:
+        picked = picked / temperature
+    flat = logprobs_from_logits(picked, packed.target)  # [M]
+    logp = flat.new_zeros(num_samples, length).index_put((packed.sample, packed.step), flat)  # [n, L]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = flat.new_zeros(num_samples, length).index_put((packed.sample, packed.step),
+                                                                     entropy_from_logits(picked))
+    return logp, entropy

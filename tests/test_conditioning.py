@@ -1,0 +1,141 @@
+"""The BiCC context builder: partition, budget, truncation, matching modes, fallbacks."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from bicc.conditioning import answer_start, build_contexts, fair_shares, partition, truncate
+from bicc.data import encode_prompt
+from bicc.rewards import extract_answer
+from bicc.tokenizer import build_char_tokenizer
+
+TOK = build_char_tokenizer()
+
+
+@dataclass
+class BiccCfg:
+    mode: str = "partition"
+    paired_k: int = 1
+    context_ratio: float = 0.4
+    truncate: str = "middle"
+    min_attempt_tokens: int = 12
+    reward_threshold: float | None = None
+    preamble: str = "\nOther attempts:"
+    attempt_header: str = "\n({i}) "
+    elision: str = "..."
+
+
+def enc(text):
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+def group(texts, correct, prompt="Compute 1+2."):
+    completions = [enc(t) + [TOK.eos_token_id] for t in texts]
+    n = len(texts)
+    return dict(prompts=[prompt] * n, completion_ids=completions, correct=torch.tensor(correct, dtype=torch.float),
+                group_ids=torch.zeros(n, dtype=torch.long), tokenizer=TOK,
+                plain_prompt_ids=[encode_prompt(TOK, prompt)] * n)
+
+
+def attempts_in(ids, cfg=BiccCfg()):
+    """The attempt texts shown in a context, split on the numbered headers."""
+    text = TOK.decode(ids)
+    body = text.split(cfg.preamble, 1)[1].split("<|im_end|>")[0]
+    return [part.split(") ", 1)[1] for part in body.split("\n(")[1:]]
+
+
+def test_fair_shares():
+    assert fair_shares([3, 100, 100], 30) == [3, 14, 13]  # short one keeps all, the rest split 27
+    assert fair_shares([5, 5], 30) == [5, 5]  # under budget: everything fits
+    assert sum(fair_shares([40, 50, 60, 70], 101)) == 101
+    assert fair_shares([], 10) == []
+
+
+def test_partition_rejects_non_binary_without_threshold():
+    with pytest.raises(ValueError, match="bicc.reward_threshold"):
+        partition(torch.tensor([1.0, 0.5]), None)
+    assert partition(torch.tensor([1.0, 0.5, 0.2]), 0.5).tolist() == [True, True, False]
+
+
+def test_truncate_middle_keeps_head_and_final_answer():
+    ids = enc("12+34=46\n46-5=41\n\\boxed{41}")
+    start = answer_start(ids, TOK)
+    assert TOK.decode(ids[start:]) == "\\boxed{41}"
+    cut = truncate(ids, 16, "middle", enc("..."), start, min_tokens=12)
+    assert len(cut) == 16 and TOK.decode(cut) == "12+...\\boxed{41}"
+    assert truncate(ids, 11, "middle", enc("..."), start, min_tokens=12) is None  # below the minimum: dropped
+    assert truncate(ids, 12, "middle", enc("..."), start, min_tokens=12) is None  # answer + marker do not fit
+    assert TOK.decode(truncate(ids, 14, "tail", enc("..."), start, 12)) == "...\n\\boxed{41}"
+    assert TOK.decode(truncate(ids, 14, "head", enc("..."), start, 12)) == "12+34=46\n46-5="
+    assert truncate(ids, 100, "middle", enc("..."), start, 12) == ids
+
+
+def test_partition_mode_contexts_budget_and_sampled_ids():
+    texts = ["1+2=3\n\\boxed{3}", "1+2=4\n\\boxed{4}", "1+2=5 and then a long detour here\n\\boxed{5}", "1+2=3\n\\boxed{3}"]
+    g = group(texts, [1, 0, 0, 1])
+    cfg = BiccCfg()
+    out = build_contexts(**{k: v for k, v in g.items() if k != "plain_prompt_ids"}, bicc_cfg=cfg, max_tokens=80,
+                         plain_prompt_ids=g["plain_prompt_ids"])
+    budget = int(0.4 * 80)  # 32 tokens for all attempts of one context
+    assert out.conditioned.tolist() == [True] * 4
+    assert out.context_key[0] == out.context_key[3] != out.context_key[1] == out.context_key[2]
+    # correct samples see the two wrong attempts, wrong ones see the (identical) correct attempts
+    shown_to_pos = attempts_in(out.prompt_ids[0])
+    assert len(shown_to_pos) == 2 and sum(len(enc(a)) for a in shown_to_pos) <= budget
+    assert all(extract_answer(a) in ("4", "5") for a in shown_to_pos)  # every kept attempt keeps its answer
+    assert "..." in shown_to_pos[1]  # the long one was cut in the middle
+    assert attempts_in(out.prompt_ids[1]) == ["1+2=3\n\\boxed{3}"] * 2
+    # the context is the plain prompt with the attempts inside the user turn, assistant turn last
+    text = TOK.decode(out.prompt_ids[0])
+    assert text.startswith("<|im_start|>user\nCompute 1+2.\nOther attempts:")
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert g["completion_ids"][0][-1] == TOK.eos_token_id  # sampled ids untouched (EOS kept in the output)
+    assert out.metrics["bicc/groups_conditioned_share"] == 1.0
+
+
+@pytest.mark.parametrize("correct", [[1, 1, 1], [0, 0, 0]])
+def test_empty_partition_falls_back_to_plain_prompt(correct):
+    g = group(["\\boxed{3}"] * 3, correct)
+    out = build_contexts(**g, bicc_cfg=BiccCfg(), max_tokens=64)
+    assert out.prompt_ids == g["plain_prompt_ids"] and not out.conditioned.any()
+    assert len(set(out.context_key)) == 3
+    assert out.metrics["bicc/groups_conditioned_share"] == 0.0
+
+
+def test_paired_mode_round_robin_reuses_minority():
+    texts = [f"x\\boxed{{{i}}}" for i in range(5)]
+    g = group(texts, [1, 0, 0, 0, 0])  # G+ = 1, G- = 4
+    out = build_contexts(**g, bicc_cfg=BiccCfg(mode="paired", paired_k=1), max_tokens=64)
+    # each of the 4 wrong samples sees the single correct attempt; the correct one sees wrong attempt 1
+    for r in range(1, 5):
+        assert attempts_in(out.prompt_ids[r]) == ["x\\boxed{0}"]
+    assert attempts_in(out.prompt_ids[0]) == ["x\\boxed{1}"]
+    out2 = build_contexts(**group(texts, [1, 1, 0, 0, 0]), bicc_cfg=BiccCfg(mode="paired", paired_k=2), max_tokens=64)
+    # k = 2: correct sample j sees wrong attempts (2j, 2j+1) mod 3 -> {2,3} and {4,2}
+    assert [extract_answer(a) for a in attempts_in(out2.prompt_ids[0])] == ["2", "3"]
+    assert [extract_answer(a) for a in attempts_in(out2.prompt_ids[1])] == ["4", "2"]
+
+
+def test_too_small_budget_drops_attempts_and_counts_them():
+    g = group(["1+2=4 with many extra words\n\\boxed{4}"] * 3 + ["\\boxed{3}"], [0, 0, 0, 1])
+    out = build_contexts(**g, bicc_cfg=BiccCfg(), max_tokens=64)  # 25-token budget for three long attempts
+    shown = attempts_in(out.prompt_ids[3])
+    assert 1 <= len(shown) < 3 and sum(len(enc(a)) for a in shown) <= 25
+    assert out.metrics["bicc/dropped_share"] > 0
+
+
+@pytest.mark.parametrize("ratio", [0.2, 0.4, 0.6])
+def test_budget_is_never_exceeded_on_random_groups(ratio):
+    gen = torch.Generator().manual_seed(int(ratio * 10))
+    for trial in range(20):
+        n = 8
+        texts = ["".join(chr(48 + int(c)) for c in torch.randint(0, 10, (int(torch.randint(1, 60, (1,), generator=gen)),), generator=gen))
+                 + f"\\boxed{{{trial}}}" for _ in range(n)]
+        correct = torch.randint(0, 2, (n,), generator=gen).tolist()
+        out = build_contexts(**group(texts, correct), bicc_cfg=BiccCfg(context_ratio=ratio), max_tokens=128)
+        for r in range(n):
+            if out.conditioned[r]:
+                shown = attempts_in(out.prompt_ids[r])
+                assert sum(len(enc(a)) for a in shown) <= int(ratio * 128)
+                assert all(extract_answer(a) == str(trial) for a in shown)
