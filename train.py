@@ -20,6 +20,9 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from bicc.advantages import ADVANTAGES
+from bicc.conditioning import build_contexts, warm_up
+from bicc.diagnostics import conditioning_weights
+from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint, set_rng_state
 from bicc.config import register_configs, validate
 from bicc.data import build_task
@@ -45,25 +48,40 @@ def rl_step(s: RLState, cfg) -> dict:
     ro = collect_rollout(s, cfg, step_seed)
     t_rollout = time.perf_counter()
 
-    # ---- 3. log-probs of pi_old (and pi_ref when a KL term needs it) ---------------------------
+    # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c ----------------
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
-    old_logp = logprobs_no_grad(s.model, batch, cfg.train.micro_batch_size, cfg.rollout.temperature)  # [N, L]
-    ref_logp = (logprobs_no_grad(s.ref_model, batch, cfg.train.micro_batch_size, cfg.rollout.temperature)
-                if s.ref_model is not None else None)
+    plain = PlainNumerator(batch)
+    numerator, bicc_metrics = plain, {}
+    if cfg.bicc.enabled:
+        contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
+                                  cfg.bicc.max_tokens, ro.out.prompt_ids)
+        contexts = warm_up(contexts, ro.group_ids, ro.out.prompt_ids, s.step, cfg.bicc.warmup_steps)
+        numerator = ConditionedNumerator(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
+                                         s.tokenizer.pad_token_id, device)
+        bicc_metrics = {**contexts.metrics, "bicc/extra_token_share": numerator.tokens / plain.tokens - 1}
+
+    # ---- 4. log-probs of pi_old and pi_ref: on q (pi_old on x^c only with bicc.old_on_context) -----
+    N, mb = batch.input_ids.shape[0], cfg.train.micro_batch_size
+    old_inputs = numerator if cfg.bicc.enabled and cfg.bicc.old_on_context else plain
+    old_logp = logprobs_no_grad(s.model, old_inputs, N, mb, cfg.rollout.temperature)  # [N, L]
+    ref_logp = logprobs_no_grad(s.ref_model, plain, N, mb, cfg.rollout.temperature) if s.ref_model is not None else None
     t_logprobs = time.perf_counter()
 
-    # ---- 4. advantages -------------------------------------------------------------------------
+    # ---- 5. advantages -------------------------------------------------------------------------
     adv, adv_metrics = ADVANTAGES.get(cfg.algo.advantage)(ro.rewards, ro.group_ids, None, cfg.algo)  # [N]
 
-    # ---- 5. loss and optimizer step(s) ---------------------------------------------------------
-    update_metrics = update_policy(s, batch, old_logp, ref_logp, adv.to(device), cfg, step_seed=step_seed)
+    # ---- 6. loss and optimizer step(s) ---------------------------------------------------------
+    update_metrics, log_w = update_policy(s, batch, numerator, old_logp, ref_logp, adv.to(device), cfg, step_seed)
     t_update = time.perf_counter()
 
-    # ---- 6. weight sync: the rollout engine samples from the updated policy next step ----------
+    if cfg.bicc.enabled:
+        bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
+
+    # ---- 7. weight sync: the rollout engine samples from the updated policy next step ----------
     s.engine.update_weights(s.model)
     s.step += 1
 
-    # ---- 7. metrics ----------------------------------------------------------------------------
+    # ---- 8. metrics ----------------------------------------------------------------------------
     lengths = batch.completion_mask.sum(-1).float()
     return {
         "reward/accuracy": ro.correct.mean().item(),
@@ -73,7 +91,7 @@ def rl_step(s: RLState, cfg) -> dict:
         "rollout/prompts_drawn": ro.prompts_drawn,
         "rollout/generate_rounds": ro.rounds,
         "rollout/groups": len(ro.correct) // cfg.rollout.group_size,
-        **adv_metrics, **update_metrics,
+        **adv_metrics, **update_metrics, **bicc_metrics,
         "perf/rollout_s": t_rollout - t0, "perf/logprob_s": t_logprobs - t_rollout,
         "perf/update_s": t_update - t_logprobs, "perf/step_s": time.perf_counter() - t0,
         "perf/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - t0),

@@ -205,3 +205,18 @@ def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, token
         stats["truncated"] += int(len(chosen[c]) > len(cut) or cut != chosen[c])
         body += enc.headers[shown] + cut
     return enc.head + enc.preamble + body + enc.tail, sum(len(cut) for cut in cuts)
+
+
+def warm_up(contexts: ConditionedPrompts, group_ids: torch.Tensor, plain_prompt_ids: list[list[int]], step: int,
+            warmup_steps: int) -> ConditionedPrompts:
+    """Condition only a share step/warmup_steps of the groups (the first groups of the batch), so training
+    moves from the base variant to BiCC gradually; the others keep q. No-op when warmup_steps = 0."""
+    if warmup_steps == 0 or step >= warmup_steps:
+        return contexts
+    groups = torch.unique(group_ids)
+    cutoff = int(len(groups) * step / warmup_steps)
+    keep = torch.isin(group_ids, groups[:cutoff])
+    prompt_ids = [p if k else list(q) for p, q, k in zip(contexts.prompt_ids, plain_prompt_ids, keep.tolist())]
+    keys = [key if k else i for i, (key, k) in enumerate(zip(contexts.context_key, keep.tolist()))]
+    metrics = {**contexts.metrics, "bicc/warmup_share": cutoff / len(groups)}
+    return ConditionedPrompts(prompt_ids, keys, contexts.conditioned & keep, metrics)

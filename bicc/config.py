@@ -38,6 +38,28 @@ class AlgoConfig:
 
 
 @dataclass
+class BiccConfig:
+    """Bilateral Context Conditioning (conf/bicc): what the trainable numerator is conditioned on."""
+
+    enabled: bool = MISSING
+    mode: str = "partition"
+    paired_k: int = 1
+    context_ratio: float = 0.4
+    max_tokens: int = MISSING
+    truncate: str = "middle"
+    min_attempt_tokens: int = 12
+    reward_threshold: Optional[float] = None
+    preamble: str = "\n\nOther attempts at this problem:"
+    attempt_header: str = "\nAttempt {i}:\n"
+    elision: str = " ... "
+    packing: bool = True
+    max_packed_len: int = 4096
+    old_on_context: bool = False
+    log_ratio_clip: float = 0.0
+    warmup_steps: int = 0
+
+
+@dataclass
 class TinyArchConfig:
     """Architecture of a model built from a config (random init), used by ``model=tiny``."""
 
@@ -166,6 +188,7 @@ class RunConfig:
     """Top-level config composed by train.py and eval.py."""
 
     algo: AlgoConfig = MISSING
+    bicc: BiccConfig = MISSING
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     rollout: RolloutConfig = MISSING
@@ -188,6 +211,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="algo", name="algo_schema", node=AlgoConfig)
+    cs.store(group="bicc", name="bicc_schema", node=BiccConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
@@ -266,6 +290,17 @@ def validate(cfg: Any) -> None:
     _check(cfg.model.dtype in DTYPES, "model.dtype", f"'{cfg.model.dtype}' unknown; choose from: {', '.join(DTYPES)}")
     _check((cfg.model.path is None) != (cfg.model.tiny is None), "model.path",
            "set exactly one of model.path (HF id or local dir) and model.tiny (build from a config)")
+
+    b = cfg.bicc
+    _check(b.mode in ("partition", "paired"), "bicc.mode", f"'{b.mode}' unknown; choose from: partition, paired")
+    _check(b.truncate in ("middle", "head", "tail"), "bicc.truncate", f"'{b.truncate}' unknown; choose from: middle, head, tail")
+    _check(0 < b.context_ratio < 1, "bicc.context_ratio", f"must be in (0, 1), got {b.context_ratio}")
+    _check(b.paired_k >= 1, "bicc.paired_k", f"must be >= 1, got {b.paired_k}")
+    _check(b.min_attempt_tokens >= 1, "bicc.min_attempt_tokens", f"must be >= 1, got {b.min_attempt_tokens}")
+    _check(b.max_tokens >= 1, "bicc.max_tokens", f"must be >= 1, got {b.max_tokens}")
+    _check(b.log_ratio_clip >= 0, "bicc.log_ratio_clip", f"must be >= 0 (0 = off), got {b.log_ratio_clip}")
+    _check(b.warmup_steps >= 0, "bicc.warmup_steps", f"must be >= 0, got {b.warmup_steps}")
+    _check("{i}" in b.attempt_header, "bicc.attempt_header", f"must contain '{{i}}' (the attempt number), got {b.attempt_header!r}")
 
     ar = cfg.data.arith
     _check(2 <= ar.min_operands <= ar.max_operands, "data.arith.min_operands",

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from bicc.data import encode_prompt
-from bicc.logprobs import TokenBatch, batch_logprobs
+from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
 from bicc.rewards import overlong_penalty
 from bicc.rollout import RolloutOutput, SamplingParams
@@ -50,6 +50,7 @@ class Rollout:
     """One step's samples, grouped by query (G consecutive rows per query).
 
     out:       the engine's output, N = num_groups * G rows
+    prompts:   N user-turn texts (each row's query)
     correct:   [N] binary correctness (what BiCC partitions on)
     rewards:   [N] training reward: correctness plus any shaping
     group_ids: [N] query index of each row
@@ -57,6 +58,7 @@ class Rollout:
     """
 
     out: RolloutOutput
+    prompts: list[str]
     correct: torch.Tensor
     rewards: torch.Tensor
     group_ids: torch.Tensor
@@ -74,7 +76,7 @@ def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
     not on shaped rewards) and more queries drawn,
     up to ``algo.max_sampling_rounds`` generate calls; a batch still short after that is used as is."""
     P, G, algo = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algo
-    kept: list[tuple[RolloutOutput, torch.Tensor, torch.Tensor]] = []
+    kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor]] = []
     num_kept, drawn, rounds = 0, 0, 0
     while num_kept < P and rounds < algo.max_sampling_rounds:
         want = P - num_kept
@@ -90,38 +92,49 @@ def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
         lengths = torch.tensor([len(c) for c in out.completion_ids]).view(want, G)
         shaped = correct.double() + overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer,
                                                      algo.overlong_penalty)  # [want, G]
-        last_draw = (out, correct.flatten(), shaped.flatten())
+        texts = [problems[i // G].prompt for i in range(want * G)]
+        last_draw = (out, texts, correct.flatten(), shaped.flatten())
         keep = (correct.max(1).values > correct.min(1).values) if algo.dynamic_sampling else torch.ones(want, dtype=torch.bool)
         rows = (keep.nonzero() * G + torch.arange(G)).flatten().tolist()  # sample rows of the kept groups
         if rows:
             part = RolloutOutput(*([getattr(out, f)[r] for r in rows] for f in ("prompt_ids", "completion_ids", "texts", "finished")))
-            kept.append((part, correct.flatten()[rows], shaped.flatten()[rows]))
+            kept.append((part, [texts[r] for r in rows], correct.flatten()[rows], shaped.flatten()[rows]))
             num_kept += len(rows) // G
     if not kept:  # every group was degenerate in every round: train on the last draw (zero advantages)
         kept.append(last_draw)
     out = _concat([k[0] for k in kept])
-    correct = torch.cat([k[1] for k in kept])
-    rewards = torch.cat([k[2] for k in kept]).float()
+    prompts = [text for k in kept for text in k[1]]
+    correct = torch.cat([k[2] for k in kept])
+    rewards = torch.cat([k[3] for k in kept]).float()
     group_ids = torch.arange(len(correct) // G).repeat_interleave(G)
-    return Rollout(out, correct, rewards, group_ids, drawn, rounds)
+    return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds)
 
 
 @torch.no_grad()
-def logprobs_no_grad(model, batch: TokenBatch, micro_batch_size: int, temperature: float) -> torch.Tensor:
-    """Per-token log-probs [N, L] in micro-batches, no graph kept (old and reference policies)."""
+def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temperature: float) -> torch.Tensor:
+    """Per-token log-probs [N, L] in micro-batches, no graph kept (old and reference policies).
+    ``inputs`` is a numerator (``bicc.numerator``): plain rows, or conditioned ones."""
     was_training = model.training
     model.eval()
-    chunks = []
-    for start in range(0, batch.input_ids.shape[0], micro_batch_size):
-        logp, _ = batch_logprobs(model, batch.rows(slice(start, start + micro_batch_size)), temperature)
-        chunks.append(logp)
+    chunks = [inputs.logprobs(model, torch.arange(start, min(start + micro_batch_size, num_rows)), temperature)[0]
+              for start in range(0, num_rows, micro_batch_size)]
     model.train(was_training)
     return torch.cat(chunks)
 
 
-def update_policy(state: RLState, batch: TokenBatch, old_logp, ref_logp, adv, cfg, step_seed: int) -> dict:
+def clip_log_ratio_value(logp: torch.Tensor, old_logp: torch.Tensor, bound: float) -> torch.Tensor:
+    """logp shifted so that logp - old_logp lies in [-bound, bound] in value, with logp's gradient intact
+    (a straight-through clip of the importance weight's size, not of its gradient direction)."""
+    delta = (logp - old_logp).detach()
+    return logp - (delta - delta.clamp(-bound, bound))
+
+
+def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, adv, cfg, step_seed: int) -> dict:
     """Epochs x minibatches optimizer steps over one rollout batch; gradients accumulate over
-    micro-batches, each normalised by its minibatch's global ``StepTotals``."""
+    micro-batches, each normalised by its minibatch's global ``StepTotals``. ``numerator`` gives the
+    trainable log-probs (plain or BiCC-conditioned); ``batch`` the completion masks. Also returns, as
+    ``first_pass_log_ratio`` [N], each sequence's summed log pi_theta - log pi_old before any update
+    (under BiCC: the log conditioning weight log w_i)."""
     model, loss_fn = state.model, LOSSES.get(cfg.algo.loss)
     n = batch.input_ids.shape[0]
     generator = torch.Generator().manual_seed(step_seed)
@@ -132,6 +145,9 @@ def update_policy(state: RLState, batch: TokenBatch, old_logp, ref_logp, adv, cf
         sums[name] = sums.get(name, 0.0) + value
         counts[name] = counts.get(name, 0) + 1
 
+    first_pass = torch.zeros(n)
+    seen = torch.zeros(n, dtype=torch.bool)
+    clip_bound = cfg.bicc.log_ratio_clip if cfg.bicc.enabled else 0.0
     model.train()
     for _ in range(cfg.train.epochs_per_rollout):
         order = torch.randperm(n, generator=generator) if cfg.train.minibatches_per_rollout > 1 else torch.arange(n)
@@ -143,15 +159,20 @@ def update_policy(state: RLState, batch: TokenBatch, old_logp, ref_logp, adv, cf
             step_loss = 0.0
             for mc_start in range(0, len(mb_rows), cfg.train.micro_batch_size):
                 rows = mb_rows[mc_start : mc_start + cfg.train.micro_batch_size]
-                micro = batch.rows(rows)
-                logp, entropy = batch_logprobs(model, micro, cfg.rollout.temperature, with_entropy=True)
+                mask = batch.completion_mask[rows]
+                logp, entropy = numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)
+                new = ~seen[rows]
+                first_pass[rows[new]] = ((logp.detach() - old_logp[rows]) * mask).sum(-1)[new].cpu().float()
+                seen[rows] = True
+                if clip_bound > 0:
+                    logp = clip_log_ratio_value(logp, old_logp[rows], clip_bound)
                 loss, metrics = loss_fn(logp, old_logp[rows], None if ref_logp is None else ref_logp[rows],
-                                        adv[rows], micro.completion_mask, cfg.algo, totals)
+                                        adv[rows], mask, cfg.algo, totals)
                 loss.backward()
                 step_loss += loss.item()
                 for name, value in metrics.items():
                     add(name, value)
-                add("train/entropy", masked_mean(entropy, micro.completion_mask).item())
+                add("train/entropy", masked_mean(entropy, mask).item())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
             state.optimizer.step()
             state.scheduler.step()
@@ -159,4 +180,4 @@ def update_policy(state: RLState, batch: TokenBatch, old_logp, ref_logp, adv, cf
             add("train/grad_norm", grad_norm.item())
     metrics = {name: sums[name] / counts[name] for name in sums}
     metrics["train/lr"] = state.scheduler.get_last_lr()[0]
-    return metrics
+    return metrics, first_pass

@@ -1,0 +1,84 @@
+"""BiCC's conditioned numerator: with an empty context it is exactly the base variant's numerator."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from bicc.conditioning import ConditionedPrompts, build_contexts
+from bicc.config import TinyArchConfig
+from bicc.data import encode_prompt
+from bicc.logprobs import make_token_batch
+from bicc.losses import LOSSES, StepTotals
+from bicc.models import build_tiny
+from bicc.numerator import ConditionedNumerator, PlainNumerator
+from tests.losses.test_variants import LOSS_OF, VARIANTS
+
+
+@dataclass
+class Packing:
+    packing: bool
+    max_packed_len: int = 4096
+
+
+def setup():
+    model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=0)
+    prompts = [encode_prompt(tok, f"Compute {i}+1.") for i in (1, 1, 22, 22)]
+    gen = torch.Generator().manual_seed(0)
+    completions = [torch.randint(4, 100, (n,), generator=gen).tolist() + [tok.eos_token_id] for n in (3, 6, 2, 5)]
+    batch = make_token_batch(prompts, completions, tok.pad_token_id)
+    return model.eval(), tok, prompts, completions, batch
+
+
+@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_empty_context_reduces_to_base_variant(packing, variant):
+    model, tok, prompts, completions, batch = setup()
+    empty = ConditionedPrompts([list(p) for p in prompts], list(range(4)), torch.zeros(4, dtype=torch.bool))
+    conditioned = ConditionedNumerator(empty, completions, batch.completion_len, Packing(packing), tok.pad_token_id,
+                                       torch.device("cpu"))
+    rows = torch.arange(4)
+    a, _ = conditioned.logprobs(model, rows, 1.0)
+    b, _ = PlainNumerator(batch).logprobs(model, rows, 1.0)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
+    old = b.detach() + 0.05 * torch.randn(b.shape, generator=torch.Generator().manual_seed(3))
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    totals = StepTotals.of(batch.completion_mask, batch.completion_len)
+    loss_a, _ = LOSSES.get(LOSS_OF[variant])(a, old, old, adv, batch.completion_mask, VARIANTS[variant], totals)
+    loss_b, _ = LOSSES.get(LOSS_OF[variant])(b, old, old, adv, batch.completion_mask, VARIANTS[variant], totals)
+    assert loss_a.item() == pytest.approx(loss_b.item(), abs=1e-6)
+
+
+@dataclass
+class BiccCfg:
+    mode: str = "partition"
+    paired_k: int = 1
+    context_ratio: float = 0.4
+    truncate: str = "middle"
+    min_attempt_tokens: int = 4
+    reward_threshold: float | None = None
+    preamble: str = "\nOther attempts:"
+    attempt_header: str = "\n({i}) "
+    elision: str = "..."
+    packing: bool = True
+    max_packed_len: int = 4096
+
+
+def test_packed_and_unpacked_conditioned_numerators_agree():
+    model, tok, prompts, completions, batch = setup()
+    correct = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    group_ids = torch.tensor([0, 0, 1, 1])
+    texts = ["Compute 1+1."] * 2 + ["Compute 22+1."] * 2
+    ctx = build_contexts(texts, completions, correct, group_ids, tok, BiccCfg(), 64, prompts)
+    assert ctx.conditioned.all()
+    rows = torch.arange(4)
+    packed = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=True), tok.pad_token_id, "cpu")
+    single = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=False), tok.pad_token_id, "cpu")
+    a, _ = packed.logprobs(model, rows, 1.0)
+    b, _ = single.logprobs(model, rows, 1.0)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
+    plain, _ = PlainNumerator(batch).logprobs(model, rows, 1.0)
+    assert (a[m] - plain[m]).abs().max() > 1e-3  # the context really changes the numerator
