@@ -31,7 +31,7 @@ from bicc.logprobs import make_token_batch
 from bicc.models import frozen_copy, load_pretrained, num_parameters
 from bicc.optim import build_optimizer, warmup_cosine
 from bicc.rollout import build_engine
-from bicc.sft import warm_start
+from bicc.sft import config_hash, warm_start
 from bicc.tracking import Tracker
 from bicc.trainer import RLState, collect_rollout, logprobs_no_grad, needs_reference, update_policy
 
@@ -171,10 +171,18 @@ def main(cfg) -> dict:
                       cfg.logger.wandb_project)
     baseline = None
     if cfg.resume is None:
-        model, tokenizer = load_pretrained(init_path, cfg.model, device)
-        baseline = evaluate(build_engine(cfg.rollout.engine, model, tokenizer, cfg.eval), tokenizer, task, cfg.eval, cfg.seed)
+        # The warm start's own dir caches its score: every run from one SFT checkpoint shares it.
+        cache = Path(init_path) / f"eval-{config_hash(cfg.eval, cfg.seed, cfg.rollout.engine)}.json" if cfg.model.tiny else None
+        if cache is not None and cache.exists():
+            baseline = json.loads(cache.read_text())
+        else:
+            model, tokenizer = load_pretrained(init_path, cfg.model, device)
+            baseline = evaluate(build_engine(cfg.rollout.engine, model, tokenizer, cfg.eval), tokenizer, task, cfg.eval,
+                                cfg.seed)
+            if cache is not None:
+                cache.write_text(json.dumps(baseline))
+            del model
         print(f"[eval] initial policy: {format_eval(baseline)}")
-        del model
 
     s = run_rl(cfg, init_path, device, run_dir, tracker)
 

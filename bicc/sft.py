@@ -28,6 +28,12 @@ from bicc.optim import build_optimizer, warmup_cosine
 SFT_INDEX_OFFSET = 10**9  # SFT draws its problems from a stream apart from RL's
 
 
+def config_hash(*parts) -> str:
+    """Short stable hash of config nodes and plain values."""
+    plain = [OmegaConf.to_container(p, resolve=True) if OmegaConf.is_config(p) else p for p in parts]
+    return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def cache_key(cfg) -> str:
     """Hash of the resolved settings that determine the SFT checkpoint."""
     sft = OmegaConf.to_container(cfg.sft, resolve=True)

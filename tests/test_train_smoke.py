@@ -35,6 +35,8 @@ def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 2 and 0 <= results["final"]["eval/pass@1"] <= 1
     assert (run_dir / "checkpoints" / "step_2" / "model.safetensors").exists()
+    cached = list((tmp_path / "cache").glob("sft-*/eval-*.json"))  # the warm start's score, reused by later runs
+    assert len(cached) == 1 and json.loads(cached[0].read_text()) == results["initial"]
 
     # resume: continue the same run to step 3 from its latest checkpoint
     proc = run_train([*[a for a in SMALL if not a.startswith("train.steps")], "train.steps=3", "resume=auto",

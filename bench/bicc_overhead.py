@@ -1,0 +1,144 @@
+"""Cost of BiCC's conditioned numerator: step time and peak memory of GRPO, BiCC without packing and
+BiCC with packing, in one run, on two configs:
+
+- ``embedded``: the tiny default model with its real prompts, synthetic outputs of the task's length;
+- ``large``:    a random-init Qwen3 of >= 10M parameters, outputs of 256 tokens, G = 8.
+
+The timed step is the training part that BiCC changes: old log-probs on q, the numerator's forward and
+backward over every micro-batch, and the optimizer step. Rollout generation is left out: it is identical
+with and without BiCC, and including it would only dilute the ratio. Outputs and rewards are synthetic
+(random tokens, half correct per group) so that every group is conditioned: the worst case for BiCC.
+
+Each variant runs in its own subprocess so that peak RSS (``ru_maxrss``) is its own; on CUDA the
+allocator's peak is used instead. Run: ``.venv/bin/python bench/bicc_overhead.py [--quick]``.
+Ends with ``RESULT bicc_step_ratio=... target<=1.15`` and ``RESULT bicc_mem_ratio=... target<=1.20``
+(packed BiCC over GRPO on the large config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = {
+    "embedded": dict(arch=dict(hidden_size=128, num_hidden_layers=3, intermediate_size=256, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32), prompts=16, group=8, out_len=26, max_tokens=64, steps=8),
+    "large": dict(arch=dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1024, num_attention_heads=6,
+                            num_key_value_heads=2, head_dim=64), prompts=4, group=8, out_len=256, max_tokens=256, steps=3),
+}
+VARIANTS = {"grpo": [], "bicc_unpacked": ["bicc=paper", "bicc.packing=false"], "bicc_packed": ["bicc=paper"]}
+
+
+def run_variant(config_name: str, variant: str) -> dict:
+    """One measurement, in this process: build, warm up once, time ``steps`` updates."""
+    from hydra import compose, initialize_config_dir
+
+    from bicc.conditioning import build_contexts
+    from bicc.config import TinyArchConfig, register_configs
+    from bicc.data import build_task, encode_prompt
+    from bicc.logprobs import make_token_batch
+    from bicc.models import build_tiny, num_parameters
+    from bicc.numerator import ConditionedNumerator, PlainNumerator
+    from bicc.optim import build_optimizer, warmup_cosine
+    from bicc.trainer import RLState, logprobs_no_grad, update_policy
+
+    spec = CONFIGS[config_name]
+    register_configs()
+    overrides = [f"rollout.prompts_per_step={spec['prompts']}", f"rollout.group_size={spec['group']}",
+                 f"rollout.max_new_tokens={spec['max_tokens']}", "sft.cache_dir=/tmp/unused", *VARIANTS[variant]]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="train", overrides=overrides)
+    torch.set_num_threads(os.cpu_count())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = build_tiny(TinyArchConfig(**spec["arch"], max_position_embeddings=4096), seed=0)
+    model.to(device)
+    optimizer = build_optimizer(model, 1e-5, (0.9, 0.999), 0.0)
+    state = RLState(model, None, tok, None, optimizer, warmup_cosine(optimizer, 1, 100, 0.1), None, "")
+    task = build_task(cfg.data)
+
+    gen = torch.Generator().manual_seed(0)
+    P, G, L = spec["prompts"], spec["group"], spec["out_len"]
+    problems = [task.train_problem(i) for i in range(P)]
+    prompt_ids = [encode_prompt(tok, problems[i // G].prompt) for i in range(P * G)]
+    prompts = [problems[i // G].prompt for i in range(P * G)]
+    digits = tok("0123456789+-=", add_special_tokens=False)["input_ids"]
+    boxed = tok("\n\\boxed{7}", add_special_tokens=False)["input_ids"]
+    completions = []
+    for i in range(P * G):
+        body = torch.randint(0, len(digits), (L - len(boxed) - 1,), generator=gen).tolist()
+        completions.append([digits[j] for j in body] + boxed + [tok.eos_token_id])
+    correct = torch.tensor([float(j % 2 == 0) for j in range(G)] * P)
+    group_ids = torch.arange(P).repeat_interleave(G)
+    adv = (correct - 0.5) * 2
+
+    batch = make_token_batch(prompt_ids, completions, tok.pad_token_id).to(device)
+    plain = PlainNumerator(batch)
+    numerator = plain
+    if cfg.bicc.enabled:
+        contexts = build_contexts(prompts, completions, correct, group_ids, tok, cfg.bicc, cfg.bicc.max_tokens, prompt_ids)
+        numerator = ConditionedNumerator(contexts, completions, batch.completion_len, cfg.bicc, tok.pad_token_id, device)
+
+    def step():
+        old = logprobs_no_grad(model, plain, len(completions), cfg.train.micro_batch_size, 1.0)
+        update_policy(state, batch, numerator, old, None, adv.to(device), cfg, step_seed=0)
+
+    step()  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(spec["steps"]):
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"config": config_name, "variant": variant, "params_m": num_parameters(model) / 1e6,
+            "step_s": statistics.median(times), "peak_mb": peak / 2**20, "tokens": numerator.tokens,
+            "plain_tokens": plain.tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", nargs=2, metavar=("CONFIG", "VARIANT"))
+    parser.add_argument("--configs", default="embedded,large")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_variant(*args.child)))
+        return
+    results = {}
+    for config_name in args.configs.split(","):
+        for variant in VARIANTS:
+            proc = subprocess.run([sys.executable, __file__, "--child", config_name, variant], capture_output=True,
+                                  text=True, cwd=ROOT)
+            if proc.returncode != 0:
+                sys.exit(f"{config_name}/{variant} failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            results[(config_name, variant)] = r
+            print(f"{config_name:9s} {variant:14s} {r['params_m']:6.2f}M params  step {r['step_s']:7.3f}s  "
+                  f"peak {r['peak_mb']:8.0f} MB  numerator tokens {r['tokens']} (plain {r['plain_tokens']})", flush=True)
+    last = args.configs.split(",")[-1]
+    base, packed = results[(last, "grpo")], results[(last, "bicc_packed")]
+    unpacked = results[(last, "bicc_unpacked")]
+    print(f"[{last}] unpacked BiCC / GRPO: step {unpacked['step_s'] / base['step_s']:.3f}, "
+          f"memory {unpacked['peak_mb'] / base['peak_mb']:.3f}")
+    print(f"RESULT bicc_step_ratio={packed['step_s'] / base['step_s']:.3f} target<=1.15")
+    print(f"RESULT bicc_mem_ratio={packed['peak_mb'] / base['peak_mb']:.3f} target<=1.20")
+
+
+if __name__ == "__main__":
+    main()
