@@ -1,10 +1,9 @@
 """The BiCC context builder: partition, budget, truncation, matching modes, fallbacks."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
+from bicc.config import BiccConfig
 from bicc.conditioning import answer_start, build_contexts, fair_shares, partition, truncate
 from bicc.data import encode_prompt
 from bicc.rewards import extract_answer
@@ -13,17 +12,11 @@ from bicc.tokenizer import build_char_tokenizer
 TOK = build_char_tokenizer()
 
 
-@dataclass
-class BiccCfg:
-    mode: str = "partition"
-    paired_k: int = 1
-    context_ratio: float = 0.4
-    truncate: str = "middle"
-    min_attempt_tokens: int = 12
-    reward_threshold: float | None = None
-    preamble: str = "\nOther attempts:"
-    attempt_header: str = "\n({i}) "
-    elision: str = "..."
+def BiccCfg(**overrides) -> BiccConfig:
+    """A BiCC config with short template pieces, easy to read back in assertions."""
+    fields = dict(enabled=True, max_tokens=64, min_attempt_tokens=12, preamble="\nOther attempts:",
+                  attempt_header="\n({i}) ", elision="...")
+    return BiccConfig(**{**fields, **overrides})
 
 
 def enc(text):
@@ -38,8 +31,9 @@ def group(texts, correct, prompt="Compute 1+2."):
                 plain_prompt_ids=[encode_prompt(TOK, prompt)] * n)
 
 
-def attempts_in(ids, cfg=BiccCfg()):
+def attempts_in(ids, cfg=None):
     """The attempt texts shown in a context, split on the numbered headers."""
+    cfg = cfg or BiccCfg()
     text = TOK.decode(ids)
     body = text.split(cfg.preamble, 1)[1].split("<|im_end|>")[0]
     return [part.split(") ", 1)[1] for part in body.split("\n(")[1:]]

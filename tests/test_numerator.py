@@ -1,7 +1,5 @@
 """BiCC's conditioned numerator: with an empty context it is exactly the base variant's numerator."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -13,12 +11,7 @@ from bicc.losses import LOSSES, StepTotals
 from bicc.models import build_tiny
 from bicc.numerator import ConditionedNumerator, PlainNumerator
 from tests.losses.test_variants import LOSS_OF, VARIANTS
-
-
-@dataclass
-class Packing:
-    packing: bool
-    max_packed_len: int = 4096
+from tests.test_conditioning import BiccCfg
 
 
 def setup():
@@ -36,7 +29,7 @@ def setup():
 def test_empty_context_reduces_to_base_variant(packing, variant):
     model, tok, prompts, completions, batch = setup()
     empty = ConditionedPrompts([list(p) for p in prompts], list(range(4)), torch.zeros(4, dtype=torch.bool))
-    conditioned = ConditionedNumerator(empty, completions, batch.completion_len, Packing(packing), tok.pad_token_id,
+    conditioned = ConditionedNumerator(empty, completions, batch.completion_len, BiccCfg(packing=packing), tok.pad_token_id,
                                        torch.device("cpu"))
     rows = torch.arange(4)
     a, _ = conditioned.logprobs(model, rows, 1.0)
@@ -51,31 +44,16 @@ def test_empty_context_reduces_to_base_variant(packing, variant):
     assert loss_a.item() == pytest.approx(loss_b.item(), abs=1e-6)
 
 
-@dataclass
-class BiccCfg:
-    mode: str = "partition"
-    paired_k: int = 1
-    context_ratio: float = 0.4
-    truncate: str = "middle"
-    min_attempt_tokens: int = 4
-    reward_threshold: float | None = None
-    preamble: str = "\nOther attempts:"
-    attempt_header: str = "\n({i}) "
-    elision: str = "..."
-    packing: bool = True
-    max_packed_len: int = 4096
-
-
 def test_packed_and_unpacked_conditioned_numerators_agree():
     model, tok, prompts, completions, batch = setup()
     correct = torch.tensor([1.0, 0.0, 1.0, 0.0])
     group_ids = torch.tensor([0, 0, 1, 1])
     texts = ["Compute 1+1."] * 2 + ["Compute 22+1."] * 2
-    ctx = build_contexts(texts, completions, correct, group_ids, tok, BiccCfg(), 64, prompts)
+    ctx = build_contexts(texts, completions, correct, group_ids, tok, BiccCfg(min_attempt_tokens=4), 64, prompts)
     assert ctx.conditioned.all()
     rows = torch.arange(4)
-    packed = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=True), tok.pad_token_id, "cpu")
-    single = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=False), tok.pad_token_id, "cpu")
+    packed = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=True, min_attempt_tokens=4), tok.pad_token_id, "cpu")
+    single = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=False, min_attempt_tokens=4), tok.pad_token_id, "cpu")
     a, _ = packed.logprobs(model, rows, 1.0)
     b, _ = single.logprobs(model, rows, 1.0)
     m = batch.completion_mask.bool()

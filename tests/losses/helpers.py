@@ -1,25 +1,14 @@
 """Shared inputs for loss tests."""
 
-from dataclasses import dataclass, replace
-
 import torch
 
-
-@dataclass
-class AlgoCfg:
-    """The algo fields a loss reads, with GRPO's values; tests override with ``replace``."""
-
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip_c: float = 0.0
-    ratio_denominator: str = "old"
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    loss_agg: str = "seq-mean-token-mean"
+from bicc.config import AlgoConfig
 
 
-def cfg(**overrides) -> AlgoCfg:
-    return replace(AlgoCfg(), **overrides)
+def cfg(**overrides) -> AlgoConfig:
+    """The algo config a loss reads, GRPO's values unless overridden."""
+    fields = dict(name="test", loss="grpo", advantage="grpo", loss_agg="seq-mean-token-mean")
+    return AlgoConfig(**{**fields, **overrides})
 
 
 def random_case(seed: int, n: int = 8, length: int = 6, scale: float = 0.3):
