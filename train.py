@@ -62,8 +62,11 @@ def rl_step(s: RLState, cfg) -> dict:
 
     # ---- 4. log-probs of pi_old and pi_ref: on q (pi_old on x^c only with bicc.old_on_context) -----
     N, mb = batch.input_ids.shape[0], cfg.train.micro_batch_size
-    old_inputs = numerator if cfg.bicc.enabled and cfg.bicc.old_on_context else plain
-    old_logp = logprobs_no_grad(s.model, old_inputs, N, mb, cfg.rollout.temperature)  # [N, L]
+    old_logp = logprobs_no_grad(s.model, plain, N, mb, cfg.rollout.temperature)  # [N, L]
+    log_w = None  # log conditioning weight per sequence; else measured in the update's first pass
+    if cfg.bicc.enabled and cfg.bicc.old_on_context:
+        q_logp, old_logp = old_logp, logprobs_no_grad(s.model, numerator, N, mb, cfg.rollout.temperature)
+        log_w = ((old_logp - q_logp) * batch.completion_mask).sum(-1).cpu()
     ref_logp = logprobs_no_grad(s.ref_model, plain, N, mb, cfg.rollout.temperature) if s.ref_model is not None else None
     t_logprobs = time.perf_counter()
 
@@ -71,10 +74,12 @@ def rl_step(s: RLState, cfg) -> dict:
     adv, adv_metrics = ADVANTAGES.get(cfg.algo.advantage)(ro.rewards, ro.group_ids, None, cfg.algo)  # [N]
 
     # ---- 6. loss and optimizer step(s) ---------------------------------------------------------
-    update_metrics, log_w = update_policy(s, batch, numerator, old_logp, ref_logp, adv.to(device), cfg, step_seed)
+    update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, old_logp, ref_logp, adv.to(device), cfg,
+                                                         step_seed)
     t_update = time.perf_counter()
 
     if cfg.bicc.enabled:
+        log_w = first_pass_log_ratio if log_w is None else log_w
         bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
 
     # ---- 7. weight sync: the rollout engine samples from the updated policy next step ----------

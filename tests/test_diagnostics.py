@@ -1,0 +1,19 @@
+import pytest
+import torch
+
+from bicc.diagnostics import conditioning_weights
+
+
+def test_conditioning_weights_split_by_reward_and_skip_unconditioned():
+    log_w = torch.tensor([0.5, -1.0, 2.0, -3.0, 9.0])
+    conditioned = torch.tensor([True, True, True, True, False])
+    correct = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0])
+    m = conditioning_weights(log_w, conditioned, correct)
+    # correct & conditioned: rows 0, 1 -> mean log w -0.25, one of two above 0
+    # incorrect & conditioned: rows 2, 3 -> mean -0.5, one of two above 0; row 4 is not conditioned
+    assert m["bicc/log_w_pos"] == pytest.approx(-0.25) and m["bicc/w_gt1_share_pos"] == 0.5
+    assert m["bicc/log_w_neg"] == pytest.approx(-0.5) and m["bicc/w_gt1_share_neg"] == 0.5
+
+
+def test_no_conditioned_samples_gives_no_metrics():
+    assert conditioning_weights(torch.zeros(3), torch.zeros(3, dtype=torch.bool), torch.ones(3)) == {}
