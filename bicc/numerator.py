@@ -40,11 +40,30 @@ class ConditionedNumerator:
 
     def logprobs(self, model, rows, temperature: float, with_entropy: bool = False):
         rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        if not self.packing:
+            return self._rows(model, rows, temperature, with_entropy)
+        # Only prefixes shared within this micro-batch gain from packing; the rest go as plain rows.
+        counts: dict[int, int] = {}
+        for r in rows:
+            counts[self.contexts.context_key[r]] = counts.get(self.contexts.context_key[r], 0) + 1
+        shared = [i for i, r in enumerate(rows) if counts[self.contexts.context_key[r]] > 1]
+        single = [i for i, r in enumerate(rows) if counts[self.contexts.context_key[r]] == 1]
+        if not shared:
+            return self._rows(model, rows, temperature, with_entropy)
+        packed = pack([self.contexts.prompt_ids[rows[i]] for i in shared], [self.contexts.context_key[rows[i]] for i in shared],
+                      [self.completion_ids[rows[i]] for i in shared], self.max_packed_len, self.pad_id).to(self.device)
+        logp, entropy = packed_logprobs(model, packed, len(shared), self.length, temperature, with_entropy)
+        if not single:
+            return logp, entropy
+        logp_single, entropy_single = self._rows(model, [rows[i] for i in single], temperature, with_entropy)
+        order = torch.tensor(shared + single, device=logp.device).argsort()  # back to the caller's row order
+        logp = torch.cat([logp, logp_single])[order]
+        entropy = torch.cat([entropy, entropy_single])[order] if with_entropy else None
+        return logp, entropy
+
+    def _rows(self, model, rows: list[int], temperature: float, with_entropy: bool):
+        """One row per output: [left-padded x^c; right-padded output]."""
         prefixes = [self.contexts.prompt_ids[r] for r in rows]
         completions = [self.completion_ids[r] for r in rows]
-        if self.packing:
-            keys = [self.contexts.context_key[r] for r in rows]
-            packed = pack(prefixes, keys, completions, self.max_packed_len, self.pad_id).to(self.device)
-            return packed_logprobs(model, packed, len(rows), self.length, temperature, with_entropy)
         batch = make_token_batch(prefixes, completions, self.pad_id, length=self.length).to(self.device)
         return batch_logprobs(model, batch, temperature, with_entropy)

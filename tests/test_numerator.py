@@ -60,3 +60,19 @@ def test_packed_and_unpacked_conditioned_numerators_agree():
     torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
     plain, _ = PlainNumerator(batch).logprobs(model, rows, 1.0)
     assert (a[m] - plain[m]).abs().max() > 1e-3  # the context really changes the numerator
+
+
+def test_mixed_shared_and_single_prefixes_keep_row_order():
+    model, tok, prompts, completions, batch = setup()
+    # rows 0 and 2 share a (made-up) prefix, rows 1 and 3 stand alone
+    shared_prefix = prompts[0] + [50, 51, 52]
+    ctx = ConditionedPrompts([shared_prefix, prompts[1], shared_prefix, prompts[3]], [7, 1, 7, 3],
+                             torch.ones(4, dtype=torch.bool))
+    rows = torch.tensor([3, 0, 1, 2])  # any order
+    packed = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=True), tok.pad_token_id, "cpu")
+    single = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=False), tok.pad_token_id, "cpu")
+    a, ea = packed.logprobs(model, rows, 1.0, with_entropy=True)
+    b, eb = single.logprobs(model, rows, 1.0, with_entropy=True)
+    m = batch.completion_mask[rows].bool()
+    torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ea[m], eb[m], atol=1e-4, rtol=0)
