@@ -1,8 +1,8 @@
 """Train a policy with a GRPO-family algorithm: ``python train.py algo=grpo``.
 
 Stages: SFT warm start (tiny models; cached) -> RL -> final evaluation. Each RL step follows the
-paper's Algorithm 1 in marked phases: rollout -> reward -> log-probs -> advantages -> loss and
-optimizer step -> weight sync -> log.
+paper's Algorithm 1 in marked phases: rollout -> reward -> partition/contexts -> log-probs ->
+advantages -> loss and optimizer step -> weight sync -> log.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from bicc.advantages import ADVANTAGES
-from bicc.conditioning import build_contexts, warm_up
-from bicc.diagnostics import conditioning_weights
-from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint, set_rng_state
+from bicc.conditioning import build_contexts, warm_up
 from bicc.config import register_configs, validate
 from bicc.data import build_task
+from bicc.diagnostics import conditioning_weights
 from bicc.evaluation import evaluate, format_eval
 from bicc.logprobs import make_token_batch
 from bicc.models import frozen_copy, load_pretrained, num_parameters
+from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.optim import build_optimizer, warmup_cosine
 from bicc.rollout import build_engine
 from bicc.sft import config_hash, warm_start
