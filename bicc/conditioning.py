@@ -202,7 +202,7 @@ def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, token
         return None, 0
     body: list[int] = []
     for shown, (c, cut) in enumerate(zip(candidates, cuts)):
-        stats["truncated"] += int(len(chosen[c]) > len(cut) or cut != chosen[c])
+        stats["truncated"] += int(cut != chosen[c])
         body += enc.headers[shown] + cut
     return enc.head + enc.preamble + body + enc.tail, sum(len(cut) for cut in cuts)
 
