@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 CONFIGS = {
     "embedded": dict(arch=dict(hidden_size=128, num_hidden_layers=3, intermediate_size=256, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=32), prompts=16, group=8, out_len=26, max_tokens=64, steps=8),
-    "large": dict(arch=dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1024, num_attention_heads=6,
+    "large": dict(arch=dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1152, num_attention_heads=6,
                             num_key_value_heads=2, head_dim=64), prompts=4, group=8, out_len=256, max_tokens=256, steps=3),
 }
 VARIANTS = {"grpo": [], "bicc_unpacked": ["bicc=paper", "bicc.packing=false"], "bicc_packed": ["bicc=paper"]}
