@@ -207,6 +207,14 @@ def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, token
     return enc.head + enc.preamble + body + enc.tail, sum(len(cut) for cut in cuts)
 
 
+def render_context(tokenizer, prompt: str, attempts: list[list[int]], bicc_cfg, budget: int) -> list[int] | None:
+    """The prompt ``prompt`` with ``attempts`` (token ids) shown under the BiCC template and budget, as
+    build_contexts renders them; None when no attempt fits. Used to show warm starts such prompts."""
+    enc = _encode_template(tokenizer, prompt, bicc_cfg, len(attempts))
+    stats = {"attempts": 0, "dropped": 0, "truncated": 0}
+    return _render(enc, attempts, budget, bicc_cfg, tokenizer, stats)[0]
+
+
 def warm_up(contexts: ConditionedPrompts, group_ids: torch.Tensor, plain_prompt_ids: list[list[int]], step: int,
             warmup_steps: int) -> ConditionedPrompts:
     """Condition only a share step/warmup_steps of the groups (the first groups of the batch), so training

@@ -157,6 +157,7 @@ class SFTConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.0
+    context_share: float = 0.0
     cache_dir: str = MISSING
 
 
@@ -291,6 +292,7 @@ def validate(cfg: Any) -> None:
     _check((cfg.model.path is None) != (cfg.model.tiny is None), "model.path",
            "set exactly one of model.path (HF id or local dir) and model.tiny (build from a config)")
 
+    _check(0 <= cfg.sft.context_share <= 1, "sft.context_share", f"must be in [0, 1], got {cfg.sft.context_share}")
     b = cfg.bicc
     _check(b.mode in ("partition", "paired"), "bicc.mode", f"'{b.mode}' unknown; choose from: partition, paired")
     _check(b.truncate in ("middle", "head", "tail"), "bicc.truncate", f"'{b.truncate}' unknown; choose from: middle, head, tail")

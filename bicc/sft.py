@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from bicc.checkpoint import COMPLETE, save_hf
+from bicc.conditioning import render_context
 from bicc.data import encode_prompt
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.losses.agg import masked_mean
@@ -38,8 +39,13 @@ def cache_key(cfg) -> str:
     """Hash of the resolved settings that determine the SFT checkpoint."""
     sft = OmegaConf.to_container(cfg.sft, resolve=True)
     sft.pop("cache_dir")
+    if sft["context_share"] == 0:  # absent from keys made before the option existed: keep those caches valid
+        sft.pop("context_share")
     keyed = {"model": OmegaConf.to_container(cfg.model.tiny, resolve=True), "data": OmegaConf.to_container(cfg.data, resolve=True),
              "sft": sft, "seed": cfg.seed, "format": 1}
+    if cfg.sft.context_share > 0:  # the template shown in SFT prompts then shapes the checkpoint too
+        keyed["template"] = [cfg.bicc.preamble, cfg.bicc.attempt_header, cfg.bicc.elision, cfg.bicc.context_ratio,
+                             cfg.bicc.max_tokens, cfg.bicc.min_attempt_tokens, cfg.bicc.truncate]
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -47,12 +53,22 @@ def cache_path(cfg) -> Path:
     return Path(cfg.sft.cache_dir) / f"sft-{cache_key(cfg)}"
 
 
-def demonstration_batch(task, tokenizer, indices: list[int], seed: int):
+def demonstration_batch(task, tokenizer, indices: list[int], seed: int, context_share: float = 0.0, bicc_cfg=None):
+    """Prompts and demonstrations for ``indices``. With ``context_share`` > 0 that share of prompts also
+    shows 1-4 other demonstrations of the same problem (independent of the target, slips included) under
+    the BiCC template, so the warm start has read such prompts before RL conditions on them."""
     prompts, completions = [], []
     for index in indices:
         problem = task.train_problem(index)
-        demo = task.demonstration(problem, random.Random(f"{seed}:demo:{index}"))
-        prompts.append(encode_prompt(tokenizer, problem.prompt))
+        rng = random.Random(f"{seed}:demo:{index}")
+        demo = task.demonstration(problem, rng)
+        prompt_ids = encode_prompt(tokenizer, problem.prompt)
+        if context_share > 0 and rng.random() < context_share:
+            attempts = [tokenizer(task.demonstration(problem, rng), add_special_tokens=False)["input_ids"]
+                        for _ in range(rng.randint(1, 4))]
+            budget = int(bicc_cfg.context_ratio * bicc_cfg.max_tokens)
+            prompt_ids = render_context(tokenizer, problem.prompt, attempts, bicc_cfg, budget) or prompt_ids
+        prompts.append(prompt_ids)
         completions.append(tokenizer(demo, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
     return make_token_batch(prompts, completions, tokenizer.pad_token_id)
 
@@ -69,7 +85,8 @@ def train_sft(cfg, task, device: torch.device, progress: bool = True):
     loss_value = float("nan")
     for step in bar:
         first = SFT_INDEX_OFFSET + step * sft.batch_size
-        batch = demonstration_batch(task, tokenizer, list(range(first, first + sft.batch_size)), cfg.seed).to(device)
+        batch = demonstration_batch(task, tokenizer, list(range(first, first + sft.batch_size)), cfg.seed,
+                                    sft.context_share, cfg.bicc).to(device)
         logp, _ = batch_logprobs(model, batch)
         loss = -masked_mean(logp, batch.completion_mask)
         optimizer.zero_grad(set_to_none=True)
