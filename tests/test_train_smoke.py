@@ -42,6 +42,14 @@ def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
     proc = run_train([*[a for a in SMALL if not a.startswith("train.steps")], "train.steps=3", "resume=auto",
                       f"hydra.run.dir={run_dir}"], tmp_path)
     assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
+    # eval.py scores the run dir's latest checkpoint
+    eval_dir = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, "eval.py", f"ckpt={run_dir}", "eval.num_problems=4", "eval.max_new_tokens=8",
+                           f"hydra.run.dir={eval_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "BICC_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scored = json.loads((eval_dir / "eval.json").read_text())
+    assert scored["ckpt"].endswith("step_3") and scored["eval/num_problems"] == 4
     before = load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")
     after = load_file(run_dir / "checkpoints" / "step_3" / "model.safetensors")
     assert any(not (before[k] == after[k]).all() for k in before)
