@@ -73,8 +73,8 @@ def _concat(outputs: list[RolloutOutput]) -> RolloutOutput:
 def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
     """Sample G outputs for each of ``prompts_per_step`` queries and score them. With
     ``algo.dynamic_sampling`` groups whose accuracy is 0 or 1 are dropped (as in DAPO: on correctness,
-    not on shaped rewards) and more queries drawn,
-    up to ``algo.max_sampling_rounds`` generate calls; a batch still short after that is used as is."""
+    not on shaped rewards) and more queries drawn, up to ``algo.max_sampling_rounds`` generate calls;
+    a batch still short after that is used as is."""
     P, G, algo = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algo
     kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor]] = []
     num_kept, drawn, rounds = 0, 0, 0
@@ -92,13 +92,13 @@ def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
         lengths = torch.tensor([len(c) for c in out.completion_ids]).view(want, G)
         shaped = correct.double() + overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer,
                                                      algo.overlong_penalty)  # [want, G]
-        texts = [problems[i // G].prompt for i in range(want * G)]
-        last_draw = (out, texts, correct.flatten(), shaped.flatten())
+        queries = [problems[i // G].prompt for i in range(want * G)]  # each row's user-turn text
+        last_draw = (out, queries, correct.flatten(), shaped.flatten())
         keep = (correct.max(1).values > correct.min(1).values) if algo.dynamic_sampling else torch.ones(want, dtype=torch.bool)
         rows = (keep.nonzero() * G + torch.arange(G)).flatten().tolist()  # sample rows of the kept groups
         if rows:
             part = RolloutOutput(*([getattr(out, f)[r] for r in rows] for f in ("prompt_ids", "completion_ids", "texts", "finished")))
-            kept.append((part, [texts[r] for r in rows], correct.flatten()[rows], shaped.flatten()[rows]))
+            kept.append((part, [queries[r] for r in rows], correct.flatten()[rows], shaped.flatten()[rows]))
             num_kept += len(rows) // G
     if not kept:  # every group was degenerate in every round: train on the last draw (zero advantages)
         kept.append(last_draw)
