@@ -126,16 +126,19 @@ def resume_dir(resume: str, run_dir: Path) -> Path | None:
     return root
 
 
-def run_rl(cfg, init_path: str, device: torch.device, run_dir: Path, tracker: Tracker) -> RLState:
+def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path) -> RLState:
     ckpt = resume_dir(cfg.resume, run_dir) if cfg.resume else None
     if ckpt is None:
-        s = build_rl_state(cfg, init_path, init_path, device)
-    else:
-        state = load_trainer_state(ckpt)
-        s = build_rl_state(cfg, str(ckpt), state["init_path"], device)
-        s.load_trainer_state(state)
-        set_rng_state(state["rng"])
-        print(f"[rl] resumed from {ckpt} at step {s.step}")
+        return build_rl_state(cfg, init_path, init_path, device)
+    state = load_trainer_state(ckpt)
+    s = build_rl_state(cfg, str(ckpt), state["init_path"], device)
+    s.load_trainer_state(state)
+    set_rng_state(state["rng"])
+    print(f"[rl] resumed from {ckpt} at step {s.step}")
+    return s
+
+
+def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
     print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
           f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples")
     start = time.perf_counter()
@@ -174,22 +177,21 @@ def main(cfg) -> dict:
 
     tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
                       cfg.logger.wandb_project)
+    s = start_or_resume(cfg, init_path, device, run_dir)
     baseline = None
-    if cfg.resume is None:
+    if s.step == 0:  # score the initial policy with the model RL will train (no second load)
         # The warm start's own dir caches its score: every run from one SFT checkpoint shares it.
         cache = Path(init_path) / f"eval-{config_hash(cfg.eval, cfg.seed, cfg.rollout.engine)}.json" if cfg.model.tiny else None
         if cache is not None and cache.exists():
             baseline = json.loads(cache.read_text())
         else:
-            model, tokenizer = load_pretrained(init_path, cfg.model, device)
-            baseline = evaluate(build_engine(cfg.rollout.engine, model, tokenizer, cfg.eval), tokenizer, task, cfg.eval,
-                                cfg.seed)
+            baseline = evaluate(build_engine(cfg.rollout.engine, s.model, s.tokenizer, cfg.eval), s.tokenizer, task,
+                                cfg.eval, cfg.seed)
             if cache is not None:
                 cache.write_text(json.dumps(baseline))
-            del model
         print(f"[eval] initial policy: {format_eval(baseline)}")
 
-    s = run_rl(cfg, init_path, device, run_dir, tracker)
+    s = run_rl(s, cfg, run_dir, tracker)
 
     final = evaluate(build_engine(cfg.rollout.engine, s.model, s.tokenizer, cfg.eval), s.tokenizer, task, cfg.eval, cfg.seed)
     tracker.log(final, step=s.step)

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
