@@ -24,7 +24,7 @@ from bicc.checkpoint import list_checkpoints, load_trainer_state, save_checkpoin
 from bicc.conditioning import build_contexts, warm_up
 from bicc.config import register_configs, validate
 from bicc.data import build_task
-from bicc.diagnostics import conditioning_weights
+from bicc.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
 from bicc.evaluation import evaluate, format_eval
 from bicc.logprobs import make_token_batch
 from bicc.models import frozen_copy, load_pretrained, num_parameters
@@ -33,13 +33,14 @@ from bicc.optim import build_optimizer, warmup_cosine
 from bicc.rollout import build_engine
 from bicc.sft import config_hash, warm_start
 from bicc.tracking import Tracker
-from bicc.trainer import RLState, collect_rollout, logprobs_no_grad, needs_reference, update_policy
+from bicc.trainer import (RLState, collect_rollout, conditioned_logprobs_no_grad, logprobs_no_grad, loss_of_rows_fn,
+                          needs_reference, update_policy)
 
 register_configs()
 hf_logging.disable_progress_bar()
 
 
-def rl_step(s: RLState, cfg) -> dict:
+def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     t0 = time.perf_counter()
     device = next(s.model.parameters()).device
     step_seed = cfg.seed * 1_000_003 + s.step
@@ -70,11 +71,29 @@ def rl_step(s: RLState, cfg) -> dict:
     ref_logp = logprobs_no_grad(s.ref_model, plain, N, mb, cfg.rollout.temperature) if s.ref_model is not None else None
     t_logprobs = time.perf_counter()
 
-    # ---- 5. advantages -------------------------------------------------------------------------
-    adv, adv_metrics = ADVANTAGES.get(cfg.algo.advantage)(ro.rewards, ro.group_ids, None, cfg.algo)  # [N]
+    # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
+    diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0
+    delta, diag_record = None, {}
+    if cfg.rcc.enabled or diag:  # delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q), theta = theta_old here
+        cond_logp = conditioned_logprobs_no_grad(s.model, numerator, plain, old_logp, cfg, N, mb)
+        delta = sequence_delta(cond_logp, ref_logp, batch.completion_mask, cfg.rcc.delta).cpu()
+    adv_name = "rcc" if cfg.rcc.enabled else cfg.algo.advantage
+    adv, adv_metrics = ADVANTAGES.get(adv_name)(ro.rewards, ro.group_ids, delta, cfg.algo)  # [N]
+    adv = adv.to(device)
+    if diag:  # measured without changing the update: gradients are cleared before it
+        if not cfg.rcc.enabled:
+            _, rcc_metrics = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
+            adv_metrics.update({k: v for k, v in rcc_metrics.items() if k.startswith("rcc/")})
+        loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, old_logp, ref_logp, adv, cfg)
+        s.model.train()
+        grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(device), cfg.rcc.diag_splits,
+                                     torch.Generator().manual_seed(step_seed), mb)
+        adv_metrics.update({**delta_by_reward(delta, ro.correct), "rcc/grad_var": grad_var})
+        diag_record = {"step": s.step + 1, "delta": delta.tolist(), "correct": ro.correct.tolist(),
+                       "grad_var": grad_var}
 
     # ---- 6. loss and optimizer step(s) ---------------------------------------------------------
-    update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, old_logp, ref_logp, adv.to(device), cfg,
+    update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, old_logp, ref_logp, adv, cfg,
                                                          step_seed)
     t_update = time.perf_counter()
 
@@ -100,14 +119,14 @@ def rl_step(s: RLState, cfg) -> dict:
         "perf/rollout_s": t_rollout - t0, "perf/logprob_s": t_logprobs - t_rollout,
         "perf/update_s": t_update - t_logprobs, "perf/step_s": time.perf_counter() - t0,
         "perf/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - t0),
-    }
+    }, diag_record
 
 
 def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device) -> RLState:
     """Policy from ``policy_path`` (the initial policy, or a checkpoint when resuming); the frozen
     reference is always the initial policy at ``init_path``."""
     model, tokenizer = load_pretrained(policy_path, cfg.model, device)
-    ref_model = frozen_copy(init_path, cfg.model, device) if needs_reference(cfg.algo) else None
+    ref_model = frozen_copy(init_path, cfg.model, device) if needs_reference(cfg) else None
     optimizer = build_optimizer(model, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
     total = cfg.train.steps * cfg.train.epochs_per_rollout * cfg.train.minibatches_per_rollout
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
@@ -144,7 +163,10 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
     start = time.perf_counter()
     bar = tqdm(total=cfg.train.steps, initial=s.step, desc="rl", disable=not cfg.logger.progress, dynamic_ncols=True)
     while s.step < cfg.train.steps:
-        metrics = rl_step(s, cfg)
+        metrics, diag_record = rl_step(s, cfg)
+        if diag_record:  # raw per-sample values for the delta histograms (bicc.plots)
+            with open(run_dir / "diagnostics.jsonl", "a") as f:
+                f.write(json.dumps(diag_record) + "\n")
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", loss=f"{metrics['train/loss']:.3f}")
         if s.step % cfg.train.log_every == 0:

@@ -50,3 +50,30 @@ def mean_centered_advantage(rewards, group_ids, delta, cfg):
     mean, std, counts = group_stats(rewards, group_ids)
     adv = rewards.double() - mean
     return adv.to(rewards.dtype), {"train/adv_zero_group_share": _degenerate_share(std, counts)}
+
+
+@ADVANTAGES.register("rcc")
+def rcc_advantage(rewards, group_ids, delta, cfg):
+    """Reward-confidence correction (paper eq. 17; Algorithm 1 lines 9-11). Per group of G samples:
+
+        Cov = (1/G) sum_i (r_i - R_bar)(delta_i - delta_bar),    A_i = r_i - R_bar - 2 Cov,
+
+    with delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q) (detached) and no std normalisation.
+    It replaces the variant's own advantage."""
+    if delta is None:
+        raise ValueError("advantage 'rcc' needs delta: the per-sample log pi_theta(o|x^c) - log pi_ref(o|q)")
+    if delta.shape != rewards.shape:
+        raise ValueError(f"advantage 'rcc': delta has shape {tuple(delta.shape)}, rewards {tuple(rewards.shape)}")
+    r_mean, r_std, counts = group_stats(rewards, group_ids)
+    d_mean, _, _ = group_stats(delta, group_ids)
+    r_centred = rewards.double() - r_mean
+    cov, _, _ = group_stats(r_centred * (delta.double() - d_mean), group_ids)  # group mean of the products
+    adv = r_centred - 2 * cov
+    per_group = 1.0 / counts  # each sample carries 1/G of its group: sums below are over groups
+    num_groups = per_group.sum()
+    return adv.to(rewards.dtype), {
+        "train/adv_zero_group_share": _degenerate_share(r_std, counts),
+        "rcc/cov": ((cov * per_group).sum() / num_groups).item(),
+        "rcc/abs_cov": ((cov.abs() * per_group).sum() / num_groups).item(),
+        "rcc/correction_share": ((cov != 0).double() * per_group).sum().item() / num_groups.item(),
+    }

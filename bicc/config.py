@@ -60,6 +60,17 @@ class BiccConfig:
 
 
 @dataclass
+class RccConfig:
+    """Reward-confidence correction (conf/rcc) and the paper's diagnostics (conf/rcc: diag_*)."""
+
+    enabled: bool = MISSING
+    delta: str = "sum"
+    diag_every: int = 10
+    diag_splits: int = 4
+    stage_steps: int = 100
+
+
+@dataclass
 class TinyArchConfig:
     """Architecture of a model built from a config (random init), used by ``model=tiny``."""
 
@@ -158,6 +169,7 @@ class SFTConfig:
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.0
     context_share: float = 0.0
+    seed: Optional[int] = None
     cache_dir: str = MISSING
 
 
@@ -190,6 +202,7 @@ class RunConfig:
 
     algo: AlgoConfig = MISSING
     bicc: BiccConfig = MISSING
+    rcc: RccConfig = MISSING
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     rollout: RolloutConfig = MISSING
@@ -213,6 +226,7 @@ def register_configs() -> None:
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="algo", name="algo_schema", node=AlgoConfig)
     cs.store(group="bicc", name="bicc_schema", node=BiccConfig)
+    cs.store(group="rcc", name="rcc_schema", node=RccConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
@@ -303,6 +317,15 @@ def validate(cfg: Any) -> None:
     _check(b.log_ratio_clip >= 0, "bicc.log_ratio_clip", f"must be >= 0 (0 = off), got {b.log_ratio_clip}")
     _check(b.warmup_steps >= 0, "bicc.warmup_steps", f"must be >= 0, got {b.warmup_steps}")
     _check("{i}" in b.attempt_header, "bicc.attempt_header", f"must contain '{{i}}' (the attempt number), got {b.attempt_header!r}")
+
+    rc = cfg.rcc
+    _check(rc.delta in ("sum", "mean"), "rcc.delta", f"'{rc.delta}' unknown; choose from: sum, mean")
+    _check(rc.diag_every >= 0, "rcc.diag_every", f"must be >= 0 (0 = off), got {rc.diag_every}")
+    _check(rc.diag_splits >= 2, "rcc.diag_splits", f"must be >= 2 (a variance needs 2+ estimates), got {rc.diag_splits}")
+    _check(rc.diag_splits <= cfg.rollout.prompts_per_step, "rcc.diag_splits",
+           f"must be <= rollout.prompts_per_step={cfg.rollout.prompts_per_step} (splits are disjoint sets of groups), "
+           f"got {rc.diag_splits}")
+    _check(rc.stage_steps >= 1, "rcc.stage_steps", f"must be >= 1, got {rc.stage_steps}")
 
     ar = cfg.data.arith
     _check(2 <= ar.min_operands <= ar.max_operands, "data.arith.min_operands",

@@ -18,3 +18,80 @@ def conditioning_weights(log_w: torch.Tensor, conditioned: torch.Tensor, correct
             metrics[f"bicc/log_w_{name}"] = log_w[sel].mean().item()
             metrics[f"bicc/w_gt1_share_{name}"] = (log_w[sel] > 0).float().mean().item()
     return metrics
+
+
+def sequence_delta(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, reduce: str = "sum") -> torch.Tensor:
+    """RCC's delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q) per sequence [N], from per-token
+    log-probs [N, L] on the completion grid: summed over the output's tokens (the paper) or their mean."""
+    diff = ((logp - ref_logp) * mask).sum(-1)
+    if reduce == "mean":
+        diff = diff / mask.sum(-1).clamp(min=1)
+    return diff.detach()
+
+
+@torch.no_grad()
+def delta_by_reward(delta: torch.Tensor, correct: torch.Tensor) -> dict[str, float]:
+    """Mean delta over correct and incorrect outputs and their separation (the paper's Delta mu)."""
+    metrics = {}
+    pos, neg = delta[correct == 1], delta[correct != 1]
+    if len(pos):
+        metrics["rcc/delta_pos"] = pos.mean().item()
+    if len(neg):
+        metrics["rcc/delta_neg"] = neg.mean().item()
+    if len(pos) and len(neg):
+        metrics["rcc/delta_sep"] = metrics["rcc/delta_pos"] - metrics["rcc/delta_neg"]
+    return metrics
+
+
+class GradientMoments:
+    """Running first and second moments of K gradient estimates, kept as one summed vector per
+    parameter plus a scalar (never K copies of the model's gradient)."""
+
+    def __init__(self):
+        self.sum: list[torch.Tensor] | None = None
+        self.sq_norm_sum = 0.0
+        self.count = 0
+
+    def add(self, grads: list[torch.Tensor]) -> None:
+        flat = [g.detach().double() for g in grads]
+        self.sq_norm_sum += sum(float((g * g).sum()) for g in flat)
+        self.sum = flat if self.sum is None else [s + g for s, g in zip(self.sum, flat)]
+        self.count += 1
+
+    def relative_variance(self) -> float:
+        """mean_k ||g_k - g_bar||^2 / ||g_bar||^2 with g_bar = mean_k g_k (see ``gradient_variance``)."""
+        if self.count < 2:
+            raise ValueError(f"a gradient variance needs >= 2 estimates, got {self.count}")
+        mean_sq_norm = sum(float((s * s).sum()) for s in self.sum) / self.count**2
+        spread = self.sq_norm_sum / self.count - mean_sq_norm
+        return max(spread, 0.0) / mean_sq_norm if mean_sq_norm > 0 else float("nan")
+
+
+def gradient_variance(model, loss_of_rows, group_ids: torch.Tensor, splits: int, generator: torch.Generator,
+                      micro_batch_size: int) -> float:
+    """Relative variance of the policy-gradient estimator at the current parameters.
+
+    Definition (fixed across the project): the step's groups (queries) are shuffled and cut into K =
+    ``splits`` disjoint, nearly equal sets. For each set k, g_k is the gradient of the step's loss
+    computed on that set alone (normalised over the set, exactly as the update normalises over its
+    minibatch), so every g_k estimates the same expected gradient from 1/K of the queries. We report
+
+        V = mean_k ||g_k - g_bar||^2 / ||g_bar||^2,      g_bar = mean_k g_k,
+
+    over all trainable parameters flattened: the estimator's variance relative to its squared mean,
+    which is invariant to the scale of the advantages (GRPO's std division vs RCC's none). Lower V
+    means a less noisy gradient. ``loss_of_rows(rows)`` returns the loss of those rows normalised over
+    ``rows`` (callers pass the update's own loss). Gradients are cleared afterwards, so the following
+    update is unchanged."""
+    groups = torch.unique(group_ids)
+    groups = groups[torch.randperm(len(groups), generator=generator)]
+    moments = GradientMoments()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for chunk in groups.tensor_split(splits):
+        rows = torch.nonzero(torch.isin(group_ids, chunk)).flatten()
+        model.zero_grad(set_to_none=True)
+        for start in range(0, len(rows), micro_batch_size):
+            loss_of_rows(rows[start : start + micro_batch_size], rows).backward()
+        moments.add([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+    model.zero_grad(set_to_none=True)
+    return moments.relative_variance()

@@ -35,14 +35,20 @@ def config_hash(*parts) -> str:
     return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def sft_seed(cfg) -> int:
+    """Seed of the warm start: ``sft.seed`` when set (so RL seeds can share one checkpoint), else ``seed``."""
+    return cfg.seed if cfg.sft.seed is None else cfg.sft.seed
+
+
 def cache_key(cfg) -> str:
     """Hash of the resolved settings that determine the SFT checkpoint."""
     sft = OmegaConf.to_container(cfg.sft, resolve=True)
     sft.pop("cache_dir")
+    sft.pop("seed", None)  # folded into the effective seed below (keys made before the option stay valid)
     if sft["context_share"] == 0:  # absent from keys made before the option existed: keep those caches valid
         sft.pop("context_share")
     keyed = {"model": OmegaConf.to_container(cfg.model.tiny, resolve=True), "data": OmegaConf.to_container(cfg.data, resolve=True),
-             "sft": sft, "seed": cfg.seed, "format": 1}
+             "sft": sft, "seed": sft_seed(cfg), "format": 1}
     if cfg.sft.context_share > 0:  # the template shown in SFT prompts then shapes the checkpoint too
         keyed["template"] = [cfg.bicc.preamble, cfg.bicc.attempt_header, cfg.bicc.elision, cfg.bicc.context_ratio,
                              cfg.bicc.max_tokens, cfg.bicc.min_attempt_tokens, cfg.bicc.truncate]
@@ -75,7 +81,7 @@ def demonstration_batch(task, tokenizer, indices: list[int], seed: int, context_
 
 def train_sft(cfg, task, device: torch.device, progress: bool = True):
     """Build the tiny model and fine-tune it; returns (model, tokenizer, metrics)."""
-    model, tokenizer = build_tiny(cfg.model.tiny, cfg.seed)
+    model, tokenizer = build_tiny(cfg.model.tiny, sft_seed(cfg))
     model.to(device).train()
     sft = cfg.sft
     optimizer = build_optimizer(model, sft.lr, cfg.optim.betas, sft.weight_decay)
@@ -85,7 +91,7 @@ def train_sft(cfg, task, device: torch.device, progress: bool = True):
     loss_value = float("nan")
     for step in bar:
         first = SFT_INDEX_OFFSET + step * sft.batch_size
-        batch = demonstration_batch(task, tokenizer, list(range(first, first + sft.batch_size)), cfg.seed,
+        batch = demonstration_batch(task, tokenizer, list(range(first, first + sft.batch_size)), sft_seed(cfg),
                                     sft.context_share, cfg.bicc).to(device)
         logp, _ = batch_logprobs(model, batch)
         loss = -masked_mean(logp, batch.completion_mask)

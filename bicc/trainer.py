@@ -41,8 +41,36 @@ class RLState:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-def needs_reference(algo_cfg) -> bool:
-    return algo_cfg.kl_coef > 0 or algo_cfg.ratio_denominator == "ref"
+def needs_reference(cfg) -> bool:
+    """The frozen initial policy is loaded for a KL term, a ref-denominated ratio, RCC's delta, or the
+    delta diagnostics."""
+    return (cfg.algo.kl_coef > 0 or cfg.algo.ratio_denominator == "ref" or cfg.rcc.enabled
+            or cfg.rcc.diag_every > 0)
+
+
+def conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_rows: int, micro_batch_size: int):
+    """log pi_theta(o_i | x^c) per token at theta = theta_old (before the update), for RCC's delta: the
+    numerator's context (x^c = q when BiCC is off). Reuses ``old_logp`` when it already is exactly that."""
+    if numerator is plain or cfg.bicc.old_on_context:
+        return old_logp
+    return logprobs_no_grad(model, numerator, num_rows, micro_batch_size, cfg.rollout.temperature)
+
+
+def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg):
+    """``loss(rows, norm_rows)``: the update's loss on ``rows`` normalised over ``norm_rows`` (a whole
+    minibatch or a diagnostic split), as a differentiable scalar."""
+    loss_fn = LOSSES.get(cfg.algo.loss)
+
+    def loss(rows, norm_rows):
+        totals = StepTotals.of(batch.completion_mask[norm_rows], cfg.rollout.max_new_tokens)
+        logp, _ = numerator.logprobs(model, rows, cfg.rollout.temperature)
+        if cfg.bicc.enabled and cfg.bicc.log_ratio_clip > 0:
+            logp = clip_log_ratio_value(logp, old_logp[rows], cfg.bicc.log_ratio_clip)
+        value, _ = loss_fn(logp, old_logp[rows], None if ref_logp is None else ref_logp[rows], adv[rows],
+                           batch.completion_mask[rows], cfg.algo, totals)
+        return value
+
+    return loss
 
 
 @dataclass
