@@ -1,0 +1,323 @@
+"""Answer checking for math benchmarks and math training rewards: extraction, a fast exact path, and
+math-verify behind a hard per-item deadline.
+
+Model outputs are untrusted text. Here that means:
+
+- extraction is a linear scan over at most ``MAX_CHARS`` characters from the end of the output;
+- an extracted answer longer than ``MAX_ANSWER_CHARS``, or containing text that could only be code
+  (``__``, ``import``, ``lambda`` ...), scores 0 without being parsed;
+- math-verify's expression parser ends in sympy's ``parse_expr`` and thereby ``eval``: text that could
+  be code never reaches it (the filter above runs in the parent and again in the worker), and it runs
+  only on math-verify's own regex-extracted math spans, inside a memory-capped worker process;
+- parsing and comparison run in worker processes, each item under a wall-clock deadline: a worker
+  past its deadline is killed and replaced and the item scores 0. math-verify's own timeouts use
+  ``signal.alarm``, which does nothing outside the main thread (Math-Verify issue 50), so they are
+  disabled and this deadline replaces them.
+
+Extraction is configured per dataset as an ordered list of extractor names (``EXTRACTORS``): the first
+that finds something wins.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import re
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+
+from bicc.registry import Registry
+from bicc.rewards import last_boxed
+
+MAX_CHARS = 20_000
+MAX_ANSWER_CHARS = 1_000
+EXTRACTORS: Registry = Registry("answer extractor")
+_CODE_LIKE = re.compile(r"__|\bimport\b|\blambda\b|\beval\b|\bexec\b|\bos\.|\bsys\.|\bsubprocess\b|\bopen\(")
+
+
+@EXTRACTORS.register("boxed")
+def extract_boxed(text: str) -> str | None:
+    """The last balanced ``\\boxed{...}`` (``\\fbox`` too)."""
+    return last_boxed(text.replace("\\fbox{", "\\boxed{"))
+
+
+_ANSWER_IS = re.compile(r"(?:[Tt]he )?(?:final )?answer is:?\s*")
+
+
+@EXTRACTORS.register("answer_is")
+def extract_answer_is(text: str) -> str | None:
+    """What follows the last "The answer is", up to the end of its line or sentence."""
+    last = None
+    for last in _ANSWER_IS.finditer(text):
+        pass
+    if last is None:
+        return None
+    rest = text[last.end() : last.end() + 200].split("\n", 1)[0].strip()
+    rest = re.sub(r"\.\s*$|\.\s+[A-Z].*$", "", rest).strip()
+    return rest.strip("$ ") or None
+
+
+_HASHES = re.compile(r"####\s*([^\n]*)")
+_A_COLON = re.compile(r"(?:^|\n)\s*A:\s*([^\n]*)")
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+@EXTRACTORS.register("gsm8k")
+def extract_gsm8k(text: str) -> str | None:
+    """GSM8K's formats: the last ``#### x``, else the last ``A: x`` line; the first number in it."""
+    for pattern in (_HASHES, _A_COLON):
+        found = pattern.findall(text)
+        if found:
+            number = _NUMBER.search(found[-1])
+            return number.group().replace("$", "") if number else found[-1].strip() or None
+    return None
+
+
+@EXTRACTORS.register("last_number")
+def extract_last_number(text: str) -> str | None:
+    """The last number in the text (a weak fallback)."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace("$", "") if found else None
+
+
+def extract(text: str, extractors) -> str | None:
+    text = text[-MAX_CHARS:]
+    for name in extractors:
+        found = EXTRACTORS.get(name)(text)
+        if found is not None and found.strip():
+            return found.strip()
+    return None
+
+
+# ---- fast path: canonical text ----------------------------------------------------------------
+_STRIP = [r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\displaystyle", "^\\circ", "^{\\circ}", "\\%", "%",
+          "\\$", "$", " ", "\n", "\t"]
+_TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm|mbox|mathbf)\{([^{}]*)\}")
+_THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_PLAIN_NUMBER = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)$")
+
+
+def canonical(answer: str) -> str:
+    """Light, purely textual normalisation: wrappers and spacing removed, fractions spelled one way,
+    integers without padding."""
+    s = answer.strip()
+    s = _TEXT_WRAP.sub(r"\1", s)
+    for token in _STRIP:
+        s = s.replace(token, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = s.rstrip(".")
+    if s.startswith("{") and s.endswith("}") and s.count("{") == 1:
+        s = s[1:-1]
+    if _THOUSANDS.match(s):
+        s = s.replace(",", "")
+    if _PLAIN_NUMBER.match(s):
+        value = float(s)
+        if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
+            return str(int(value))
+        return repr(value)
+    return s
+
+
+def number_of(s: str) -> float | None:
+    return float(s) if _PLAIN_NUMBER.match(s) else None
+
+
+# ---- slow path: math-verify in worker processes --------------------------------------------------
+def _verify_in_worker(gold: str, pred: str, match_types: tuple[str, ...], precision: int, set_rel: bool,
+                      gold_is_latex: bool) -> bool:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    if _CODE_LIKE.search(pred):  # checked by the caller too; the expression parser below ends in eval
+        return False
+    configs = {"latex": LatexExtractionConfig(), "expr": ExprExtractionConfig()}
+    gold_cfg = [configs[m] for m in match_types] if not gold_is_latex else [LatexExtractionConfig(), ExprExtractionConfig()]
+    pred_cfg = [configs[m] for m in match_types]
+    g = parse(gold, extraction_config=gold_cfg, parsing_timeout=None)
+    p = parse(pred, extraction_config=pred_cfg, parsing_timeout=None)
+    if not g or not p:
+        return False
+    return bool(verify(g, p, float_rounding=precision, allow_set_relation_comp=set_rel, timeout_seconds=None))
+
+
+def _worker_loop(conn, memory_bytes: int) -> None:
+    import logging
+    import resource
+    import warnings
+
+    if memory_bytes > 0:  # a pathological expression fails with MemoryError instead of taking the machine
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
+    logging.disable(logging.CRITICAL)  # math-verify warns on every disabled timeout
+    warnings.filterwarnings("ignore")
+    while True:
+        try:
+            item = conn.recv()
+        except EOFError:
+            return
+        if item is None:
+            return
+        try:
+            result = _verify_in_worker(*item)
+        except Exception:  # a parse/compare failure of untrusted text is a wrong answer, not a crash
+            result = False
+        conn.send(result)
+
+
+class VerifyPool:
+    """Worker processes running math-verify, with a per-item wall-clock deadline."""
+
+    def __init__(self, workers: int = 2, deadline_s: float = 2.0, memory_bytes: int = 4 << 30):
+        self.size, self.deadline_s, self.memory_bytes = max(1, workers), deadline_s, memory_bytes
+        self._ctx = mp.get_context("spawn")  # fork after torch threads start is unsafe
+        self._workers: list = []
+        self.timeouts = 0
+
+    def _spawn(self):
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker_loop, args=(child, self.memory_bytes), daemon=True)
+        proc.start()
+        child.close()
+        return proc, parent
+
+    def _warm(self):
+        while len(self._workers) < self.size:
+            self._workers.append(self._spawn())
+        # the first call imports math-verify/sympy: give it a generous, one-time allowance
+        for i, (proc, conn) in enumerate(self._workers):
+            if not getattr(self, "_ready", False):
+                conn.send(("1", "1", ("latex",), 6, False, True))
+                if not conn.poll(60):
+                    raise RuntimeError("math-verify worker did not start within 60 s")
+                conn.recv()
+        self._ready = True
+
+    def run(self, items: list[tuple]) -> list[bool]:
+        """Verify ``items`` (arguments of ``_verify_in_worker``); an item past its deadline is False."""
+        if not items:
+            return []
+        self._warm()
+        results: list[bool] = [False] * len(items)
+        pending = list(range(len(items)))[::-1]
+        busy: dict = {}  # conn -> (index, started, slot)
+        idle = list(range(len(self._workers)))
+        while pending or busy:
+            while pending and idle:
+                slot = idle.pop()
+                index = pending.pop()
+                _, conn = self._workers[slot]
+                conn.send(items[index])
+                busy[conn] = (index, time.monotonic(), slot)
+            soonest = min(started for _, started, _ in busy.values()) + self.deadline_s
+            ready = wait(list(busy), timeout=max(0.0, soonest - time.monotonic()))
+            for conn in ready:
+                index, _, slot = busy.pop(conn)
+                try:
+                    results[index] = bool(conn.recv())
+                except EOFError:  # the worker died (e.g. out of memory): wrong, and replace it
+                    self._replace(slot)
+                idle.append(slot)
+            now = time.monotonic()
+            for conn, (index, started, slot) in list(busy.items()):
+                if now - started > self.deadline_s:
+                    busy.pop(conn)
+                    self.timeouts += 1
+                    self._replace(slot)
+                    idle.append(slot)
+        return results
+
+    def _replace(self, slot: int) -> None:
+        proc, conn = self._workers[slot]
+        proc.kill()
+        proc.join(timeout=5)
+        conn.close()
+        self._workers[slot] = self._spawn()
+        _, new_conn = self._workers[slot]
+        new_conn.send(("1", "1", ("latex",), 6, False, True))  # import before the next timed item
+        new_conn.poll(60) and new_conn.recv()
+
+    def close(self) -> None:
+        for proc, conn in self._workers:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+        self._workers = []
+        self._ready = False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+@dataclass
+class MathChecker:
+    """Scores completions against gold answers: 1.0 or 0.0, never raising.
+
+    ``extractors``: ordered extractor names; ``use_math_verify``: fall back to math-verify when the fast
+    path cannot decide; ``workers`` / ``deadline_s``: the verify pool."""
+
+    extractors: tuple[str, ...] = ("boxed", "answer_is")
+    use_math_verify: bool = True
+    workers: int = 2
+    deadline_s: float = 2.0
+    stats: dict = field(default_factory=lambda: {"fast": 0, "verify": 0, "no_answer": 0, "rejected": 0})
+
+    def __post_init__(self):
+        for name in self.extractors:
+            EXTRACTORS.get(name)  # unknown names fail here, naming the choices
+        self._pool = None
+
+    @property
+    def pool(self) -> VerifyPool:
+        if self._pool is None:
+            self._pool = VerifyPool(self.workers, self.deadline_s)
+        return self._pool
+
+    def fast(self, pred: str, gold: str) -> bool | None:
+        """True/False when text alone decides, None when math-verify must."""
+        a, b = canonical(pred), canonical(gold)
+        if a == b:
+            return True
+        x, y = number_of(a), number_of(b)
+        if x is not None and y is not None:
+            return abs(x - y) <= 1e-6 * max(1.0, abs(y))
+        return None
+
+    def score_many(self, completions: list[str], golds: list[str]) -> list[float]:
+        if len(completions) != len(golds):
+            raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
+        scores = [0.0] * len(completions)
+        slow_items, slow_index = [], []
+        for i, (text, gold) in enumerate(zip(completions, golds)):
+            pred = extract(text if isinstance(text, str) else "", self.extractors)
+            if pred is None:
+                self.stats["no_answer"] += 1
+                continue
+            if len(pred) > MAX_ANSWER_CHARS or _CODE_LIKE.search(pred):
+                self.stats["rejected"] += 1
+                continue
+            decided = self.fast(pred, str(gold))
+            if decided is not None or not self.use_math_verify:
+                self.stats["fast"] += 1
+                scores[i] = float(bool(decided))
+                continue
+            slow_index.append(i)
+            slow_items.append((f"${gold}$", f"$\\boxed{{{pred}}}$", ("latex", "expr"), 6, False, True))
+        if slow_items:
+            self.stats["verify"] += len(slow_items)
+            for i, ok in zip(slow_index, self.pool.run(slow_items)):
+                scores[i] = float(ok)
+        return scores
+
+    def score(self, completion: str, gold: str) -> float:
+        return self.score_many([completion], [gold])[0]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
