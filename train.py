@@ -215,7 +215,8 @@ def main(cfg) -> dict:
 
     s = run_rl(s, cfg, run_dir, tracker)
 
-    final = evaluate(build_engine(cfg.rollout.engine, s.model, s.tokenizer, cfg.eval), s.tokenizer, task, cfg.eval, cfg.seed)
+    final = evaluate(build_engine(cfg.rollout.engine, s.model, s.tokenizer, cfg.eval), s.tokenizer, task, cfg.eval, cfg.seed,
+                     out_dir=run_dir / "eval", progress=cfg.logger.progress)
     tracker.log(final, step=s.step)
     tracker.finish()
     results = {"initial": baseline, "final": final, "steps": s.step, "init_path": init_path}

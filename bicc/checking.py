@@ -164,43 +164,67 @@ def _worker_loop(conn, memory_bytes: int) -> None:
         conn.send(result)
 
 
-class VerifyPool:
-    """Worker processes running math-verify, with a per-item wall-clock deadline."""
+_WARM_ITEM = ("1", "1", ("latex",), 6, False, True)
 
-    def __init__(self, workers: int = 2, deadline_s: float = 2.0, memory_bytes: int = 4 << 30):
+
+class VerifyPool:
+    """Worker processes running math-verify, with a per-item wall-clock deadline.
+
+    A worker past its deadline is killed and a fresh one started in the background: the item scores 0
+    at once, and the new worker takes items again when its imports are done."""
+
+    def __init__(self, workers: int = 2, deadline_s: float = 1.5, memory_bytes: int = 4 << 30):
         self.size, self.deadline_s, self.memory_bytes = max(1, workers), deadline_s, memory_bytes
         self._ctx = mp.get_context("spawn")  # fork after torch threads start is unsafe
-        self._workers: list = []
+        self._workers: list = []  # (process, connection) per slot
+        self._warming: dict = {}  # connection -> slot, for workers still importing
         self.timeouts = 0
 
-    def _spawn(self):
+    def _spawn(self, slot: int | None = None):
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_worker_loop, args=(child, self.memory_bytes), daemon=True)
         proc.start()
         child.close()
-        return proc, parent
+        parent.send(_WARM_ITEM)  # answered once the worker has imported math-verify
+        if slot is None:
+            self._workers.append((proc, parent))
+            slot = len(self._workers) - 1
+        else:
+            self._workers[slot] = (proc, parent)
+        self._warming[parent] = slot
 
-    def _warm(self):
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start the workers and wait until all have imported math-verify."""
         while len(self._workers) < self.size:
-            self._workers.append(self._spawn())
-        # the first call imports math-verify/sympy: give it a generous, one-time allowance
-        for i, (proc, conn) in enumerate(self._workers):
-            if not getattr(self, "_ready", False):
-                conn.send(("1", "1", ("latex",), 6, False, True))
-                if not conn.poll(60):
-                    raise RuntimeError("math-verify worker did not start within 60 s")
-                conn.recv()
-        self._ready = True
+            self._spawn()
+        deadline = time.monotonic() + timeout_s
+        while self._warming:
+            ready = wait(list(self._warming), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RuntimeError(f"math-verify workers did not start within {timeout_s:.0f} s")
+            for conn in ready:
+                self._finish_warm(conn)
+
+    def _finish_warm(self, conn) -> int | None:
+        slot = self._warming.pop(conn)
+        try:
+            conn.recv()
+            return slot
+        except (EOFError, OSError):  # died while importing: try once more later
+            self._spawn(slot)
+            return None
 
     def run(self, items: list[tuple]) -> list[bool]:
         """Verify ``items`` (arguments of ``_verify_in_worker``); an item past its deadline is False."""
         if not items:
             return []
-        self._warm()
+        if len(self._workers) < self.size:
+            self.start()
         results: list[bool] = [False] * len(items)
         pending = list(range(len(items)))[::-1]
-        busy: dict = {}  # conn -> (index, started, slot)
-        idle = list(range(len(self._workers)))
+        busy: dict = {}  # connection -> (item index, start time, slot)
+        warming_slots = set(self._warming.values())
+        idle = [i for i in range(len(self._workers)) if i not in warming_slots]
         while pending or busy:
             while pending and idle:
                 slot = idle.pop()
@@ -208,33 +232,36 @@ class VerifyPool:
                 _, conn = self._workers[slot]
                 conn.send(items[index])
                 busy[conn] = (index, time.monotonic(), slot)
-            soonest = min(started for _, started, _ in busy.values()) + self.deadline_s
-            ready = wait(list(busy), timeout=max(0.0, soonest - time.monotonic()))
+            timeout = None
+            if busy:
+                timeout = max(0.0, min(t for _, t, _ in busy.values()) + self.deadline_s - time.monotonic())
+            ready = wait([*busy, *self._warming], timeout=timeout)
             for conn in ready:
+                if conn in self._warming:
+                    slot = self._finish_warm(conn)
+                    if slot is not None:
+                        idle.append(slot)
+                    continue
                 index, _, slot = busy.pop(conn)
                 try:
                     results[index] = bool(conn.recv())
-                except EOFError:  # the worker died (e.g. out of memory): wrong, and replace it
+                    idle.append(slot)
+                except (EOFError, OSError):  # the worker died (e.g. out of memory): wrong, and replace it
                     self._replace(slot)
-                idle.append(slot)
             now = time.monotonic()
             for conn, (index, started, slot) in list(busy.items()):
                 if now - started > self.deadline_s:
                     busy.pop(conn)
                     self.timeouts += 1
                     self._replace(slot)
-                    idle.append(slot)
         return results
 
     def _replace(self, slot: int) -> None:
         proc, conn = self._workers[slot]
         proc.kill()
-        proc.join(timeout=5)
         conn.close()
-        self._workers[slot] = self._spawn()
-        _, new_conn = self._workers[slot]
-        new_conn.send(("1", "1", ("latex",), 6, False, True))  # import before the next timed item
-        new_conn.poll(60) and new_conn.recv()
+        proc.join(timeout=1)
+        self._spawn(slot)
 
     def close(self) -> None:
         for proc, conn in self._workers:
@@ -242,11 +269,11 @@ class VerifyPool:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
+        for proc, _ in self._workers:
             proc.join(timeout=2)
             if proc.is_alive():
                 proc.kill()
-        self._workers = []
-        self._ready = False
+        self._workers, self._warming = [], {}
 
     def __del__(self):
         try:
@@ -265,7 +292,7 @@ class MathChecker:
     extractors: tuple[str, ...] = ("boxed", "answer_is")
     use_math_verify: bool = True
     workers: int = 2
-    deadline_s: float = 2.0
+    deadline_s: float = 1.5
     stats: dict = field(default_factory=lambda: {"fast": 0, "verify": 0, "no_answer": 0, "rejected": 0})
 
     def __post_init__(self):

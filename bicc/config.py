@@ -9,7 +9,7 @@ ranges, naming the field and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -174,17 +174,39 @@ class SFTConfig:
 
 
 @dataclass
+class BenchmarkConfig:
+    """One evaluation set: the training task's test split, or a file / HF dataset of math problems."""
+
+    name: str = MISSING
+    source: str = "task"
+    split: str = "test"
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    id_field: str = "id"
+    extractors: List[str] = field(default_factory=lambda: ["boxed", "answer_is"])
+
+
+@dataclass
 class EvalConfig:
     """Held-out evaluation (conf/eval)."""
 
     name: str = MISSING
+    benchmarks: List[BenchmarkConfig] = field(default_factory=list)
     num_problems: int = 200
+    limit: Optional[int] = None
     samples_per_problem: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
     greedy: bool = True
     batch_size: int = 512
+    instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
+    ks: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    bootstrap_samples: int = 2000
+    on_bad_row: str = "error"
+    data_dir: str = MISSING
+    checker_workers: int = 2
+    checker_deadline_s: float = 1.5
 
 
 @dataclass
@@ -317,6 +339,24 @@ def validate(cfg: Any) -> None:
     _check(b.log_ratio_clip >= 0, "bicc.log_ratio_clip", f"must be >= 0 (0 = off), got {b.log_ratio_clip}")
     _check(b.warmup_steps >= 0, "bicc.warmup_steps", f"must be >= 0, got {b.warmup_steps}")
     _check("{i}" in b.attempt_header, "bicc.attempt_header", f"must contain '{{i}}' (the attempt number), got {b.attempt_header!r}")
+
+    e = cfg.eval
+    _check(len(e.benchmarks) >= 1, "eval.benchmarks", "needs at least one benchmark")
+    _check(e.samples_per_problem >= 1, "eval.samples_per_problem", f"must be >= 1, got {e.samples_per_problem}")
+    _check(e.limit is None or e.limit >= 1, "eval.limit", f"must be null or >= 1, got {e.limit}")
+    _check(e.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {e.temperature}")
+    _check(0 < e.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {e.top_p}")
+    _check(e.on_bad_row in ("error", "skip"), "eval.on_bad_row", f"'{e.on_bad_row}' unknown; choose from: error, skip")
+    _check(all(k >= 1 for k in e.ks), "eval.ks", f"every k must be >= 1, got {list(e.ks)}")
+    _check(e.checker_deadline_s > 0, "eval.checker_deadline_s", f"must be > 0, got {e.checker_deadline_s}")
+    from bicc.checking import EXTRACTORS
+
+    names = [b.name for b in e.benchmarks]
+    _check(len(set(names)) == len(names), "eval.benchmarks", f"benchmark names must be unique, got {names}")
+    for i, b in enumerate(e.benchmarks):
+        for name in b.extractors:
+            _check(name in EXTRACTORS, f"eval.benchmarks[{i}].extractors",
+                   f"'{name}' unknown; choose from: {', '.join(EXTRACTORS.names())}")
 
     rc = cfg.rcc
     _check(rc.delta in ("sum", "mean"), "rcc.delta", f"'{rc.delta}' unknown; choose from: sum, mean")

@@ -1,42 +1,169 @@
-"""Held-out scoring: pass@1 from sampled completions (mean over samples, then over problems) with a
-normal-approximation 95% CI over problems, and greedy accuracy."""
+"""Held-out evaluation on one or more benchmarks (``eval.benchmarks``).
+
+Per benchmark: n samples per problem; per-problem correct counts; pass@1 = mean over samples, then
+over problems; unbiased pass@k for every configured k <= n; a 95% bootstrap CI over problems for each;
+greedy accuracy when asked. A benchmark's problems come from the training task's test split
+(``source: task``, scored by the task's own reward) or from a file / HF dataset (scored by
+``bicc.checking.MathChecker`` with the benchmark's extractors).
+
+Metric names: ``eval/<benchmark>/<metric>``; the first benchmark's metrics are also given without the
+benchmark name (``eval/pass@1`` ...), which is what training logs and run tables read.
+"""
 
 from __future__ import annotations
 
-import math
+import json
+import time
+from pathlib import Path
 
-import torch
+import numpy as np
+from tqdm import tqdm
 
-from bicc.data import encode_prompt
+from bicc.checking import MathChecker
+from bicc.data import Problem, encode_prompt
+from bicc.data.benchmarks import FieldNames, load_problems
 from bicc.rollout import SamplingParams
+from bicc.stats import bootstrap_ci, pass_at_k_table
 
 
-def score_completions(task, problems, texts: list[str], n: int) -> torch.Tensor:
-    """Rewards as a [num_problems, n] tensor; rows follow ``problems``."""
-    rewards = [task.reward(text, problems[i // n]) for i, text in enumerate(texts)]
-    return torch.tensor(rewards, dtype=torch.float64).view(len(problems), n)
+def benchmark_problems(bench, task, eval_cfg) -> list[Problem]:
+    limit = eval_cfg.limit
+    if bench.source == "task":
+        return task.test_problems(limit or eval_cfg.num_problems)
+    fields = FieldNames(bench.problem_field, bench.answer_field, bench.id_field)
+    problems, _ = load_problems(bench.source, fields, bench.split, eval_cfg.on_bad_row, limit)
+    return problems
 
 
-def evaluate(engine, tokenizer, task, eval_cfg, seed: int) -> dict[str, float]:
-    problems = task.test_problems(eval_cfg.num_problems)
-    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+def format_prompt(tokenizer, problem: Problem, bench, instruction: str) -> list[int]:
+    """The task's own prompt for ``source: task``; else the problem plus the instruction, in the
+    model's chat template when it has one."""
+    if bench.source == "task":
+        return encode_prompt(tokenizer, problem.prompt)
+    text = f"{problem.prompt}\n\n{instruction}" if instruction else problem.prompt
+    if getattr(tokenizer, "chat_template", None):
+        return encode_prompt(tokenizer, text)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _generate(engine, prompts, sampling: SamplingParams, chunk: int, desc: str, progress: bool):
+    """Generate in chunks of prompts so that a progress bar can run; same result as one call
+    (each chunk is seeded from the call's seed and its position)."""
+    texts, lengths = [], []
+    bar = tqdm(total=len(prompts), desc=desc, disable=not progress, dynamic_ncols=True, leave=False)
+    for start in range(0, len(prompts), chunk):
+        part = SamplingParams(sampling.n, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
+                              sampling.seed * 1_000_003 + start)
+        out = engine.generate(prompts[start : start + chunk], part)
+        texts += out.texts
+        lengths += [len(c) for c in out.completion_ids]
+        bar.update(len(prompts[start : start + chunk]))
+    bar.close()
+    return texts, lengths
+
+
+def _score(task, bench, problems, texts, n, checker_cfg) -> np.ndarray:
+    """Rewards as a [num_problems, n] array; rows follow ``problems``."""
+    golds = [problems[i // n] for i in range(len(texts))]
+    if bench.source == "task":
+        scores = [task.reward(t, p) for t, p in zip(texts, golds)]
+    else:
+        checker = MathChecker(extractors=tuple(bench.extractors), workers=checker_cfg.checker_workers,
+                              deadline_s=checker_cfg.checker_deadline_s)
+        try:
+            scores = checker.score_many(texts, [p.answer for p in golds])
+        finally:
+            checker.close()
+    return np.asarray(scores, dtype=float).reshape(len(problems), n)
+
+
+def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, progress: bool = False):
+    """Metrics of one benchmark and its per-problem records."""
+    start = time.perf_counter()
+    problems = benchmark_problems(bench, task, eval_cfg)
+    if not problems:
+        raise ValueError(f"benchmark {bench.name}: no problems loaded from {bench.source}")
+    prompts = [format_prompt(tokenizer, p, bench, eval_cfg.instruction) for p in problems]
     n = eval_cfg.samples_per_problem
-    sampled = engine.generate(prompts, SamplingParams(n=n, temperature=eval_cfg.temperature, top_p=eval_cfg.top_p,
-                                                      max_new_tokens=eval_cfg.max_new_tokens, seed=seed))
-    per_problem = score_completions(task, problems, sampled.texts, n).mean(dim=1)  # [num_problems]
-    half_width = 1.96 * per_problem.std(unbiased=True).item() / math.sqrt(len(problems)) if len(problems) > 1 else float("nan")
+    sampling = SamplingParams(n, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.max_new_tokens, seed)
+    chunk = max(1, eval_cfg.batch_size // n)
+    texts, lengths = _generate(engine, prompts, sampling, chunk, f"eval {bench.name}", progress)
+    rewards = _score(task, bench, problems, texts, n, eval_cfg)  # [P, n]
+    correct = (rewards > 0.5).sum(axis=1).astype(int)
+    per_problem = rewards.mean(axis=1)
+    lo, hi = bootstrap_ci(per_problem, eval_cfg.bootstrap_samples, seed=seed)
+    prefix = f"eval/{bench.name}/"
     metrics = {
-        "eval/pass@1": per_problem.mean().item(),
-        "eval/pass@1_ci95": half_width,
-        "eval/num_problems": len(problems),
-        "eval/samples_per_problem": n,
-        "eval/response_len": sum(map(len, sampled.completion_ids)) / len(sampled.completion_ids),
+        prefix + "pass@1": float(per_problem.mean()),
+        prefix + "pass@1_ci95": (hi - lo) / 2 if len(problems) > 1 else float("nan"),
+        prefix + "pass@1_ci_low": lo,
+        prefix + "pass@1_ci_high": hi,
+        prefix + "num_problems": len(problems),
+        prefix + "samples_per_problem": n,
+        prefix + "response_len": float(np.mean(lengths)),
     }
+    table = pass_at_k_table(n, correct.tolist(), eval_cfg.ks)
+    for k, values in table.items():
+        if k == 1:
+            continue
+        k_lo, k_hi = bootstrap_ci(values, eval_cfg.bootstrap_samples, seed=seed)
+        metrics[prefix + f"pass@{k}"] = float(values.mean())
+        metrics[prefix + f"pass@{k}_ci_low"], metrics[prefix + f"pass@{k}_ci_high"] = k_lo, k_hi
+    greedy_rewards = None
     if eval_cfg.greedy:
-        greedy = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, top_p=1.0,
-                                                         max_new_tokens=eval_cfg.max_new_tokens, seed=seed))
-        metrics["eval/greedy_acc"] = score_completions(task, problems, greedy.texts, 1).mean().item()
+        g_texts, _ = _generate(engine, prompts, SamplingParams(1, 0.0, 1.0, eval_cfg.max_new_tokens, seed), chunk * n,
+                               f"greedy {bench.name}", progress)
+        greedy_rewards = _score(task, bench, problems, g_texts, 1, eval_cfg)[:, 0]
+        metrics[prefix + "greedy_acc"] = float(greedy_rewards.mean())
+    metrics[prefix + "seconds"] = time.perf_counter() - start
+    records = [{"id": p.id, "answer": p.answer, "n": n, "correct": int(c), "accuracy": float(a),
+                **({"greedy": float(greedy_rewards[i])} if greedy_rewards is not None else {}),
+                "sample": texts[i * n][:2000]}
+               for i, (p, c, a) in enumerate(zip(problems, correct, per_problem))]
+    return metrics, records
+
+
+def evaluate(engine, tokenizer, task, eval_cfg, seed: int, out_dir: Path | None = None,
+             progress: bool = False) -> dict[str, float]:
+    """Every benchmark of ``eval_cfg``; per-problem JSONL under ``out_dir/<benchmark>/`` when given."""
+    metrics: dict[str, float] = {}
+    for i, bench in enumerate(eval_cfg.benchmarks):
+        m, records = evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed, progress)
+        metrics.update(m)
+        if i == 0:  # the headline benchmark, under short names
+            metrics.update({"eval/" + k.split("/", 2)[2]: v for k, v in m.items()})
+        if out_dir is not None:
+            (out_dir / bench.name).mkdir(parents=True, exist_ok=True)
+            with open(out_dir / bench.name / "per_problem.jsonl", "w") as f:
+                for r in records:
+                    f.write(json.dumps(r) + "\n")
     return metrics
+
+
+def benchmark_names(metrics: dict) -> list[str]:
+    names = []
+    for key in metrics:
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2] == "pass@1" and parts[1] not in names:
+            names.append(parts[1])
+    return names
+
+
+def markdown_table(metrics: dict, ks=(1, 2, 4, 8, 16, 32)) -> str:
+    """One row per benchmark: pass@1 with its bootstrap CI, pass@k, greedy accuracy."""
+    names = benchmark_names(metrics)
+    shown = [k for k in ks if k > 1 and any(f"eval/{b}/pass@{k}" in metrics for b in names)]
+    head = ["benchmark", "problems", "n", "pass@1 (95% CI)", *[f"pass@{k}" for k in shown], "greedy"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for b in names:
+        p = f"eval/{b}/"
+        cells = [b, str(metrics[p + "num_problems"]), str(metrics[p + "samples_per_problem"]),
+                 f"{100 * metrics[p + 'pass@1']:.1f} [{100 * metrics[p + 'pass@1_ci_low']:.1f}, "
+                 f"{100 * metrics[p + 'pass@1_ci_high']:.1f}]"]
+        cells += [f"{100 * metrics[p + f'pass@{k}']:.1f}" if p + f"pass@{k}" in metrics else "—" for k in shown]
+        cells.append(f"{100 * metrics[p + 'greedy_acc']:.1f}" if p + "greedy_acc" in metrics else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def format_eval(metrics: dict[str, float]) -> str:

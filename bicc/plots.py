@@ -203,6 +203,38 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def passk_plot(summaries: dict[str, dict], path: Path) -> Path | None:
+    """pass@k against k (log2 axis), one panel per benchmark, one line per run, with the bootstrap 95%
+    CI as error bars (the paper's Fig. 3b). ``summaries``: run label -> eval.py's summary.json."""
+    benches = []
+    for summary in summaries.values():
+        for key in summary:
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2] == "pass@1" and parts[1] not in benches:
+                benches.append(parts[1])
+    if not benches:
+        return None
+    fig, axes = plt.subplots(1, len(benches), figsize=(4.2 * len(benches), 3.6), squeeze=False)
+    for ax, bench in zip(axes[0], benches):
+        for i, (label, summary) in enumerate(summaries.items()):
+            ks, ys, lo, hi = [], [], [], []
+            for k in (1, 2, 4, 8, 16, 32, 64):
+                key = f"eval/{bench}/pass@{k}"
+                if key in summary:
+                    ks.append(k)
+                    ys.append(100 * summary[key])
+                    lo.append(100 * (summary[key] - summary.get(key + "_ci_low", summary[key])))
+                    hi.append(100 * (summary.get(key + "_ci_high", summary[key]) - summary[key]))
+            if ks:
+                ax.errorbar(ks, ys, yerr=[lo, hi], marker="o", capsize=3, color=PALETTE[i % len(PALETTE)],
+                            label=Path(label).name or label)
+        ax.set_xscale("log", base=2)
+        ax.set(title=bench, xlabel="k", ylabel="pass@k (%)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    return _save(fig, path)
+
+
 def make_plots(run_dirs: list[Path], out: Path) -> list[Path]:
     runs = [Run(Path(d)) for d in run_dirs]
     groups = _groups(runs)

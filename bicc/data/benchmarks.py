@@ -1,0 +1,116 @@
+"""Math benchmarks and training sets from a local JSONL / parquet file or a Hugging Face dataset id.
+
+Rows are validated as they load: a line that is not UTF-8 or not JSON, a missing or empty problem or
+answer, or a duplicate id is an error naming the file and line. With ``on_bad_row="skip"`` such rows
+are skipped instead, counted by reason, and summarised in one line; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from bicc.data import Problem
+
+BAD_ROW_POLICIES = ("error", "skip")
+
+
+class BadRowError(ValueError):
+    pass
+
+
+@dataclass
+class FieldNames:
+    problem: str = "problem"
+    answer: str = "answer"
+    id: str = "id"
+
+
+def _rows_jsonl(path: Path):
+    """(line number, parsed object or an error message) for each non-blank line."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield number, f"not UTF-8 ({err.reason} at byte {err.start})"
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as err:
+                yield number, f"not JSON ({err.msg} at column {err.colno})"
+
+
+def _rows_parquet(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    for number, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        yield number, row
+
+
+def _rows_hub(dataset_id: str, split: str):
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"loading the HF dataset {dataset_id!r} needs the `datasets` package "
+                          f"(pip install datasets), or point the path at a local JSONL/parquet file") from None
+    for number, row in enumerate(datasets.load_dataset(dataset_id, split=split), 1):
+        yield number, dict(row)
+
+
+def load_problems(source: str, fields: FieldNames | None = None, split: str = "test", on_bad_row: str = "error",
+                  limit: int | None = None) -> tuple[list[Problem], dict[str, int]]:
+    """Problems from ``source`` (a .jsonl / .parquet path, or an HF dataset id when no such file
+    exists) and the counts of skipped rows by reason."""
+    if on_bad_row not in BAD_ROW_POLICIES:
+        raise ValueError(f"on_bad_row={on_bad_row!r}: choose from {', '.join(BAD_ROW_POLICIES)}")
+    fields = fields or FieldNames()
+    path = Path(source)
+    if path.suffix == ".jsonl" and path.exists():
+        rows, where = _rows_jsonl(path), str(path)
+    elif path.suffix == ".parquet" and path.exists():
+        rows, where = _rows_parquet(path), str(path)
+    elif path.suffix in (".jsonl", ".parquet") or path.is_absolute() or source.startswith("."):
+        raise FileNotFoundError(f"benchmark file {source} does not exist")
+    else:
+        rows, where = _rows_hub(source, split), f"{source}[{split}]"
+    problems, skipped, seen = [], Counter(), {}
+    for number, row in rows:
+        reason = _check_row(row, fields, seen)
+        if reason is not None:
+            if on_bad_row == "error":
+                raise BadRowError(f"{where}:{number}: {reason} (set on_bad_row=skip to skip such rows)")
+            skipped[reason.split(" (")[0]] += 1
+            continue
+        pid = str(row.get(fields.id, number))
+        seen[pid] = number
+        problems.append(Problem(pid, str(row[fields.problem]), str(row[fields.answer]).strip()))
+        if limit and len(problems) >= limit:
+            break
+    if skipped:
+        print(f"[data] {where}: kept {len(problems)} rows, skipped {sum(skipped.values())} "
+              f"({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})")
+    return problems, dict(skipped)
+
+
+def _check_row(row, fields: FieldNames, seen: dict) -> str | None:
+    if isinstance(row, str):  # an error message from the reader
+        return row
+    if not isinstance(row, dict):
+        return f"not a JSON object (got {type(row).__name__})"
+    for name in (fields.problem, fields.answer):
+        if name not in row or row[name] is None:
+            return f"missing field '{name}'"
+        if not str(row[name]).strip():
+            return f"empty field '{name}'"
+    if fields.id in row:
+        pid = str(row[fields.id])
+        if pid in seen:
+            return f"duplicate id {pid!r} (first on line {seen[pid]})"
+    return None

@@ -1,0 +1,61 @@
+"""pass@k, bootstrap CIs and the paired Wilcoxon test."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from bicc.stats import bootstrap_ci, paired_bootstrap_diff, pass_at_k, wilcoxon_paired
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 6])
+def test_pass_at_k_matches_enumeration(n):
+    for c in range(n + 1):
+        samples = [1] * c + [0] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(range(n), k))
+            brute = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+            assert pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+
+
+def test_pass_at_k_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError, match="c <= n"):
+        pass_at_k(4, 5, 1)
+
+
+def test_pass_at_1_is_the_sample_mean_and_large_n_is_stable():
+    assert pass_at_k(32, 8, 1) == pytest.approx(0.25)
+    assert 0.99 < pass_at_k(1000, 10, 900) <= 1.0
+
+
+def test_bootstrap_ci_coverage_in_simulation():
+    """Per-problem accuracies of 100 problems (n = 8 samples, problem difficulties from a Beta):
+    the 95% interval must contain the true mean in at least 90% of 300 simulated evaluations."""
+    rng = np.random.default_rng(0)
+    covered, trials = 0, 300
+    for t in range(trials):
+        p = rng.beta(0.8, 1.2, size=100)
+        true_mean = 0.8 / 2.0  # the Beta's mean: the population the problems are drawn from
+        acc = rng.binomial(8, p) / 8
+        lo, hi = bootstrap_ci(acc, num_samples=1000, seed=t)
+        covered += lo <= true_mean <= hi
+    assert covered / trials >= 0.90
+
+
+def test_paired_bootstrap_difference():
+    a = np.array([0.0, 0.5, 1.0, 0.25])
+    b = np.array([0.5, 0.5, 1.0, 0.75])
+    diff, lo, hi = paired_bootstrap_diff(a, b, num_samples=500)
+    assert diff == pytest.approx(0.25) and lo <= diff <= hi
+    with pytest.raises(ValueError, match="same problems"):
+        paired_bootstrap_diff(a, b[:3])
+
+
+def test_wilcoxon_known_case():
+    # scipy's documented example (Cucumber data, two-sided): W = 24, exact p = 0.041259765625
+    d = np.array([6, 8, 14, 16, 23, 24, 28, 29, 41, -48, 49, 56, 60, -67, 75], dtype=float)
+    w, p = wilcoxon_paired(np.zeros_like(d), d)
+    assert w == 24.0 and p == pytest.approx(0.041259765625)
+    assert wilcoxon_paired(np.ones(5), np.ones(5)) == (0.0, 1.0)
