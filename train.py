@@ -122,12 +122,18 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     }, diag_record
 
 
+def peak_lr(cfg) -> float:
+    """optim.lr, times bicc.lr_scale while BiCC is on (the conditioned gradient is noisier for the
+    policy on q; see README, "BiCC: the default and the paper's equation")."""
+    return cfg.optim.lr * (cfg.bicc.lr_scale if cfg.bicc.enabled else 1.0)
+
+
 def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device) -> RLState:
     """Policy from ``policy_path`` (the initial policy, or a checkpoint when resuming); the frozen
     reference is always the initial policy at ``init_path``."""
     model, tokenizer = load_pretrained(policy_path, cfg.model, device)
     ref_model = frozen_copy(init_path, cfg.model, device) if needs_reference(cfg) else None
-    optimizer = build_optimizer(model, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
+    optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)
     total = cfg.train.steps * cfg.train.epochs_per_rollout * cfg.train.minibatches_per_rollout
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
     engine = build_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout)

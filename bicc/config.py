@@ -57,6 +57,7 @@ class BiccConfig:
     old_on_context: bool = False
     log_ratio_clip: float = 0.0
     warmup_steps: int = 0
+    lr_scale: float = 1.0
 
 
 @dataclass
@@ -338,6 +339,7 @@ def validate(cfg: Any) -> None:
     _check(b.max_tokens >= 1, "bicc.max_tokens", f"must be >= 1, got {b.max_tokens}")
     _check(b.log_ratio_clip >= 0, "bicc.log_ratio_clip", f"must be >= 0 (0 = off), got {b.log_ratio_clip}")
     _check(b.warmup_steps >= 0, "bicc.warmup_steps", f"must be >= 0, got {b.warmup_steps}")
+    _check(0 < b.lr_scale <= 10, "bicc.lr_scale", f"must be in (0, 10], got {b.lr_scale}")
     _check("{i}" in b.attempt_header, "bicc.attempt_header", f"must contain '{{i}}' (the attempt number), got {b.attempt_header!r}")
 
     e = cfg.eval
