@@ -20,7 +20,8 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from bicc.advantages import ADVANTAGES
-from bicc.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint, set_rng_state
+from bicc.checkpoint import (CorruptCheckpoint, incomplete_checkpoints, list_checkpoints, load_trainer_state,
+                             save_checkpoint, set_rng_state, verify_checkpoint)
 from bicc.conditioning import build_contexts, warm_up
 from bicc.config import register_configs, validate
 from bicc.data import build_task
@@ -32,7 +33,7 @@ from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.optim import build_optimizer, warmup_cosine
 from bicc.rollout import build_engine
 from bicc.sft import config_hash, warm_start
-from bicc.tracking import Tracker
+from bicc.tracking import Tracker, rewind_jsonl
 from bicc.trainer import (RLState, collect_rollout, conditioned_logprobs_no_grad, logprobs_no_grad, loss_of_rows_fn,
                           needs_reference, update_policy)
 
@@ -141,14 +142,23 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device) 
 
 
 def resume_dir(resume: str, run_dir: Path) -> Path | None:
-    """``auto``: the latest complete checkpoint of this run dir; a run dir: its latest; else the dir itself."""
+    """``auto``: the latest checkpoint of this run dir that reads back completely, skipping (with a
+    warning) incomplete or corrupt ones; a run dir: its latest, which must be sound; else the dir itself."""
     root = run_dir if resume == "auto" else Path(resume)
+    for bad in incomplete_checkpoints(root / "checkpoints"):
+        print(f"[rl] warning: skipping incomplete checkpoint {bad} (interrupted write)")
     found = list_checkpoints(root / "checkpoints")
-    if found:
-        return found[-1]
-    if resume == "auto":
-        return None
-    return root
+    if resume != "auto":
+        ckpt = found[-1] if found else root
+        verify_checkpoint(ckpt)  # an explicitly named checkpoint must be sound: the error names it
+        return ckpt
+    for ckpt in reversed(found):
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt
+        except CorruptCheckpoint as err:
+            print(f"[rl] warning: skipping {err}")
+    return None
 
 
 def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path) -> RLState:
@@ -178,9 +188,15 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
         if s.step % cfg.train.log_every == 0:
             tracker.log(metrics, step=s.step)
         out_of_time = cfg.train.time_budget_s and time.perf_counter() - start > cfg.train.time_budget_s
-        if (cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time:
+        diverged = s.nonfinite_streak >= cfg.train.max_nonfinite_steps
+        if ((cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time
+                or diverged):
             save_checkpoint(run_dir / "checkpoints" / f"step_{s.step}", s.model, s.tokenizer, s.trainer_state(),
                             cfg.train.keep_last)
+        if diverged:
+            raise RuntimeError(f"[rl] {s.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
+                               f"norm (up to step {s.step}); stopped with a checkpoint at "
+                               f"{run_dir / 'checkpoints' / f'step_{s.step}'}. Lower optim.lr or check the data.")
         if out_of_time:
             print(f"[rl] time budget {cfg.train.time_budget_s}s reached at step {s.step}")
             break
@@ -206,6 +222,9 @@ def main(cfg) -> dict:
     tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
                       cfg.logger.wandb_project)
     s = start_or_resume(cfg, init_path, device, run_dir)
+    if s.step > 0:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
+        for name in ("metrics.jsonl", "diagnostics.jsonl"):
+            rewind_jsonl(run_dir / name, s.step)
     baseline = None
     if s.step == 0:  # score the initial policy with the model RL will train (no second load)
         # The warm start's own dir caches its score: every run from one SFT checkpoint shares it.

@@ -155,6 +155,7 @@ class TrainConfig:
     log_every: int = 1
     save_every: int = 100
     keep_last: int = 2
+    max_nonfinite_steps: int = 5
 
 
 @dataclass
@@ -313,6 +314,7 @@ def validate(cfg: Any) -> None:
     _check(t.epochs_per_rollout >= 1, "train.epochs_per_rollout", f"must be >= 1, got {t.epochs_per_rollout}")
     _check(t.minibatches_per_rollout >= 1, "train.minibatches_per_rollout", f"must be >= 1, got {t.minibatches_per_rollout}")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
+    _check(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", f"must be >= 1, got {t.max_nonfinite_steps}")
     rollout_size = r.prompts_per_step * r.group_size
     _check(rollout_size % t.minibatches_per_rollout == 0, "train.minibatches_per_rollout",
            f"must divide prompts_per_step * group_size = {rollout_size}, got {t.minibatches_per_rollout}")

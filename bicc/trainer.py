@@ -4,6 +4,8 @@ over minibatches and micro-batches, and the state a checkpoint must carry.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,13 +32,18 @@ class RLState:
     init_path: str
     step: int = 0
     data_pos: int = 0
+    nonfinite_skips: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm, in total
+    nonfinite_streak: int = 0  # ... and in a row, up to now
 
     def trainer_state(self) -> dict:
         return {"step": self.step, "data_pos": self.data_pos, "init_path": self.init_path,
+                "nonfinite_skips": self.nonfinite_skips, "nonfinite_streak": self.nonfinite_streak,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_trainer_state(self, state: dict) -> None:
         self.step, self.data_pos = state["step"], state["data_pos"]
+        self.nonfinite_skips = state.get("nonfinite_skips", 0)
+        self.nonfinite_streak = state.get("nonfinite_streak", 0)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -202,10 +209,21 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                     add(name, value)
                 add("train/entropy", masked_mean(entropy, mask).item())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
-            state.optimizer.step()
-            state.scheduler.step()
             add("train/loss", step_loss)
             add("train/grad_norm", grad_norm.item())
+            if not (math.isfinite(step_loss) and torch.isfinite(grad_norm)):
+                # numeric guard: a NaN/inf would poison the weights and Adam's moments for good; skip the
+                # step (the schedule does not advance either), count it, and let the loop stop the run
+                # after train.max_nonfinite_steps in a row
+                state.optimizer.zero_grad(set_to_none=True)
+                state.nonfinite_skips += 1
+                state.nonfinite_streak += 1
+                add("train/nonfinite_skip", 1.0)
+                continue
+            state.nonfinite_streak = 0
+            add("train/nonfinite_skip", 0.0)
+            state.optimizer.step()
+            state.scheduler.step()
     metrics = {name: sums[name] / counts[name] for name in sums}
     metrics["train/lr"] = state.scheduler.get_last_lr()[0]
     return metrics, first_pass
