@@ -112,12 +112,27 @@ class ArithConfig:
 
 
 @dataclass
+class MathDataConfig:
+    """Math problems from files or HF datasets (``data.task=math``)."""
+
+    train_source: str = ""
+    test_source: str = ""
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    id_field: str = "id"
+    extractors: List[str] = field(default_factory=lambda: ["boxed", "answer_is"])
+    instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
+    on_bad_row: str = "error"
+
+
+@dataclass
 class DataConfig:
     """Training/eval task (conf/data)."""
 
     task: str = MISSING
     seed: int = 0
     arith: ArithConfig = field(default_factory=ArithConfig)
+    math: MathDataConfig = field(default_factory=MathDataConfig)
 
 
 @dataclass

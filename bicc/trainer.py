@@ -123,7 +123,10 @@ def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
                                   max_new_tokens=cfg.rollout.max_new_tokens, seed=seed + 7919 * rounds)
         out = state.engine.generate(prompts, sampling)
         rounds += 1
-        correct = torch.tensor([state.task.reward(t, problems[i // G]) for i, t in enumerate(out.texts)]).view(want, G)
+        golds = [problems[i // G] for i in range(len(out.texts))]
+        scores = (state.task.reward_many(out.texts, golds) if hasattr(state.task, "reward_many")
+                  else [state.task.reward(t, p) for t, p in zip(out.texts, golds)])
+        correct = torch.tensor(scores).view(want, G)
         lengths = torch.tensor([len(c) for c in out.completion_ids]).view(want, G)
         shaped = correct.double() + overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer,
                                                      algo.overlong_penalty)  # [want, G]
