@@ -35,7 +35,7 @@ from bicc.rollout import build_engine
 from bicc.sft import config_hash, warm_start
 from bicc.tracking import Tracker, rewind_jsonl
 from bicc.trainer import (RLState, collect_rollout, conditioned_logprobs_no_grad, logprobs_no_grad, loss_of_rows_fn,
-                          needs_reference, update_policy)
+                          needs_reference, old_logprobs, update_policy)
 
 register_configs()
 hf_logging.disable_progress_bar()
@@ -64,16 +64,13 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 4. log-probs of pi_old and pi_ref: on q (pi_old on x^c only with bicc.old_on_context) -----
     N, mb = batch.input_ids.shape[0], cfg.train.micro_batch_size
-    old_logp = logprobs_no_grad(s.model, plain, N, mb, cfg.rollout.temperature)  # [N, L]
-    log_w = None  # log conditioning weight per sequence; else measured in the update's first pass
-    if cfg.bicc.enabled and cfg.bicc.old_on_context:
-        q_logp, old_logp = old_logp, logprobs_no_grad(s.model, numerator, N, mb, cfg.rollout.temperature)
-        log_w = ((old_logp - q_logp) * batch.completion_mask).sum(-1).cpu()
+    diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0
+    # log_w: log conditioning weight per sequence; None = measured in the update's first pass (old on q)
+    old_logp, log_w = old_logprobs(s.model, plain, numerator, cfg, N, mb, measure_w=diag)  # [N, L]
     ref_logp = logprobs_no_grad(s.ref_model, plain, N, mb, cfg.rollout.temperature) if s.ref_model is not None else None
     t_logprobs = time.perf_counter()
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
-    diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0
     delta, diag_record = None, {}
     if cfg.rcc.enabled or diag:  # delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q), theta = theta_old here
         cond_logp = conditioned_logprobs_no_grad(s.model, numerator, plain, old_logp, cfg, N, mb)
@@ -99,8 +96,10 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     t_update = time.perf_counter()
 
     if cfg.bicc.enabled:
-        log_w = first_pass_log_ratio if log_w is None else log_w
-        bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
+        if not cfg.bicc.old_on_context:
+            log_w = first_pass_log_ratio
+        if log_w is not None:
+            bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
 
     # ---- 7. weight sync: the rollout engine samples from the updated policy next step ----------
     s.engine.update_weights(s.model)

@@ -53,6 +53,7 @@ class BiccConfig:
     attempt_header: str = "\nAttempt {i}:\n"
     elision: str = " ... "
     packing: bool = True
+    packing_impl: str = "kv"
     max_packed_len: int = 4096
     old_on_context: bool = False
     log_ratio_clip: float = 0.0
@@ -349,6 +350,7 @@ def validate(cfg: Any) -> None:
     _check(0 <= cfg.sft.context_share <= 1, "sft.context_share", f"must be in [0, 1], got {cfg.sft.context_share}")
     b = cfg.bicc
     _check(b.mode in ("partition", "paired"), "bicc.mode", f"'{b.mode}' unknown; choose from: partition, paired")
+    _check(b.packing_impl in ("kv", "mask"), "bicc.packing_impl", f"'{b.packing_impl}' unknown; choose from: kv, mask")
     _check(b.truncate in ("middle", "head", "tail"), "bicc.truncate", f"'{b.truncate}' unknown; choose from: middle, head, tail")
     _check(0 < b.context_ratio < 1, "bicc.context_ratio", f"must be in (0, 1), got {b.context_ratio}")
     _check(b.paired_k >= 1, "bicc.paired_k", f"must be >= 1, got {b.paired_k}")

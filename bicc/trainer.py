@@ -55,6 +55,20 @@ def needs_reference(cfg) -> bool:
             or cfg.rcc.diag_every > 0)
 
 
+def old_logprobs(model, plain, numerator, cfg, num_rows: int, micro_batch_size: int, measure_w: bool = False):
+    """pi_old's per-token log-probs [N, L]: on q (the paper), or on x^c with ``bicc.old_on_context``.
+    In the latter case, with ``measure_w``, also the log conditioning weight per sequence [N]
+    (log pi_old(o|x^c) - log pi_old(o|q)), which costs one more forward on q; else None."""
+    T = cfg.rollout.temperature
+    if not (cfg.bicc.enabled and cfg.bicc.old_on_context) or numerator is plain:
+        return logprobs_no_grad(model, plain, num_rows, micro_batch_size, T), None
+    old = logprobs_no_grad(model, numerator, num_rows, micro_batch_size, T)
+    if not measure_w:
+        return old, None
+    q_logp = logprobs_no_grad(model, plain, num_rows, micro_batch_size, T)
+    return old, ((old - q_logp) * plain.batch.completion_mask).sum(-1).cpu()
+
+
 def conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_rows: int, micro_batch_size: int):
     """log pi_theta(o_i | x^c) per token at theta = theta_old (before the update), for RCC's delta: the
     numerator's context (x^c = q when BiCC is off). Reuses ``old_logp`` when it already is exactly that."""
