@@ -68,6 +68,11 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     # log_w: log conditioning weight per sequence; None = measured in the update's first pass (old on q)
     old_logp, log_w = old_logprobs(s.model, plain, numerator, cfg, N, mb, measure_w=diag)  # [N, L]
     ref_logp = logprobs_no_grad(s.ref_model, plain, N, mb, cfg.rollout.temperature) if s.ref_model is not None else None
+    kl_ref_logp = ref_logp  # the KL term's reference; RCC's delta always uses pi_ref on q
+    if cfg.bicc.enabled and cfg.bicc.old_on_context and cfg.algo.kl_coef > 0 and numerator is not plain:
+        # like for like: KL(pi_theta(.|x^c) || pi_ref(.|x^c)); against pi_ref(.|q) the k3 estimator grows as
+        # exp(log pi_ref(o|q) - log pi_theta(o|x^c)) and swamps the update (BiCC-Dr.GRPO collapsed)
+        kl_ref_logp = logprobs_no_grad(s.ref_model, numerator, N, mb, cfg.rollout.temperature)
     t_logprobs = time.perf_counter()
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
@@ -82,7 +87,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         if not cfg.rcc.enabled:
             _, rcc_metrics = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
             adv_metrics.update({k: v for k, v in rcc_metrics.items() if k.startswith("rcc/")})
-        loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, old_logp, ref_logp, adv, cfg)
+        loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, old_logp, kl_ref_logp, adv, cfg)
         s.model.train()
         grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(device), cfg.rcc.diag_splits,
                                      torch.Generator().manual_seed(step_seed), mb)
@@ -91,7 +96,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
                        "grad_var": grad_var}
 
     # ---- 6. loss and optimizer step(s) ---------------------------------------------------------
-    update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, old_logp, ref_logp, adv, cfg,
+    update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, old_logp, kl_ref_logp, adv, cfg,
                                                          step_seed)
     t_update = time.perf_counter()
 

@@ -126,13 +126,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "VARIANT"))
     parser.add_argument("--configs", default="embedded,large")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_variant(*args.child)))
         return
     results = {}
     for config_name in args.configs.split(","):
-        for variant in VARIANTS:
+        for variant in args.variants.split(","):
             proc = subprocess.run([sys.executable, __file__, "--child", config_name, variant], capture_output=True,
                                   text=True, cwd=ROOT)
             if proc.returncode != 0:
