@@ -20,7 +20,8 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from bicc.advantages import ADVANTAGES
-from bicc.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint, set_rng_state
+from bicc.checkpoint import (CorruptCheckpoint, incomplete_checkpoints, list_checkpoints, load_trainer_state,
+                             save_checkpoint, set_rng_state, verify_checkpoint)
 from bicc.conditioning import build_contexts, warm_up
 from bicc.config import register_configs, validate
 from bicc.data import build_task
@@ -32,9 +33,9 @@ from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.optim import build_optimizer, warmup_cosine
 from bicc.rollout import build_engine
 from bicc.sft import config_hash, warm_start
-from bicc.tracking import Tracker
+from bicc.tracking import Tracker, rewind_jsonl
 from bicc.trainer import (RLState, collect_rollout, conditioned_logprobs_no_grad, logprobs_no_grad, loss_of_rows_fn,
-                          needs_reference, update_policy)
+                          needs_reference, old_logprobs, update_policy)
 
 register_configs()
 hf_logging.disable_progress_bar()
@@ -63,16 +64,18 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 4. log-probs of pi_old and pi_ref: on q (pi_old on x^c only with bicc.old_on_context) -----
     N, mb = batch.input_ids.shape[0], cfg.train.micro_batch_size
-    old_logp = logprobs_no_grad(s.model, plain, N, mb, cfg.rollout.temperature)  # [N, L]
-    log_w = None  # log conditioning weight per sequence; else measured in the update's first pass
-    if cfg.bicc.enabled and cfg.bicc.old_on_context:
-        q_logp, old_logp = old_logp, logprobs_no_grad(s.model, numerator, N, mb, cfg.rollout.temperature)
-        log_w = ((old_logp - q_logp) * batch.completion_mask).sum(-1).cpu()
+    diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0
+    # log_w: log conditioning weight per sequence; None = measured in the update's first pass (old on q)
+    old_logp, log_w = old_logprobs(s.model, plain, numerator, cfg, N, mb, measure_w=diag)  # [N, L]
     ref_logp = logprobs_no_grad(s.ref_model, plain, N, mb, cfg.rollout.temperature) if s.ref_model is not None else None
+    kl_ref_logp = ref_logp  # the KL term's reference; RCC's delta always uses pi_ref on q
+    if cfg.bicc.enabled and cfg.bicc.old_on_context and cfg.algo.kl_coef > 0 and numerator is not plain:
+        # like for like: KL(pi_theta(.|x^c) || pi_ref(.|x^c)); against pi_ref(.|q) the k3 estimator grows as
+        # exp(log pi_ref(o|q) - log pi_theta(o|x^c)) and swamps the update (BiCC-Dr.GRPO collapsed)
+        kl_ref_logp = logprobs_no_grad(s.ref_model, numerator, N, mb, cfg.rollout.temperature)
     t_logprobs = time.perf_counter()
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
-    diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0
     delta, diag_record = None, {}
     if cfg.rcc.enabled or diag:  # delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q), theta = theta_old here
         cond_logp = conditioned_logprobs_no_grad(s.model, numerator, plain, old_logp, cfg, N, mb)
@@ -84,7 +87,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         if not cfg.rcc.enabled:
             _, rcc_metrics = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
             adv_metrics.update({k: v for k, v in rcc_metrics.items() if k.startswith("rcc/")})
-        loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, old_logp, ref_logp, adv, cfg)
+        loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, old_logp, kl_ref_logp, adv, cfg)
         s.model.train()
         grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(device), cfg.rcc.diag_splits,
                                      torch.Generator().manual_seed(step_seed), mb)
@@ -93,13 +96,15 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
                        "grad_var": grad_var}
 
     # ---- 6. loss and optimizer step(s) ---------------------------------------------------------
-    update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, old_logp, ref_logp, adv, cfg,
+    update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, old_logp, kl_ref_logp, adv, cfg,
                                                          step_seed)
     t_update = time.perf_counter()
 
     if cfg.bicc.enabled:
-        log_w = first_pass_log_ratio if log_w is None else log_w
-        bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
+        if not cfg.bicc.old_on_context:
+            log_w = first_pass_log_ratio
+        if log_w is not None:
+            bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
 
     # ---- 7. weight sync: the rollout engine samples from the updated policy next step ----------
     s.engine.update_weights(s.model)
@@ -141,14 +146,23 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device) 
 
 
 def resume_dir(resume: str, run_dir: Path) -> Path | None:
-    """``auto``: the latest complete checkpoint of this run dir; a run dir: its latest; else the dir itself."""
+    """``auto``: the latest checkpoint of this run dir that reads back completely, skipping (with a
+    warning) incomplete or corrupt ones; a run dir: its latest, which must be sound; else the dir itself."""
     root = run_dir if resume == "auto" else Path(resume)
+    for bad in incomplete_checkpoints(root / "checkpoints"):
+        print(f"[rl] warning: skipping incomplete checkpoint {bad} (interrupted write)")
     found = list_checkpoints(root / "checkpoints")
-    if found:
-        return found[-1]
-    if resume == "auto":
-        return None
-    return root
+    if resume != "auto":
+        ckpt = found[-1] if found else root
+        verify_checkpoint(ckpt)  # an explicitly named checkpoint must be sound: the error names it
+        return ckpt
+    for ckpt in reversed(found):
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt
+        except CorruptCheckpoint as err:
+            print(f"[rl] warning: skipping {err}")
+    return None
 
 
 def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path) -> RLState:
@@ -178,9 +192,15 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
         if s.step % cfg.train.log_every == 0:
             tracker.log(metrics, step=s.step)
         out_of_time = cfg.train.time_budget_s and time.perf_counter() - start > cfg.train.time_budget_s
-        if (cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time:
+        diverged = s.nonfinite_streak >= cfg.train.max_nonfinite_steps
+        if ((cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time
+                or diverged):
             save_checkpoint(run_dir / "checkpoints" / f"step_{s.step}", s.model, s.tokenizer, s.trainer_state(),
                             cfg.train.keep_last)
+        if diverged:
+            raise RuntimeError(f"[rl] {s.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
+                               f"norm (up to step {s.step}); stopped with a checkpoint at "
+                               f"{run_dir / 'checkpoints' / f'step_{s.step}'}. Lower optim.lr or check the data.")
         if out_of_time:
             print(f"[rl] time budget {cfg.train.time_budget_s}s reached at step {s.step}")
             break
@@ -206,6 +226,9 @@ def main(cfg) -> dict:
     tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
                       cfg.logger.wandb_project)
     s = start_or_resume(cfg, init_path, device, run_dir)
+    if s.step > 0:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
+        for name in ("metrics.jsonl", "diagnostics.jsonl"):
+            rewind_jsonl(run_dir / name, s.step)
     baseline = None
     if s.step == 0:  # score the initial policy with the model RL will train (no second load)
         # The warm start's own dir caches its score: every run from one SFT checkpoint shares it.

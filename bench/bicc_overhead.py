@@ -4,7 +4,11 @@ BiCC with packing, in one run, on two configs:
 - ``embedded``: the tiny default model with its real prompts, synthetic outputs of the task's length;
 - ``large``:    a random-init Qwen3 of >= 10M parameters, outputs of 256 tokens, G = 8.
 
-The timed step is the training part that BiCC changes: old log-probs on q, the numerator's forward and
+Variants: GRPO; BiCC in its default form (``bicc=on``: pi_old on the context too) without packing,
+with packing through a shared prefix KV cache (``packing_impl=kv``, the default) and through one packed
+row with a 4-D mask (``packing_impl=mask``); and the paper's exact form with the default packing.
+
+The timed step is the training part that BiCC changes: old log-probs (on q, or on x^c), the numerator's forward and
 backward over every micro-batch, and the optimizer step. Rollout generation is left out: it is identical
 with and without BiCC, and including it would only dilute the ratio. Outputs and rewards are synthetic
 (random tokens, half correct per group) so that every group is conditioned: the worst case for BiCC.
@@ -38,7 +42,13 @@ CONFIGS = {
     "large": dict(arch=dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1152, num_attention_heads=6,
                             num_key_value_heads=2, head_dim=64), prompts=4, group=8, out_len=256, max_tokens=256, steps=3),
 }
-VARIANTS = {"grpo": [], "bicc_unpacked": ["bicc=paper", "bicc.packing=false"], "bicc_packed": ["bicc=paper"]}
+VARIANTS = {  # the default BiCC form (bicc=on) unless named; packing_impl kv is the default
+    "grpo": ["bicc=off", "rcc=off"],
+    "bicc_unpacked": ["bicc=on", "rcc=off", "bicc.packing=false"],
+    "bicc_packed": ["bicc=on", "rcc=off"],
+    "bicc_packed_mask": ["bicc=on", "rcc=off", "bicc.packing_impl=mask"],
+    "bicc_paper_packed": ["bicc=paper", "rcc=off"],
+}
 
 
 def run_variant(config_name: str, variant: str) -> dict:
@@ -52,7 +62,7 @@ def run_variant(config_name: str, variant: str) -> dict:
     from bicc.models import build_tiny, num_parameters
     from bicc.numerator import ConditionedNumerator, PlainNumerator
     from bicc.optim import build_optimizer, warmup_cosine
-    from bicc.trainer import RLState, logprobs_no_grad, update_policy
+    from bicc.trainer import RLState, old_logprobs, update_policy
 
     spec = CONFIGS[config_name]
     register_configs()
@@ -90,8 +100,8 @@ def run_variant(config_name: str, variant: str) -> dict:
         contexts = build_contexts(prompts, completions, correct, group_ids, tok, cfg.bicc, cfg.bicc.max_tokens, prompt_ids)
         numerator = ConditionedNumerator(contexts, completions, batch.completion_len, cfg.bicc, tok.pad_token_id, device)
 
-    def step():
-        old = logprobs_no_grad(model, plain, len(completions), cfg.train.micro_batch_size, 1.0)
+    def step():  # phases 4 and 6 of train.rl_step (no diagnostics)
+        old, _ = old_logprobs(model, plain, numerator, cfg, len(completions), cfg.train.micro_batch_size)
         update_policy(state, batch, numerator, old, None, adv.to(device), cfg, step_seed=0)
 
     step()  # warm-up
@@ -116,13 +126,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "VARIANT"))
     parser.add_argument("--configs", default="embedded,large")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_variant(*args.child)))
         return
     results = {}
     for config_name in args.configs.split(","):
-        for variant in VARIANTS:
+        for variant in args.variants.split(","):
             proc = subprocess.run([sys.executable, __file__, "--child", config_name, variant], capture_output=True,
                                   text=True, cwd=ROOT)
             if proc.returncode != 0:

@@ -68,8 +68,43 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name.split("_")[1]))
 
 
+class CorruptCheckpoint(RuntimeError):
+    pass
+
+
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    """``step_N`` dirs (and ``.tmp`` leftovers of an interrupted write) that are not complete."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and (p.name.endswith(".tmp") or not (p / COMPLETE).exists()))
+
+
+def verify_checkpoint(ckpt_dir: Path) -> None:
+    """Raise ``CorruptCheckpoint`` naming ``ckpt_dir`` unless its marker, weights and trainer state all
+    read back: the safetensors headers parse and every tensor loads; the trainer state loads with
+    ``weights_only=True``."""
+    from safetensors import safe_open
+
+    if not (ckpt_dir / COMPLETE).exists():
+        raise CorruptCheckpoint(f"checkpoint {ckpt_dir} is incomplete (no {COMPLETE} marker: its write was interrupted)")
+    weights = sorted(ckpt_dir.glob("*.safetensors"))
+    if not weights:
+        raise CorruptCheckpoint(f"checkpoint {ckpt_dir} has no *.safetensors weights")
+    try:
+        for file in weights:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    f.get_tensor(key)
+    except Exception as err:  # safetensors raises several types for truncated or garbled files
+        raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: weights {file.name} unreadable ({err})") from None
+    load_trainer_state(ckpt_dir)
+
+
 def load_trainer_state(ckpt_dir: Path) -> dict:
     path = ckpt_dir / TRAINER_STATE
     if not (ckpt_dir / COMPLETE).exists() or not path.exists():
-        raise FileNotFoundError(f"checkpoint {ckpt_dir} is incomplete (no {COMPLETE} marker or {TRAINER_STATE})")
-    return torch.load(path, weights_only=True)
+        raise CorruptCheckpoint(f"checkpoint {ckpt_dir} is incomplete (no {COMPLETE} marker or {TRAINER_STATE})")
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:
+        raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: {TRAINER_STATE} unreadable ({err})") from None

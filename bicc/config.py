@@ -53,6 +53,7 @@ class BiccConfig:
     attempt_header: str = "\nAttempt {i}:\n"
     elision: str = " ... "
     packing: bool = True
+    packing_impl: str = "kv"
     max_packed_len: int = 4096
     old_on_context: bool = False
     log_ratio_clip: float = 0.0
@@ -112,12 +113,27 @@ class ArithConfig:
 
 
 @dataclass
+class MathDataConfig:
+    """Math problems from files or HF datasets (``data.task=math``)."""
+
+    train_source: str = ""
+    test_source: str = ""
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    id_field: str = "id"
+    extractors: List[str] = field(default_factory=lambda: ["boxed", "answer_is"])
+    instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
+    on_bad_row: str = "error"
+
+
+@dataclass
 class DataConfig:
     """Training/eval task (conf/data)."""
 
     task: str = MISSING
     seed: int = 0
     arith: ArithConfig = field(default_factory=ArithConfig)
+    math: MathDataConfig = field(default_factory=MathDataConfig)
 
 
 @dataclass
@@ -155,6 +171,7 @@ class TrainConfig:
     log_every: int = 1
     save_every: int = 100
     keep_last: int = 2
+    max_nonfinite_steps: int = 5
 
 
 @dataclass
@@ -313,6 +330,7 @@ def validate(cfg: Any) -> None:
     _check(t.epochs_per_rollout >= 1, "train.epochs_per_rollout", f"must be >= 1, got {t.epochs_per_rollout}")
     _check(t.minibatches_per_rollout >= 1, "train.minibatches_per_rollout", f"must be >= 1, got {t.minibatches_per_rollout}")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
+    _check(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", f"must be >= 1, got {t.max_nonfinite_steps}")
     rollout_size = r.prompts_per_step * r.group_size
     _check(rollout_size % t.minibatches_per_rollout == 0, "train.minibatches_per_rollout",
            f"must divide prompts_per_step * group_size = {rollout_size}, got {t.minibatches_per_rollout}")
@@ -332,6 +350,7 @@ def validate(cfg: Any) -> None:
     _check(0 <= cfg.sft.context_share <= 1, "sft.context_share", f"must be in [0, 1], got {cfg.sft.context_share}")
     b = cfg.bicc
     _check(b.mode in ("partition", "paired"), "bicc.mode", f"'{b.mode}' unknown; choose from: partition, paired")
+    _check(b.packing_impl in ("kv", "mask"), "bicc.packing_impl", f"'{b.packing_impl}' unknown; choose from: kv, mask")
     _check(b.truncate in ("middle", "head", "tail"), "bicc.truncate", f"'{b.truncate}' unknown; choose from: middle, head, tail")
     _check(0 < b.context_ratio < 1, "bicc.context_ratio", f"must be in (0, 1), got {b.context_ratio}")
     _check(b.paired_k >= 1, "bicc.paired_k", f"must be >= 1, got {b.paired_k}")

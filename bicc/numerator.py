@@ -13,7 +13,7 @@ import torch
 
 from bicc.conditioning import ConditionedPrompts
 from bicc.logprobs import TokenBatch, batch_logprobs, make_token_batch
-from bicc.packing import pack, packed_logprobs
+from bicc.packing import pack, packed_logprobs, prefix_cache_logprobs
 
 
 class PlainNumerator:
@@ -30,6 +30,7 @@ class ConditionedNumerator:
                  pad_id: int, device: torch.device):
         self.contexts, self.completion_ids, self.length = contexts, completion_ids, length
         self.packing, self.max_packed_len = bicc_cfg.packing, bicc_cfg.max_packed_len
+        self.packing_impl = bicc_cfg.packing_impl
         self.pad_id, self.device = pad_id, device
         completion_tokens = sum(map(len, completion_ids))
         if self.packing:  # each distinct prefix once (ignoring splits of over-long packs)
@@ -42,6 +43,17 @@ class ConditionedNumerator:
         rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
         if not self.packing:
             return self._rows(model, rows, temperature, with_entropy)
+        if self.packing_impl == "kv":  # each distinct prefix once, its keys/values reused by its outputs
+            slot: dict[int, int] = {}
+            prefixes, prefix_of = [], []
+            for r in rows:
+                key = self.contexts.context_key[r]
+                if key not in slot:
+                    slot[key] = len(prefixes)
+                    prefixes.append(self.contexts.prompt_ids[r])
+                prefix_of.append(slot[key])
+            return prefix_cache_logprobs(model, prefixes, prefix_of, [self.completion_ids[r] for r in rows],
+                                         self.length, self.pad_id, temperature, with_entropy)
         # Only prefixes shared within this micro-batch gain from packing; the rest go as plain rows.
         counts: dict[int, int] = {}
         for r in rows:

@@ -126,3 +126,53 @@ def packed_logprobs(model, packed: PackedBatch, num_samples: int, length: int, t
             entropy = flat.new_zeros(num_samples, length).index_put((packed.sample, packed.step),
                                                                      entropy_from_logits(picked))
     return logp, entropy
+
+
+def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int], completions: list[list[int]],
+                          length: int, pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
+    """Per-token log-probs [n, length] of each completion after its prefix, computing every distinct
+    prefix ONCE and reusing its keys/values for all of its completions.
+
+    ``prefixes``: the distinct prefixes; ``prefix_of[i]``: which one completion i follows. Two forwards:
+    the prefixes (left-padded, with a cache, keeping only the last position's logits, which predict
+    each completion's first token), then all completions at once, each attending to its prefix's cached
+    keys/values (gathered per completion, differentiably: the prefix receives the gradient of every
+    completion behind it) and causally to itself. Unlike a packed row, completions never meet in one
+    attention matrix, so the cost is linear in the number of completions per prefix."""
+    device = next(model.parameters()).device
+    U, n = len(prefixes), len(completions)
+    width = max(len(p) for p in prefixes)
+    p_ids = torch.full((U, width), pad_id, dtype=torch.long)  # [U, W]
+    p_mask = torch.zeros((U, width), dtype=torch.long)  # [U, W]
+    for u, p in enumerate(prefixes):
+        p_ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        p_mask[u, width - len(p) :] = 1
+    p_pos = (p_mask.cumsum(1) - 1).clamp(min=0)  # [U, W]
+    p_ids, p_mask, p_pos = p_ids.to(device), p_mask.to(device), p_pos.to(device)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
+    index = torch.tensor(prefix_of, dtype=torch.long, device=device)  # [n]
+    cache = out.past_key_values
+    cache.batch_select_indices(index)  # [U, ...] -> [n, ...]: one (shared, differentiable) copy per completion
+    first_logits = out.logits[:, -1][index]  # [n, V]: predicts each completion's first token
+
+    c_ids = torch.full((n, length), pad_id, dtype=torch.long)  # [n, L]
+    c_mask = torch.zeros((n, length), dtype=torch.long)  # [n, L]
+    for i, c in enumerate(completions):
+        if c:
+            c_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+            c_mask[i, : len(c)] = 1
+    c_ids, c_mask = c_ids.to(device), c_mask.to(device)
+    start = p_mask.sum(1)[index]  # [n] real prefix length = first completion position
+    c_pos = start[:, None] + torch.arange(length, device=device)[None]  # [n, L]
+    mask = torch.cat([p_mask[index], c_mask], dim=1)  # [n, W + L]
+    rest = model(input_ids=c_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=c_pos[:, :-1],
+                 past_key_values=cache, use_cache=True).logits if length > 1 else None  # [n, L-1, V]
+    logits = first_logits[:, None] if rest is None else torch.cat([first_logits[:, None], rest], dim=1)  # [n, L, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = logprobs_from_logits(logits, c_ids) * c_mask  # [n, L]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits) * c_mask
+    return logp, entropy

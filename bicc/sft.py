@@ -47,7 +47,11 @@ def cache_key(cfg) -> str:
     sft.pop("seed", None)  # folded into the effective seed below (keys made before the option stay valid)
     if sft["context_share"] == 0:  # absent from keys made before the option existed: keep those caches valid
         sft.pop("context_share")
-    keyed = {"model": OmegaConf.to_container(cfg.model.tiny, resolve=True), "data": OmegaConf.to_container(cfg.data, resolve=True),
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    for task in ("arith", "math"):  # only the active task's settings shape the warm start
+        if data["task"] != task:
+            data.pop(task, None)
+    keyed = {"model": OmegaConf.to_container(cfg.model.tiny, resolve=True), "data": data,
              "sft": sft, "seed": sft_seed(cfg), "format": 1}
     if cfg.sft.context_share > 0:  # the template shown in SFT prompts then shapes the checkpoint too
         keyed["template"] = [cfg.bicc.preamble, cfg.bicc.attempt_header, cfg.bicc.elision, cfg.bicc.context_ratio,

@@ -39,3 +39,25 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def rewind_jsonl(path: Path, step: int) -> int:
+    """Drop rows logged after ``step`` (a resumed run recomputes those steps exactly); returns how many.
+    Rewritten atomically, so a kill during the rewind leaves the old file."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row_step = json.loads(line).get("step")
+        except json.JSONDecodeError:  # a line cut by the kill
+            dropped += 1
+            continue
+        if row_step is not None and row_step > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+    return dropped

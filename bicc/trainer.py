@@ -4,6 +4,8 @@ over minibatches and micro-batches, and the state a checkpoint must carry.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,13 +32,18 @@ class RLState:
     init_path: str
     step: int = 0
     data_pos: int = 0
+    nonfinite_skips: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm, in total
+    nonfinite_streak: int = 0  # ... and in a row, up to now
 
     def trainer_state(self) -> dict:
         return {"step": self.step, "data_pos": self.data_pos, "init_path": self.init_path,
+                "nonfinite_skips": self.nonfinite_skips, "nonfinite_streak": self.nonfinite_streak,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_trainer_state(self, state: dict) -> None:
         self.step, self.data_pos = state["step"], state["data_pos"]
+        self.nonfinite_skips = state.get("nonfinite_skips", 0)
+        self.nonfinite_streak = state.get("nonfinite_streak", 0)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -46,6 +53,20 @@ def needs_reference(cfg) -> bool:
     delta diagnostics."""
     return (cfg.algo.kl_coef > 0 or cfg.algo.ratio_denominator == "ref" or cfg.rcc.enabled
             or cfg.rcc.diag_every > 0)
+
+
+def old_logprobs(model, plain, numerator, cfg, num_rows: int, micro_batch_size: int, measure_w: bool = False):
+    """pi_old's per-token log-probs [N, L]: on q (the paper), or on x^c with ``bicc.old_on_context``.
+    In the latter case, with ``measure_w``, also the log conditioning weight per sequence [N]
+    (log pi_old(o|x^c) - log pi_old(o|q)), which costs one more forward on q; else None."""
+    T = cfg.rollout.temperature
+    if not (cfg.bicc.enabled and cfg.bicc.old_on_context) or numerator is plain:
+        return logprobs_no_grad(model, plain, num_rows, micro_batch_size, T), None
+    old = logprobs_no_grad(model, numerator, num_rows, micro_batch_size, T)
+    if not measure_w:
+        return old, None
+    q_logp = logprobs_no_grad(model, plain, num_rows, micro_batch_size, T)
+    return old, ((old - q_logp) * plain.batch.completion_mask).sum(-1).cpu()
 
 
 def conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_rows: int, micro_batch_size: int):
@@ -116,7 +137,10 @@ def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
                                   max_new_tokens=cfg.rollout.max_new_tokens, seed=seed + 7919 * rounds)
         out = state.engine.generate(prompts, sampling)
         rounds += 1
-        correct = torch.tensor([state.task.reward(t, problems[i // G]) for i, t in enumerate(out.texts)]).view(want, G)
+        golds = [problems[i // G] for i in range(len(out.texts))]
+        scores = (state.task.reward_many(out.texts, golds) if hasattr(state.task, "reward_many")
+                  else [state.task.reward(t, p) for t, p in zip(out.texts, golds)])
+        correct = torch.tensor(scores).view(want, G)
         lengths = torch.tensor([len(c) for c in out.completion_ids]).view(want, G)
         shaped = correct.double() + overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer,
                                                      algo.overlong_penalty)  # [want, G]
@@ -202,10 +226,21 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                     add(name, value)
                 add("train/entropy", masked_mean(entropy, mask).item())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
-            state.optimizer.step()
-            state.scheduler.step()
             add("train/loss", step_loss)
             add("train/grad_norm", grad_norm.item())
+            if not (math.isfinite(step_loss) and torch.isfinite(grad_norm)):
+                # numeric guard: a NaN/inf would poison the weights and Adam's moments for good; skip the
+                # step (the schedule does not advance either), count it, and let the loop stop the run
+                # after train.max_nonfinite_steps in a row
+                state.optimizer.zero_grad(set_to_none=True)
+                state.nonfinite_skips += 1
+                state.nonfinite_streak += 1
+                add("train/nonfinite_skip", 1.0)
+                continue
+            state.nonfinite_streak = 0
+            add("train/nonfinite_skip", 0.0)
+            state.optimizer.step()
+            state.scheduler.step()
     metrics = {name: sums[name] / counts[name] for name in sums}
     metrics["train/lr"] = state.scheduler.get_last_lr()[0]
     return metrics, first_pass

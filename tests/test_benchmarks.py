@@ -54,3 +54,23 @@ def test_skip_mode_counts_and_keeps_good_rows(tmp_path, capsys):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         load_problems(str(tmp_path / "nope.jsonl"))
+
+
+def test_math_task_trains_on_files_with_the_checker_as_reward(shared_data):
+    from types import SimpleNamespace
+
+    from bicc.config import MathDataConfig
+    from bicc.data import build_task
+
+    cfg = SimpleNamespace(task="math", math=MathDataConfig(train_source=str(shared_data / "gsm8k_train.jsonl"),
+                                                           test_source=str(shared_data / "gsm8k_test.jsonl"),
+                                                           extractors=["gsm8k", "boxed", "answer_is"]))
+    task = build_task(cfg)
+    try:
+        first = task.train_problem(0)
+        assert first.answer == "72" and "\\boxed{}" in first.prompt
+        assert task.train_problem(len(task.train)) == first  # the stream wraps around
+        assert len(task.test_problems(10)) == 10
+        assert task.reward_many(["so 48+24 = \\boxed{72}", "#### 71", "A: 72"], [first] * 3) == [1.0, 0.0, 1.0]
+    finally:
+        task.checker.close()

@@ -24,12 +24,13 @@ def setup():
     return model.eval(), tok, prompts, completions, batch
 
 
-@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("packing", [(True, "kv"), (True, "mask"), (False, "kv")])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_empty_context_reduces_to_base_variant(packing, variant):
     model, tok, prompts, completions, batch = setup()
     empty = ConditionedPrompts([list(p) for p in prompts], list(range(4)), torch.zeros(4, dtype=torch.bool))
-    conditioned = ConditionedNumerator(empty, completions, batch.completion_len, BiccCfg(packing=packing), tok.pad_token_id,
+    conditioned = ConditionedNumerator(empty, completions, batch.completion_len,
+                                       BiccCfg(packing=packing[0], packing_impl=packing[1]), tok.pad_token_id,
                                        torch.device("cpu"))
     rows = torch.arange(4)
     a, _ = conditioned.logprobs(model, rows, 1.0)
@@ -44,7 +45,8 @@ def test_empty_context_reduces_to_base_variant(packing, variant):
     assert loss_a.item() == pytest.approx(loss_b.item(), abs=1e-6)
 
 
-def test_packed_and_unpacked_conditioned_numerators_agree():
+@pytest.mark.parametrize("impl", ["kv", "mask"])
+def test_packed_and_unpacked_conditioned_numerators_agree(impl):
     model, tok, prompts, completions, batch = setup()
     correct = torch.tensor([1.0, 0.0, 1.0, 0.0])
     group_ids = torch.tensor([0, 0, 1, 1])
@@ -52,7 +54,8 @@ def test_packed_and_unpacked_conditioned_numerators_agree():
     ctx = build_contexts(texts, completions, correct, group_ids, tok, BiccCfg(min_attempt_tokens=4), 64, prompts)
     assert ctx.conditioned.all()
     rows = torch.arange(4)
-    packed = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=True, min_attempt_tokens=4), tok.pad_token_id, "cpu")
+    packed = ConditionedNumerator(ctx, completions, batch.completion_len,
+                                  BiccCfg(packing=True, packing_impl=impl, min_attempt_tokens=4), tok.pad_token_id, "cpu")
     single = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=False, min_attempt_tokens=4), tok.pad_token_id, "cpu")
     a, _ = packed.logprobs(model, rows, 1.0)
     b, _ = single.logprobs(model, rows, 1.0)

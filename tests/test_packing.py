@@ -80,3 +80,39 @@ def test_entropy_is_returned_where_asked():
     with torch.no_grad():
         _, entropy = packed_logprobs(model, packed, 5, 9, with_entropy=True)
     assert entropy[0, :5].gt(0).all() and entropy[2, 1:].eq(0).all()
+
+
+def _prefix_cache_case():
+    prefixes, keys, completions = case()
+    distinct = {k: p for k, p in zip(keys, prefixes)}
+    order = sorted(distinct)
+    return prefixes, [distinct[k] for k in order], [order.index(k) for k in keys], completions
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_prefix_cache_equals_unpacked(attn):
+    from bicc.packing import prefix_cache_logprobs
+
+    model, tok = tiny(attn)
+    prefixes, distinct, prefix_of, completions = _prefix_cache_case()
+    with torch.no_grad():
+        a, ent = prefix_cache_logprobs(model, distinct, prefix_of, completions, 9, tok.pad_token_id, with_entropy=True)
+        b, batch = unpacked(model, tok, prefixes, completions)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
+    assert torch.all(a[~m] == 0) and torch.all(ent[m] > 0)
+
+
+def test_prefix_cache_gradients_equal_unpacked():
+    from bicc.packing import prefix_cache_logprobs
+
+    model, tok = tiny()
+    prefixes, distinct, prefix_of, completions = _prefix_cache_case()
+    weights = torch.randn(5, 9, generator=torch.Generator().manual_seed(1))
+    a, _ = prefix_cache_logprobs(model, distinct, prefix_of, completions, 9, tok.pad_token_id)
+    b, batch = unpacked(model, tok, prefixes, completions)
+    m = batch.completion_mask.float()
+    grads_a = torch.autograd.grad((a * weights * m).sum(), list(model.parameters()))
+    grads_b = torch.autograd.grad((b * weights * m).sum(), list(model.parameters()))
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, atol=1e-4, rtol=0)

@@ -30,3 +30,9 @@ def test_cache_key_tracks_context_share_and_keeps_old_keys():
     assert cache_key(base) == cache_key(compose_cfg(["sft.cache_dir=/tmp/y"]))  # the cache dir is not a setting
     assert cache_key(base) != cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "sft.context_share=0.5"]))
     assert cache_key(base) != cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "sft.steps=10"]))
+
+
+def test_cache_key_ignores_inactive_task_settings():
+    base = compose_cfg(["sft.cache_dir=/tmp/x"])
+    assert cache_key(base) == cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "data.math.train_source=/elsewhere.jsonl"]))
+    assert cache_key(base) != cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "data.arith.max_operand=20"]))

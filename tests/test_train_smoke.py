@@ -77,3 +77,16 @@ def test_multirun_makes_one_dir_per_job(tmp_path):
     run_train(["-m", *SMALL, "train.steps=1", "rollout.group_size=2,4", f"hydra.sweep.dir={sweep}"], tmp_path)
     dirs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and (p / "results.json").exists())
     assert len(dirs) == 2 and "rollout.group_size=2" in dirs[0]
+
+
+def test_nonfinite_steps_stop_the_run_with_a_checkpoint(tmp_path):
+    # adv_eps = 0 makes a group with equal rewards divide 0 by 0: NaN advantages, a NaN loss
+    run_dir = tmp_path / "nan"
+    proc = run_train([*[a for a in SMALL if not a.startswith("train.steps")], "train.steps=10", "bicc=off", "rcc=off",
+                      "algo.adv_eps=0", "train.max_nonfinite_steps=2", f"hydra.run.dir={run_dir}"], tmp_path,
+                     check=False)
+    assert proc.returncode != 0
+    assert "2 optimizer steps in a row had a non-finite loss" in proc.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/nonfinite_skip"] for r in rows if "train/nonfinite_skip" in r] == [1.0, 1.0]
+    assert (run_dir / "checkpoints" / "step_2" / "COMPLETE").exists()

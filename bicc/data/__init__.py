@@ -34,4 +34,4 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     )
 
 
-from bicc.data import arith  # noqa: E402,F401  (registers "arith")
+from bicc.data import arith, math  # noqa: E402,F401  (registers "arith", "math")

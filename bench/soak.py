@@ -1,0 +1,91 @@
+"""Soak test: the default configuration trained through repeated SIGKILLs must end bit-identical to an
+uninterrupted run.
+
+1. A reference run of ``--steps`` RL steps, never interrupted.
+2. The same run again, killed with SIGKILL at random times (uniform in ``--kill-min``..``--kill-max``
+   seconds after each start) and restarted with ``resume=auto``, until it completes or ``--minutes``
+   have passed (after which it is left to finish).
+3. Every parameter of the two final checkpoints is compared.
+
+Run: ``.venv/bin/python bench/soak.py [--minutes 30] [--steps 120] [extra Hydra overrides]``.
+Ends with ``RESULT soak_divergence=<max |Δparam|> target==0`` and the counts of steps and resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def command(run_dir: Path, steps: int, save_every: int, extra: list[str], resume: bool) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), f"train.steps={steps}", f"train.save_every={save_every}",
+            "train.keep_last=3", "logger.wandb_mode=disabled", "logger.progress=false", "eval.num_problems=20",
+            f"hydra.run.dir={run_dir}", *(["resume=auto"] if resume else []), *extra]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="how long to keep killing the second run")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--save-every", type=int, default=5)
+    parser.add_argument("--kill-min", type=float, default=5.0)
+    parser.add_argument("--kill-max", type=float, default=40.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "soak")
+    parser.add_argument("--seed", type=int, default=0, help="of the kill times")
+    parser.add_argument("extra", nargs="*", help="Hydra overrides for both runs")
+    args = parser.parse_args()
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    rng = random.Random(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    reference, soaked = args.out / "reference", args.out / "killed"
+
+    start = time.perf_counter()
+    if not (reference / "results.json").exists():
+        subprocess.run(command(reference, args.steps, args.save_every, args.extra, resume=False), cwd=ROOT, env=env,
+                       check=True, stdout=subprocess.DEVNULL)
+    ref_s = time.perf_counter() - start
+    print(f"reference: {args.steps} steps in {ref_s:.0f}s", flush=True)
+
+    kills, starts = 0, 0
+    stop_killing = time.perf_counter() + 60 * args.minutes
+    while not (soaked / "results.json").exists():
+        starts += 1
+        proc = subprocess.Popen(command(soaked, args.steps, args.save_every, args.extra, resume=starts > 1), cwd=ROOT,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if time.perf_counter() < stop_killing:
+            try:
+                proc.wait(timeout=rng.uniform(args.kill_min, args.kill_max))
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                kills += 1
+                print(f"killed run #{starts} after {time.perf_counter() - start:.0f}s", flush=True)
+                continue
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"run #{starts} failed with exit {proc.returncode}:\n{err[-3000:]}")
+    a = load_file(reference / "checkpoints" / f"step_{args.steps}" / "model.safetensors")
+    b = load_file(soaked / "checkpoints" / f"step_{args.steps}" / "model.safetensors")
+    if a.keys() != b.keys():
+        raise RuntimeError("the two final checkpoints hold different parameter names")
+    divergence = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    print(f"{time.perf_counter() - start:.0f}s in all; {kills} kills, {starts - 1} resumes")
+    print(f"RESULT soak_divergence={divergence:g} target==0")
+    print(f"RESULT soak_steps={args.steps}")
+    print(f"RESULT soak_resumes={starts - 1}")
+    print(f"RESULT soak_kills={kills}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Math word problems from files (``data.task=math``): MATH train / GSM8K train for RL, scored by the
+same checker as evaluation (``bicc.checking.MathChecker``: extraction, exact path, math-verify under a
+deadline). The prompt is the problem plus ``data.math.instruction``; the chat template is applied by
+the caller (``encode_prompt``)."""
+
+from __future__ import annotations
+
+from bicc.checking import MathChecker
+from bicc.data import TASKS, Problem
+from bicc.data.benchmarks import FieldNames, load_problems
+
+
+@TASKS.register("math")
+class MathTask:
+    def __init__(self, data_cfg):
+        cfg = data_cfg.math
+        fields = FieldNames(cfg.problem_field, cfg.answer_field, cfg.id_field)
+        self.train, _ = load_problems(cfg.train_source, fields, "train", cfg.on_bad_row)
+        self.test_source, self.fields, self.cfg = cfg.test_source, fields, cfg
+        self._test: list[Problem] | None = None
+        self.checker = MathChecker(extractors=tuple(cfg.extractors))
+        if not self.train:
+            raise ValueError(f"data.math.train_source={cfg.train_source}: no problems")
+
+    def _with_instruction(self, p: Problem) -> Problem:
+        return Problem(p.id, f"{p.prompt}\n\n{self.cfg.instruction}" if self.cfg.instruction else p.prompt, p.answer)
+
+    def train_problem(self, index: int) -> Problem:
+        """Deterministic in ``index``: epochs walk the file in order (shuffle it offline if needed)."""
+        return self._with_instruction(self.train[index % len(self.train)])
+
+    def test_problems(self, n: int) -> list[Problem]:
+        if self._test is None:
+            problems, _ = load_problems(self.test_source, self.fields, "test", self.cfg.on_bad_row)
+            self._test = [self._with_instruction(p) for p in problems]
+        return self._test[:n]
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return self.checker.score(completion, problem.answer)
+
+    def reward_many(self, completions: list[str], problems: list[Problem]) -> list[float]:
+        return self.checker.score_many(completions, [p.answer for p in problems])

@@ -1,0 +1,116 @@
+"""Exact resume after SIGKILL, and what resume does with incomplete or corrupt checkpoints."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bicc.checkpoint import CorruptCheckpoint, save_checkpoint, verify_checkpoint
+from tests.test_train_smoke import ROOT, SMALL
+
+# GRPO + BiCC + RCC (the defaults) with every diagnostic on, a checkpoint every 2 steps
+RUN = [*[a for a in SMALL if not a.startswith("train.steps")], "train.steps=8", "train.save_every=2",
+       "train.keep_last=0", "rcc.diag_every=1", "rcc.diag_splits=2", "eval.num_problems=2", "eval.greedy=false"]
+
+
+def env(tmp_path):
+    return {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+
+
+def train(args, tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env(tmp_path), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return max(steps, default=0)
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path):
+    train(["stage=sft", *RUN, f"hydra.run.dir={tmp_path / 'sft'}"], tmp_path)  # shared warm start, built once
+    reference = tmp_path / "reference"
+    train([*RUN, f"hydra.run.dir={reference}"], tmp_path)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "train.py", *RUN, f"hydra.run.dir={killed}"], cwd=ROOT, env=env(tmp_path),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_after = 5  # past the step-4 checkpoint, before the end
+    deadline = time.time() + 300
+    while logged_steps(killed) < kill_after and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 0 < logged_steps(killed) < 8, "the run must die mid-way for this test to mean anything"
+
+    out = train([*RUN, "resume=auto", f"hydra.run.dir={killed}"], tmp_path)
+    assert "resumed from" in out.stdout
+    a = load_file(reference / "checkpoints" / "step_8" / "model.safetensors")
+    b = load_file(killed / "checkpoints" / "step_8" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa = torch.load(reference / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
+    sb = torch.load(killed / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
+    for key, value in sa["optimizer"]["state"].items():
+        assert all(torch.equal(value[k], sb["optimizer"]["state"][key][k]) for k in value)
+    assert sa["scheduler"] == sb["scheduler"] and sa["data_pos"] == sb["data_pos"]
+    # the logs read as one run: every step once, with the uninterrupted run's values
+    ra = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    assert [r.get("reward/mean") for r in ra] == [r.get("reward/mean") for r in rb]
+    da = (reference / "diagnostics.jsonl").read_text().splitlines()
+    db = (killed / "diagnostics.jsonl").read_text().splitlines()
+    assert da == db
+
+
+def _checkpoint(tmp_path, step):
+    from bicc.config import TinyArchConfig
+    from bicc.models import build_tiny
+
+    model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=0)
+    state = {"step": step, "data_pos": 0, "init_path": "x", "optimizer": {}, "scheduler": {}}
+    return save_checkpoint(tmp_path / "checkpoints" / f"step_{step}", model, tok, state, keep_last=0)
+
+
+def test_corrupt_or_partial_checkpoints_are_named_and_skipped(tmp_path):
+    import train as train_module
+
+    good = _checkpoint(tmp_path, 2)
+    corrupt = _checkpoint(tmp_path, 4)
+    weights = corrupt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated mid-write by a crash
+    partial = tmp_path / "checkpoints" / "step_6.tmp"  # a write interrupted before the rename
+    partial.mkdir()
+    with pytest.raises(CorruptCheckpoint, match="step_4"):
+        verify_checkpoint(corrupt)
+    verify_checkpoint(good)
+    assert train_module.resume_dir("auto", tmp_path) == good
+    with pytest.raises(CorruptCheckpoint, match="step_4"):
+        train_module.resume_dir(str(corrupt), tmp_path)
+    (good / "trainer_state.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CorruptCheckpoint, match="trainer_state.pt"):
+        verify_checkpoint(good)
+    assert train_module.resume_dir("auto", tmp_path) is None  # nothing sound left: start over
+
+
+def test_no_pickle_outside_weights_only_loads():
+    """Every torch.load in the code passes weights_only=True; nothing imports pickle."""
+    for path in [*ROOT.glob("bicc/**/*.py"), ROOT / "train.py", ROOT / "eval.py"]:
+        text = path.read_text()
+        assert "import pickle" not in text and "pickle.load" not in text, path
+        for line in text.splitlines():
+            if "torch.load(" in line:
+                assert "weights_only=True" in line, f"{path}: {line.strip()}"
