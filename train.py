@@ -34,8 +34,8 @@ from bicc.optim import build_optimizer, warmup_cosine
 from bicc.rollout import build_engine
 from bicc.sft import config_hash, warm_start
 from bicc.tracking import Tracker, rewind_jsonl
-from bicc.trainer import (RLState, collect_rollout, conditioned_logprobs_no_grad, logprobs_no_grad, loss_of_rows_fn,
-                          needs_reference, old_logprobs, update_policy)
+from bicc.trainer import (RLState, collect_rollout, conditioned_logprobs_no_grad, loss_of_rows_fn,
+                          needs_reference, old_logprobs, reference_logprobs, update_policy)
 
 register_configs()
 hf_logging.disable_progress_bar()
@@ -67,12 +67,8 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0
     # log_w: log conditioning weight per sequence; None = measured in the update's first pass (old on q)
     old_logp, log_w = old_logprobs(s.model, plain, numerator, cfg, N, mb, measure_w=diag)  # [N, L]
-    ref_logp = logprobs_no_grad(s.ref_model, plain, N, mb, cfg.rollout.temperature) if s.ref_model is not None else None
-    kl_ref_logp = ref_logp  # the KL term's reference; RCC's delta always uses pi_ref on q
-    if cfg.bicc.enabled and cfg.bicc.old_on_context and cfg.algo.kl_coef > 0 and numerator is not plain:
-        # like for like: KL(pi_theta(.|x^c) || pi_ref(.|x^c)); against pi_ref(.|q) the k3 estimator grows as
-        # exp(log pi_ref(o|q) - log pi_theta(o|x^c)) and swamps the update (BiCC-Dr.GRPO collapsed)
-        kl_ref_logp = logprobs_no_grad(s.ref_model, numerator, N, mb, cfg.rollout.temperature)
+    # pi_ref on q (RCC's delta); the KL term's reference, on x^c under bicc.old_on_context
+    ref_logp, kl_ref_logp = reference_logprobs(s.ref_model, plain, numerator, cfg, N, mb)
     t_logprobs = time.perf_counter()
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------

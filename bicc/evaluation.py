@@ -62,18 +62,13 @@ def _generate(engine, prompts, sampling: SamplingParams, chunk: int, desc: str, 
     return texts, lengths
 
 
-def _score(task, bench, problems, texts, n, checker_cfg) -> np.ndarray:
-    """Rewards as a [num_problems, n] array; rows follow ``problems``."""
+def _score(task, problems, texts, n, checker: MathChecker | None) -> np.ndarray:
+    """Rewards as a [num_problems, n] array; rows follow ``problems``. ``checker`` None: the task's reward."""
     golds = [problems[i // n] for i in range(len(texts))]
-    if bench.source == "task":
+    if checker is None:
         scores = [task.reward(t, p) for t, p in zip(texts, golds)]
     else:
-        checker = MathChecker(extractors=tuple(bench.extractors), workers=checker_cfg.checker_workers,
-                              deadline_s=checker_cfg.checker_deadline_s)
-        try:
-            scores = checker.score_many(texts, [p.answer for p in golds])
-        finally:
-            checker.close()
+        scores = checker.score_many(texts, [p.answer for p in golds])
     return np.asarray(scores, dtype=float).reshape(len(problems), n)
 
 
@@ -88,7 +83,19 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
     sampling = SamplingParams(n, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.max_new_tokens, seed)
     chunk = max(1, eval_cfg.batch_size // n)
     texts, lengths = _generate(engine, prompts, sampling, chunk, f"eval {bench.name}", progress)
-    rewards = _score(task, bench, problems, texts, n, eval_cfg)  # [P, n]
+    g_texts = None
+    if eval_cfg.greedy:
+        g_texts, _ = _generate(engine, prompts, SamplingParams(1, 0.0, 1.0, eval_cfg.max_new_tokens, seed), chunk * n,
+                               f"greedy {bench.name}", progress)
+    # one checker (and worker pool) scores the benchmark's sampled and greedy answers
+    checker = None if bench.source == "task" else MathChecker(
+        extractors=tuple(bench.extractors), workers=eval_cfg.checker_workers, deadline_s=eval_cfg.checker_deadline_s)
+    try:
+        rewards = _score(task, problems, texts, n, checker)  # [P, n]
+        greedy_rewards = _score(task, problems, g_texts, 1, checker)[:, 0] if g_texts is not None else None  # [P]
+    finally:
+        if checker is not None:
+            checker.close()
     correct = (rewards > 0.5).sum(axis=1).astype(int)
     per_problem = rewards.mean(axis=1)
     lo, hi = bootstrap_ci(per_problem, eval_cfg.bootstrap_samples, seed=seed)
@@ -109,11 +116,7 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
         k_lo, k_hi = bootstrap_ci(values, eval_cfg.bootstrap_samples, seed=seed)
         metrics[prefix + f"pass@{k}"] = float(values.mean())
         metrics[prefix + f"pass@{k}_ci_low"], metrics[prefix + f"pass@{k}_ci_high"] = k_lo, k_hi
-    greedy_rewards = None
-    if eval_cfg.greedy:
-        g_texts, _ = _generate(engine, prompts, SamplingParams(1, 0.0, 1.0, eval_cfg.max_new_tokens, seed), chunk * n,
-                               f"greedy {bench.name}", progress)
-        greedy_rewards = _score(task, bench, problems, g_texts, 1, eval_cfg)[:, 0]
+    if greedy_rewards is not None:
         metrics[prefix + "greedy_acc"] = float(greedy_rewards.mean())
     metrics[prefix + "seconds"] = time.perf_counter() - start
     records = [{"id": p.id, "answer": p.answer, "n": n, "correct": int(c), "accuracy": float(a),

@@ -34,10 +34,13 @@ class Run:
         if not cfg_file.exists():
             raise FileNotFoundError(f"{path}: not a run dir (no .hydra/config.yaml)")
         cfg = OmegaConf.load(cfg_file)
+        for group in ("algo", "bicc", "rcc"):
+            if group not in cfg:
+                raise ValueError(f"{cfg_file}: no '{group}' config; the run predates BiCC/RCC and cannot be plotted")
         self.algo = str(cfg.algo.name)
-        self.bicc = bool(cfg.get("bicc", {}).get("enabled", False))  # runs from before BiCC existed: off
-        self.rcc = bool(cfg.get("rcc", {}).get("enabled", False))
-        self.stage_steps = int(cfg.get("rcc", {}).get("stage_steps", 100))
+        self.bicc = bool(cfg.bicc.enabled)
+        self.rcc = bool(cfg.rcc.enabled)
+        self.stage_steps = int(cfg.rcc.stage_steps)
         self.metrics = _read_jsonl(path / "metrics.jsonl", key="step")
         self.diag = _read_jsonl(path / "diagnostics.jsonl", key="step")
 

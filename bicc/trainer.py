@@ -69,6 +69,20 @@ def old_logprobs(model, plain, numerator, cfg, num_rows: int, micro_batch_size: 
     return old, ((old - q_logp) * plain.batch.completion_mask).sum(-1).cpu()
 
 
+def reference_logprobs(ref_model, plain, numerator, cfg, num_rows: int, micro_batch_size: int):
+    """pi_ref's per-token log-probs [N, L] on q (RCC's delta, the paper's KL) and the KL term's reference.
+    Under ``bicc.old_on_context`` the KL compares like with like, KL(pi_theta(.|x^c) || pi_ref(.|x^c)):
+    against pi_ref(.|q) the k3 estimator grows as exp(log pi_ref(o|q) - log pi_theta(o|x^c)) and swamps
+    the update (BiCC-Dr.GRPO collapsed). (None, None) without a reference model."""
+    if ref_model is None:
+        return None, None
+    T = cfg.rollout.temperature
+    on_q = logprobs_no_grad(ref_model, plain, num_rows, micro_batch_size, T)
+    if cfg.bicc.enabled and cfg.bicc.old_on_context and cfg.algo.kl_coef > 0 and numerator is not plain:
+        return on_q, logprobs_no_grad(ref_model, numerator, num_rows, micro_batch_size, T)
+    return on_q, on_q
+
+
 def conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_rows: int, micro_batch_size: int):
     """log pi_theta(o_i | x^c) per token at theta = theta_old (before the update), for RCC's delta: the
     numerator's context (x^c = q when BiCC is off). Reuses ``old_logp`` when it already is exactly that."""

@@ -31,6 +31,16 @@ def unpacked(model, tok, prefixes, completions):
     return token_logprobs(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_len)[0], batch
 
 
+def assert_gradients_match(model, a, b, mask):
+    """Gradients of the same weighted sum of two [5, 9] log-prob tensors agree to 1e-4."""
+    weights = torch.randn(5, 9, generator=torch.Generator().manual_seed(1))
+    m = mask.float()
+    grads_a = torch.autograd.grad((a * weights * m).sum(), list(model.parameters()))
+    grads_b = torch.autograd.grad((b * weights * m).sum(), list(model.parameters()))
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("max_len", [1000, 20])
 def test_packed_equals_unpacked(attn, max_len):
@@ -49,15 +59,10 @@ def test_packed_equals_unpacked(attn, max_len):
 def test_packed_gradients_equal_unpacked():
     model, tok = tiny()
     prefixes, keys, completions = case()
-    weights = torch.randn(5, 9, generator=torch.Generator().manual_seed(1))
     packed = pack(prefixes, keys, completions, max_len=1000, pad_id=tok.pad_token_id)
     a, _ = packed_logprobs(model, packed, 5, 9)
     b, batch = unpacked(model, tok, prefixes, completions)
-    m = batch.completion_mask.float()
-    grads_a = torch.autograd.grad((a * weights * m).sum(), list(model.parameters()))
-    grads_b = torch.autograd.grad((b * weights * m).sum(), list(model.parameters()))
-    for ga, gb in zip(grads_a, grads_b):
-        torch.testing.assert_close(ga, gb, atol=1e-4, rtol=0)
+    assert_gradients_match(model, a, b, batch.completion_mask)
 
 
 def test_mask_isolates_outputs():
@@ -108,11 +113,6 @@ def test_prefix_cache_gradients_equal_unpacked():
 
     model, tok = tiny()
     prefixes, distinct, prefix_of, completions = _prefix_cache_case()
-    weights = torch.randn(5, 9, generator=torch.Generator().manual_seed(1))
     a, _ = prefix_cache_logprobs(model, distinct, prefix_of, completions, 9, tok.pad_token_id)
     b, batch = unpacked(model, tok, prefixes, completions)
-    m = batch.completion_mask.float()
-    grads_a = torch.autograd.grad((a * weights * m).sum(), list(model.parameters()))
-    grads_b = torch.autograd.grad((b * weights * m).sum(), list(model.parameters()))
-    for ga, gb in zip(grads_a, grads_b):
-        torch.testing.assert_close(ga, gb, atol=1e-4, rtol=0)
+    assert_gradients_match(model, a, b, batch.completion_mask)
