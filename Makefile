@@ -33,6 +33,6 @@ clean:
 	rm -rf outputs .cache
 
 # The paper's comparison on the embedded task (5 configurations x 3 seeds, one warm start); writes
-# docs/results/ and README's results section. About 50 minutes on 2 CPU cores.
+# docs/results/ and README's results section. 150 RL steps per run so that it fits in 60 minutes on 2 CPU cores.
 results: $(STAMP)
 	$(PY) bench/results.py $(ARGS)

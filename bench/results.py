@@ -4,7 +4,7 @@ From one SFT warm start (``sft.seed=0``) and several RL seeds, trains GRPO, BiCC
 DAPO and BiCC-DAPO with the default settings of each, evaluates every run (pass@1 with its 95% CI) and
 writes:
 
-- ``outputs/results/<config>/s<seed>/``: the run dirs (metrics, diagnostics, results.json);
+- ``outputs/results/steps<N>/<config>/s<seed>/``: the run dirs (metrics, diagnostics, results.json);
 - ``docs/results/results.md``: the table in the paper's format (mean over seeds, spread, delta against
   the matching baseline) and the gradient-variance ratio measured during training;
 - ``docs/results/*.png``: ``bicc.plots`` figures of all runs;
@@ -117,16 +117,17 @@ def update_readme(table: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "results")
+    parser.add_argument("--out", type=Path, default=None, help="default: outputs/results/steps<steps>")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--no-readme", action="store_true")
     parser.add_argument("extra", nargs="*", help="Hydra overrides added to every run")
     args = parser.parse_args()
     names = args.configs.split(",")
+    args.out = args.out or ROOT / "outputs" / "results" / f"steps{args.steps}"
     start = time.perf_counter()
     # the shared warm start first, so parallel jobs do not race to build it
     subprocess.run([sys.executable, str(ROOT / "train.py"), "stage=sft", "sft.seed=0", "logger.progress=false",
