@@ -58,6 +58,16 @@ def extract_answer_is(text: str) -> str | None:
     return rest.strip("$ ") or None
 
 
+_ANSWER_LINE = re.compile(r"(?:^|\n)[ \t*]*Answer:[ \t*]*([^\n]*)")
+
+
+@EXTRACTORS.register("answer_line")
+def extract_answer_line(text: str) -> str | None:
+    """The last line of the form ``Answer: X`` (the DAPO-Math-17k instruction)."""
+    found = _ANSWER_LINE.findall(text[-4000:])
+    return (found[-1].strip().strip("$ ").strip() or None) if found else None
+
+
 _HASHES = re.compile(r"####\s*([^\n]*)")
 _A_COLON = re.compile(r"(?:^|\n)\s*A:\s*([^\n]*)")
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")

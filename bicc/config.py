@@ -124,6 +124,9 @@ class MathDataConfig:
     extractors: List[str] = field(default_factory=lambda: ["boxed", "answer_is"])
     instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
     on_bad_row: str = "error"
+    test_problem_field: Optional[str] = None
+    test_answer_field: Optional[str] = None
+    test_id_field: Optional[str] = None
 
 
 @dataclass
@@ -147,6 +150,11 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     batch_size: int = 256
+    shards: Optional[int] = None
+    gpu_memory_utilization: float = 0.5
+    sleep: bool = False
+    enforce_eager: bool = False
+    max_model_len: Optional[int] = None
 
 
 @dataclass
@@ -172,6 +180,17 @@ class TrainConfig:
     save_every: int = 100
     keep_last: int = 2
     max_nonfinite_steps: int = 5
+
+
+@dataclass
+class DistConfig:
+    """Multi-process training under torchrun (bicc/distributed.py); one process ignores it."""
+
+    strategy: str = "fsdp2"
+    backend: str = "auto"
+    param_dtype: Optional[str] = None
+    reduce_dtype: str = "float32"
+    reshard_after_forward: bool = True
 
 
 @dataclass
@@ -251,6 +270,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     seed: int = 0
     stage: str = "all"
     device: str = "auto"
@@ -324,6 +344,8 @@ def validate(cfg: Any) -> None:
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+    _check(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",
+           f"must be null (one per process) or a divisor of rollout.prompts_per_step={r.prompts_per_step}, got {r.shards}")
 
     t = cfg.train
     _check(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
@@ -346,6 +368,13 @@ def validate(cfg: Any) -> None:
     _check(cfg.model.dtype in DTYPES, "model.dtype", f"'{cfg.model.dtype}' unknown; choose from: {', '.join(DTYPES)}")
     _check((cfg.model.path is None) != (cfg.model.tiny is None), "model.path",
            "set exactly one of model.path (HF id or local dir) and model.tiny (build from a config)")
+
+    d = cfg.dist
+    _check(d.strategy in ("fsdp2", "ddp"), "dist.strategy", f"'{d.strategy}' unknown; choose from: fsdp2, ddp")
+    _check(d.backend in ("auto", "nccl", "gloo"), "dist.backend", f"'{d.backend}' unknown; choose from: auto, nccl, gloo")
+    _check(d.param_dtype is None or d.param_dtype in DTYPES, "dist.param_dtype",
+           f"'{d.param_dtype}' unknown; choose from: null, {', '.join(DTYPES)}")
+    _check(d.reduce_dtype in DTYPES, "dist.reduce_dtype", f"'{d.reduce_dtype}' unknown; choose from: {', '.join(DTYPES)}")
 
     _check(0 <= cfg.sft.context_share <= 1, "sft.context_share", f"must be in [0, 1], got {cfg.sft.context_share}")
     b = cfg.bicc
@@ -394,3 +423,28 @@ def validate(cfg: Any) -> None:
     _check(0 <= ar.slip_rate <= 1, "data.arith.slip_rate", f"must be in [0, 1], got {ar.slip_rate}")
     _check(set(ar.ops) <= set("+-") and ar.ops != "", "data.arith.ops", f"use a non-empty subset of '+-', got '{ar.ops}'")
     _check(0 < ar.test_share < 1, "data.arith.test_share", f"must be in (0, 1), got {ar.test_share}")
+
+
+def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field: str, sample: int = 256) -> None:
+    """Before any weights load: the longest prompt (of the first ``sample`` training problems and the
+    evaluation problems) plus the BiCC context budget plus the output budget must fit the model's
+    positions, and so must an evaluation prompt plus ``eval.max_new_tokens``."""
+    from bicc.data import encode_prompt
+
+    def longest(problems):
+        lengths = [(len(encode_prompt(tokenizer, p.prompt)), p.id) for p in problems]
+        return max(lengths) if lengths else (0, None)
+
+    train_len, train_id = longest([task.train_problem(i) for i in range(sample)])
+    budget = int(cfg.bicc.context_ratio * cfg.bicc.max_tokens) if cfg.bicc.enabled else 0
+    need = train_len + budget + cfg.rollout.max_new_tokens
+    _check(need <= max_positions, "rollout.max_new_tokens",
+           f"longest training prompt ({train_len} tokens, problem {train_id}) + BiCC context budget ({budget} = "
+           f"bicc.context_ratio x bicc.max_tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {need} "
+           f"exceeds the model's {max_positions} positions ({limit_field}); lower the budgets or use a longer model")
+    if cfg.data.task == "arith" or any(b.source == "task" for b in cfg.eval.benchmarks):
+        test_len, test_id = longest(task.test_problems(cfg.eval.num_problems))
+        need = test_len + cfg.eval.max_new_tokens
+        _check(need <= max_positions, "eval.max_new_tokens",
+               f"longest evaluation prompt ({test_len} tokens, problem {test_id}) + eval.max_new_tokens "
+               f"({cfg.eval.max_new_tokens}) = {need} exceeds the model's {max_positions} positions ({limit_field})")

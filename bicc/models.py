@@ -47,11 +47,33 @@ def load_pretrained(path: str, model_cfg, device: torch.device):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[model_cfg.dtype], attn_implementation=model_cfg.attn_implementation
+        path, dtype=DTYPES[model_cfg.dtype], attn_implementation=resolve_attn_implementation(model_cfg.attn_implementation)
     ).to(device)
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model, tokenizer
+
+
+def tokenizer_and_positions(model_cfg) -> tuple:
+    """The tokenizer and the longest sequence the model takes, read without loading any weights, and
+    the config field that sets that length."""
+    if model_cfg.tiny is not None:
+        return build_char_tokenizer(), model_cfg.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_cfg.path)
+    return AutoTokenizer.from_pretrained(model_cfg.path), config.max_position_embeddings, f"{model_cfg.path} config.json"
+
+
+def resolve_attn_implementation(name: str) -> str:
+    """flash_attention_2 only where it can run (CUDA and the flash-attn package); SDPA otherwise."""
+    if name != "flash_attention_2":
+        return name
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return name if torch.cuda.is_available() else "sdpa"
 
 
 def frozen_copy(path: str, model_cfg, device: torch.device):

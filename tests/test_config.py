@@ -30,7 +30,7 @@ def test_every_yaml_field_has_a_comment():
                 continue
             if stripped.endswith(":") and not lines[i - 1].strip().startswith("#"):
                 # a section header ("optim:") may go without one only when it is a known group block
-                assert stripped[:-1] in {"optim", "train", "sft", "hydra", "run", "sweep", "job", "tiny", "arith"}, f"{path}:{i + 1}"
+                assert stripped[:-1] in {"optim", "train", "sft", "hydra", "run", "sweep", "job", "tiny", "arith", "dist"}, f"{path}:{i + 1}"
                 continue
             assert lines[i - 1].strip().startswith("#"), f"{path}:{i + 1} '{stripped}' has no comment above it"
 
@@ -96,3 +96,32 @@ def test_algo_presets_match_their_papers():
     assert (c["gmpo"].loss, c["gmpo"].clip_eps_low, c["gmpo"].clip_eps_high) == ("gmpo", 0.4, 0.4)
     assert (c["aspo"].loss, c["aspo"].dual_clip_c, c["aspo"].clip_eps_high) == ("aspo", 3.0, 0.28)
     assert all(name == c[name].name for name in c)
+
+
+def _lengths(overrides):
+    from bicc.config import validate_lengths
+    from bicc.data import build_task
+    from bicc.models import tokenizer_and_positions
+
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", *overrides])
+    validate(cfg)
+    validate_lengths(cfg, build_task(cfg.data), *tokenizer_and_positions(cfg.model))
+
+
+def test_lengths_that_fit_pass():
+    _lengths([])
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["model.tiny.max_position_embeddings=64"], "rollout.max_new_tokens"),  # prompt + budgets > 64 positions
+    (["rollout.max_new_tokens=500"], "rollout.max_new_tokens"),
+    (["bicc.max_tokens=1200", "bicc.context_ratio=0.5"], "rollout.max_new_tokens"),  # the context budget counts
+    (["eval.max_new_tokens=500"], "eval.max_new_tokens"),
+])
+def test_budgets_beyond_the_model_positions_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=rf"config field '{field}'.*exceeds the model's \d+ positions"):
+        _lengths(overrides)
+
+
+def test_context_budget_only_counts_with_bicc_on():
+    _lengths(["bicc=off", "bicc.max_tokens=1200", "bicc.context_ratio=0.5"])

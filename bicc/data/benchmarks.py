@@ -88,9 +88,10 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
                 raise BadRowError(f"{where}:{number}: {reason} (set on_bad_row=skip to skip such rows)")
             skipped[reason.split(" (")[0]] += 1
             continue
-        pid = str(row.get(fields.id, number))
+        pid = field_value(row, fields.id)
+        pid = str(number if pid is None else pid)
         seen[pid] = number
-        problems.append(Problem(pid, str(row[fields.problem]), str(row[fields.answer]).strip()))
+        problems.append(Problem(pid, str(field_value(row, fields.problem)), str(field_value(row, fields.answer)).strip()))
         if limit and len(problems) >= limit:
             break
     if skipped:
@@ -99,18 +100,36 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
     return problems, dict(skipped)
 
 
+def field_value(row: dict, path: str):
+    """``row[path]``, where a dotted path walks nested objects and lists (``prompt.0.content``,
+    ``reward_model.ground_truth``); None when any step is missing."""
+    if path in row:
+        return row[path]
+    value = row
+    for key in path.split("."):
+        if isinstance(value, dict) and key in value:
+            value = value[key]
+        elif isinstance(value, list) and key.lstrip("-").isdigit() and -len(value) <= int(key) < len(value):
+            value = value[int(key)]
+        else:
+            return None
+    return value
+
+
 def _check_row(row, fields: FieldNames, seen: dict) -> str | None:
     if isinstance(row, str):  # an error message from the reader
         return row
     if not isinstance(row, dict):
         return f"not a JSON object (got {type(row).__name__})"
     for name in (fields.problem, fields.answer):
-        if name not in row or row[name] is None:
+        value = field_value(row, name)
+        if value is None:
             return f"missing field '{name}'"
-        if not str(row[name]).strip():
+        if not str(value).strip():
             return f"empty field '{name}'"
-    if fields.id in row:
-        pid = str(row[fields.id])
+    pid = field_value(row, fields.id)
+    if pid is not None:
+        pid = str(pid)
         if pid in seen:
             return f"duplicate id {pid!r} (first on line {seen[pid]})"
     return None

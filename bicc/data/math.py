@@ -16,7 +16,10 @@ class MathTask:
         cfg = data_cfg.math
         fields = FieldNames(cfg.problem_field, cfg.answer_field, cfg.id_field)
         self.train, _ = load_problems(cfg.train_source, fields, "train", cfg.on_bad_row)
-        self.test_source, self.fields, self.cfg = cfg.test_source, fields, cfg
+        self.test_source, self.cfg = cfg.test_source, cfg
+        # the held-out file may be laid out differently (e.g. DAPO-Math-17k for training, MATH-500 for tests)
+        self.test_fields = FieldNames(cfg.test_problem_field or cfg.problem_field,
+                                      cfg.test_answer_field or cfg.answer_field, cfg.test_id_field or cfg.id_field)
         self._test: list[Problem] | None = None
         self.checker = MathChecker(extractors=tuple(cfg.extractors))
         if not self.train:
@@ -31,7 +34,7 @@ class MathTask:
 
     def test_problems(self, n: int) -> list[Problem]:
         if self._test is None:
-            problems, _ = load_problems(self.test_source, self.fields, "test", self.cfg.on_bad_row)
+            problems, _ = load_problems(self.test_source, self.test_fields, "test", self.cfg.on_bad_row)
             self._test = [self._with_instruction(p) for p in problems]
         return self._test[:n]
 

@@ -1,0 +1,103 @@
+"""Every experiment and sweep preset composes, validates and carries the paper's values (Table 3)."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from bicc.config import validate
+from tests.conftest import CONF, compose_cfg
+
+PAPER_MODELS = {"paper_qwen3_4b": "Qwen/Qwen3-4B-Instruct-2507", "paper_phi4_mini": "microsoft/Phi-4-mini-instruct"}
+VARIANTS = ["grpo", "dr_grpo", "dapo", "gspo", "gmpo", "aspo"]
+
+
+def compose_with_hydra(overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+
+
+@pytest.mark.parametrize("experiment", sorted(PAPER_MODELS))
+def test_paper_experiment_has_table_3_values(experiment):
+    cfg = compose_cfg([f"experiment={experiment}"])
+    validate(cfg)
+    assert cfg.model.path == PAPER_MODELS[experiment] and cfg.model.tiny is None
+    assert cfg.model.dtype == "bfloat16" and cfg.model.attn_implementation == "flash_attention_2"
+    assert cfg.optim.lr == 1e-6 and list(cfg.optim.betas) == [0.9, 0.999] and cfg.optim.weight_decay == 0.01
+    assert cfg.optim.clip_grad == 1.0 and cfg.optim.warmup_steps == 100 and cfg.train.steps == 3000
+    assert cfg.optim.min_lr_ratio == 0.0  # cosine to zero
+    assert cfg.rollout.prompts_per_step == 32 and cfg.rollout.group_size == 8  # 8 per GPU x 4 GPUs
+    assert cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0 and cfg.rollout.max_new_tokens == 2048
+    assert cfg.algo.clip_eps_low == 0.2 and cfg.algo.clip_eps_high == 0.2  # GRPO's epsilon
+    assert cfg.bicc.enabled and cfg.bicc.context_ratio == 0.4 and cfg.bicc.max_tokens == 2048
+    assert not cfg.bicc.old_on_context and cfg.bicc.lr_scale == 1.0  # the paper's equation, no stabiliser
+    assert cfg.rcc.enabled and cfg.rcc.delta == "sum" and cfg.rcc.stage_steps == 500
+    assert cfg.data.math.train_source.endswith("BytedTsinghua-SIA/DAPO-Math-17k") or "BICC_DAPO_MATH" in str(
+        cfg.data.math.train_source)
+    assert [b.name for b in cfg.eval.benchmarks] == ["math500", "amc23", "aime24", "aime25"]
+    assert cfg.eval.samples_per_problem == 32 and cfg.eval.temperature == 0.6 and cfg.eval.top_p == 0.95
+    assert cfg.eval.max_new_tokens == 4096
+    assert cfg.dist.strategy == "fsdp2" and cfg.dist.param_dtype == "bfloat16" and cfg.dist.reduce_dtype == "float32"
+    assert not cfg.sft.enabled
+
+
+@pytest.mark.parametrize("algo", VARIANTS)
+def test_command_line_picks_variant_and_switches_over_the_experiment(algo):
+    cfg = compose_cfg(["experiment=paper_qwen3_4b", f"algo={algo}", "bicc=off", "rcc=off"])
+    validate(cfg)
+    assert cfg.algo.name == algo and not cfg.bicc.enabled and not cfg.rcc.enabled
+    assert cfg.optim.lr == 1e-6  # the experiment's values stay
+    default = compose_cfg([f"algo={algo}"])
+    assert (cfg.algo.clip_eps_low, cfg.algo.clip_eps_high) == (default.algo.clip_eps_low, default.algo.clip_eps_high)
+
+
+def test_variant_clip_ranges():
+    """Each variant keeps the clip range of its own paper (conf/algo)."""
+    clips = {a: (c.algo.clip_eps_low, c.algo.clip_eps_high) for a in VARIANTS for c in [compose_cfg([f"algo={a}"])]}
+    assert clips["grpo"] == (0.2, 0.2) and clips["dr_grpo"] == (0.2, 0.2)
+    assert clips["dapo"] == (0.2, 0.28) and clips["aspo"] == (0.2, 0.28)
+    assert clips["gspo"] == (3e-4, 4e-4) and clips["gmpo"] == (0.4, 0.4)
+
+
+@pytest.mark.parametrize("sweep, params, jobs", [
+    ("sweep_paper_main", {"algo": "grpo,dr_grpo,dapo,gspo,gmpo,aspo", "bicc": "off,paper", "rcc": "off,on"}, 24),
+    ("sweep_paper_group_size", {"rollout.group_size": "2,8", "bicc": "off,paper", "rcc": "off,on"}, 8),
+    ("sweep_context_ratio", {"bicc.context_ratio": "0.2,0.4,0.6,0.8"}, 4),
+])
+def test_sweeps_compose(sweep, params, jobs):
+    cfg = compose_with_hydra([f"experiment={sweep}"])
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    got = {k: str(v) for k, v in cfg.hydra.sweeper.params.items()}
+    assert got == params
+    n = 1
+    for v in got.values():
+        n *= len(v.split(","))
+    assert n == jobs
+    assert cfg.model.path == "Qwen/Qwen3-4B-Instruct-2507" and cfg.optim.lr == 1e-6
+    if sweep != "sweep_paper_main":
+        assert cfg.algo.name == "grpo"
+    # every job of the grid composes and validates
+    for job in _grid(got):
+        validate(compose_cfg([f"experiment={sweep}", *job]))
+
+
+def _grid(params):
+    jobs = [[]]
+    for key, values in params.items():
+        jobs = [j + [f"{key}={v}"] for j in jobs for v in values.split(",")]
+    return jobs
+
+
+def test_model_presets():
+    for name, path in (("qwen3_4b_instruct", "Qwen/Qwen3-4B-Instruct-2507"), ("phi4_mini", "microsoft/Phi-4-mini-instruct")):
+        cfg = compose_cfg([f"model={name}"])
+        validate(cfg)
+        assert cfg.model.path == path and cfg.model.tiny is None and cfg.model.dtype == "bfloat16"
+
+
+def test_data_presets_point_at_their_sources(shared_data):
+    cfg = compose_cfg(["data=math_train", f"data.math.train_source={shared_data}/math_train.jsonl",
+                       f"data.math.test_source={shared_data}/math500.jsonl"])
+    validate(cfg)
+    assert cfg.data.task == "math"
+    dapo = compose_cfg(["data=dapo_math17k"])
+    assert dapo.data.math.problem_field == "prompt.0.content" and dapo.data.math.answer_field == "reward_model.ground_truth"
+    assert dapo.data.math.extractors[0] == "answer_line" and dapo.data.math.test_problem_field == "problem"
