@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup train test test-all bench results clean
+.PHONY: setup train train-dist test test-all bench results clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ setup: $(STAMP)
 # The main job on the embedded default: SFT warm start (cached), GRPO, final evaluation.
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
+
+# The main job on NPROC processes (torchrun; FSDP2 by default, dist.strategy=ddp for DDP).
+NPROC ?= 2
+train-dist: $(STAMP)
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
 # The default test set (CPU, under 10 minutes); `make test-all` adds the slow ones.
 test: $(STAMP)

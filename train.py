@@ -7,8 +7,10 @@ advantages -> loss and optimizer step -> weight sync -> log.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -20,22 +22,23 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from bicc.advantages import ADVANTAGES
+from bicc import distributed
 from bicc.checkpoint import (CorruptCheckpoint, incomplete_checkpoints, list_checkpoints, load_trainer_state,
-                             save_checkpoint, set_rng_state, verify_checkpoint)
+                             save_checkpoint, set_rng_state, tmp_dir, verify_checkpoint)
 from bicc.conditioning import build_contexts, warm_up
-from bicc.config import register_configs, validate
+from bicc.config import register_configs, validate, validate_lengths
 from bicc.data import build_task
 from bicc.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
 from bicc.evaluation import evaluate, format_eval
 from bicc.logprobs import make_token_batch
-from bicc.models import frozen_copy, load_pretrained, num_parameters
+from bicc.models import frozen_copy, load_pretrained, num_parameters, tokenizer_and_positions
 from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.optim import build_optimizer, warmup_cosine
 from bicc.rollout import build_engine
 from bicc.sft import config_hash, warm_start
 from bicc.tracking import Tracker, rewind_jsonl
 from bicc.trainer import (RLState, collect_rollout, conditioned_logprobs_no_grad, loss_of_rows_fn,
-                          needs_reference, old_logprobs, reference_logprobs, update_policy)
+                          needs_reference, old_logprobs, reference_logprobs, sampler_logprob_diff, update_policy)
 
 register_configs()
 hf_logging.disable_progress_bar()
@@ -47,7 +50,9 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     step_seed = cfg.seed * 1_000_003 + s.step
 
     # ---- 1-2. rollout and reward: G samples per query from pi_old, scored (binary, plus shaping) --
-    ro = collect_rollout(s, cfg, step_seed)
+    # (each process samples its own prompt shards; groups never span processes)
+    ro = collect_rollout(s, cfg, step_seed, distributed.local_shards(cfg.rollout, s.dist),
+                         distributed.num_shards(cfg.rollout, s.dist))
     t_rollout = time.perf_counter()
 
     # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c ----------------
@@ -64,12 +69,17 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 4. log-probs of pi_old and pi_ref: on q (pi_old on x^c only with bicc.old_on_context) -----
     N, mb = batch.input_ids.shape[0], cfg.train.micro_batch_size
-    diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0
+    # (not under FSDP2: its sharded gradients are averaged over processes inside backward)
+    diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0 and not distributed.is_sharded(s.model)
     # log_w: log conditioning weight per sequence; None = measured in the update's first pass (old on q)
     old_logp, log_w = old_logprobs(s.model, plain, numerator, cfg, N, mb, measure_w=diag)  # [N, L]
     # pi_ref on q (RCC's delta); the KL term's reference, on x^c under bicc.old_on_context
     ref_logp, kl_ref_logp = reference_logprobs(s.ref_model, plain, numerator, cfg, N, mb)
     t_logprobs = time.perf_counter()
+    sampler_metrics = {}
+    if ro.out.logprobs is not None and not (cfg.bicc.enabled and cfg.bicc.old_on_context):  # pi_old on q
+        sampler_metrics["rollout/logprob_diff"] = sampler_logprob_diff(ro.out.logprobs, old_logp.cpu(),
+                                                                       batch.completion_mask.cpu())
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
     delta, diag_record = None, {}
@@ -105,10 +115,15 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     # ---- 7. weight sync: the rollout engine samples from the updated policy next step ----------
     s.engine.update_weights(s.model)
     s.step += 1
+    if s.shard_pos and s.dist.enabled:  # every process learns every shard's data position (checkpoints)
+        owner = {shard: r for r in range(s.dist.world) for shard in range(len(s.shard_pos))
+                 if shard in distributed.local_shards(cfg.rollout, distributed.Dist(r, s.dist.world))}
+        gathered = distributed.all_gather_ints(s.shard_pos, s.dist)
+        s.shard_pos = [gathered[owner[shard]][shard] for shard in range(len(s.shard_pos))]
 
     # ---- 8. metrics ----------------------------------------------------------------------------
     lengths = batch.completion_mask.sum(-1).float()
-    return {
+    return distributed.mean_metrics({
         "reward/accuracy": ro.correct.mean().item(),
         "reward/mean": ro.rewards.mean().item(),
         "rollout/response_len": lengths.mean().item(),
@@ -116,11 +131,11 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         "rollout/prompts_drawn": ro.prompts_drawn,
         "rollout/generate_rounds": ro.rounds,
         "rollout/groups": len(ro.correct) // cfg.rollout.group_size,
-        **adv_metrics, **update_metrics, **bicc_metrics,
+        **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics,
         "perf/rollout_s": t_rollout - t0, "perf/logprob_s": t_logprobs - t_rollout,
         "perf/update_s": t_update - t_logprobs, "perf/step_s": time.perf_counter() - t0,
         "perf/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - t0),
-    }, diag_record
+    }, s.dist), diag_record
 
 
 def peak_lr(cfg) -> float:
@@ -129,16 +144,53 @@ def peak_lr(cfg) -> float:
     return cfg.optim.lr * (cfg.bicc.lr_scale if cfg.bicc.enabled else 1.0)
 
 
-def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device) -> RLState:
+def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
+                   d: distributed.Dist = distributed.Dist()) -> RLState:
     """Policy from ``policy_path`` (the initial policy, or a checkpoint when resuming); the frozen
-    reference is always the initial policy at ``init_path``."""
+    reference is always the initial policy at ``init_path`` (a full copy on every process). Under FSDP2
+    the rollout engine gets its own full copy of the policy; otherwise it samples from the policy itself."""
     model, tokenizer = load_pretrained(policy_path, cfg.model, device)
     ref_model = frozen_copy(init_path, cfg.model, device) if needs_reference(cfg) else None
+    sampler = copy.deepcopy(model) if d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf" else model
+    model = distributed.wrap(model, cfg.dist, d)
     optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)
     total = cfg.train.steps * cfg.train.epochs_per_rollout * cfg.train.minibatches_per_rollout
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
-    engine = build_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout)
-    return RLState(model, ref_model, tokenizer, engine, optimizer, scheduler, build_task(cfg.data), init_path)
+    engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout)
+    return RLState(model, ref_model, tokenizer, engine, optimizer, scheduler, build_task(cfg.data), init_path, dist=d)
+
+
+def eval_engine(s: RLState, cfg):
+    """vLLM evaluates with the rollout engine itself; HF with an engine over the sampling module (a full
+    copy under FSDP2) batched by eval.batch_size."""
+    if getattr(s.engine, "model", None) is None:
+        return s.engine
+    return build_engine("hf", s.engine.model, s.tokenizer, cfg.eval)
+
+
+def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
+    """Atomic checkpoint (bicc.checkpoint). With several processes every one of them calls this: the
+    weights are gathered to a full state dict and written by rank 0; under FSDP2 each rank also writes
+    its optimizer shard (DCP) into the same temporary dir before rank 0 marks it complete."""
+    d = s.dist
+    if not d.enabled:
+        save_checkpoint(ckpt_dir, s.model, s.tokenizer, s.trainer_state(), cfg.train.keep_last)
+        return
+    weights = distributed.full_state_dict(s.model)
+    tmp = tmp_dir(ckpt_dir)
+    if d.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier(d)
+    state = s.trainer_state()
+    if distributed.is_sharded(s.model):
+        distributed.save_sharded_optimizer(s.model, s.optimizer, tmp)
+        del state["optimizer"]
+    distributed.barrier(d)
+    if d.is_main:
+        save_checkpoint(ckpt_dir, s.engine.model if distributed.is_sharded(s.model) else s.model, s.tokenizer, state,
+                        cfg.train.keep_last, state_dict=weights, keep_tmp=True)
+    distributed.barrier(d)
 
 
 def resume_dir(resume: str, run_dir: Path) -> Path | None:
@@ -161,13 +213,16 @@ def resume_dir(resume: str, run_dir: Path) -> Path | None:
     return None
 
 
-def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path) -> RLState:
+def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
+                    d: distributed.Dist = distributed.Dist()) -> RLState:
     ckpt = resume_dir(cfg.resume, run_dir) if cfg.resume else None
     if ckpt is None:
-        return build_rl_state(cfg, init_path, init_path, device)
+        return build_rl_state(cfg, init_path, init_path, device, d)
     state = load_trainer_state(ckpt)
-    s = build_rl_state(cfg, str(ckpt), state["init_path"], device)
+    s = build_rl_state(cfg, str(ckpt), state["init_path"], device, d)
     s.load_trainer_state(state)
+    if "optimizer" not in state:  # written sharded by an FSDP2 run (any number of processes)
+        distributed.load_sharded_optimizer(s.model, s.optimizer, ckpt)
     set_rng_state(state["rng"])
     print(f"[rl] resumed from {ckpt} at step {s.step}")
     return s
@@ -177,10 +232,11 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
     print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
           f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples")
     start = time.perf_counter()
-    bar = tqdm(total=cfg.train.steps, initial=s.step, desc="rl", disable=not cfg.logger.progress, dynamic_ncols=True)
+    bar = tqdm(total=cfg.train.steps, initial=s.step, desc="rl", disable=not (cfg.logger.progress and s.dist.is_main),
+               dynamic_ncols=True)
     while s.step < cfg.train.steps:
         metrics, diag_record = rl_step(s, cfg)
-        if diag_record:  # raw per-sample values for the delta histograms (bicc.plots)
+        if diag_record and s.dist.is_main:  # raw per-sample values for the delta histograms (bicc.plots)
             with open(run_dir / "diagnostics.jsonl", "a") as f:
                 f.write(json.dumps(diag_record) + "\n")
         bar.update(1)
@@ -188,11 +244,11 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
         if s.step % cfg.train.log_every == 0:
             tracker.log(metrics, step=s.step)
         out_of_time = cfg.train.time_budget_s and time.perf_counter() - start > cfg.train.time_budget_s
+        out_of_time = bool(distributed.all_reduce_sum(float(bool(out_of_time)), s.dist))  # all stop together
         diverged = s.nonfinite_streak >= cfg.train.max_nonfinite_steps
         if ((cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time
                 or diverged):
-            save_checkpoint(run_dir / "checkpoints" / f"step_{s.step}", s.model, s.tokenizer, s.trainer_state(),
-                            cfg.train.keep_last)
+            save_rl_checkpoint(s, cfg, run_dir / "checkpoints" / f"step_{s.step}")
         if diverged:
             raise RuntimeError(f"[rl] {s.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
                                f"norm (up to step {s.step}); stopped with a checkpoint at "
@@ -207,41 +263,60 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg) -> dict:
     validate(cfg)
-    torch.set_num_threads(cfg.threads or os.cpu_count())
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    d = distributed.init(cfg.dist)
+    try:
+        return run(cfg, d)
+    finally:
+        distributed.shutdown(d)
+
+
+def run(cfg, d: distributed.Dist) -> dict:
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // d.world))
+    cuda = f"cuda:{d.local_rank}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(cuda if cfg.device == "auto" else cfg.device)
     torch.manual_seed(cfg.seed)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     task = build_task(cfg.data)
+    validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model))
 
-    # ---- warm start: tiny models are fine-tuned first (cached by settings) ----------------------
-    init_path = str(warm_start(cfg, task, device, cfg.logger.progress)) if cfg.model.tiny is not None else cfg.model.path
+    # ---- warm start: tiny models are fine-tuned first (cached by settings; rank 0 builds it) --------
+    init_path = cfg.model.path
+    if cfg.model.tiny is not None:
+        if d.is_main:
+            init_path = str(warm_start(cfg, task, device, cfg.logger.progress))
+        distributed.barrier(d)
+        if not d.is_main:
+            init_path = str(warm_start(cfg, task, device, False))  # the cached one
     if cfg.stage == "sft":
         print(f"[sft] warm start at {init_path}")
         return {"init_path": init_path}
 
     tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
-                      cfg.logger.wandb_project)
-    s = start_or_resume(cfg, init_path, device, run_dir)
-    if s.step > 0:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
+                      cfg.logger.wandb_project, enabled=d.is_main)
+    s = start_or_resume(cfg, init_path, device, run_dir, d)
+    if s.step > 0 and d.is_main:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
         for name in ("metrics.jsonl", "diagnostics.jsonl"):
             rewind_jsonl(run_dir / name, s.step)
     baseline = None
-    if s.step == 0:  # score the initial policy with the model RL will train (no second load)
+    # evaluation runs on rank 0 alone, with the rollout engine's module (a full copy under FSDP2)
+    if s.step == 0 and d.is_main:  # score the initial policy with the model RL will train (no second load)
         # The warm start's own dir caches its score: every run from one SFT checkpoint shares it.
         cache = Path(init_path) / f"eval-{config_hash(cfg.eval, cfg.seed, cfg.rollout.engine)}.json" if cfg.model.tiny else None
         if cache is not None and cache.exists():
             baseline = json.loads(cache.read_text())
         else:
-            baseline = evaluate(build_engine(cfg.rollout.engine, s.model, s.tokenizer, cfg.eval), s.tokenizer, task,
-                                cfg.eval, cfg.seed)
+            baseline = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed)
             if cache is not None:
                 cache.write_text(json.dumps(baseline))
         print(f"[eval] initial policy: {format_eval(baseline)}")
 
     s = run_rl(s, cfg, run_dir, tracker)
+    distributed.barrier(d)
+    if not d.is_main:
+        return {"steps": s.step, "init_path": init_path}
 
-    final = evaluate(build_engine(cfg.rollout.engine, s.model, s.tokenizer, cfg.eval), s.tokenizer, task, cfg.eval, cfg.seed,
-                     out_dir=run_dir / "eval", progress=cfg.logger.progress)
+    final = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
+                     progress=cfg.logger.progress)
     tracker.log(final, step=s.step)
     tracker.finish()
     results = {"initial": baseline, "final": final, "steps": s.step, "init_path": init_path}

@@ -39,17 +39,25 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(("MT19937", np.array(json.loads(state["numpy"]), dtype=np.uint32), 0, 0, 0.0))
 
 
-def save_hf(model, tokenizer, path: Path) -> None:
-    model.save_pretrained(path)
+def save_hf(model, tokenizer, path: Path, state_dict: dict | None = None) -> None:
+    model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
 
 
-def save_checkpoint(ckpt_dir: Path, model, tokenizer, trainer_state: dict, keep_last: int) -> Path:
-    """Write ``ckpt_dir`` atomically and prune older ``step_*`` siblings beyond ``keep_last``."""
-    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_hf(model, tokenizer, tmp)
+def tmp_dir(ckpt_dir: Path) -> Path:
+    return ckpt_dir.with_name(ckpt_dir.name + ".tmp")
+
+
+def save_checkpoint(ckpt_dir: Path, model, tokenizer, trainer_state: dict, keep_last: int,
+                    state_dict: dict | None = None, keep_tmp: bool = False) -> Path:
+    """Write ``ckpt_dir`` atomically and prune older ``step_*`` siblings beyond ``keep_last``.
+    ``state_dict``: the weights to write (a sharded model's gathered full state dict); ``keep_tmp``: the
+    ``.tmp`` dir already holds parts written by every rank (a sharded optimizer), keep them."""
+    tmp = tmp_dir(ckpt_dir)
+    if not keep_tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_hf(model, tokenizer, tmp, state_dict)
     torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
     (tmp / COMPLETE).write_text("ok\n")
     shutil.rmtree(ckpt_dir, ignore_errors=True)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from bicc.data import encode_prompt
+from bicc.distributed import Dist, all_reduce_sum, global_totals, local_tensor, loss_scale, sync_gradients
 from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
 from bicc.rewards import overlong_penalty
@@ -34,9 +35,11 @@ class RLState:
     data_pos: int = 0
     nonfinite_skips: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm, in total
     nonfinite_streak: int = 0  # ... and in a row, up to now
+    shard_pos: list = field(default_factory=list)  # per prompt shard, when rollout.shards > 1
+    dist: Dist = field(default_factory=Dist)
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "data_pos": self.data_pos, "init_path": self.init_path,
+        return {"step": self.step, "data_pos": self.data_pos, "shard_pos": list(self.shard_pos), "init_path": self.init_path,
                 "nonfinite_skips": self.nonfinite_skips, "nonfinite_streak": self.nonfinite_streak,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
@@ -44,7 +47,9 @@ class RLState:
         self.step, self.data_pos = state["step"], state["data_pos"]
         self.nonfinite_skips = state.get("nonfinite_skips", 0)
         self.nonfinite_streak = state.get("nonfinite_streak", 0)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.shard_pos = list(state.get("shard_pos", []))
+        if "optimizer" in state:  # else saved sharded (FSDP2): bicc.distributed.load_sharded_optimizer
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -129,22 +134,59 @@ class Rollout:
     rounds: int
 
 
+FIELDS = ("prompt_ids", "completion_ids", "texts", "finished")
+
+
 def _concat(outputs: list[RolloutOutput]) -> RolloutOutput:
-    return RolloutOutput(*(sum((getattr(o, f) for o in outputs), []) for f in ("prompt_ids", "completion_ids", "texts", "finished")))
+    out = RolloutOutput(*(sum((getattr(o, f) for o in outputs), []) for f in FIELDS))
+    if all(o.logprobs is not None for o in outputs):
+        out.logprobs = sum((o.logprobs for o in outputs), [])
+    return out
 
 
-def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
-    """Sample G outputs for each of ``prompts_per_step`` queries and score them. With
+def _select(out: RolloutOutput, rows: list[int]) -> RolloutOutput:
+    part = RolloutOutput(*([getattr(out, f)[r] for r in rows] for f in FIELDS))
+    if out.logprobs is not None:
+        part.logprobs = [out.logprobs[r] for r in rows]
+    return part
+
+
+def collect_rollout(state: RLState, cfg, seed: int, shards=(0,), num_shards: int = 1) -> Rollout:
+    """The rollout of prompt shards ``shards`` out of ``num_shards`` (``bicc.distributed``): each shard is
+    ``prompts_per_step / num_shards`` queries with its own seed and its own position in the data (shard s
+    reads problems s, s + S, s + 2S, ...), so a shard's samples do not depend on which process draws it.
+    One shard (the default) is the whole step. Groups are numbered over the returned shards."""
+    parts = [_collect_shard(state, cfg, seed + 104_729 * shard, shard, num_shards) for shard in shards]
+    if len(parts) == 1:
+        return parts[0]
+    offsets = [0]
+    for p in parts[:-1]:
+        offsets.append(offsets[-1] + len(p.correct) // cfg.rollout.group_size)
+    return Rollout(_concat([p.out for p in parts]), [t for p in parts for t in p.prompts],
+                   torch.cat([p.correct for p in parts]), torch.cat([p.rewards for p in parts]),
+                   torch.cat([p.group_ids + o for p, o in zip(parts, offsets)]),
+                   sum(p.prompts_drawn for p in parts), max(p.rounds for p in parts))
+
+
+def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) -> Rollout:
+    """Sample G outputs for each of the shard's queries and score them. With
     ``algo.dynamic_sampling`` groups whose accuracy is 0 or 1 are dropped (as in DAPO: on correctness,
     not on shaped rewards) and more queries drawn, up to ``algo.max_sampling_rounds`` generate calls;
     a batch still short after that is used as is."""
-    P, G, algo = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algo
+    P, G, algo = cfg.rollout.prompts_per_step // num_shards, cfg.rollout.group_size, cfg.algo
+    if num_shards > 1 and len(state.shard_pos) != num_shards:
+        state.shard_pos = [0] * num_shards
     kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor]] = []
     num_kept, drawn, rounds = 0, 0, 0
     while num_kept < P and rounds < algo.max_sampling_rounds:
         want = P - num_kept
-        problems = [state.task.train_problem(state.data_pos + i) for i in range(want)]
-        state.data_pos += want
+        if num_shards == 1:
+            problems = [state.task.train_problem(state.data_pos + i) for i in range(want)]
+            state.data_pos += want
+        else:
+            pos = state.shard_pos[shard]
+            problems = [state.task.train_problem((pos + i) * num_shards + shard) for i in range(want)]
+            state.shard_pos[shard] += want
         drawn += want
         prompts = [encode_prompt(state.tokenizer, p.prompt) for p in problems]
         sampling = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -163,7 +205,7 @@ def collect_rollout(state: RLState, cfg, seed: int) -> Rollout:
         keep = (correct.max(1).values > correct.min(1).values) if algo.dynamic_sampling else torch.ones(want, dtype=torch.bool)
         rows = (keep.nonzero() * G + torch.arange(G)).flatten().tolist()  # sample rows of the kept groups
         if rows:
-            part = RolloutOutput(*([getattr(out, f)[r] for r in rows] for f in ("prompt_ids", "completion_ids", "texts", "finished")))
+            part = _select(out, rows)
             kept.append((part, [queries[r] for r in rows], correct.flatten()[rows], shaped.flatten()[rows]))
             num_kept += len(rows) // G
     if not kept:  # every group was degenerate in every round: train on the last draw (zero advantages)
@@ -186,6 +228,16 @@ def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temper
               for start in range(0, num_rows, micro_batch_size)]
     model.train(was_training)
     return torch.cat(chunks)
+
+
+def sampler_logprob_diff(sampler_logprobs: list[list[float]], old_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean |log-prob of the rollout engine - the trainer's pi_old| over completion tokens: the mismatch
+    between sampling and training numerics (0 for HF rollouts from the same module)."""
+    sampled = torch.zeros_like(old_logp)
+    for i, lp in enumerate(sampler_logprobs):
+        sampled[i, : len(lp)] = torch.tensor(lp[: old_logp.shape[1]], dtype=old_logp.dtype)
+    valid = mask.bool() & torch.isfinite(sampled)
+    return ((sampled - old_logp).abs() * valid).sum().item() / max(1, int(valid.sum()))
 
 
 def clip_log_ratio_value(logp: torch.Tensor, old_logp: torch.Tensor, bound: float) -> torch.Tensor:
@@ -214,13 +266,15 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     first_pass = torch.zeros(n)
     seen = torch.zeros(n, dtype=torch.bool)
     clip_bound = cfg.bicc.log_ratio_clip if cfg.bicc.enabled else 0.0
+    scale = loss_scale(state.dist)
     model.train()
     for _ in range(cfg.train.epochs_per_rollout):
         order = torch.randperm(n, generator=generator) if cfg.train.minibatches_per_rollout > 1 else torch.arange(n)
         for mb_rows in order.tensor_split(cfg.train.minibatches_per_rollout):
             if len(mb_rows) == 0:
                 continue
-            totals = StepTotals.of(batch.completion_mask[mb_rows], cfg.rollout.max_new_tokens)
+            # normalised by the whole step's counts (all micro-batches, all ranks); gradients summed over ranks
+            totals = global_totals(StepTotals.of(batch.completion_mask[mb_rows], cfg.rollout.max_new_tokens), state.dist)
             state.optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             for mc_start in range(0, len(mb_rows), cfg.train.micro_batch_size):
@@ -234,12 +288,14 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                     logp = clip_log_ratio_value(logp, old_logp[rows], clip_bound)
                 loss, metrics = loss_fn(logp, old_logp[rows], None if ref_logp is None else ref_logp[rows],
                                         adv[rows], mask, cfg.algo, totals)
-                loss.backward()
+                (loss * scale).backward()
                 step_loss += loss.item()
                 for name, value in metrics.items():
                     add(name, value)
                 add("train/entropy", masked_mean(entropy, mask).item())
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
+            sync_gradients(model, state.dist)
+            step_loss = all_reduce_sum(step_loss, state.dist)
+            grad_norm = local_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad))
             add("train/loss", step_loss)
             add("train/grad_norm", grad_norm.item())
             if not (math.isfinite(step_loss) and torch.isfinite(grad_norm)):

@@ -53,4 +53,4 @@ def build_engine(name: str, model, tokenizer, rollout_cfg):
     return ENGINES.get(name)(model, tokenizer, rollout_cfg)
 
 
-from bicc.rollout import hf  # noqa: E402,F401  (registers "hf")
+from bicc.rollout import hf, vllm  # noqa: E402,F401  (registers "hf", "vllm"; vllm imports lazily)

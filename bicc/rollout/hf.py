@@ -1,7 +1,8 @@
 """Rollout with HF ``generate`` on the training module itself (no second copy of the weights).
 
-Because the engine samples from the very module being trained, ``update_weights`` has nothing to copy;
-it only checks that it was handed that module. Prompts are left-padded per chunk of at most
+Usually the engine samples from the very module being trained, so ``update_weights`` has nothing to
+copy. Under FSDP2 the trained module is sharded and the engine holds a full copy, which
+``update_weights`` refreshes from the gathered full state dict. Prompts are left-padded per chunk of at most
 ``rollout.batch_size`` output rows.
 """
 
@@ -21,7 +22,9 @@ class HFEngine:
 
     def update_weights(self, model) -> None:
         if model is not self.model:
-            self.model.load_state_dict(model.state_dict())
+            from bicc.distributed import full_state_dict
+
+            self.model.load_state_dict(full_state_dict(model))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:

@@ -1,0 +1,97 @@
+"""torchrun with 2 CPU processes (gloo): FSDP2 and DDP give the update of one process on the same global
+batch, and a checkpoint written by 2 processes resumes in 1."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.test_train_smoke import ROOT
+
+# GRPO + BiCC + RCC; a warm start good enough that groups hold both right and wrong answers (else every
+# advantage is 0 and any two runs agree trivially); two prompt shards, so one process samples exactly
+# what two processes sample.
+RUN = ["sft.steps=300", "sft.batch_size=16", "train.steps=2", "train.save_every=1", "train.keep_last=0",
+       "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=24", "rollout.shards=2",
+       "rcc.diag_every=0", "eval.num_problems=4", "eval.samples_per_problem=1", "eval.greedy=false",
+       "eval.max_new_tokens=16", "logger.wandb_mode=disabled", "logger.progress=false", "threads=1", "sft.seed=0"]
+
+
+def env(tmp_path):
+    return {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1"}
+
+
+def run(cmd, tmp_path):
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
+
+
+def one_process(args, tmp_path):
+    return run([sys.executable, "train.py", *RUN, *args], tmp_path)
+
+
+def two_processes(args, tmp_path):
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                *RUN, *args], tmp_path)
+
+
+def losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+def weights(run_dir: Path, step: int) -> dict:
+    return load_file(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors")
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    one_process(["stage=sft", f"hydra.run.dir={tmp / 'sft'}"], tmp)
+    out = {"single": tmp / "single", "fsdp2": tmp / "fsdp2", "ddp": tmp / "ddp"}
+    one_process([f"hydra.run.dir={out['single']}"], tmp)
+    two_processes([f"hydra.run.dir={out['fsdp2']}", "dist.strategy=fsdp2"], tmp)
+    two_processes([f"hydra.run.dir={out['ddp']}", "dist.strategy=ddp"], tmp)
+    return tmp, out
+
+
+def test_the_update_is_not_trivial(runs):
+    _, out = runs
+    rows = [json.loads(line) for line in (out["single"] / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert any(0 < r["reward/accuracy"] < 1 for r in steps), "degenerate groups: the comparison would be vacuous"
+    assert all(r["train/grad_norm"] > 1e-3 for r in steps)
+    init = load_file(Path(json.loads((out["single"] / "results.json").read_text())["init_path"]) / "model.safetensors")
+    assert max_diff(weights(out["single"], 2), init) > 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_two_processes_match_one(runs, strategy):
+    _, out = runs
+    single, multi = losses(out["single"]), losses(out[strategy])
+    assert len(single) == len(multi) == 2
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(single, multi)), (single, multi)
+    for step in (1, 2):
+        assert max_diff(weights(out["single"], step), weights(out[strategy], step)) <= 1e-5
+
+
+def test_fsdp2_checkpoint_is_sharded_and_resumes_in_one_process(runs):
+    tmp, out = runs
+    ckpt = out["fsdp2"] / "checkpoints" / "step_1"
+    assert (ckpt / "optim_dcp").is_dir() and "optimizer" not in torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    resumed = tmp / "resumed"
+    proc = one_process([f"hydra.run.dir={resumed}", f"resume={ckpt}"], tmp)
+    assert "resumed from" in proc.stdout
+    assert max_diff(weights(resumed, 2), weights(out["single"], 2)) <= 1e-5
