@@ -177,6 +177,8 @@ def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
         save_checkpoint(ckpt_dir, s.model, s.tokenizer, s.trainer_state(), cfg.train.keep_last)
         return
     weights = distributed.full_state_dict(s.model)
+    if s.model.config.tie_word_embeddings:  # gathered copies are no longer shared: keep the HF layout
+        weights.pop("lm_head.weight", None)
     tmp = tmp_dir(ckpt_dir)
     if d.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -229,8 +231,9 @@ def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
 
 
 def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
-    print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
-          f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples")
+    if s.dist.is_main:
+        print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
+              f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples on {s.dist.world} process(es)")
     start = time.perf_counter()
     bar = tqdm(total=cfg.train.steps, initial=s.step, desc="rl", disable=not (cfg.logger.progress and s.dist.is_main),
                dynamic_ncols=True)

@@ -172,13 +172,10 @@ def all_reduce_sum(value: float, d: Dist) -> float:
 
 
 def full_state_dict(model) -> dict:
-    """The full, unsharded weights (on CPU). Under FSDP2 every rank must call this (collectives)."""
-    if is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                   broadcast_from_rank0=False))
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    """The full, unsharded weights on CPU, on every rank. Under FSDP2 each parameter is all-gathered on
+    its own (every rank must call this), so at most one unsharded tensor exists beyond the result."""
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+            for name, t in model.state_dict().items()}
 
 
 def local_tensor(x: torch.Tensor) -> torch.Tensor:

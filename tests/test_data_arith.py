@@ -53,3 +53,14 @@ def test_prompt_encoding_round_trips():
     tok = build_char_tokenizer()
     ids = encode_prompt(tok, "Compute 12+3.")
     assert tok.decode(ids) == "<|im_start|>user\nCompute 12+3.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_too_small_a_problem_space_names_the_field_instead_of_looping():
+    import pytest
+
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", "data.arith.max_operands=2", "data.arith.max_operand=3",
+                       "data.arith.test_size=50"])
+    with pytest.raises(ValueError, match="data.arith.test_size"):
+        build_task(cfg.data).test_problems(10)

@@ -13,13 +13,14 @@ from safetensors.torch import load_file
 
 from tests.test_train_smoke import ROOT
 
-# GRPO + BiCC + RCC; a warm start good enough that groups hold both right and wrong answers (else every
-# advantage is 0 and any two runs agree trivially); two prompt shards, so one process samples exactly
-# what two processes sample.
-RUN = ["sft.steps=300", "sft.batch_size=16", "train.steps=2", "train.save_every=1", "train.keep_last=0",
-       "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=24", "rollout.shards=2",
-       "rcc.diag_every=0", "eval.num_problems=4", "eval.samples_per_problem=1", "eval.greedy=false",
-       "eval.max_new_tokens=16", "logger.wandb_mode=disabled", "logger.progress=false", "threads=1", "sft.seed=0"]
+# GRPO + BiCC + RCC; short sums and a warm start good enough that some groups hold both right and wrong
+# answers (else every advantage is 0 and any two runs agree trivially); two prompt shards, so one process
+# samples exactly what two processes sample.
+RUN = ["data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50",
+       "sft.steps=300", "sft.batch_size=16", "train.steps=2", "train.save_every=1", "train.keep_last=0",
+       "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=64", "rollout.shards=2",
+       "rcc.diag_every=0", "optim.warmup_steps=0", "eval.num_problems=4", "eval.samples_per_problem=1", "eval.greedy=false",
+       "eval.max_new_tokens=64", "logger.wandb_mode=disabled", "logger.progress=false", "threads=1", "sft.seed=0"]
 
 
 def env(tmp_path):
@@ -72,9 +73,9 @@ def test_the_update_is_not_trivial(runs):
     rows = [json.loads(line) for line in (out["single"] / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert any(0 < r["reward/accuracy"] < 1 for r in steps), "degenerate groups: the comparison would be vacuous"
-    assert all(r["train/grad_norm"] > 1e-3 for r in steps)
+    assert any(r["train/grad_norm"] > 1e-3 for r in steps)
     init = load_file(Path(json.loads((out["single"] / "results.json").read_text())["init_path"]) / "model.safetensors")
-    assert max_diff(weights(out["single"], 2), init) > 1e-4
+    assert max_diff(weights(out["single"], 2), init) > 1e-4  # 10x the tolerance below
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])

@@ -77,7 +77,14 @@ class ArithTask:
         if not self._test_cache:
             rng = _rng(self.seed, "test", 0)
             seen: set[str] = set()
+            draws, max_draws = 0, 1000 * self.cfg.test_size
             while len(self._test_cache) < self.cfg.test_size:
+                draws += 1
+                if draws > max_draws:  # the space of expressions is too small for the split asked for
+                    raise ValueError(
+                        f"config field 'data.arith.test_size': only {len(self._test_cache)} distinct test problems found "
+                        f"in {max_draws} draws (max_operand={self.cfg.max_operand}, operands {self.cfg.min_operands}.."
+                        f"{self.cfg.max_operands}, test_share={self.cfg.test_share}); lower test_size or widen the task")
                 operands, ops = self._draw(rng)
                 expression = self._expression(operands, ops)
                 if expression in seen or not self._is_test(expression):
