@@ -54,6 +54,8 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     ro = collect_rollout(s, cfg, step_seed, distributed.local_shards(cfg.rollout, s.dist),
                          distributed.num_shards(cfg.rollout, s.dist))
     t_rollout = time.perf_counter()
+    if hasattr(s.engine, "sleep"):  # vLLM with rollout.sleep on GPU: free its memory until the sync
+        s.engine.sleep()
 
     # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c ----------------
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)

