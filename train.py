@@ -118,10 +118,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     s.engine.update_weights(s.model)
     s.step += 1
     if s.shard_pos and s.dist.enabled:  # every process learns every shard's data position (checkpoints)
-        owner = {shard: r for r in range(s.dist.world) for shard in range(len(s.shard_pos))
-                 if shard in distributed.local_shards(cfg.rollout, distributed.Dist(r, s.dist.world))}
-        gathered = distributed.all_gather_ints(s.shard_pos, s.dist)
-        s.shard_pos = [gathered[owner[shard]][shard] for shard in range(len(s.shard_pos))]
+        s.shard_pos = distributed.merge_shard_positions(s.shard_pos, cfg.rollout, s.dist)
 
     # ---- 8. metrics ----------------------------------------------------------------------------
     lengths = batch.completion_mask.sum(-1).float()
@@ -178,22 +175,24 @@ def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
     if not d.enabled:
         save_checkpoint(ckpt_dir, s.model, s.tokenizer, s.trainer_state(), cfg.train.keep_last)
         return
-    weights = distributed.full_state_dict(s.model)
-    if s.model.config.tie_word_embeddings:  # gathered copies are no longer shared: keep the HF layout
-        weights.pop("lm_head.weight", None)
+    sharded = distributed.is_sharded(s.model)
+    weights = None  # DDP: every rank holds the whole model, rank 0 writes it as is
+    if sharded:
+        weights = distributed.full_state_dict(s.model)
+        if s.model.config.tie_word_embeddings:  # gathered copies are no longer shared: keep the HF layout
+            weights.pop("lm_head.weight", None)
     tmp = tmp_dir(ckpt_dir)
     if d.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     distributed.barrier(d)
     state = s.trainer_state()
-    if distributed.is_sharded(s.model):
+    if sharded:
         distributed.save_sharded_optimizer(s.model, s.optimizer, tmp)
         del state["optimizer"]
     distributed.barrier(d)
     if d.is_main:
-        save_checkpoint(ckpt_dir, s.engine.model if distributed.is_sharded(s.model) else s.model, s.tokenizer, state,
-                        cfg.train.keep_last, state_dict=weights, keep_tmp=True)
+        save_checkpoint(ckpt_dir, s.model, s.tokenizer, state, cfg.train.keep_last, state_dict=weights, keep_tmp=True)
     distributed.barrier(d)
 
 

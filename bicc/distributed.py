@@ -174,12 +174,11 @@ def all_reduce_sum(value: float, d: Dist) -> float:
 def full_state_dict(model) -> dict:
     """The full, unsharded weights on CPU, on every rank. Under FSDP2 each parameter is all-gathered on
     its own (every rank must call this), so at most one unsharded tensor exists beyond the result."""
-    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-            for name, t in model.state_dict().items()}
+    return {name: full_tensor(t).detach().cpu() for name, t in model.state_dict().items()}
 
 
-def local_tensor(x: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (e.g. FSDP2's total gradient norm); a plain tensor as is."""
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered to its full value (an FSDP2 parameter, its total gradient norm); a plain tensor as is."""
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
@@ -196,12 +195,12 @@ def mean_metrics(metrics: dict, d: Dist) -> dict:
     return out
 
 
-def all_gather_ints(values: list[int], d: Dist) -> list[list[int]]:
-    if not d.enabled:
-        return [values]
+def merge_shard_positions(positions: list[int], rollout_cfg, d: Dist) -> list[int]:
+    """Every shard's data position as advanced by the rank that owns it (ranks own contiguous blocks)."""
     gathered: list[list[int] | None] = [None] * d.world
-    dist.all_gather_object(gathered, values)
-    return gathered
+    dist.all_gather_object(gathered, positions)
+    per_rank = num_shards(rollout_cfg, d) // d.world
+    return [gathered[shard // per_rank][shard] for shard in range(len(positions))]
 
 
 OPTIM_DCP = "optim_dcp"

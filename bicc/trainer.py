@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from bicc.data import encode_prompt
-from bicc.distributed import Dist, all_reduce_sum, global_totals, local_tensor, loss_scale, sync_gradients
+from bicc.distributed import Dist, all_reduce_sum, global_totals, full_tensor, loss_scale, sync_gradients
 from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
 from bicc.rewards import overlong_penalty
@@ -295,7 +295,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                 add("train/entropy", masked_mean(entropy, mask).item())
             sync_gradients(model, state.dist)
             step_loss = all_reduce_sum(step_loss, state.dist)
-            grad_norm = local_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad))
+            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad))
             add("train/loss", step_loss)
             add("train/grad_norm", grad_norm.item())
             if not (math.isfinite(step_loss) and torch.isfinite(grad_norm)):

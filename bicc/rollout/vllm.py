@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from bicc.distributed import full_tensor
 from bicc.rollout import ENGINES, RolloutOutput, SamplingParams
 
 
@@ -38,9 +39,7 @@ def named_parameters_full(model):
     names = set()
     for name, tensor in model.state_dict().items():
         names.add(name)
-        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: gather this parameter only
-            tensor = tensor.full_tensor()
-        yield name, tensor.detach()
+        yield name, full_tensor(tensor).detach()  # an FSDP2 DTensor: this parameter gathered alone
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
         yield "lm_head.weight", model.get_input_embeddings().weight.detach()
 
