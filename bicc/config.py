@@ -155,6 +155,7 @@ class RolloutConfig:
     sleep: bool = False
     enforce_eager: bool = False
     max_model_len: Optional[int] = None
+    tis_cap: float = 0.0
 
 
 @dataclass
@@ -344,6 +345,9 @@ def validate(cfg: Any) -> None:
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+    _check(r.tis_cap >= 0, "rollout.tis_cap", f"must be >= 0 (0 = no correction), got {r.tis_cap}")
+    _check(not (r.tis_cap > 0 and cfg.bicc.enabled and cfg.bicc.old_on_context), "rollout.tis_cap",
+           "needs pi_old on q to compare with the sampler's log-probs, but bicc.old_on_context=true puts it on x^c")
     _check(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",
            f"must be null (one per process) or a divisor of rollout.prompts_per_step={r.prompts_per_step}, got {r.shards}")
 
@@ -380,6 +384,13 @@ def validate(cfg: Any) -> None:
     b = cfg.bicc
     _check(b.mode in ("partition", "paired"), "bicc.mode", f"'{b.mode}' unknown; choose from: partition, paired")
     _check(b.packing_impl in ("kv", "mask"), "bicc.packing_impl", f"'{b.packing_impl}' unknown; choose from: kv, mask")
+    if b.enabled and b.packing and b.packing_impl == "mask":
+        from bicc.models import resolve_attn_implementation
+        from bicc.packing import MASK_ATTENTION
+
+        impl = resolve_attn_implementation(cfg.model.attn_implementation)
+        _check(impl in MASK_ATTENTION, "bicc.packing_impl",
+               f"'mask' needs a 4-D attention mask, which model.attn_implementation={impl} ignores; use kv")
     _check(b.truncate in ("middle", "head", "tail"), "bicc.truncate", f"'{b.truncate}' unknown; choose from: middle, head, tail")
     _check(0 < b.context_ratio < 1, "bicc.context_ratio", f"must be in (0, 1), got {b.context_ratio}")
     _check(b.paired_k >= 1, "bicc.paired_k", f"must be >= 1, got {b.paired_k}")

@@ -6,7 +6,10 @@ o_j sees exactly the positions it would in its own row [prefix; o_j]. The first 
 predicted from the prefix's last position, the rest from o_j's own previous position. Rows longer than
 ``max_len`` are split (each piece repeats the prefix).
 
-On CPU the mask goes to SDPA as a bool mask (True = attend); eager attention gets the additive float form.
+The mask goes to SDPA as a bool mask (True = attend); eager attention gets the additive float form.
+flash-attn has no 4-D mask (it would read one as padding and attend across outputs), so packed rows
+refuse it: under flash_attention_2 BiCC uses ``prefix_cache_logprobs`` (``bicc.packing_impl=kv``),
+whose forwards need only 2-D padding masks.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from bicc.logprobs import entropy_from_logits, logprobs_from_logits
+
+
+MASK_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
 
 
 @dataclass
@@ -109,8 +115,12 @@ def pack(prefixes: list[list[int]], keys: list[int], completions: list[list[int]
 def packed_logprobs(model, packed: PackedBatch, num_samples: int, length: int, temperature: float = 1.0,
                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [num_samples, length] (zeros past each output's end) from packed rows."""
+    impl = model.config._attn_implementation
+    if impl not in MASK_ATTENTION:
+        raise ValueError(f"bicc.packing_impl=mask needs an attention kernel that takes a 4-D mask ({', '.join(MASK_ATTENTION)}); "
+                         f"the model runs attn_implementation={impl}. Use bicc.packing_impl=kv")
     mask = packed.attention_mask
-    if model.config._attn_implementation == "eager":
+    if impl == "eager":
         mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, torch.finfo(model.dtype).min)
     first = int(packed.pos.min()) if len(packed.pos) else 0
     logits = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,

@@ -43,3 +43,25 @@ def test_flash_attention_matches_sdpa(tmp_path):
             out[impl] = batch_logprobs(m.eval(), batch)[0].float()
     mask = batch.completion_mask.bool()
     assert torch.allclose(out["sdpa"][mask], out["flash_attention_2"][mask], atol=5e-2)
+
+
+
+def test_flash_attention_prefix_cache_packing_matches_sdpa_rows():
+    """BiCC's packing under the real flash-attn kernel (``tests/test_flash_path.py`` checks the same with a
+    reference kernel on CPU)."""
+    pytest.importorskip("flash_attn")
+    from bicc.packing import prefix_cache_logprobs
+    from tests.test_packing import _prefix_cache_case
+
+    model, tokenizer = build_tiny(TinyArchConfig(), seed=0)
+    model = model.to("cuda", torch.bfloat16).eval()
+    prefixes, distinct, prefix_of, completions = _prefix_cache_case()
+    batch = make_token_batch(prefixes, completions, tokenizer.pad_token_id).to("cuda")
+    with torch.no_grad():
+        model.config._attn_implementation = "flash_attention_2"
+        packed, _ = prefix_cache_logprobs(model, distinct, prefix_of, completions, batch.completion_len,
+                                          tokenizer.pad_token_id)
+        model.config._attn_implementation = "sdpa"
+        rows, _ = batch_logprobs(model, batch)
+    mask = batch.completion_mask.bool()
+    assert torch.allclose(packed[mask].float(), rows[mask].float(), atol=5e-2)

@@ -1,0 +1,133 @@
+"""BiCC's forwards under transformers' flash_attention_2 code path, on CPU.
+
+flash-attn cannot run here, so the kernel is replaced by a small PyTorch one with flash-attn's contract
+(ragged sequences given by cumulative lengths; causal masking aligned to the bottom-right corner when
+there are fewer queries than keys). Everything else is transformers' own flash-attention plumbing: the
+2-D mask, unpadding, the query slice under a cache, the no-padding shortcut. That plumbing is where
+packed rows could go silently wrong (a 4-D mask is not a padding mask), so these tests check that the
+prefix-cache packing (``bicc.packing_impl=kv``) gives the one-row-per-output log-probs and gradients
+under it, and that mask packing refuses to run. ``tests/test_gpu.py`` repeats the check with the real
+kernel on CUDA.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bicc.packing import pack, packed_logprobs, prefix_cache_logprobs
+from tests.test_packing import _prefix_cache_case, assert_gradients_match, tiny, unpacked
+
+CALLS = {"varlen": 0, "dense": 0}
+
+
+def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                     softmax_scale=None, causal=False):
+    """flash_attn_varlen_func: q [total_q, H, D], k/v [total_k, Hkv, D]; sequence b is rows
+    cu[b]:cu[b+1]. Causal: query i of a sequence with sq queries and sk keys sees keys j <= i + sk - sq."""
+    CALLS["varlen"] += 1
+    assert dropout_p == 0.0
+    out = []
+    for b in range(len(cu_seqlens_q) - 1):
+        qs = q[cu_seqlens_q[b] : cu_seqlens_q[b + 1]]  # [sq, H, D]
+        ks = k[cu_seqlens_k[b] : cu_seqlens_k[b + 1]]  # [sk, Hkv, D]
+        vs = v[cu_seqlens_k[b] : cu_seqlens_k[b + 1]]
+        sq, sk = qs.shape[0], ks.shape[0]
+        groups = qs.shape[1] // ks.shape[1]
+        ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        mask = torch.arange(sk)[None] <= torch.arange(sq)[:, None] + (sk - sq) if causal else None  # [sq, sk]
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=mask,
+                                           scale=softmax_scale)  # [H, sq, D]
+        out.append(o.transpose(0, 1))
+    return torch.cat(out)
+
+
+def reference_dense(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+    """flash_attn_func: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], no padding."""
+    CALLS["dense"] += 1
+    B, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    out = reference_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), torch.arange(B + 1) * sq,
+                           torch.arange(B + 1) * sk, sq, sk, dropout_p, softmax_scale, causal)
+    CALLS["varlen"] -= 1
+    return out.view(B, sq, *q.shape[2:])
+
+
+@pytest.fixture
+def flash_model(monkeypatch):
+    """(tiny model on transformers' flash_attention_2 path with the reference kernel, SDPA twin, tokenizer)."""
+    import transformers.modeling_flash_attention_utils as fa
+
+    monkeypatch.setattr(fa, "_lazy_imports",
+                        lambda *args, **kwargs: (reference_dense, reference_varlen, None, fa._pad_input, fa._unpad_input))
+    monkeypatch.setattr(fa, "_loaded_implementation", None)
+    monkeypatch.setitem(CALLS, "varlen", 0)
+    monkeypatch.setitem(CALLS, "dense", 0)
+    flash, tok = tiny("flash_attention_2")
+    sdpa, _ = tiny("sdpa")
+    return flash, sdpa, tok
+
+
+def test_plain_rows_match_sdpa(flash_model):
+    """The harness itself: padded rows (left-padded prompt, right-padded output) agree with SDPA."""
+    flash, sdpa, tok = flash_model
+    prefixes, _, _, completions = _prefix_cache_case()
+    with torch.no_grad():
+        a, batch = unpacked(flash, tok, prefixes, completions)
+        b, _ = unpacked(sdpa, tok, prefixes, completions)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
+    assert CALLS["varlen"] > 0  # the flash path really ran
+
+
+def test_prefix_cache_packing_matches_unpacked_sdpa(flash_model):
+    flash, sdpa, tok = flash_model
+    prefixes, distinct, prefix_of, completions = _prefix_cache_case()
+    a, _ = prefix_cache_logprobs(flash, distinct, prefix_of, completions, 9, tok.pad_token_id)
+    b, batch = unpacked(sdpa, tok, prefixes, completions)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(a[m].detach(), b[m].detach(), atol=1e-5, rtol=0)
+    assert CALLS["varlen"] > 0
+    assert all(torch.equal(p, q) for p, q in zip(flash.parameters(), sdpa.parameters()))  # same seed, same weights
+    assert_gradients_match_pair(flash, sdpa, a, b, batch.completion_mask)
+
+
+def assert_gradients_match_pair(model_a, model_b, a, b, mask):
+    weights = torch.randn(*a.shape, generator=torch.Generator().manual_seed(1))
+    m = mask.float()
+    grads_a = torch.autograd.grad((a * weights * m).sum(), list(model_a.parameters()))
+    grads_b = torch.autograd.grad((b * weights * m).sum(), list(model_b.parameters()))
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, atol=1e-4, rtol=0)
+
+
+def test_prefix_cache_packing_without_padding(flash_model):
+    """One prefix, one full-length output: transformers drops the all-ones mask and FA's causal
+    alignment alone must place the output's queries after the cached prefix."""
+    flash, sdpa, tok = flash_model
+    prefix, completion = list(range(5, 17)), list(range(20, 29))
+    with torch.no_grad():
+        a, _ = prefix_cache_logprobs(flash, [prefix], [0], [completion], 9, tok.pad_token_id)
+        b, _ = unpacked(sdpa, tok, [prefix], [completion])
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert CALLS["dense"] > 0
+
+
+def test_mask_packing_refuses_flash(flash_model):
+    flash, _, tok = flash_model
+    prefixes, keys, completions = _prefix_cache_case()[0], [0, 1, 0, 1, 0], _prefix_cache_case()[3]
+    packed = pack(prefixes, keys, completions, max_len=1000, pad_id=tok.pad_token_id)
+    with pytest.raises(ValueError, match="packing_impl=kv"):
+        packed_logprobs(flash, packed, len(completions), 9)
+
+
+def test_config_rejects_mask_packing_where_flash_runs(monkeypatch):
+    """On a machine where flash-attn 2 would run, the config check stops mask packing before any load."""
+    import bicc.models
+    from bicc.config import validate
+    from tests.conftest import compose_cfg
+
+    monkeypatch.setattr(bicc.models, "resolve_attn_implementation", lambda name: name)
+    flash = ["bicc=on", "model.attn_implementation=flash_attention_2", "sft.cache_dir=/tmp/x"]
+    with pytest.raises(ValueError, match="bicc.packing_impl"):
+        validate(compose_cfg([*flash, "bicc.packing_impl=mask"]))
+    validate(compose_cfg([*flash, "bicc.packing_impl=kv"]))
+    validate(compose_cfg(["bicc=on", "bicc.packing_impl=mask", "sft.cache_dir=/tmp/x"]))  # SDPA: fine
