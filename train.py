@@ -38,7 +38,8 @@ from bicc.rollout import build_engine
 from bicc.sft import config_hash, warm_start
 from bicc.tracking import Tracker, rewind_jsonl
 from bicc.trainer import (RLState, collect_rollout, conditioned_logprobs_no_grad, loss_of_rows_fn,
-                          needs_reference, old_logprobs, reference_logprobs, sampler_logprob_diff, update_policy)
+                          needs_reference, old_logprobs, reference_logprobs, sampler_importance_weights,
+                          sampler_logprob_diff, update_policy)
 
 register_configs()
 hf_logging.disable_progress_bar()
@@ -73,15 +74,25 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     N, mb = batch.input_ids.shape[0], cfg.train.micro_batch_size
     # (not under FSDP2: its sharded gradients are averaged over processes inside backward)
     diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0 and not distributed.is_sharded(s.model)
+    tis = ro.out.logprobs is not None and cfg.rollout.tis_cap > 0
+    # pi_old on x^c under bicc.old_on_context; then on q too where something needs it (diagnostics, TIS)
+    old_logp, q_logp = old_logprobs(s.model, plain, numerator, cfg, N, mb, need_q=diag or tis)  # [N, L]
     # log_w: log conditioning weight per sequence; None = measured in the update's first pass (old on q)
-    old_logp, log_w = old_logprobs(s.model, plain, numerator, cfg, N, mb, measure_w=diag)  # [N, L]
+    log_w = None
+    if q_logp is not None and q_logp is not old_logp:
+        log_w = ((old_logp - q_logp) * batch.completion_mask).sum(-1).cpu()
     # pi_ref on q (RCC's delta); the KL term's reference, on x^c under bicc.old_on_context
     ref_logp, kl_ref_logp = reference_logprobs(s.ref_model, plain, numerator, cfg, N, mb)
     t_logprobs = time.perf_counter()
-    sampler_metrics = {}
-    if ro.out.logprobs is not None and not (cfg.bicc.enabled and cfg.bicc.old_on_context):  # pi_old on q
-        sampler_metrics["rollout/logprob_diff"] = sampler_logprob_diff(ro.out.logprobs, old_logp.cpu(),
-                                                                       batch.completion_mask.cpu())
+    sampler_metrics, is_weight = {}, None
+    if ro.out.logprobs is not None and q_logp is not None:  # the sampler against the trainer, both on q
+        mask_cpu = batch.completion_mask.cpu()
+        sampler_metrics["rollout/logprob_diff"] = sampler_logprob_diff(ro.out.logprobs, q_logp.cpu(), mask_cpu)
+        if tis:  # tokens were drawn from pi_sampler, not pi_old: weight each by min(pi_old / pi_sampler, C)
+            is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q_logp.cpu(), mask_cpu,
+                                                                cfg.rollout.tis_cap)
+            is_weight = is_weight.to(device)
+            sampler_metrics.update(tis_metrics)
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
     delta, diag_record = None, {}
@@ -95,7 +106,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         if not cfg.rcc.enabled:
             _, rcc_metrics = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
             adv_metrics.update({k: v for k, v in rcc_metrics.items() if k.startswith("rcc/")})
-        loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, old_logp, kl_ref_logp, adv, cfg)
+        loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, old_logp, kl_ref_logp, adv, cfg, is_weight)
         s.model.train()
         grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(device), cfg.rcc.diag_splits,
                                      torch.Generator().manual_seed(step_seed), mb)
@@ -105,7 +116,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 6. loss and optimizer step(s) ---------------------------------------------------------
     update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, old_logp, kl_ref_logp, adv, cfg,
-                                                         step_seed)
+                                                         step_seed, is_weight)
     t_update = time.perf_counter()
 
     if cfg.bicc.enabled:

@@ -3,6 +3,10 @@ BiCC with packing, in one run, on two configs:
 
 - ``embedded``: the tiny default model with its real prompts, synthetic outputs of the task's length;
 - ``large``:    a random-init Qwen3 of >= 10M parameters, outputs of 256 tokens, G = 8.
+- ``gpu``:      (CUDA) a random-init Qwen3 with Qwen3-0.6B's shape and vocabulary, bf16, flash-attn 2 when
+                importable, 8 queries x G = 8, outputs of 1,024 tokens, max 2,048 (context budget 819).
+                Also reports training tokens/s and model FLOPs utilisation. ``--shrink`` cuts it to 2
+                layers and 64-token outputs, to check the path on a CPU.
 
 Variants: GRPO; BiCC in its default form (``bicc=on``: pi_old on the context too) without packing,
 with packing through a shared prefix KV cache (``packing_impl=kv``, the default) and through one packed
@@ -14,9 +18,14 @@ with and without BiCC, and including it would only dilute the ratio. Outputs and
 (random tokens, half correct per group) so that every group is conditioned: the worst case for BiCC.
 
 Each variant runs in its own subprocess so that peak RSS (``ru_maxrss``) is its own; on CUDA the
-allocator's peak is used instead. Run: ``.venv/bin/python bench/bicc_overhead.py [--quick]``.
+allocator's peak is used instead. Run: ``.venv/bin/python bench/bicc_overhead.py [--configs embedded,large]`` (on a GPU: ``--configs gpu``).
 Ends with ``RESULT bicc_step_ratio=... target<=1.15`` and ``RESULT bicc_mem_ratio=... target<=1.20``
-(packed BiCC over GRPO on the large config).
+(packed BiCC over GRPO on the last config), and for ``gpu`` also ``RESULT gpu_grpo_mfu=...`` and
+``RESULT gpu_bicc_mfu=...``.
+
+MFU counts 2 x parameters FLOPs per token for the no-grad forward of pi_old and 6 x parameters per token
+for the numerator's forward and backward (attention's own FLOPs left out, as is usual), over the step time,
+against the GPU's dense bf16 peak (``--peak-tflops``; default 989 for H100/H200).
 """
 
 from __future__ import annotations
@@ -41,7 +50,11 @@ CONFIGS = {
                                num_key_value_heads=2, head_dim=32), prompts=16, group=8, out_len=26, max_tokens=64, steps=8),
     "large": dict(arch=dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1152, num_attention_heads=6,
                             num_key_value_heads=2, head_dim=64), prompts=4, group=8, out_len=256, max_tokens=256, steps=3),
+    "gpu": dict(arch=dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
+                          num_key_value_heads=8, head_dim=128, vocab_size=151936), dtype="bfloat16",
+                attn="flash_attention_2", prompts=8, group=8, out_len=1024, max_tokens=2048, micro=8, steps=3),
 }
+SHRINK = dict(num_hidden_layers=2, out_len=64, max_tokens=128)
 VARIANTS = {  # the default BiCC form (bicc=on) unless named; packing_impl kv is the default
     "grpo": ["bicc=off", "rcc=off"],
     "bicc_unpacked": ["bicc=on", "rcc=off", "bicc.packing=false"],
@@ -51,28 +64,51 @@ VARIANTS = {  # the default BiCC form (bicc=on) unless named; packing_impl kv is
 }
 
 
-def run_variant(config_name: str, variant: str) -> dict:
+def build_model(spec: dict, seed: int = 0):
+    """A random-init Qwen3 of the spec's shape (its own vocabulary size if given) and the char tokenizer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from bicc.config import TinyArchConfig
+    from bicc.models import build_tiny, resolve_attn_implementation
+
+    arch = dict(spec["arch"])
+    vocab = arch.pop("vocab_size", None)
+    model, tok = build_tiny(TinyArchConfig(**arch, max_position_embeddings=4096), seed=seed)
+    if vocab is not None:  # the real vocabulary: its embedding and output projection dominate memory
+        config = Qwen3Config(**{**model.config.to_dict(), "vocab_size": vocab})
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(config)
+    model.config._attn_implementation = resolve_attn_implementation(spec.get("attn", "sdpa"))
+    return model.to(getattr(torch, spec.get("dtype", "float32"))), tok
+
+
+def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     """One measurement, in this process: build, warm up once, time ``steps`` updates."""
     from hydra import compose, initialize_config_dir
 
     from bicc.conditioning import build_contexts
-    from bicc.config import TinyArchConfig, register_configs
+    from bicc.config import register_configs
     from bicc.data import build_task, encode_prompt
     from bicc.logprobs import make_token_batch
-    from bicc.models import build_tiny, num_parameters
+    from bicc.models import num_parameters
     from bicc.numerator import ConditionedNumerator, PlainNumerator
     from bicc.optim import build_optimizer, warmup_cosine
     from bicc.trainer import RLState, old_logprobs, update_policy
 
-    spec = CONFIGS[config_name]
+    spec = dict(CONFIGS[config_name])
+    if shrink:
+        spec = {**spec, **{k: v for k, v in SHRINK.items() if k in spec},
+                "arch": {**spec["arch"], "num_hidden_layers": SHRINK["num_hidden_layers"]}}
     register_configs()
     overrides = [f"rollout.prompts_per_step={spec['prompts']}", f"rollout.group_size={spec['group']}",
-                 f"rollout.max_new_tokens={spec['max_tokens']}", "sft.cache_dir=/tmp/unused", *VARIANTS[variant]]
+                 f"rollout.max_new_tokens={spec['max_tokens']}",
+                 f"train.micro_batch_size={spec.get('micro', 128)}", "sft.cache_dir=/tmp/unused", *VARIANTS[variant]]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="train", overrides=overrides)
     torch.set_num_threads(os.cpu_count())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = build_tiny(TinyArchConfig(**spec["arch"], max_position_embeddings=4096), seed=0)
+    model, tok = build_model(spec)
     model.to(device)
     optimizer = build_optimizer(model, 1e-5, (0.9, 0.999), 0.0)
     state = RLState(model, None, tok, None, optimizer, warmup_cosine(optimizer, 1, 100, 0.1), None, "")
@@ -117,31 +153,40 @@ def run_variant(config_name: str, variant: str) -> dict:
         times.append(time.perf_counter() - start)
     peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"config": config_name, "variant": variant, "params_m": num_parameters(model) / 1e6,
+    old_tokens = numerator.tokens if cfg.bicc.enabled and cfg.bicc.old_on_context else plain.tokens
+    params = num_parameters(model)
+    return {"config": config_name, "variant": variant, "params_m": params / 1e6,
             "step_s": statistics.median(times), "peak_mb": peak / 2**20, "tokens": numerator.tokens,
-            "plain_tokens": plain.tokens}
+            "plain_tokens": plain.tokens, "flops": 2 * params * old_tokens + 6 * params * numerator.tokens,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "attn": model.config._attn_implementation}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "VARIANT"))
-    parser.add_argument("--configs", default="embedded,large")
+    parser.add_argument("--configs", default="embedded,large", help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    parser.add_argument("--shrink", action="store_true", help="2 layers and short outputs (check the path on a CPU)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU, for MFU")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_variant(*args.child)))
+        print(json.dumps(run_variant(*args.child, shrink=args.shrink)))
         return
     results = {}
     for config_name in args.configs.split(","):
         for variant in args.variants.split(","):
-            proc = subprocess.run([sys.executable, __file__, "--child", config_name, variant], capture_output=True,
-                                  text=True, cwd=ROOT)
+            proc = subprocess.run([sys.executable, __file__, "--child", config_name, variant,
+                                   *(["--shrink"] if args.shrink else [])], capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
                 sys.exit(f"{config_name}/{variant} failed:\n{proc.stderr[-3000:]}")
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             results[(config_name, variant)] = r
-            print(f"{config_name:9s} {variant:14s} {r['params_m']:6.2f}M params  step {r['step_s']:7.3f}s  "
-                  f"peak {r['peak_mb']:8.0f} MB  numerator tokens {r['tokens']} (plain {r['plain_tokens']})", flush=True)
+            r["tokens_per_s"] = r["tokens"] / r["step_s"]
+            r["mfu"] = r["flops"] / r["step_s"] / (args.peak_tflops * 1e12)
+            print(f"{config_name:9s} {variant:17s} {r['params_m']:7.2f}M params  step {r['step_s']:7.3f}s  "
+                  f"peak {r['peak_mb']:8.0f} MB  numerator tokens {r['tokens']} (plain {r['plain_tokens']})  "
+                  f"{r['tokens_per_s']:9.0f} tok/s  MFU {r['mfu']:.3f}  [{r['device']}, {r['attn']}]", flush=True)
     last = args.configs.split(",")[-1]
     base, packed = results[(last, "grpo")], results[(last, "bicc_packed")]
     unpacked = results[(last, "bicc_unpacked")]
@@ -149,6 +194,9 @@ def main() -> None:
           f"memory {unpacked['peak_mb'] / base['peak_mb']:.3f}")
     print(f"RESULT bicc_step_ratio={packed['step_s'] / base['step_s']:.3f} target<=1.15")
     print(f"RESULT bicc_mem_ratio={packed['peak_mb'] / base['peak_mb']:.3f} target<=1.20")
+    if last == "gpu":
+        print(f"RESULT gpu_grpo_mfu={base['mfu']:.3f} target>=0.30")
+        print(f"RESULT gpu_bicc_mfu={packed['mfu']:.3f} target>=0.30")
 
 
 if __name__ == "__main__":

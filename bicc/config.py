@@ -346,8 +346,6 @@ def validate(cfg: Any) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
     _check(r.tis_cap >= 0, "rollout.tis_cap", f"must be >= 0 (0 = no correction), got {r.tis_cap}")
-    _check(not (r.tis_cap > 0 and cfg.bicc.enabled and cfg.bicc.old_on_context), "rollout.tis_cap",
-           "needs pi_old on q to compare with the sampler's log-probs, but bicc.old_on_context=true puts it on x^c")
     _check(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",
            f"must be null (one per process) or a divisor of rollout.prompts_per_step={r.prompts_per_step}, got {r.shards}")
 

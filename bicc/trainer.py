@@ -60,18 +60,16 @@ def needs_reference(cfg) -> bool:
             or cfg.rcc.diag_every > 0)
 
 
-def old_logprobs(model, plain, numerator, cfg, num_rows: int, micro_batch_size: int, measure_w: bool = False):
-    """pi_old's per-token log-probs [N, L]: on q (the paper), or on x^c with ``bicc.old_on_context``.
-    In the latter case, with ``measure_w``, also the log conditioning weight per sequence [N]
-    (log pi_old(o|x^c) - log pi_old(o|q)), which costs one more forward on q; else None."""
+def old_logprobs(model, plain, numerator, cfg, num_rows: int, micro_batch_size: int, need_q: bool = False):
+    """pi_old's per-token log-probs [N, L]: on q (the paper), or on x^c with ``bicc.old_on_context``;
+    and pi_old's log-probs on q, which are the same tensor in the first case and, in the second, cost one
+    more forward, taken only with ``need_q`` (else None)."""
     T = cfg.rollout.temperature
     if not (cfg.bicc.enabled and cfg.bicc.old_on_context) or numerator is plain:
-        return logprobs_no_grad(model, plain, num_rows, micro_batch_size, T), None
+        old = logprobs_no_grad(model, plain, num_rows, micro_batch_size, T)
+        return old, old
     old = logprobs_no_grad(model, numerator, num_rows, micro_batch_size, T)
-    if not measure_w:
-        return old, None
-    q_logp = logprobs_no_grad(model, plain, num_rows, micro_batch_size, T)
-    return old, ((old - q_logp) * plain.batch.completion_mask).sum(-1).cpu()
+    return old, logprobs_no_grad(model, plain, num_rows, micro_batch_size, T) if need_q else None
 
 
 def reference_logprobs(ref_model, plain, numerator, cfg, num_rows: int, micro_batch_size: int):
@@ -96,7 +94,7 @@ def conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_row
     return logprobs_no_grad(model, numerator, num_rows, micro_batch_size, cfg.rollout.temperature)
 
 
-def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg):
+def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg, is_weight=None):
     """``loss(rows, norm_rows)``: the update's loss on ``rows`` normalised over ``norm_rows`` (a whole
     minibatch or a diagnostic split), as a differentiable scalar."""
     loss_fn = LOSSES.get(cfg.algo.loss)
@@ -107,7 +105,8 @@ def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv
         if cfg.bicc.enabled and cfg.bicc.log_ratio_clip > 0:
             logp = clip_log_ratio_value(logp, old_logp[rows], cfg.bicc.log_ratio_clip)
         value, _ = loss_fn(logp, old_logp[rows], None if ref_logp is None else ref_logp[rows], adv[rows],
-                           batch.completion_mask[rows], cfg.algo, totals)
+                           batch.completion_mask[rows], cfg.algo, totals,
+                           is_weight=None if is_weight is None else is_weight[rows])
         return value
 
     return loss
@@ -230,14 +229,37 @@ def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temper
     return torch.cat(chunks)
 
 
+def sampler_grid(sampler_logprobs: list[list[float]], like: torch.Tensor, mask: torch.Tensor):
+    """The engine's per-token sampling log-probs on the trainer's [N, L] grid, and where they are usable
+    (completion tokens with a finite value)."""
+    sampled = torch.zeros_like(like)
+    for i, lp in enumerate(sampler_logprobs):
+        sampled[i, : len(lp)] = torch.tensor(lp[: like.shape[1]], dtype=like.dtype)
+    valid = mask.bool() & torch.isfinite(sampled)
+    return sampled, valid
+
+
 def sampler_logprob_diff(sampler_logprobs: list[list[float]], old_logp: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean |log-prob of the rollout engine - the trainer's pi_old| over completion tokens: the mismatch
     between sampling and training numerics (0 for HF rollouts from the same module)."""
-    sampled = torch.zeros_like(old_logp)
-    for i, lp in enumerate(sampler_logprobs):
-        sampled[i, : len(lp)] = torch.tensor(lp[: old_logp.shape[1]], dtype=old_logp.dtype)
-    valid = mask.bool() & torch.isfinite(sampled)
+    sampled, valid = sampler_grid(sampler_logprobs, old_logp, mask)
     return ((sampled - old_logp).abs() * valid).sum().item() / max(1, int(valid.sum()))
+
+
+def sampler_importance_weights(sampler_logprobs: list[list[float]], old_logp: torch.Tensor, mask: torch.Tensor,
+                               cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance sampling (TIS) for a rollout engine whose numerics differ from the trainer's:
+    the tokens were drawn from pi_sampler, not from the trainer's pi_old, so each token's policy-gradient
+    term is weighted by w = min(pi_old / pi_sampler, cap), detached. w = 1 where the engine gave no
+    usable log-prob. Returns w [N, L] and its statistics over completion tokens."""
+    sampled, valid = sampler_grid(sampler_logprobs, old_logp, mask)
+    raw = torch.where(valid, torch.exp(old_logp - sampled), torch.ones_like(old_logp))  # [N, L]
+    weight = raw.clamp(max=cap)
+    m = mask.bool()
+    n = max(1, int(m.sum()))
+    return weight, {"rollout/tis_weight_mean": weight[m].sum().item() / n,
+                    "rollout/tis_weight_min": weight[m].min().item() if m.any() else 1.0,
+                    "rollout/tis_clip_frac": (raw[m] > cap).sum().item() / n}
 
 
 def clip_log_ratio_value(logp: torch.Tensor, old_logp: torch.Tensor, bound: float) -> torch.Tensor:
@@ -247,12 +269,14 @@ def clip_log_ratio_value(logp: torch.Tensor, old_logp: torch.Tensor, bound: floa
     return logp - (delta - delta.clamp(-bound, bound))
 
 
-def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, adv, cfg, step_seed: int) -> dict:
+def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, adv, cfg, step_seed: int,
+                  is_weight: torch.Tensor | None = None) -> dict:
     """Epochs x minibatches optimizer steps over one rollout batch; gradients accumulate over
     micro-batches, each normalised by its minibatch's global ``StepTotals``. ``numerator`` gives the
     trainable log-probs (plain or BiCC-conditioned); ``batch`` the completion masks. Also returns, as
     ``first_pass_log_ratio`` [N], each sequence's summed log pi_theta - log pi_old before any update
-    (under BiCC: the log conditioning weight log w_i)."""
+    (under BiCC: the log conditioning weight log w_i). ``is_weight`` [N, L]: the sampler correction
+    (``sampler_importance_weights``), or None."""
     model, loss_fn = state.model, LOSSES.get(cfg.algo.loss)
     n = batch.input_ids.shape[0]
     generator = torch.Generator().manual_seed(step_seed)
@@ -287,7 +311,8 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                 if clip_bound > 0:
                     logp = clip_log_ratio_value(logp, old_logp[rows], clip_bound)
                 loss, metrics = loss_fn(logp, old_logp[rows], None if ref_logp is None else ref_logp[rows],
-                                        adv[rows], mask, cfg.algo, totals)
+                                        adv[rows], mask, cfg.algo, totals,
+                                        is_weight=None if is_weight is None else is_weight[rows])
                 (loss * scale).backward()
                 step_loss += loss.item()
                 for name, value in metrics.items():

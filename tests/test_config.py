@@ -69,6 +69,7 @@ def test_unknown_key_is_rejected_by_the_schema():
         ("algo.ratio_denominator=new", "algo.ratio_denominator"),
         ("algo.overlong_buffer=64", "algo.overlong_buffer"),
         ("algo.max_sampling_rounds=0", "algo.max_sampling_rounds"),
+        ("rollout.tis_cap=-1", "rollout.tis_cap"),
     ],
 )
 def test_validation_names_the_field(override, field):

@@ -1,10 +1,12 @@
 """Policy losses, registered by name, one signature:
 
-    fn(logp, old_logp, ref_logp, adv, mask, cfg, totals) -> (loss, metrics)
+    fn(logp, old_logp, ref_logp, adv, mask, cfg, totals, is_weight=None) -> (loss, metrics)
 
 logp, old_logp, ref_logp: [B, L] per-token log-probs (ref_logp may be None when no KL is used);
 adv: [B] per-sequence advantages; mask: [B, L] completion mask; cfg: the ``algo`` config;
-totals: ``StepTotals`` of the whole optimizer step (the aggregation's normaliser).
+totals: ``StepTotals`` of the whole optimizer step (the aggregation's normaliser);
+is_weight: optional [B, L] detached per-token weight on the policy-gradient term (the rollout engine's
+truncated importance-sampling correction, ``rollout.tis_cap``), applied before aggregation.
 ``loss`` is this micro-batch's share of the step's loss; ``metrics`` are floats for logging.
 """
 

@@ -19,11 +19,11 @@ import torch
 
 from bicc.losses import LOSSES
 from bicc.losses.agg import StepTotals, aggregate
-from bicc.losses.common import kl_term, log_ratio, ratio_metrics
+from bicc.losses.common import importance_weighted, kl_term, log_ratio, ratio_metrics
 
 
 @LOSSES.register("aspo")
-def aspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals):
+def aspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_weight=None):
     delta = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
     ratio = torch.exp(delta)  # [B, L]
     a = adv.unsqueeze(-1).expand_as(ratio)  # [B, L]
@@ -36,7 +36,7 @@ def aspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals):
         weight = torch.where(positive, 1 / r_pos, ratio).detach()  # active gradient weight on grad log pi
         over = weight > cfg.dual_clip_c
         pg = torch.where(over & (a != 0), -a * cfg.dual_clip_c * logp, pg)
-    pg_loss = aggregate(pg, mask, cfg.loss_agg, totals)
+    pg_loss = aggregate(importance_weighted(pg, is_weight), mask, cfg.loss_agg, totals)
     kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, cfg, totals)
     metrics = {**ratio_metrics(delta.detach(), ratio.detach(), adv, mask, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high),
                **kl_metrics}

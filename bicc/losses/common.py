@@ -30,6 +30,11 @@ def kl_term(logp, ref_logp, mask, cfg, totals: StepTotals):
     return cfg.kl_coef * kl_loss, {"train/kl_ref": masked_mean(kl.detach(), mask).item()}
 
 
+def importance_weighted(pg: torch.Tensor, is_weight: torch.Tensor | None) -> torch.Tensor:
+    """Per-token policy-gradient terms [B, L] times the sampler correction weight (none: unchanged)."""
+    return pg if is_weight is None else pg * is_weight
+
+
 def dual_clip(pg: torch.Tensor, adv: torch.Tensor, cfg) -> torch.Tensor:
     """Dual clip (Ye et al. 2020) for A < 0: the per-token loss is capped at -c*A, so a huge ratio on a
     negative sample cannot dominate the update. ``cfg.dual_clip_c = 0`` turns it off."""

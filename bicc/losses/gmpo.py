@@ -17,11 +17,11 @@ import torch
 
 from bicc.losses import LOSSES
 from bicc.losses.agg import StepTotals, aggregate
-from bicc.losses.common import dual_clip, kl_term, log_ratio, ratio_metrics, seq_mean
+from bicc.losses.common import dual_clip, importance_weighted, kl_term, log_ratio, ratio_metrics, seq_mean
 
 
 @LOSSES.register("gmpo")
-def gmpo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals):
+def gmpo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_weight=None):
     delta = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
     sign = torch.sign(adv).unsqueeze(-1)  # [B, 1]
     signed = sign * delta
@@ -30,7 +30,7 @@ def gmpo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals):
     seq_ratio = torch.exp(seq_mean(delta_clipped, mask))  # [B]: geometric mean of the clipped token ratios
     pg_seq = dual_clip((-adv * seq_ratio).unsqueeze(-1), adv, cfg)  # [B, 1]
     pg = pg_seq.expand_as(delta)  # [B, L]: one value per sequence, so seq-mean-token-mean = mean over sequences
-    pg_loss = aggregate(pg, mask, cfg.loss_agg, totals)
+    pg_loss = aggregate(importance_weighted(pg, is_weight), mask, cfg.loss_agg, totals)
     kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, cfg, totals)
     with torch.no_grad():
         metrics = ratio_metrics(delta, delta.exp(), adv, mask, float(torch.tensor(-cfg.clip_eps_low).exp()),

@@ -17,11 +17,11 @@ import torch
 
 from bicc.losses import LOSSES
 from bicc.losses.agg import StepTotals, aggregate
-from bicc.losses.common import dual_clip, kl_term, log_ratio, ratio_metrics, seq_mean
+from bicc.losses.common import dual_clip, importance_weighted, kl_term, log_ratio, ratio_metrics, seq_mean
 
 
 @LOSSES.register("gspo")
-def gspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals):
+def gspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_weight=None):
     delta = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
     log_seq_ratio = seq_mean(delta, mask)  # [B]
     seq_ratio_token = torch.exp(log_seq_ratio.detach().unsqueeze(-1) + logp - logp.detach())  # [B, L], value s_i
@@ -29,7 +29,7 @@ def gspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals):
     pg_unclipped = -a * seq_ratio_token
     pg_clipped = -a * seq_ratio_token.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
     pg = dual_clip(torch.maximum(pg_unclipped, pg_clipped), adv, cfg)  # [B, L]
-    pg_loss = aggregate(pg, mask, cfg.loss_agg, totals)
+    pg_loss = aggregate(importance_weighted(pg, is_weight), mask, cfg.loss_agg, totals)
     kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, cfg, totals)
     metrics = {**ratio_metrics(delta.detach(), seq_ratio_token.detach(), adv, mask, 1 - cfg.clip_eps_low,
                                1 + cfg.clip_eps_high), **kl_metrics}
