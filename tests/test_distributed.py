@@ -96,3 +96,17 @@ def test_fsdp2_checkpoint_is_sharded_and_resumes_in_one_process(runs):
     proc = one_process([f"hydra.run.dir={resumed}", f"resume={ckpt}"], tmp)
     assert "resumed from" in proc.stdout
     assert max_diff(weights(resumed, 2), weights(out["single"], 2)) <= 1e-5
+
+
+def test_ddp_checkpoint_resumes_in_two_processes(runs):
+    """Resume under torchrun: the DDP step-1 checkpoint (full optimizer state, both shards' data positions)
+    continues in 2 processes to the uninterrupted run's step 2."""
+    tmp, out = runs
+    ckpt = out["ddp"] / "checkpoints" / "step_1"
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    assert "optimizer" in state and not (ckpt / "optim_dcp").exists()
+    resumed = tmp / "resumed_ddp"
+    proc = two_processes([f"hydra.run.dir={resumed}", "dist.strategy=ddp", f"resume={ckpt}"], tmp)
+    assert "resumed from" in proc.stdout
+    assert losses(resumed) == losses(out["ddp"])[1:]
+    assert max_diff(weights(resumed, 2), weights(out["ddp"], 2)) <= 1e-6

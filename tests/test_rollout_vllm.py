@@ -4,12 +4,15 @@ with rollout=vllm works end to end. Skipped where vLLM is not installed."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 
@@ -109,3 +112,39 @@ def test_many_seeded_requests_are_reproducible(engines):
     assert len(a.completion_ids) == 256 and a.completion_ids == b.completion_ids
     other = vllm_engine.generate(prompts, SamplingParams(n=8, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=4))
     assert other.completion_ids != a.completion_ids
+
+
+def test_sigkill_then_resume_with_vllm_rollouts(tmp_path):
+    """A run with vLLM rollouts killed after its step-2 checkpoint resumes (a fresh engine built from the
+    checkpoint's weights) to the uninterrupted run's weights, step for step."""
+    from tests.test_resume import logged_steps
+
+    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
+    args = [*[a for a in SMALL if not a.startswith("train.steps")], *VLLM_CFG, "bicc=on", "train.steps=4",
+            "train.save_every=2", "train.keep_last=0", "eval.num_problems=2"]
+
+    def train(*extra):
+        proc = subprocess.run([sys.executable, "train.py", *args, *extra], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    train("stage=sft", f"hydra.run.dir={tmp_path / 'sft'}")
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    train(f"hydra.run.dir={reference}")
+    proc = subprocess.Popen([sys.executable, "train.py", *args, f"hydra.run.dir={killed}"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while logged_steps(killed) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 2 <= logged_steps(killed) < 4, "the run must die after the step-2 checkpoint and before the end"
+    assert "resumed from" in train("resume=auto", f"hydra.run.dir={killed}").stdout
+    a = load_file(reference / "checkpoints" / "step_4" / "model.safetensors")
+    b = load_file(killed / "checkpoints" / "step_4" / "model.safetensors")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    ra = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("reward/mean") for r in ra] == [r.get("reward/mean") for r in rb]
