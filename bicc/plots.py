@@ -53,6 +53,10 @@ class Run:
     def label(self) -> str:
         return ("BiCC-" if self.bicc else "") + self.base
 
+    @property
+    def last_step(self) -> int:
+        return max((int(r["step"]) for r in self.metrics), default=0)
+
     def series(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         rows = [r for r in self.metrics if name in r]
         return np.array([r["step"] for r in rows]), np.array([r[name] for r in rows], dtype=float)
@@ -133,6 +137,12 @@ def plot_dynamics(groups, colors, out: Path, window: int = 20) -> Path:
     return _save(fig, out / "dynamics.png")
 
 
+def stage_label(k: int, stage_steps: int, last_step: int) -> str:
+    """Steps of stage k as run: the last stage of a run that stops inside it ends at its last step."""
+    end = (k + 1) * stage_steps
+    return f"{k * stage_steps + 1}-{min(end, last_step) if last_step > k * stage_steps else end}"
+
+
 def _stage_bars(groups, colors, name: str, title: str, ylabel: str, path: Path) -> Path | None:
     per_label = {}
     for label, runs in groups.items():
@@ -153,8 +163,9 @@ def _stage_bars(groups, colors, name: str, title: str, ylabel: str, path: Path) 
         errs = [np.std(stages[k]) / np.sqrt(len(stages[k])) if len(stages[k]) > 1 else 0 for k in sorted(stages)]
         ax.bar(xs, means, width, yerr=errs, capsize=2, color=colors[runs[0].base],
                hatch=None if runs[0].bicc else "//", edgecolor="black", linewidth=0.5, label=label)
-    steps = next(iter(per_label.values()))[0][0].stage_steps
-    ax.set_xticks(range(num_stages), [f"{k * steps + 1}-{(k + 1) * steps}" for k in range(num_stages)])
+    runs = [r for rs, _ in per_label.values() for r in rs]
+    steps, last = runs[0].stage_steps, max(r.last_step for r in runs)
+    ax.set_xticks(range(num_stages), [stage_label(k, steps, last) for k in range(num_stages)])
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set(title=title, xlabel="training stage (steps)", ylabel=ylabel)
     ax.grid(alpha=0.3, axis="y")
@@ -190,8 +201,8 @@ def plot_delta_hist(groups, out: Path) -> Path | None:
                 if data["pos"] and data["neg"]:
                     sep = np.mean(data["pos"]) - np.mean(data["neg"])
                     ax.text(0.02, 0.95, f"Δμ={sep:.2f}", transform=ax.transAxes, va="top", fontsize=8)
-            steps = groups[lab][0].stage_steps
-            ax.set_title(f"{lab}\nsteps {k * steps + 1}-{(k + 1) * steps}", fontsize=8)
+            steps, last = groups[lab][0].stage_steps, max(r.last_step for r in groups[lab])
+            ax.set_title(f"{lab}\nsteps {stage_label(k, steps, last)}", fontsize=8)
             ax.tick_params(labelsize=7)
             if i == len(labels) - 1:
                 ax.set_xlabel("δ = log π_θ(o|x^c) − log π_ref(o|q)", fontsize=7)

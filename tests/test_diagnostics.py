@@ -17,3 +17,12 @@ def test_conditioning_weights_split_by_reward_and_skip_unconditioned():
 
 def test_no_conditioned_samples_gives_no_metrics():
     assert conditioning_weights(torch.zeros(3), torch.zeros(3, dtype=torch.bool), torch.ones(3)) == {}
+
+
+def test_stage_label_ends_at_the_last_step_run():
+    from bicc.plots import stage_label
+
+    assert stage_label(0, 100, 150) == "1-100"
+    assert stage_label(1, 100, 150) == "101-150"  # a 150-step run stops inside the second stage
+    assert stage_label(1, 100, 250) == "101-200"
+    assert stage_label(1, 100, 0) == "101-200"  # no steps logged: the stage window
