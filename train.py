@@ -86,11 +86,10 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     t_logprobs = time.perf_counter()
     sampler_metrics, is_weight = {}, None
     if ro.out.logprobs is not None and q_logp is not None:  # the sampler against the trainer, both on q
-        mask_cpu = batch.completion_mask.cpu()
-        sampler_metrics["rollout/logprob_diff"] = sampler_logprob_diff(ro.out.logprobs, q_logp.cpu(), mask_cpu)
+        q_cpu, mask_cpu = q_logp.cpu(), batch.completion_mask.cpu()
+        sampler_metrics["rollout/logprob_diff"] = sampler_logprob_diff(ro.out.logprobs, q_cpu, mask_cpu)
         if tis:  # tokens were drawn from pi_sampler, not pi_old: weight each by min(pi_old / pi_sampler, C)
-            is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q_logp.cpu(), mask_cpu,
-                                                                cfg.rollout.tis_cap)
+            is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q_cpu, mask_cpu, cfg.rollout.tis_cap)
             is_weight = is_weight.to(device)
             sampler_metrics.update(tis_metrics)
 
