@@ -31,10 +31,11 @@ from bicc.data import build_task
 from bicc.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
 from bicc.evaluation import evaluate, format_eval
 from bicc.logprobs import make_token_batch
-from bicc.models import frozen_copy, load_pretrained, num_parameters, tokenizer_and_positions
+from bicc.models import (DTYPES, compute_copy, end_token_ids, frozen_copy, load_policy, num_parameters,
+                         tokenizer_and_positions)
 from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.optim import build_optimizer, warmup_cosine
-from bicc.rollout import build_engine
+from bicc.rollout import EngineOptions, build_engine
 from bicc.sft import config_hash, warm_start
 from bicc.tracking import Tracker, rewind_jsonl
 from bicc.trainer import (RLState, collect_rollout, conditioned_logprobs_no_grad, loss_of_rows_fn,
@@ -64,7 +65,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     numerator, bicc_metrics = plain, {}
     if cfg.bicc.enabled:
         contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
-                                  cfg.bicc.max_tokens, ro.out.prompt_ids)
+                                  cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids)
         contexts = warm_up(contexts, ro.group_ids, ro.out.prompt_ids, s.step, cfg.bicc.warmup_steps)
         numerator = ConditionedNumerator(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
                                          s.tokenizer.pad_token_id, device)
@@ -76,7 +77,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0 and not distributed.is_sharded(s.model)
     tis = ro.out.logprobs is not None and cfg.rollout.tis_cap > 0
     # pi_old on x^c under bicc.old_on_context; then on q too where something needs it (diagnostics, TIS)
-    old_logp, q_logp = old_logprobs(s.model, plain, numerator, cfg, N, mb, need_q=diag or tis)  # [N, L]
+    old_logp, q_logp = old_logprobs(s.model, plain, numerator, cfg, N, mb, need_q=diag or tis, d=s.dist)  # [N, L]
     # log_w: log conditioning weight per sequence; None = measured in the update's first pass (old on q)
     log_w = None
     if q_logp is not None and q_logp is not old_logp:
@@ -96,7 +97,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
     delta, diag_record = None, {}
     if cfg.rcc.enabled or diag:  # delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q), theta = theta_old here
-        cond_logp = conditioned_logprobs_no_grad(s.model, numerator, plain, old_logp, cfg, N, mb)
+        cond_logp = conditioned_logprobs_no_grad(s.model, numerator, plain, old_logp, cfg, N, mb, s.dist)
         delta = sequence_delta(cond_logp, ref_logp, batch.completion_mask, cfg.rcc.delta).cpu()
     adv_name = "rcc" if cfg.rcc.enabled else cfg.algo.advantage
     adv, adv_metrics = ADVANTAGES.get(adv_name)(ro.rewards, ro.group_ids, delta, cfg.algo)  # [N]
@@ -154,19 +155,24 @@ def peak_lr(cfg) -> float:
 
 
 def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
-                   d: distributed.Dist = distributed.Dist()) -> RLState:
-    """Policy from ``policy_path`` (the initial policy, or a checkpoint when resuming); the frozen
-    reference is always the initial policy at ``init_path`` (a full copy on every process). Under FSDP2
-    the rollout engine gets its own full copy of the policy; otherwise it samples from the policy itself."""
-    model, tokenizer = load_pretrained(policy_path, cfg.model, device)
+                   d: distributed.Dist = distributed.Dist(), max_model_len: int | None = None) -> RLState:
+    """Policy from ``policy_path`` (the initial policy, or a checkpoint when resuming) in fp32 master
+    weights computing in ``model.dtype``; the frozen reference is always the initial policy at ``init_path``
+    (a full copy in the compute dtype on every process). Under FSDP2 the HF rollout engine gets its own
+    full copy of the policy in the compute dtype; otherwise it samples from the policy itself."""
+    model, tokenizer = load_policy(policy_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
     ref_model = frozen_copy(init_path, cfg.model, device) if needs_reference(cfg) else None
-    sampler = copy.deepcopy(model) if d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf" else model
-    model = distributed.wrap(model, cfg.dist, d)
+    sharded_hf = d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf"
+    sampler = compute_copy(model, cfg.model) if sharded_hf else model
+    end_ids = tuple(end_token_ids(tokenizer, model))
+    model = distributed.wrap(model, cfg.dist, d, DTYPES[cfg.model.dtype])
     optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)
     total = cfg.train.steps * cfg.train.epochs_per_rollout * cfg.train.minibatches_per_rollout
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
-    engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout)
-    return RLState(model, ref_model, tokenizer, engine, optimizer, scheduler, build_task(cfg.data), init_path, dist=d)
+    options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype)
+    engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
+    return RLState(model, ref_model, tokenizer, engine, optimizer, scheduler, build_task(cfg.data), init_path, dist=d,
+                   end_ids=end_ids)
 
 
 def eval_engine(s: RLState, cfg):
@@ -174,21 +180,21 @@ def eval_engine(s: RLState, cfg):
     copy under FSDP2) batched by eval.batch_size."""
     if getattr(s.engine, "model", None) is None:
         return s.engine
-    return build_engine("hf", s.engine.model, s.tokenizer, cfg.eval)
+    return build_engine("hf", s.engine.model, s.tokenizer, cfg.eval, EngineOptions(end_ids=s.end_ids))
 
 
 def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
-    """Atomic checkpoint (bicc.checkpoint). With several processes every one of them calls this: the
-    weights are gathered to a full state dict and written by rank 0; under FSDP2 each rank also writes
-    its optimizer shard (DCP) into the same temporary dir before rank 0 marks it complete."""
+    """Atomic checkpoint (bicc.checkpoint); every process calls this. HF-format weights in the compute
+    dtype (``model.dtype``, what vLLM and evaluation load), gathered to a full state dict under FSDP2 and
+    written by rank 0 with the trainer state; under FSDP2 each rank also writes its optimizer shard (DCP),
+    and when the master weights are kept in a wider dtype they are written too (DCP, sharded under FSDP2),
+    so that a resume is exact. Rank 0 marks the checkpoint complete last."""
     d = s.dist
-    if not d.enabled:
-        save_checkpoint(ckpt_dir, s.model, s.tokenizer, s.trainer_state(), cfg.train.keep_last)
-        return
     sharded = distributed.is_sharded(s.model)
-    weights = None  # DDP: every rank holds the whole model, rank 0 writes it as is
-    if sharded:
-        weights = distributed.full_state_dict(s.model)
+    mixed = DTYPES[cfg.model.master_dtype] != DTYPES[cfg.model.dtype]
+    weights = None  # one process or DDP in the master dtype: rank 0 writes the model as is
+    if sharded or (mixed and d.is_main):
+        weights = distributed.full_state_dict(s.model, DTYPES[cfg.model.dtype])
         if s.model.config.tie_word_embeddings:  # gathered copies are no longer shared: keep the HF layout
             weights.pop("lm_head.weight", None)
     tmp = tmp_dir(ckpt_dir)
@@ -200,6 +206,8 @@ def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
     if sharded:
         distributed.save_sharded_optimizer(s.model, s.optimizer, tmp)
         del state["optimizer"]
+    if mixed:
+        distributed.save_master_weights(s.model, tmp)
     distributed.barrier(d)
     if d.is_main:
         save_checkpoint(ckpt_dir, s.model, s.tokenizer, state, cfg.train.keep_last, state_dict=weights, keep_tmp=True)
@@ -227,12 +235,14 @@ def resume_dir(resume: str, run_dir: Path) -> Path | None:
 
 
 def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
-                    d: distributed.Dist = distributed.Dist()) -> RLState:
+                    d: distributed.Dist = distributed.Dist(), max_model_len: int | None = None) -> RLState:
     ckpt = resume_dir(cfg.resume, run_dir) if cfg.resume else None
+    ckpt = distributed.broadcast_object(ckpt, d)  # rank 0's choice (nodes may not share a file system view)
     if ckpt is None:
-        return build_rl_state(cfg, init_path, init_path, device, d)
+        return build_rl_state(cfg, init_path, init_path, device, d, max_model_len)
     state = load_trainer_state(ckpt)
-    s = build_rl_state(cfg, str(ckpt), state["init_path"], device, d)
+    s = build_rl_state(cfg, str(ckpt), state["init_path"], device, d, max_model_len)
+    distributed.load_master_weights(s.model, ckpt)  # the fp32 master behind the checkpoint's bf16 weights
     s.load_trainer_state(state)
     if "optimizer" not in state:  # written sharded by an FSDP2 run (any number of processes)
         distributed.load_sharded_optimizer(s.model, s.optimizer, ckpt)
@@ -291,7 +301,7 @@ def run(cfg, d: distributed.Dist) -> dict:
     torch.manual_seed(cfg.seed)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     task = build_task(cfg.data)
-    validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model))
+    max_model_len = validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model))
 
     # ---- warm start: tiny models are fine-tuned first (cached by settings; rank 0 builds it) --------
     init_path = cfg.model.path
@@ -307,30 +317,28 @@ def run(cfg, d: distributed.Dist) -> dict:
 
     tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
                       cfg.logger.wandb_project, enabled=d.is_main)
-    s = start_or_resume(cfg, init_path, device, run_dir, d)
+    s = start_or_resume(cfg, init_path, device, run_dir, d, max_model_len)
     if s.step > 0 and d.is_main:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
         for name in ("metrics.jsonl", "diagnostics.jsonl"):
             rewind_jsonl(run_dir / name, s.step)
     baseline = None
-    # evaluation runs on rank 0 alone, with the rollout engine's module (a full copy under FSDP2)
-    if s.step == 0 and d.is_main:  # score the initial policy with the model RL will train (no second load)
+    if s.step == 0:  # score the initial policy with the model RL will train (no second load), on every rank
         # The warm start's own dir caches its score: every run from one SFT checkpoint shares it.
         cache = Path(init_path) / f"eval-{config_hash(cfg.eval, cfg.seed, cfg.rollout.engine)}.json" if cfg.model.tiny else None
-        if cache is not None and cache.exists():
-            baseline = json.loads(cache.read_text())
-        else:
-            baseline = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed)
-            if cache is not None:
+        baseline = distributed.broadcast_object(
+            json.loads(cache.read_text()) if d.is_main and cache is not None and cache.exists() else None, d)
+        if baseline is None:
+            baseline = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, d=s.dist)
+            if cache is not None and d.is_main:
                 cache.write_text(json.dumps(baseline))
-        print(f"[eval] initial policy: {format_eval(baseline)}")
+        if d.is_main:
+            print(f"[eval] initial policy: {format_eval(baseline)}")
 
     s = run_rl(s, cfg, run_dir, tracker)
-    distributed.barrier(d)
+    final = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
+                     progress=cfg.logger.progress, d=s.dist)
     if not d.is_main:
         return {"steps": s.step, "init_path": init_path}
-
-    final = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
-                     progress=cfg.logger.progress)
     tracker.log(final, step=s.step)
     tracker.finish()
     results = {"initial": baseline, "final": final, "steps": s.step, "init_path": init_path}

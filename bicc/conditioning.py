@@ -130,13 +130,14 @@ def _encode_template(tokenizer, prompt: str, bicc_cfg, max_attempts: int) -> _En
 
 def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct: torch.Tensor,
                    group_ids: torch.Tensor, tokenizer, bicc_cfg, max_tokens: int,
-                   plain_prompt_ids: list[list[int]]) -> ConditionedPrompts:
+                   plain_prompt_ids: list[list[int]], end_ids=None) -> ConditionedPrompts:
     """x^c for every sample. ``prompts`` holds the user-turn text of each sample's query (per sample),
-    ``plain_prompt_ids`` the ids of q used where a group falls back."""
+    ``plain_prompt_ids`` the ids of q used where a group falls back. ``end_ids``: the tokens that end an
+    output (default the tokenizer's EOS), stripped from attempts shown in a context."""
     positive = partition(correct, bicc_cfg.reward_threshold)
     budget = int(bicc_cfg.context_ratio * max_tokens)
-    eos = tokenizer.eos_token_id
-    attempts = [ids[:-1] if ids and ids[-1] == eos else list(ids) for ids in completion_ids]
+    end = set(end_ids or [tokenizer.eos_token_id])
+    attempts = [ids[:-1] if ids and ids[-1] in end else list(ids) for ids in completion_ids]
     n = len(completion_ids)
     out_ids: list[list[int]] = [list(p) for p in plain_prompt_ids]
     keys = list(range(n))  # unconditioned samples: unique keys (their q prefix is not shared in packing)

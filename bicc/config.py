@@ -95,6 +95,7 @@ class ModelConfig:
     tiny: Optional[TinyArchConfig] = None
     attn_implementation: str = "sdpa"
     dtype: str = "float32"
+    master_dtype: str = "float32"
     gradient_checkpointing: bool = False
 
 
@@ -177,6 +178,7 @@ class TrainConfig:
     epochs_per_rollout: int = 1
     minibatches_per_rollout: int = 1
     micro_batch_size: int = 128
+    logprob_chunk_tokens: int = 1024
     log_every: int = 1
     save_every: int = 100
     keep_last: int = 2
@@ -354,6 +356,7 @@ def validate(cfg: Any) -> None:
     _check(t.epochs_per_rollout >= 1, "train.epochs_per_rollout", f"must be >= 1, got {t.epochs_per_rollout}")
     _check(t.minibatches_per_rollout >= 1, "train.minibatches_per_rollout", f"must be >= 1, got {t.minibatches_per_rollout}")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
+    _check(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", f"must be >= 1, got {t.logprob_chunk_tokens}")
     _check(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", f"must be >= 1, got {t.max_nonfinite_steps}")
     rollout_size = r.prompts_per_step * r.group_size
     _check(rollout_size % t.minibatches_per_rollout == 0, "train.minibatches_per_rollout",
@@ -368,6 +371,8 @@ def validate(cfg: Any) -> None:
     _check(cfg.logger.wandb_mode in WANDB_MODES, "logger.wandb_mode",
            f"'{cfg.logger.wandb_mode}' unknown; choose from: {', '.join(WANDB_MODES)}")
     _check(cfg.model.dtype in DTYPES, "model.dtype", f"'{cfg.model.dtype}' unknown; choose from: {', '.join(DTYPES)}")
+    _check(cfg.model.master_dtype in DTYPES, "model.master_dtype",
+           f"'{cfg.model.master_dtype}' unknown; choose from: {', '.join(DTYPES)}")
     _check((cfg.model.path is None) != (cfg.model.tiny is None), "model.path",
            "set exactly one of model.path (HF id or local dir) and model.tiny (build from a config)")
 
@@ -434,26 +439,33 @@ def validate(cfg: Any) -> None:
     _check(0 < ar.test_share < 1, "data.arith.test_share", f"must be in (0, 1), got {ar.test_share}")
 
 
-def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field: str, sample: int = 256) -> None:
-    """Before any weights load: the longest prompt (of the first ``sample`` training problems and the
-    evaluation problems) plus the BiCC context budget plus the output budget must fit the model's
-    positions, and so must an evaluation prompt plus ``eval.max_new_tokens``."""
+def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field: str, sample: int = 256) -> int:
+    """Before any weights load: the longest prompt (of the first ``sample`` training problems) plus the BiCC
+    context budget plus the output budget must fit the model's positions, and so must the longest
+    evaluation prompt plus ``eval.max_new_tokens``. Returns the longer of the two: the longest sequence
+    the run needs (vLLM's ``max_model_len``)."""
     from bicc.data import encode_prompt
+    from bicc.evaluation import benchmark_problems, format_prompt
 
-    def longest(problems):
-        lengths = [(len(encode_prompt(tokenizer, p.prompt)), p.id) for p in problems]
+    def longest(problems, encode):
+        lengths = [(len(encode(p)), p.id) for p in problems]
         return max(lengths) if lengths else (0, None)
 
-    train_len, train_id = longest([task.train_problem(i) for i in range(sample)])
+    train_len, train_id = longest([task.train_problem(i) for i in range(sample)],
+                                  lambda p: encode_prompt(tokenizer, p.prompt))
     budget = int(cfg.bicc.context_ratio * cfg.bicc.max_tokens) if cfg.bicc.enabled else 0
     need = train_len + budget + cfg.rollout.max_new_tokens
     _check(need <= max_positions, "rollout.max_new_tokens",
            f"longest training prompt ({train_len} tokens, problem {train_id}) + BiCC context budget ({budget} = "
            f"bicc.context_ratio x bicc.max_tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {need} "
            f"exceeds the model's {max_positions} positions ({limit_field}); lower the budgets or use a longer model")
-    if cfg.data.task == "arith" or any(b.source == "task" for b in cfg.eval.benchmarks):
-        test_len, test_id = longest(task.test_problems(cfg.eval.num_problems))
-        need = test_len + cfg.eval.max_new_tokens
-        _check(need <= max_positions, "eval.max_new_tokens",
-               f"longest evaluation prompt ({test_len} tokens, problem {test_id}) + eval.max_new_tokens "
-               f"({cfg.eval.max_new_tokens}) = {need} exceeds the model's {max_positions} positions ({limit_field})")
+    need_eval = 0
+    for bench in cfg.eval.benchmarks:
+        test_len, test_id = longest(benchmark_problems(bench, task, cfg.eval),
+                                    lambda p: format_prompt(tokenizer, p, bench, cfg.eval.instruction))
+        need_bench = test_len + cfg.eval.max_new_tokens
+        _check(need_bench <= max_positions, "eval.max_new_tokens",
+               f"longest evaluation prompt of {bench.name} ({test_len} tokens, problem {test_id}) + eval.max_new_tokens "
+               f"({cfg.eval.max_new_tokens}) = {need_bench} exceeds the model's {max_positions} positions ({limit_field})")
+        need_eval = max(need_eval, need_bench)
+    return max(need, need_eval)

@@ -38,10 +38,14 @@ from bicc.models import DTYPES
 
 @dataclass(frozen=True)
 class Dist:
+    """This process's place in the job. ``device``: where the process group's collectives take their
+    tensors (``cuda:<local_rank>`` under NCCL, which has no CPU path; ``cpu`` under gloo)."""
+
     rank: int = 0
     world: int = 1
     local_rank: int = 0
     strategy: str = "none"
+    device: str = "cpu"
 
     @property
     def enabled(self) -> bool:
@@ -60,12 +64,13 @@ def init(dist_cfg) -> Dist:
     backend = dist_cfg.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # on this node; RANK is over all nodes
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend)
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist_cfg.strategy)
+    device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist_cfg.strategy, device)
 
 
 def shutdown(d: Dist) -> None:
@@ -91,8 +96,9 @@ def local_shards(rollout_cfg, d: Dist) -> range:
     return range(d.rank * per_rank, (d.rank + 1) * per_rank)
 
 
-def wrap(model, dist_cfg, d: Dist):
-    """Shard (FSDP2) the model in place; DDP needs no wrapper (see ``sync_gradients``)."""
+def wrap(model, dist_cfg, d: Dist, compute_dtype: torch.dtype | None = None):
+    """Shard (FSDP2) the model in place; DDP needs no wrapper (see ``sync_gradients``). Under FSDP2 the
+    parameters keep their (master) dtype and compute runs in ``dist.param_dtype``, else ``compute_dtype``."""
     if not d.enabled or d.strategy == "ddp":
         if d.enabled:  # identical start on every rank whatever each loaded
             for p in model.parameters():
@@ -100,8 +106,9 @@ def wrap(model, dist_cfg, d: Dist):
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=DTYPES[dist_cfg.param_dtype] if dist_cfg.param_dtype else None,
-                                  reduce_dtype=DTYPES[dist_cfg.reduce_dtype])
+    param_dtype = DTYPES[dist_cfg.param_dtype] if dist_cfg.param_dtype else compute_dtype
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[dist_cfg.reduce_dtype])
+    model.__dict__.pop("bicc_compute_dtype", None)  # FSDP2 casts the gathered parameters itself
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy, reshard_after_forward=dist_cfg.reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=dist_cfg.reshard_after_forward)
@@ -127,9 +134,20 @@ def global_totals(totals, d: Dist):
     """``StepTotals`` summed over ranks (tokens, sequences); ``max_len`` is a setting, not a count."""
     if not d.enabled:
         return totals
-    t = torch.tensor([totals.tokens, totals.seqs], dtype=torch.float64)
+    t = torch.tensor([totals.tokens, totals.seqs], dtype=torch.float64, device=d.device)
     dist.all_reduce(t)
-    return type(totals)(tokens=float(t[0]), seqs=float(t[1]), max_len=totals.max_len)
+    tokens, seqs = t.tolist()
+    return type(totals)(tokens=tokens, seqs=seqs, max_len=totals.max_len)
+
+
+def global_max(value: int, d: Dist) -> int:
+    """The largest ``value`` over ranks: how many forwards every rank runs when under FSDP2 each forward
+    and backward is a collective and ranks hold different numbers of rows (DAPO's dynamic sampling)."""
+    if not d.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def loss_scale(d: Dist) -> float:
@@ -166,15 +184,34 @@ def sync_gradients(model, d: Dist, bucket_numel: int = 1 << 24) -> None:
 def all_reduce_sum(value: float, d: Dist) -> float:
     if not d.enabled:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=d.device)
     dist.all_reduce(t)
-    return float(t[0])
+    return float(t.item())
 
 
-def full_state_dict(model) -> dict:
-    """The full, unsharded weights on CPU, on every rank. Under FSDP2 each parameter is all-gathered on
-    its own (every rank must call this), so at most one unsharded tensor exists beyond the result."""
-    return {name: full_tensor(t).detach().cpu() for name, t in model.state_dict().items()}
+def broadcast_object(obj, d: Dist):
+    """``obj`` as rank 0 has it, on every rank."""
+    if not d.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_objects(obj, d: Dist) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not d.enabled:
+        return [obj]
+    gathered: list = [None] * d.world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def full_state_dict(model, dtype: torch.dtype | None = None) -> dict:
+    """The full, unsharded weights on CPU (in ``dtype`` if given), on every rank. Under FSDP2 each
+    parameter is all-gathered on its own (every rank must call this), so at most one unsharded tensor
+    exists beyond the result."""
+    return {name: full_tensor(t).detach().to("cpu", dtype or t.dtype) for name, t in model.state_dict().items()}
 
 
 def full_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -186,8 +223,7 @@ def mean_metrics(metrics: dict, d: Dist) -> dict:
     """Each metric averaged over the ranks that report it (rank 0 logs)."""
     if not d.enabled:
         return metrics
-    gathered: list[dict | None] = [None] * d.world
-    dist.all_gather_object(gathered, metrics)
+    gathered = all_gather_objects(metrics, d)
     out = {}
     for key in gathered[0]:
         values = [g[key] for g in gathered if key in g and isinstance(g[key], (int, float))]
@@ -197,13 +233,35 @@ def mean_metrics(metrics: dict, d: Dist) -> dict:
 
 def merge_shard_positions(positions: list[int], rollout_cfg, d: Dist) -> list[int]:
     """Every shard's data position as advanced by the rank that owns it (ranks own contiguous blocks)."""
-    gathered: list[list[int] | None] = [None] * d.world
-    dist.all_gather_object(gathered, positions)
+    gathered = all_gather_objects(positions, d)
     per_rank = num_shards(rollout_cfg, d) // d.world
     return [gathered[shard // per_rank][shard] for shard in range(len(positions))]
 
 
 OPTIM_DCP = "optim_dcp"
+MASTER_DCP = "master_dcp"
+
+
+def save_master_weights(model, ckpt_tmp: Path) -> None:
+    """The policy's master (fp32) weights, for an exact resume when the HF weights beside them are written
+    in the lower compute dtype; sharded under FSDP2 (every rank calls this), one file otherwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(ckpt_tmp / MASTER_DCP))
+
+
+def load_master_weights(model, ckpt: Path) -> bool:
+    """Load master weights written by ``save_master_weights`` (any world size); False if there are none."""
+    if not (ckpt / MASTER_DCP).is_dir():
+        return False
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=str(ckpt / MASTER_DCP))
+    set_model_state_dict(model, state)
+    return True
 
 
 def save_sharded_optimizer(model, optimizer, ckpt_tmp: Path) -> None:

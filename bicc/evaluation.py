@@ -8,6 +8,11 @@ greedy accuracy when asked. A benchmark's problems come from the training task's
 
 Metric names: ``eval/<benchmark>/<metric>``; the first benchmark's metrics are also given without the
 benchmark name (``eval/pass@1`` ...), which is what training logs and run tables read.
+
+Several processes (``dist``): problems are cut into the same chunks as in one process, each seeded by its
+position, and chunk c is generated and scored by rank c mod W; the scores are gathered, so every rank
+returns the metrics one process would compute (same engine numerics), and no rank idles in a collective
+while another evaluates alone.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from tqdm import tqdm
 from bicc.checking import MathChecker
 from bicc.data import Problem, encode_prompt
 from bicc.data.benchmarks import FieldNames, load_problems
+from bicc.distributed import Dist, all_gather_objects
 from bicc.rollout import SamplingParams
 from bicc.stats import bootstrap_ci, pass_at_k_table
 
@@ -46,20 +52,21 @@ def format_prompt(tokenizer, problem: Problem, bench, instruction: str) -> list[
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _generate(engine, prompts, sampling: SamplingParams, chunk: int, desc: str, progress: bool):
-    """Generate in chunks of prompts so that a progress bar can run; same result as one call
-    (each chunk is seeded from the call's seed and its position)."""
-    texts, lengths = [], []
-    bar = tqdm(total=len(prompts), desc=desc, disable=not progress, dynamic_ncols=True, leave=False)
-    for start in range(0, len(prompts), chunk):
+def _generate(engine, prompts, sampling: SamplingParams, chunk: int, desc: str, progress: bool, d: Dist = Dist()):
+    """Generate in chunks of prompts (progress bar; each chunk seeded from the call's seed and its
+    position, so the result does not depend on how chunks are shared out). Returns this rank's chunks as
+    {chunk start: (texts, lengths)}: chunk k goes to rank k mod W."""
+    starts = list(range(0, len(prompts), chunk))[d.rank :: d.world]
+    done = {}
+    bar = tqdm(total=len(starts), desc=desc, disable=not progress, dynamic_ncols=True, leave=False)
+    for start in starts:
         part = SamplingParams(sampling.n, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
                               sampling.seed * 1_000_003 + start)
         out = engine.generate(prompts[start : start + chunk], part)
-        texts += out.texts
-        lengths += [len(c) for c in out.completion_ids]
-        bar.update(len(prompts[start : start + chunk]))
+        done[start] = (out.texts, [len(c) for c in out.completion_ids])
+        bar.update(1)
     bar.close()
-    return texts, lengths
+    return done
 
 
 def _score(task, problems, texts, n, checker: MathChecker | None) -> np.ndarray:
@@ -72,8 +79,8 @@ def _score(task, problems, texts, n, checker: MathChecker | None) -> np.ndarray:
     return np.asarray(scores, dtype=float).reshape(len(problems), n)
 
 
-def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, progress: bool = False):
-    """Metrics of one benchmark and its per-problem records."""
+def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, progress: bool = False, d: Dist = Dist()):
+    """Metrics of one benchmark and its per-problem records (the same on every rank)."""
     start = time.perf_counter()
     problems = benchmark_problems(bench, task, eval_cfg)
     if not problems:
@@ -82,20 +89,33 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
     n = eval_cfg.samples_per_problem
     sampling = SamplingParams(n, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.max_new_tokens, seed)
     chunk = max(1, eval_cfg.batch_size // n)
-    texts, lengths = _generate(engine, prompts, sampling, chunk, f"eval {bench.name}", progress)
-    g_texts = None
+    sampled = _generate(engine, prompts, sampling, chunk, f"eval {bench.name}", progress, d)
+    greedy = None
     if eval_cfg.greedy:
-        g_texts, _ = _generate(engine, prompts, SamplingParams(1, 0.0, 1.0, eval_cfg.max_new_tokens, seed), chunk * n,
-                               f"greedy {bench.name}", progress)
-    # one checker (and worker pool) scores the benchmark's sampled and greedy answers
+        greedy = _generate(engine, prompts, SamplingParams(1, 0.0, 1.0, eval_cfg.max_new_tokens, seed), chunk * n,
+                           f"greedy {bench.name}", progress, d)
+    # one checker (and worker pool) per rank scores that rank's sampled and greedy answers
     checker = None if bench.source == "task" else MathChecker(
         extractors=tuple(bench.extractors), workers=eval_cfg.checker_workers, deadline_s=eval_cfg.checker_deadline_s)
     try:
-        rewards = _score(task, problems, texts, n, checker)  # [P, n]
-        greedy_rewards = _score(task, problems, g_texts, 1, checker)[:, 0] if g_texts is not None else None  # [P]
+        mine = {start: (_score(task, problems[start : start + chunk], texts, n, checker).tolist(), lengths, texts[::n])
+                for start, (texts, lengths) in sampled.items()}
+        mine_greedy = {start: _score(task, problems[start : start + chunk * n], texts, 1, checker)[:, 0].tolist()
+                       for start, (texts, _) in (greedy or {}).items()}
     finally:
         if checker is not None:
             checker.close()
+    sampled_parts, greedy_parts = {}, {}
+    for theirs, theirs_greedy in all_gather_objects((mine, mine_greedy), d):  # every chunk's scores, on every rank
+        sampled_parts.update(theirs)
+        greedy_parts.update(theirs_greedy)
+    order = sorted(sampled_parts)
+    rewards = np.concatenate([np.asarray(sampled_parts[k][0], dtype=float).reshape(-1, n) for k in order])  # [P, n]
+    lengths = [x for k in order for x in sampled_parts[k][1]]
+    first_texts = [t for k in order for t in sampled_parts[k][2]]
+    greedy_rewards = None
+    if greedy is not None:
+        greedy_rewards = np.concatenate([np.asarray(greedy_parts[k], dtype=float) for k in sorted(greedy_parts)])  # [P]
     correct = (rewards > 0.5).sum(axis=1).astype(int)
     per_problem = rewards.mean(axis=1)
     lo, hi = bootstrap_ci(per_problem, eval_cfg.bootstrap_samples, seed=seed)
@@ -121,21 +141,22 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
     metrics[prefix + "seconds"] = time.perf_counter() - start
     records = [{"id": p.id, "answer": p.answer, "n": n, "correct": int(c), "accuracy": float(a),
                 **({"greedy": float(greedy_rewards[i])} if greedy_rewards is not None else {}),
-                "sample": texts[i * n][:2000]}
+                "sample": first_texts[i][:2000]}
                for i, (p, c, a) in enumerate(zip(problems, correct, per_problem))]
     return metrics, records
 
 
 def evaluate(engine, tokenizer, task, eval_cfg, seed: int, out_dir: Path | None = None,
-             progress: bool = False) -> dict[str, float]:
-    """Every benchmark of ``eval_cfg``; per-problem JSONL under ``out_dir/<benchmark>/`` when given."""
+             progress: bool = False, d: Dist = Dist()) -> dict[str, float]:
+    """Every benchmark of ``eval_cfg`` (shared out over the ranks of ``d``, each of which must call this);
+    per-problem JSONL under ``out_dir/<benchmark>/`` when given, written by rank 0."""
     metrics: dict[str, float] = {}
     for i, bench in enumerate(eval_cfg.benchmarks):
-        m, records = evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed, progress)
+        m, records = evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed, progress and d.is_main, d)
         metrics.update(m)
         if i == 0:  # the headline benchmark, under short names
             metrics.update({"eval/" + k.split("/", 2)[2]: v for k, v in m.items()})
-        if out_dir is not None:
+        if out_dir is not None and d.is_main:
             (out_dir / bench.name).mkdir(parents=True, exist_ok=True)
             with open(out_dir / bench.name / "per_problem.jsonl", "w") as f:
                 for r in records:

@@ -4,6 +4,15 @@ Every forward in training goes through ``token_logprobs``: the caller supplies `
 either a 2-D padding mask ``[B, T]`` or a prepared 4-D mask ``[B, 1, T, T]`` (bool: True = attend, or
 additive float), so packed rows with a shared prefix use the same code as plain padded rows.
 
+Memory: the output projection never materialises [B, T, V] logits. Inside ``head_targets`` the model's
+``lm_head`` (class-swapped to ``LogprobHead``, same weight, same name) returns per-token log-probs and
+entropies computed over chunks of ``chunk_tokens`` tokens, each chunk recomputed in backward
+(``torch.utils.checkpoint``), so the peak is chunk_tokens x V, not B x T x V. It runs inside the model's
+own forward, so FSDP2's gathered root parameters and activation checkpointing apply unchanged.
+
+Mixed precision: a policy held in fp32 master weights with a lower compute dtype carries
+``bicc_compute_dtype``; ``compute_precision(model)`` is the autocast every forward of it runs under.
+
 Layout convention (``TokenBatch``): prompts are left-padded to a common width P and completions are
 right-padded to a common length L, so every completion starts at column P and only the last L+1
 positions' logits are needed (``logits_to_keep``), which saves the vocab projection over the prompt.
@@ -11,9 +20,13 @@ positions' logits are needed (``logits_to_keep``), which saves the vocab project
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 @dataclass
@@ -64,17 +77,106 @@ def make_token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[targets] without materialising the full log-softmax. [B, L, V], [B, L] -> [B, L]"""
+    """log softmax(logits)[targets] without materialising the full log-softmax. [..., V], [...] -> [...]"""
     logits = logits.float()
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, L]
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) per position. [B, L, V] -> [B, L]"""
+    """Entropy of softmax(logits) per position. [..., V] -> [...]"""
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def compute_precision(model):
+    """The autocast a policy with fp32 master weights computes under (``bicc_compute_dtype``); a no-op
+    for a model that computes in its parameters' dtype."""
+    dtype = getattr(model, "bicc_compute_dtype", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _chunk_logprobs(hidden, weight, bias, targets, temperature: float):
+    """[n, H] hidden states -> [n] log-probs of ``targets`` and [n] entropies (no graph)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [n, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = logprobs_from_logits(logits, targets)
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits)
+    return logp, entropy
+
+
+class LogprobHead(torch.nn.Linear):
+    """An ``nn.Linear`` output projection that, while ``request`` is set (``head_targets``), returns
+    [..., 2] = (log-prob of the requested target, entropy) per position instead of [..., V] logits."""
+
+    request = None  # (targets [B, T'], temperature, chunk_tokens)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.request is None:
+            return super().forward(hidden)
+        targets, temperature, chunk = self.request
+        shape = hidden.shape[:-1]  # [B, T']
+        flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        parts = []
+        for start in range(0, flat_h.shape[0], chunk):
+            args = (flat_h[start : start + chunk], self.weight, self.bias, flat_t[start : start + chunk], temperature)
+            if torch.is_grad_enabled() and flat_h.requires_grad:
+                parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            else:
+                parts.append(_chunk_logprobs(*args))
+        logp = torch.cat([p[0] for p in parts]) if parts else flat_h.new_zeros(0, dtype=torch.float32)
+        entropy = torch.cat([p[1] for p in parts]) if parts else logp
+        return torch.stack([logp, entropy], dim=-1).view(*shape, 2)
+
+
+def install_logprob_head(model, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bool:
+    """Turn the model's ``nn.Linear`` output projection into a ``LogprobHead`` (same parameters and state
+    dict); False when the head is of another kind (log-probs then come from full logits)."""
+    head = model.get_output_embeddings()
+    if isinstance(head, LogprobHead):
+        head.chunk_tokens = chunk_tokens
+        return True
+    if type(head) is not torch.nn.Linear:
+        return False
+    head.__class__ = LogprobHead
+    head.chunk_tokens = chunk_tokens
+    return True
+
+
+@contextlib.contextmanager
+def head_targets(model, targets: torch.Tensor, temperature: float):
+    """While inside, the model's forward returns [B, T', 2] (log-prob of ``targets`` [B, T'], entropy) in
+    place of logits for the positions it keeps. Yields False (and changes nothing) for heads that cannot."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, LogprobHead) and not install_logprob_head(model):
+        yield False
+        return
+    head.request = (targets, temperature, head.chunk_tokens)
+    try:
+        yield True
+    finally:
+        head.request = None
+
+
+def forward_logprobs(model, targets: torch.Tensor, temperature: float, with_entropy: bool, **inputs):
+    """``model(**inputs)`` whose kept positions predict ``targets`` [B, T']: (log-probs [B, T'],
+    entropies [B, T'] or None), chunked through ``LogprobHead`` (or from full logits as a fallback)."""
+    with compute_precision(model), head_targets(model, targets, temperature) as chunked:
+        out = model(**inputs, use_cache=False).logits
+    if chunked:
+        return out[..., 0], (out[..., 1] if with_entropy else None)
+    logits = out.float() / temperature if temperature != 1.0 else out
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits)
+    return logprobs_from_logits(logits, targets), entropy
 
 
 def token_logprobs(
@@ -91,22 +193,13 @@ def token_logprobs(
     input_ids, position_ids: [B, T]; attention_mask: [B, T] or [B, 1, T, T]. Returns [B, num_targets].
     Logits are divided by the sampling temperature so the ratio compares like with like.
     """
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=num_targets + 1,
-        use_cache=False,
-    ).logits[:, :-1]  # [B, num_targets, V]
-    if temperature != 1.0:
-        logits = logits / temperature
     targets = input_ids[:, -num_targets:]  # [B, num_targets]
-    logp = logprobs_from_logits(logits, targets)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits)
-    return logp, entropy
+    # the kept positions are the last num_targets + 1; the last one predicts nothing (its target: a dummy)
+    padded = torch.cat([targets, targets[:, :1]], dim=1)  # [B, num_targets + 1]
+    logp, entropy = forward_logprobs(model, padded, temperature, with_entropy, input_ids=input_ids,
+                                     attention_mask=attention_mask, position_ids=position_ids,
+                                     logits_to_keep=num_targets + 1)
+    return logp[:, :-1], (entropy[:, :-1] if entropy is not None else None)
 
 
 def batch_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):

@@ -3,6 +3,13 @@
 ``model.tiny`` builds a small Qwen3 from a config (random init) with the local character tokenizer;
 ``model.path`` loads any HF-format causal LM (an HF id for GPU users, or a local dir such as a
 checkpoint written by this project). Both paths go through ``from_pretrained`` once a checkpoint exists.
+
+Precision. ``model.dtype`` is the compute dtype; ``model.master_dtype`` (fp32) is the dtype the trainable
+policy's weights, gradients and optimizer state are held in. At lr 1e-6 a bf16 weight rounds most updates
+away (a weight near 1 has a bf16 spacing of 2^-7), so the policy keeps fp32 master weights and computes
+in bf16: under autocast in one process or DDP (``bicc_compute_dtype``, ``bicc.logprobs.compute_precision``),
+and through FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` when sharded. The frozen
+reference, the rollout engines and the HF weights in checkpoints use the compute dtype.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from bicc.logprobs import DEFAULT_CHUNK_TOKENS, install_logprob_head
 from bicc.tokenizer import build_char_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,18 +48,52 @@ def build_tiny(tiny_cfg, seed: int):
     return model, tokenizer
 
 
-def load_pretrained(path: str, model_cfg, device: torch.device):
-    """Policy and tokenizer from an HF id or a local HF-format dir."""
+def load_pretrained(path: str, model_cfg, device: torch.device, dtype: torch.dtype | None = None):
+    """Model (in ``dtype``, default the compute dtype ``model.dtype``) and tokenizer from an HF id or a local
+    HF-format dir."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[model_cfg.dtype], attn_implementation=resolve_attn_implementation(model_cfg.attn_implementation)
+        path, dtype=dtype or DTYPES[model_cfg.dtype],
+        attn_implementation=resolve_attn_implementation(model_cfg.attn_implementation)
     ).to(device)
     if model_cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
+
+
+def load_policy(path: str, model_cfg, device: torch.device, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    """The trainable policy: weights in ``model.master_dtype``, compute in ``model.dtype`` (autocast when
+    they differ), and the chunked log-prob head."""
+    master, compute = DTYPES[model_cfg.master_dtype], DTYPES[model_cfg.dtype]
+    model, tokenizer = load_pretrained(path, model_cfg, device, dtype=master)
+    if master != compute:
+        model.bicc_compute_dtype = compute
+    install_logprob_head(model, chunk_tokens)
+    return model, tokenizer
+
+
+def compute_copy(model, model_cfg):
+    """A full copy of the policy in the compute dtype (the HF sampler beside a sharded policy)."""
+    import copy
+
+    sampler = copy.deepcopy(model).to(DTYPES[model_cfg.dtype])
+    sampler.__dict__.pop("bicc_compute_dtype", None)
+    return sampler
+
+
+def end_token_ids(tokenizer, model_or_config=None) -> list[int]:
+    """Every token that ends a turn: the tokenizer's EOS and each one the generation config lists
+    (Phi-4-mini lists both <|end|> and <|endoftext|>), in that order, without repeats."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    generation = getattr(model_or_config, "generation_config", model_or_config)
+    listed = getattr(generation, "eos_token_id", None)
+    for token in ([listed] if isinstance(listed, int) else list(listed or [])):
+        if token is not None and token not in ids:
+            ids.append(int(token))
+    return ids
 
 
 def tokenizer_and_positions(model_cfg) -> tuple:
@@ -77,8 +119,9 @@ def resolve_attn_implementation(name: str) -> str:
 
 
 def frozen_copy(path: str, model_cfg, device: torch.device):
-    """The reference policy (frozen initial weights), loaded only when something needs it."""
+    """The reference policy (frozen initial weights, compute dtype), loaded only when something needs it."""
     model, _ = load_pretrained(path, model_cfg, device)
+    install_logprob_head(model)
     model.requires_grad_(False).eval()
     return model
 

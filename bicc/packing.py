@@ -14,11 +14,14 @@ whose forwards need only 2-D padding masks.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
 
-from bicc.logprobs import entropy_from_logits, logprobs_from_logits
+from bicc.logprobs import compute_precision, entropy_from_logits, forward_logprobs, logprobs_from_logits
 
 
 MASK_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
@@ -123,11 +126,13 @@ def packed_logprobs(model, packed: PackedBatch, num_samples: int, length: int, t
     if impl == "eager":
         mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, torch.finfo(model.dtype).min)
     first = int(packed.pos.min()) if len(packed.pos) else 0
-    logits = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
-                   logits_to_keep=packed.input_ids.shape[1] - first, use_cache=False).logits  # [R, T - first, V]
+    # full logits here: a prefix's last position predicts the first token of every output behind it
+    with compute_precision(model):
+        logits = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
+                       logits_to_keep=packed.input_ids.shape[1] - first, use_cache=False).logits  # [R, T - first, V]
     picked = logits[packed.row, packed.pos - first]  # [M, V]
     if temperature != 1.0:
-        picked = picked / temperature
+        picked = picked.float() / temperature
     flat = logprobs_from_logits(picked, packed.target)  # [M]
     logp = flat.new_zeros(num_samples, length).index_put((packed.sample, packed.step), flat)  # [n, L]
     entropy = None
@@ -136,6 +141,45 @@ def packed_logprobs(model, packed: PackedBatch, num_samples: int, length: int, t
             entropy = flat.new_zeros(num_samples, length).index_put((packed.sample, packed.step),
                                                                      entropy_from_logits(picked))
     return logp, entropy
+
+
+class _RecordLayer(DynamicLayer):
+    """Prefix pass: keeps this layer's keys/values, overwriting rather than appending, so that the
+    backward replay of a checkpointed layer stores the same states again instead of growing the cache."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class _ReadLayer(DynamicLayer):
+    """Completion pass: attends to the gathered prefix keys/values [n, heads, W, d] and never changes
+    them, so a checkpointed layer's replay reads exactly what its forward read."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+@contextlib.contextmanager
+def _cache_through_checkpointing(model):
+    """Under activation checkpointing transformers drops a layer's cache (a writer would be updated twice
+    by the replay); ours are replay-safe (``_RecordLayer`` overwrites, ``_ReadLayer`` only reads), so the
+    decoder layers are told to keep it for the duration."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
 
 
 def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int], completions: list[list[int]],
@@ -159,12 +203,7 @@ def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int]
         p_mask[u, width - len(p) :] = 1
     p_pos = (p_mask.cumsum(1) - 1).clamp(min=0)  # [U, W]
     p_ids, p_mask, p_pos = p_ids.to(device), p_mask.to(device), p_pos.to(device)
-    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
     index = torch.tensor(prefix_of, dtype=torch.long, device=device)  # [n]
-    cache = out.past_key_values
-    cache.batch_select_indices(index)  # [U, ...] -> [n, ...]: one (shared, differentiable) copy per completion
-    first_logits = out.logits[:, -1][index]  # [n, V]: predicts each completion's first token
-
     c_ids = torch.full((n, length), pad_id, dtype=torch.long)  # [n, L]
     c_mask = torch.zeros((n, length), dtype=torch.long)  # [n, L]
     for i, c in enumerate(completions):
@@ -174,15 +213,33 @@ def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int]
     c_ids, c_mask = c_ids.to(device), c_mask.to(device)
     start = p_mask.sum(1)[index]  # [n] real prefix length = first completion position
     c_pos = start[:, None] + torch.arange(length, device=device)[None]  # [n, L]
-    mask = torch.cat([p_mask[index], c_mask], dim=1)  # [n, W + L]
-    rest = model(input_ids=c_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=c_pos[:, :-1],
-                 past_key_values=cache, use_cache=True).logits if length > 1 else None  # [n, L-1, V]
-    logits = first_logits[:, None] if rest is None else torch.cat([first_logits[:, None], rest], dim=1)  # [n, L, V]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = logprobs_from_logits(logits, c_ids) * c_mask  # [n, L]
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits) * c_mask
+    with _cache_through_checkpointing(model):
+        prefix_cache = DynamicCache()
+        prefix_cache.layer_class_to_replicate = _RecordLayer
+        with compute_precision(model):
+            out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, past_key_values=prefix_cache,
+                        use_cache=True, logits_to_keep=1)
+        first_logits = out.logits[:, -1][index]  # [n, V]: predicts each completion's first token
+        if temperature != 1.0:
+            first_logits = first_logits.float() / temperature
+        first_logp = logprobs_from_logits(first_logits, c_ids[:, 0])  # [n]
+        first_entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                first_entropy = entropy_from_logits(first_logits)
+        if length > 1:
+            # one (shared, differentiable) copy of its prefix's keys/values per completion: [U, ...] -> [n, ...]
+            cache = DynamicCache()
+            cache.layers = [_ReadLayer(layer.keys[index], layer.values[index]) for layer in prefix_cache.layers]
+            mask = torch.cat([p_mask[index], c_mask], dim=1)  # [n, W + L]
+            rest_logp, rest_entropy = forward_logprobs(
+                model, c_ids[:, 1:], temperature, with_entropy, input_ids=c_ids[:, :-1], attention_mask=mask[:, :-1],
+                position_ids=c_pos[:, :-1], past_key_values=cache, logits_to_keep=0)  # [n, L-1]
+            logp = torch.cat([first_logp[:, None], rest_logp], dim=1)
+            entropy = torch.cat([first_entropy[:, None], rest_entropy], dim=1) if with_entropy else None
+        else:
+            logp, entropy = first_logp[:, None], (first_entropy[:, None] if with_entropy else None)
+    logp = logp * c_mask  # [n, L]
+    if entropy is not None:
+        entropy = entropy.detach() * c_mask
     return logp, entropy

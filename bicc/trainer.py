@@ -12,7 +12,8 @@ from typing import Any, Optional
 import torch
 
 from bicc.data import encode_prompt
-from bicc.distributed import Dist, all_reduce_sum, global_totals, full_tensor, loss_scale, sync_gradients
+from bicc.distributed import (Dist, all_reduce_sum, full_tensor, global_max, global_totals, is_sharded, loss_scale,
+                              sync_gradients)
 from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
 from bicc.rewards import overlong_penalty
@@ -37,6 +38,7 @@ class RLState:
     nonfinite_streak: int = 0  # ... and in a row, up to now
     shard_pos: list = field(default_factory=list)  # per prompt shard, when rollout.shards > 1
     dist: Dist = field(default_factory=Dist)
+    end_ids: tuple = ()  # tokens that end an output (stripped from attempts shown in BiCC contexts)
 
     def trainer_state(self) -> dict:
         return {"step": self.step, "data_pos": self.data_pos, "shard_pos": list(self.shard_pos), "init_path": self.init_path,
@@ -60,16 +62,17 @@ def needs_reference(cfg) -> bool:
             or cfg.rcc.diag_every > 0)
 
 
-def old_logprobs(model, plain, numerator, cfg, num_rows: int, micro_batch_size: int, need_q: bool = False):
+def old_logprobs(model, plain, numerator, cfg, num_rows: int, micro_batch_size: int, need_q: bool = False,
+                 d: Dist = Dist()):
     """pi_old's per-token log-probs [N, L]: on q (the paper), or on x^c with ``bicc.old_on_context``;
     and pi_old's log-probs on q, which are the same tensor in the first case and, in the second, cost one
     more forward, taken only with ``need_q`` (else None)."""
     T = cfg.rollout.temperature
     if not (cfg.bicc.enabled and cfg.bicc.old_on_context) or numerator is plain:
-        old = logprobs_no_grad(model, plain, num_rows, micro_batch_size, T)
+        old = logprobs_no_grad(model, plain, num_rows, micro_batch_size, T, d)
         return old, old
-    old = logprobs_no_grad(model, numerator, num_rows, micro_batch_size, T)
-    return old, logprobs_no_grad(model, plain, num_rows, micro_batch_size, T) if need_q else None
+    old = logprobs_no_grad(model, numerator, num_rows, micro_batch_size, T, d)
+    return old, logprobs_no_grad(model, plain, num_rows, micro_batch_size, T, d) if need_q else None
 
 
 def reference_logprobs(ref_model, plain, numerator, cfg, num_rows: int, micro_batch_size: int):
@@ -86,12 +89,13 @@ def reference_logprobs(ref_model, plain, numerator, cfg, num_rows: int, micro_ba
     return on_q, on_q
 
 
-def conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_rows: int, micro_batch_size: int):
+def conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_rows: int, micro_batch_size: int,
+                                 d: Dist = Dist()):
     """log pi_theta(o_i | x^c) per token at theta = theta_old (before the update), for RCC's delta: the
     numerator's context (x^c = q when BiCC is off). Reuses ``old_logp`` when it already is exactly that."""
     if numerator is plain or cfg.bicc.old_on_context:
         return old_logp
-    return logprobs_no_grad(model, numerator, num_rows, micro_batch_size, cfg.rollout.temperature)
+    return logprobs_no_grad(model, numerator, num_rows, micro_batch_size, cfg.rollout.temperature, d)
 
 
 def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg, is_weight=None):
@@ -217,14 +221,28 @@ def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) 
     return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds)
 
 
+def micro_batch_count(num_rows: int, micro_batch_size: int, model, d: Dist) -> int:
+    """Micro-batches this rank runs over ``num_rows`` rows. A sharded (FSDP2) model all-gathers in every
+    forward and reduce-scatters in every backward, so every rank runs the largest count of any rank
+    (ranks hold different numbers of rows after DAPO's dynamic sampling); the extra ones are no-ops."""
+    count = -(-num_rows // micro_batch_size)
+    return global_max(count, d) if d.enabled and is_sharded(model) else count
+
+
 @torch.no_grad()
-def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temperature: float) -> torch.Tensor:
+def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temperature: float,
+                     d: Dist = Dist()) -> torch.Tensor:
     """Per-token log-probs [N, L] in micro-batches, no graph kept (old and reference policies).
     ``inputs`` is a numerator (``bicc.numerator``): plain rows, or conditioned ones."""
     was_training = model.training
     model.eval()
-    chunks = [inputs.logprobs(model, torch.arange(start, min(start + micro_batch_size, num_rows)), temperature)[0]
-              for start in range(0, num_rows, micro_batch_size)]
+    chunks = []
+    for k in range(micro_batch_count(num_rows, micro_batch_size, model, d)):
+        start = k * micro_batch_size
+        if start >= num_rows:  # a no-op forward that keeps this rank's collectives in step with the others
+            inputs.logprobs(model, torch.arange(0, 1), temperature)
+            continue
+        chunks.append(inputs.logprobs(model, torch.arange(start, min(start + micro_batch_size, num_rows)), temperature)[0])
     model.train(was_training)
     return torch.cat(chunks)
 
@@ -295,14 +313,17 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     for _ in range(cfg.train.epochs_per_rollout):
         order = torch.randperm(n, generator=generator) if cfg.train.minibatches_per_rollout > 1 else torch.arange(n)
         for mb_rows in order.tensor_split(cfg.train.minibatches_per_rollout):
-            if len(mb_rows) == 0:
-                continue
             # normalised by the whole step's counts (all micro-batches, all ranks); gradients summed over ranks
             totals = global_totals(StepTotals.of(batch.completion_mask[mb_rows], cfg.rollout.max_new_tokens), state.dist)
             state.optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
-            for mc_start in range(0, len(mb_rows), cfg.train.micro_batch_size):
-                rows = mb_rows[mc_start : mc_start + cfg.train.micro_batch_size]
+            mbs = cfg.train.micro_batch_size
+            for k in range(micro_batch_count(len(mb_rows), mbs, model, state.dist)):
+                rows = mb_rows[k * mbs : (k + 1) * mbs]
+                if len(rows) == 0:  # no rows left here, but the other ranks' forward/backward are collectives
+                    logp, _ = numerator.logprobs(model, torch.arange(0, 1), cfg.rollout.temperature)
+                    (logp.sum() * 0.0).backward()
+                    continue
                 mask = batch.completion_mask[rows]
                 logp, entropy = numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)
                 new = ~seen[rows]

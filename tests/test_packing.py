@@ -116,3 +116,28 @@ def test_prefix_cache_gradients_equal_unpacked():
     a, _ = prefix_cache_logprobs(model, distinct, prefix_of, completions, 9, tok.pad_token_id)
     b, batch = unpacked(model, tok, prefixes, completions)
     assert_gradients_match(model, a, b, batch.completion_mask)
+
+
+def test_prefix_cache_under_activation_checkpointing_in_train_mode():
+    """The presets' combination: KV-reuse packing, activation checkpointing, train mode. transformers drops a
+    layer's cache under checkpointing (it crashed with 'NoneType' has no attribute 'batch_select_indices');
+    here values and gradients equal one row per output without checkpointing."""
+    from bicc.packing import prefix_cache_logprobs
+
+    model, tok = tiny()
+    reference, _ = tiny()
+    model.gradient_checkpointing_enable()
+    model.train(), reference.train()
+    prefixes, distinct, prefix_of, completions = _prefix_cache_case()
+    a, _ = prefix_cache_logprobs(model, distinct, prefix_of, completions, 9, tok.pad_token_id)
+    b, batch = unpacked(reference, tok, prefixes, completions)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
+    weights = torch.randn(5, 9, generator=torch.Generator().manual_seed(1)) * m
+    grads_a = torch.autograd.grad((a * weights).sum(), list(model.parameters()))
+    grads_b = torch.autograd.grad((b * weights).sum(), list(reference.parameters()))
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, atol=1e-4, rtol=0)
+    # the layers' flag is restored: transformers' own cache dropping still applies outside the packing call
+    assert not any(hasattr(layer, "_can_checkpoint_with_cache") and "_can_checkpoint_with_cache" in vars(layer)
+                   for layer in model.model.layers)

@@ -6,8 +6,9 @@ An engine is built by name (``ENGINES.get(cfg.rollout.engine)(model, tokenizer, 
   ``sampling.n`` times; output rows are grouped by prompt (rows ``i*n .. i*n+n-1`` belong to prompt ``i``).
 - ``update_weights(model)``: make the engine sample from ``model``'s current parameters.
 
-The trainer never reaches into an engine beyond these two calls, so HF ``generate`` (here) and vLLM
-(a later engine) are interchangeable.
+The trainer never reaches into an engine beyond these two calls, so HF ``generate`` (``hf.py``) and vLLM
+(``vllm.py``) are interchangeable. ``EngineOptions`` carries what an engine needs beyond its config: the
+tokens that end an output, the process layout, the longest sequence it must hold.
 """
 
 from __future__ import annotations
@@ -49,8 +50,25 @@ class RolloutOutput:
     logprobs: Optional[list[list[float]]] = None
 
 
-def build_engine(name: str, model, tokenizer, rollout_cfg):
-    return ENGINES.get(name)(model, tokenizer, rollout_cfg)
+@dataclass(frozen=True)
+class EngineOptions:
+    """end_ids: every token id that ends an output (EOS and the generation config's end tokens); empty =
+    the tokenizer's EOS. dist: this process's place under torchrun (``bicc.distributed.Dist``), or None.
+    max_model_len: the longest prompt + context + output the run needs (vLLM sizes its KV cache by it);
+    None = the engine's default. dtype: the engine's compute dtype name, None = the model's."""
+
+    end_ids: tuple[int, ...] = ()
+    dist: Optional[object] = None
+    max_model_len: Optional[int] = None
+    dtype: Optional[str] = None
+
+
+def build_engine(name: str, model, tokenizer, rollout_cfg, options: EngineOptions = EngineOptions()):
+    return ENGINES.get(name)(model, tokenizer, rollout_cfg, options)
+
+
+def end_ids_of(tokenizer, options: EngineOptions) -> list[int]:
+    return list(options.end_ids) or [tokenizer.eos_token_id]
 
 
 from bicc.rollout import hf, vllm  # noqa: E402,F401  (registers "hf", "vllm"; vllm imports lazily)

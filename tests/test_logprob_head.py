@@ -1,0 +1,104 @@
+"""The chunked log-prob head: equal to full logits in value and gradient whatever the chunk size, never
+materialising [B, T, V]; and mixed precision (fp32 master weights, bf16 compute) actually moves the weights
+at the paper's learning rate."""
+
+import pytest
+import torch
+
+from bicc.config import TinyArchConfig
+from bicc.logprobs import LogprobHead, entropy_from_logits, install_logprob_head, logprobs_from_logits, token_logprobs
+from bicc.models import build_tiny
+
+ARCH = TinyArchConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16)
+
+
+def inputs():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 100, (3, 14), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # a left-padded row
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+def reference_logprobs(model, ids, mask, pos, k, temperature):
+    """The slow way: full [B, T, V] logits, then log-softmax."""
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[:, -k - 1 : -1]
+    logits = logits.float() / temperature
+    return logprobs_from_logits(logits, ids[:, -k:]), entropy_from_logits(logits)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 4096])
+def test_chunked_head_equals_full_logits(chunk):
+    model, _ = build_tiny(ARCH, seed=0)
+    ref, _ = build_tiny(ARCH, seed=0)
+    assert install_logprob_head(model, chunk) and isinstance(model.lm_head, LogprobHead)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tying survives the class swap
+    ids, mask, pos = inputs()
+    a, ent_a = token_logprobs(model, ids, mask, pos, 9, temperature=0.7, with_entropy=True)
+    b, ent_b = reference_logprobs(ref, ids, mask, pos, 9, 0.7)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent_a, ent_b, atol=1e-6, rtol=0)
+    w = torch.randn(3, 9, generator=torch.Generator().manual_seed(2))
+    for ga, gb in zip(torch.autograd.grad((a * w).sum(), list(model.parameters())),
+                      torch.autograd.grad((b * w).sum(), list(ref.parameters()))):
+        torch.testing.assert_close(ga, gb, atol=1e-5, rtol=0)  # fp32 summation order
+    # outside a log-prob request the head is the plain projection (generation, SFT's callers)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert out.shape == (3, 14, model.config.vocab_size)
+
+
+def test_chunked_head_never_builds_the_whole_logits():
+    """Peak size of any [*, V] tensor created in the head: one chunk's, not B x T's."""
+    model, _ = build_tiny(ARCH, seed=0)
+    install_logprob_head(model, 4)
+    ids, mask, pos = inputs()
+    V, H, biggest = model.config.vocab_size, model.config.hidden_size, []
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == V and t.shape != (H, V):
+                    biggest.append(t.numel() // V)  # rows of a V-wide activation (the weight's transpose aside)
+            return out
+
+    with Watch():
+        logp, _ = token_logprobs(model, ids, mask, pos, 9)
+        logp.sum().backward()
+    assert biggest and max(biggest) <= 4  # rows of V-wide tensors: at most one chunk of 4 tokens (27 kept here)
+
+
+def test_bf16_policy_with_fp32_master_moves_at_lr_1e6(tmp_path):
+    """At lr 1e-6 a bf16 parameter rounds most updates away (weights near 1, e.g. RMSNorm, never move);
+    the policy holds fp32 master weights and computes in bf16, so one AdamW step changes most weights."""
+    from omegaconf import OmegaConf
+
+    from bicc.checkpoint import save_hf
+    from bicc.config import ModelConfig
+    from bicc.models import load_policy
+    from bicc.optim import build_optimizer
+
+    model, tok = build_tiny(ARCH, seed=0)
+    save_hf(model, tok, tmp_path)
+    cfg = OmegaConf.structured(ModelConfig(name="t", path=str(tmp_path), dtype="bfloat16"))
+    policy, _ = load_policy(str(tmp_path), cfg, torch.device("cpu"))
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
+    before = [p.detach().clone() for p in policy.parameters()]
+    optimizer = build_optimizer(policy, 1e-6, (0.9, 0.999), 0.01)
+    ids, mask, pos = inputs()
+    logp, _ = token_logprobs(policy, ids, mask, pos, 9)
+    assert logp.dtype == torch.float32
+    (-logp.mean()).backward()
+    optimizer.step()
+    changed = sum(int((p.detach() != b).sum()) for p, b in zip(policy.parameters(), before))
+    total = sum(b.numel() for b in before)
+    assert changed / total > 0.5, changed / total
+    # the compute ran in bf16: log-probs differ from an fp32 forward by bf16 rounding, not by 0
+    fp32, _ = build_tiny(ARCH, seed=0)
+    exact, _ = token_logprobs(fp32, ids, mask, pos, 9)
+    with torch.no_grad():
+        policy_logp, _ = token_logprobs(policy, ids, mask, pos, 9)
+    assert 0 < (policy_logp - exact).abs().max() < 0.1
