@@ -337,6 +337,8 @@ def run(cfg, d: distributed.Dist) -> dict:
     s = run_rl(s, cfg, run_dir, tracker)
     final = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
                      progress=cfg.logger.progress, d=s.dist)
+    if hasattr(s.engine, "close"):
+        s.engine.close()
     if not d.is_main:
         return {"steps": s.step, "init_path": init_path}
     tracker.log(final, step=s.step)

@@ -119,6 +119,8 @@ class MathDataConfig:
 
     train_source: str = ""
     test_source: str = ""
+    dedupe: bool = False
+    shuffle: bool = False
     problem_field: str = "problem"
     answer_field: str = "answer"
     id_field: str = "id"

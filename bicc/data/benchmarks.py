@@ -65,9 +65,11 @@ def _rows_hub(dataset_id: str, split: str):
 
 
 def load_problems(source: str, fields: FieldNames | None = None, split: str = "test", on_bad_row: str = "error",
-                  limit: int | None = None) -> tuple[list[Problem], dict[str, int]]:
+                  limit: int | None = None, dedupe: bool = False) -> tuple[list[Problem], dict[str, int]]:
     """Problems from ``source`` (a .jsonl / .parquet path, or an HF dataset id when no such file
-    exists) and the counts of skipped rows by reason."""
+    exists) and the counts of skipped rows by reason. ``dedupe``: a row whose problem text and answer
+    repeat an earlier row's is skipped and counted ("repeated problem"), whatever its id (the HF copy of
+    DAPO-Math-17k holds each prompt about 100 times); a repeated text with another answer is an error."""
     if on_bad_row not in BAD_ROW_POLICIES:
         raise ValueError(f"on_bad_row={on_bad_row!r}: choose from {', '.join(BAD_ROW_POLICIES)}")
     fields = fields or FieldNames()
@@ -80,8 +82,22 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
         raise FileNotFoundError(f"benchmark file {source} does not exist")
     else:
         rows, where = _rows_hub(source, split), f"{source}[{split}]"
-    problems, skipped, seen = [], Counter(), {}
+    problems, skipped, seen, texts = [], Counter(), {}, {}
     for number, row in rows:
+        if dedupe and isinstance(row, dict) and field_value(row, fields.problem) is not None:
+            text, answer = str(field_value(row, fields.problem)), str(field_value(row, fields.answer)).strip()
+            if text in texts:
+                first, first_answer = texts[text]
+                if first_answer != answer:
+                    raise BadRowError(f"{where}:{number}: problem repeats line {first} with answer {answer!r} "
+                                      f"instead of {first_answer!r}")
+                skipped["repeated problem"] += 1
+                continue
+            texts[text] = (number, answer)
+            pid = field_value(row, fields.id)
+            if pid is not None and str(pid) in seen:  # ids repeat across distinct problems in such copies
+                row = {**row, fields.id: f"{pid}~{number}"}
+                skipped["renamed repeated id (kept)"] += 1
         reason = _check_row(row, fields, seen)
         if reason is not None:
             if on_bad_row == "error":
@@ -95,8 +111,7 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
         if limit and len(problems) >= limit:
             break
     if skipped:
-        print(f"[data] {where}: kept {len(problems)} rows, skipped {sum(skipped.values())} "
-              f"({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})")
+        print(f"[data] {where}: kept {len(problems)} rows; skipped or renamed: {', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))}")
     return problems, dict(skipped)
 
 

@@ -5,6 +5,8 @@ the caller (``encode_prompt``)."""
 
 from __future__ import annotations
 
+import torch
+
 from bicc.checking import MathChecker
 from bicc.data import TASKS, Problem
 from bicc.data.benchmarks import FieldNames, load_problems
@@ -15,7 +17,10 @@ class MathTask:
     def __init__(self, data_cfg):
         cfg = data_cfg.math
         fields = FieldNames(cfg.problem_field, cfg.answer_field, cfg.id_field)
-        self.train, _ = load_problems(cfg.train_source, fields, "train", cfg.on_bad_row)
+        self.train, _ = load_problems(cfg.train_source, fields, "train", cfg.on_bad_row, dedupe=cfg.dedupe)
+        if cfg.shuffle:  # a file in curriculum or source order would otherwise be read in that order
+            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(data_cfg.seed)).tolist()
+            self.train = [self.train[i] for i in order]
         self.test_source, self.cfg = cfg.test_source, cfg
         # the held-out file may be laid out differently (e.g. DAPO-Math-17k for training, MATH-500 for tests)
         self.test_fields = FieldNames(cfg.test_problem_field or cfg.problem_field,
@@ -29,7 +34,7 @@ class MathTask:
         return Problem(p.id, f"{p.prompt}\n\n{self.cfg.instruction}" if self.cfg.instruction else p.prompt, p.answer)
 
     def train_problem(self, index: int) -> Problem:
-        """Deterministic in ``index``: epochs walk the file in order (shuffle it offline if needed)."""
+        """Deterministic in ``index``: epochs walk the (deduplicated, shuffled by ``data.seed``) rows in order."""
         return self._with_instruction(self.train[index % len(self.train)])
 
     def test_problems(self, n: int) -> list[Problem]:

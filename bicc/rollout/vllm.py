@@ -106,6 +106,11 @@ class VLLMEngine:
         if self.sleep_enabled:
             self.llm.sleep(level=2)
 
+    def close(self) -> None:
+        """Shut the engine down while the process group it joined still exists (under torchrun its
+        shutdown destroys its own subgroups; after ``destroy_process_group`` that raises at exit)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         from vllm import SamplingParams as VSampling
 

@@ -1,0 +1,209 @@
+"""What the first paper-scale GPU run needs from the parts (each test failed on the code before the fix):
+installable GPU requirements, vLLM engines per torchrun rank from HF ids with a bounded max_model_len and
+level-2 sleep, collectives on the process group's device, every end token, and a deduplicated, shuffled
+DAPO-Math."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bicc import distributed
+from bicc.config import RolloutConfig
+from bicc.distributed import Dist
+from bicc.rollout import EngineOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def requirement_names(path):
+    lines = [line.split("#")[0].strip() for line in (ROOT / path).read_text().splitlines()]
+    return {line.split(">")[0].split("=")[0].split("<")[0].strip() for line in lines if line}
+
+
+def test_gpu_requirements_install_without_flash_attn_and_include_datasets():
+    """flash-attn's build imports torch, so in one file with vLLM `pip install -r` aborted and installed
+    nothing; `datasets` loads data=dapo_math17k's HF id."""
+    gpu = requirement_names("requirements-gpu.txt")
+    assert "flash-attn" not in gpu and {"vllm", "datasets"} <= gpu
+    assert requirement_names("requirements-flash.txt") == {"flash-attn"}
+    assert "--no-build-isolation" in (ROOT / "README.md").read_text()
+
+
+class FakeLLM:
+    """Records how the engine drives vLLM."""
+
+    calls: list = []
+
+    def __init__(self, **kwargs):
+        FakeLLM.calls = [("init", kwargs)]
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: FakeLLM.calls.append((name, kwargs))
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = pytest.importorskip("vllm")
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    return FakeLLM
+
+
+def hub_model():
+    from bicc.config import TinyArchConfig
+    from bicc.models import build_tiny
+
+    model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16), 0)
+    model.name_or_path = "Qwen/Qwen3-4B-Instruct-2507"  # what the presets' model.path is: an HF id, not a dir
+    return model, tok
+
+
+def test_vllm_engine_per_rank_from_an_hf_id(fake_vllm):
+    from bicc.rollout import build_engine
+
+    model, tok = hub_model()
+    rollout = OmegaConf.structured(RolloutConfig(engine="vllm", gpu_memory_utilization=0.4, sleep=True))
+    d = Dist(rank=3, world=4, local_rank=3, strategy="fsdp2", device="cuda:3")
+    build_engine("vllm", model, tok, rollout, EngineOptions(end_ids=(2, 7), dist=d, max_model_len=5000, dtype="bfloat16"))
+    kwargs = fake_vllm.calls[0][1]
+    assert kwargs["model"] == "Qwen/Qwen3-4B-Instruct-2507"
+    # each rank's engine on its own GPU, in the trainer's process group (vLLM's default put all on GPU 0)
+    assert kwargs["distributed_executor_backend"] == "external_launcher" and kwargs["tensor_parallel_size"] == 1
+    # the run's longest sequence, not the model's 262,144 (whose KV does not fit the engine's share)
+    assert kwargs["max_model_len"] == 5000 and kwargs["dtype"] == "bfloat16"
+
+
+def test_engine_args_one_process_and_gpu_sleep():
+    from bicc.rollout.vllm import engine_args
+
+    rollout = OmegaConf.structured(RolloutConfig(engine="vllm", sleep=True, max_model_len=None))
+    one = engine_args("m", "bfloat16", rollout, EngineOptions(max_model_len=300), cuda=True)
+    assert "distributed_executor_backend" not in one and one["enable_sleep_mode"] and one["max_model_len"] == 300
+    rollout.max_model_len = 4096  # an explicit setting wins over the derived length
+    assert engine_args("m", "bfloat16", rollout, EngineOptions(max_model_len=300), cuda=False)["max_model_len"] == 4096
+
+
+def test_vllm_sleeps_at_level_2_and_wakes_weights_before_the_sync(fake_vllm):
+    """Level 1 copies the 8 GB of weights to host and back each step although the sync overwrites them."""
+    from bicc.rollout import build_engine
+
+    model, tok = hub_model()
+    engine = build_engine("vllm", model, tok, OmegaConf.structured(RolloutConfig(engine="vllm", sleep=True)),
+                          EngineOptions(dtype="bfloat16"))
+    engine.sleep_enabled = True  # as on a GPU
+    engine.sleep()
+    engine.update_weights(model)
+    names = [(name, kwargs.get("level", kwargs.get("tags"))) for name, kwargs in fake_vllm.calls[1:]]
+    assert names == [("sleep", 2), ("wake_up", ["weights"]), ("collective_rpc", None), ("wake_up", ["kv_cache"]),
+                     ("reset_prefix_cache", None)]
+    pushed = dict(fake_vllm.calls[3][1]["kwargs"]["weights_iterator"])
+    assert all(t.dtype == torch.bfloat16 for t in pushed.values())  # the engine's dtype, not the fp32 master
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("helper", ["global_totals", "all_reduce_sum", "global_max"])
+def test_collectives_take_tensors_on_the_groups_device(monkeypatch, helper):
+    """NCCL has no CPU path: a CPU tensor reduced on an NCCL group crashes the first update. The helpers
+    put their tensors on ``Dist.device``; a stand-in group checks it (a meta device plays the GPU)."""
+    seen = []
+
+    def all_reduce(tensor, *args, **kwargs):
+        seen.append(tensor.device)
+        raise Stop
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    d = Dist(rank=0, world=2, strategy="fsdp2", device="meta")
+    from bicc.losses import StepTotals
+
+    call = {"global_totals": lambda: distributed.global_totals(StepTotals(3.0, 1.0, 8.0), d),
+            "all_reduce_sum": lambda: distributed.all_reduce_sum(1.0, d),
+            "global_max": lambda: distributed.global_max(2, d)}[helper]
+    with pytest.raises(Stop):
+        call()
+    assert seen == [torch.device("meta")]
+
+
+def test_dist_device_follows_the_backend(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 5)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 8)
+    d = distributed.init(OmegaConf.create({"backend": "nccl", "strategy": "fsdp2"}))
+    assert (d.rank, d.local_rank, d.device) == (5, 1, "cuda:1")  # RANK over all nodes, LOCAL_RANK on this one
+    assert distributed.init(OmegaConf.create({"backend": "gloo", "strategy": "fsdp2"})).device == "cpu"
+
+
+def test_every_end_token_stops_and_is_stripped(monkeypatch):
+    """Phi-4-mini's generation config lists <|end|> and <|endoftext|>: stopping on the tokenizer's EOS alone
+    ran outputs past <|end|> and showed it inside BiCC contexts."""
+    from bicc.conditioning import build_contexts
+    from bicc.config import BiccConfig
+    from bicc.models import end_token_ids
+    from bicc.rollout import SamplingParams, build_engine
+
+    model, tok = hub_model()
+    other_end = tok.pad_token_id  # stands for <|endoftext|>: a second end token
+    model.generation_config.eos_token_id = [tok.eos_token_id, other_end]
+    ends = end_token_ids(tok, model)
+    assert ends == [tok.eos_token_id, other_end]
+    engine = build_engine("hf", model, tok, OmegaConf.structured(RolloutConfig(engine="hf")),
+                          EngineOptions(end_ids=tuple(ends)))
+    seen = {}
+
+    def generate(input_ids, **kwargs):  # the model "writes" 3 tokens, the second end token, then more
+        seen.update(kwargs)
+        tail = torch.tensor([[40, 41, 42, other_end, 43]] * input_ids.shape[0])
+        return torch.cat([input_ids.cpu(), tail], dim=1)
+
+    monkeypatch.setattr(model, "generate", generate)
+    out = engine.generate([[5, 6, 7]], SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=5, seed=0))
+    assert seen["eos_token_id"] == ends
+    assert out.completion_ids == [[40, 41, 42, other_end]] and out.finished == [True]
+
+    cfg = OmegaConf.structured(BiccConfig(enabled=True, max_tokens=64, min_attempt_tokens=1))
+    ids = [[40, 41, other_end], [50, 51, 52, tok.eos_token_id]]
+    ctx = build_contexts(["p", "p"], ids, torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), tok, cfg, 64,
+                         [[1], [1]], ends)
+    assert other_end not in ctx.prompt_ids[1][-8:] and [40, 41] == [t for t in ctx.prompt_ids[1] if t in (40, 41)]
+
+
+def dapo_rows(n_problems, copies):
+    rows = []
+    for i in range(n_problems):
+        for c in range(copies):
+            rows.append({"prompt": [{"role": "user", "content": f"Problem {i}. Answer: $Answer"}],
+                         "reward_model": {"ground_truth": str(i)}, "extra_info": {"index": f"id-{c}"}})
+    return rows
+
+
+def test_dapo_math_is_deduplicated_and_shuffled_by_seed(tmp_path):
+    """The HF copy holds each prompt ~100 times with repeated ids: the duplicate-id check stopped the run,
+    and rows were read in file order."""
+    from bicc.config import DataConfig, MathDataConfig
+    from bicc.data import build_task
+
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in dapo_rows(30, 4)))
+    test = tmp_path / "test.jsonl"
+    test.write_text(json.dumps({"problem": "1+1", "answer": "2", "id": "t"}) + "\n")
+
+    def task(seed):
+        math = MathDataConfig(train_source=str(path), test_source=str(test), problem_field="prompt.0.content",
+                              answer_field="reward_model.ground_truth", id_field="extra_info.index", dedupe=True,
+                              shuffle=True, instruction="")
+        return build_task(OmegaConf.structured(DataConfig(task="math", seed=seed, math=math)))
+
+    a, b, c = task(0), task(0), task(1)
+    problems = [a.train_problem(i).prompt for i in range(30)]
+    assert sorted(problems) == sorted(f"Problem {i}. Answer: $Answer" for i in range(30))  # each once
+    assert problems == [b.train_problem(i).prompt for i in range(30)]  # a function of the seed
+    assert problems != [c.train_problem(i).prompt for i in range(30)]
+    assert problems != sorted(problems, key=lambda p: int(p.split()[1].rstrip(".")))  # not file order
+    assert a.train_problem(30) == a.train_problem(0)  # the next epoch walks the same order
