@@ -84,6 +84,7 @@ class TinyArchConfig:
     head_dim: int = 32
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
+    attention_dropout: float = 0.0
 
 
 @dataclass

@@ -36,6 +36,7 @@ def build_tiny(tiny_cfg, seed: int):
         head_dim=tiny_cfg.head_dim,
         max_position_embeddings=tiny_cfg.max_position_embeddings,
         tie_word_embeddings=tiny_cfg.tie_word_embeddings,
+        attention_dropout=tiny_cfg.attention_dropout,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

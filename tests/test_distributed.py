@@ -68,6 +68,26 @@ def runs(tmp_path_factory):
     return tmp, out
 
 
+# DAPO's dynamic sampling with one sampling round: each shard keeps only its informative groups, so the two
+# ranks hold different numbers of rows; micro-batches of 3 rows make several forwards per rank.
+DAPO = ["algo=dapo", "algo.max_sampling_rounds=1", "rollout.prompts_per_step=12", "seed=1", "train.micro_batch_size=3"]
+
+
+def test_fsdp2_with_dynamic_sampling_and_uneven_ranks_matches_one_process(runs):
+    """Under FSDP2 every forward and backward is a collective: ranks with fewer micro-batches used to leave
+    the others waiting for ever. A timeout (600 s) fails this test."""
+    tmp, _ = runs
+    single, multi = tmp / "dapo_single", tmp / "dapo_fsdp2"
+    one_process([f"hydra.run.dir={single}", *DAPO], tmp)
+    two_processes([f"hydra.run.dir={multi}", "dist.strategy=fsdp2", *DAPO], tmp)
+    rows = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
+    groups = [r["rollout/groups"] for r in rows if "rollout/groups" in r]
+    assert any(g != int(g) for g in groups), f"ranks held equal group counts {groups}: the case is not exercised"
+    a, b = losses(single), losses(multi)
+    assert len(a) == len(b) == 2 and all(abs(x - y) <= 1e-5 for x, y in zip(a, b)), (a, b)
+    assert max_diff(weights(single, 2), weights(multi, 2)) <= 1e-5
+
+
 def test_the_update_is_not_trivial(runs):
     _, out = runs
     rows = [json.loads(line) for line in (out["single"] / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,108 @@
+"""The policy update against a hand-sequenced loop, and which log-probs feed it for every BiCC form.
+
+The paper preset runs micro-batches of 8 inside a 64-row step with several minibatches; the loss
+normalisers are the whole minibatch's, so how rows are cut into micro-batches must not change the update
+(computing them per micro-batch, then summing, would). And pi_old / pi_ref / the KL's reference are checked
+by value: bicc=paper evaluates pi_old on q, bicc=on on x^c."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bicc.conditioning import ConditionedPrompts
+from bicc.config import TinyArchConfig
+from bicc.logprobs import make_token_batch
+from bicc.losses import LOSSES, StepTotals
+from bicc.models import build_tiny
+from bicc.numerator import ConditionedNumerator, PlainNumerator
+from bicc.optim import build_optimizer, warmup_cosine
+from bicc.trainer import RLState, logprobs_no_grad, old_logprobs, reference_logprobs, update_policy
+from tests.conftest import compose_cfg
+
+ARCH = TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16)
+
+
+def rows(n=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 90, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(n)]
+    completions = [torch.randint(4, 90, (int(torch.randint(1, 10, (1,), generator=gen)),), generator=gen).tolist()
+                   for _ in range(n)]
+    return prompts, completions
+
+
+def state_for(model, lr=1e-2):
+    optimizer = build_optimizer(model, lr, (0.9, 0.999), 0.0)
+    return RLState(model, None, None, None, optimizer, warmup_cosine(optimizer, 0, 100, 1.0), None, "")
+
+
+def hand_loop(model, batch, old_logp, adv, cfg, step_seed):
+    """Epochs x minibatches; each minibatch one forward over all of its rows, normalised by its own totals."""
+    optimizer = build_optimizer(model, 1e-2, (0.9, 0.999), 0.0)
+    n, gen = batch.input_ids.shape[0], torch.Generator().manual_seed(step_seed)
+    for _ in range(cfg.train.epochs_per_rollout):
+        order = torch.randperm(n, generator=gen)
+        for mb in order.tensor_split(cfg.train.minibatches_per_rollout):
+            optimizer.zero_grad()
+            logp, _ = PlainNumerator(batch).logprobs(model, mb, 1.0)
+            totals = StepTotals.of(batch.completion_mask[mb], cfg.rollout.max_new_tokens)
+            loss, _ = LOSSES.get(cfg.algo.loss)(logp, old_logp[mb], None, adv[mb], batch.completion_mask[mb], cfg.algo,
+                                                totals)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
+            optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("algo", ["dapo", "grpo"])  # token-mean and seq-mean-token-mean normalisers
+@pytest.mark.parametrize("micro", [1, 4, 12])
+def test_update_equals_hand_sequenced_loop(algo, micro):
+    cfg = compose_cfg([f"algo={algo}", "train.minibatches_per_rollout=2", "train.epochs_per_rollout=2",
+                       f"train.micro_batch_size={micro}", "rollout.max_new_tokens=9", "optim.clip_grad=1e9"])
+    prompts, completions = rows()
+    batch = make_token_batch(prompts, completions, 0)
+    model, _ = build_tiny(ARCH, seed=0)
+    reference, _ = build_tiny(ARCH, seed=0)
+    old_logp = logprobs_no_grad(model, PlainNumerator(batch), 12, 12, 1.0)
+    adv = torch.linspace(-1.5, 1.5, 12)
+    s = state_for(model)
+    update_policy(s, batch, PlainNumerator(batch), old_logp, None, adv, cfg, step_seed=7)
+    hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
+    moved = max((p - q).abs().max().item() for p, q in zip(build_tiny(ARCH, seed=0)[0].parameters(), model.parameters()))
+    assert moved > 1e-3  # 4 optimizer steps at lr 1e-2: the comparison is not vacuous
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+def bicc_setup(form):
+    cfg = compose_cfg([f"bicc={form}", "algo=dr_grpo", "rollout.max_new_tokens=9", "rcc=on"])  # dr_grpo: KL on
+    prompts, completions = rows(4)
+    batch = make_token_batch(prompts, completions, 0)
+    contexts = ConditionedPrompts([p + [50, 51, 52] for p in prompts], [10, 10, 11, 11], torch.ones(4, dtype=torch.bool))
+    numerator = ConditionedNumerator(contexts, completions, batch.completion_len,
+                                     OmegaConf.create({"packing": True, "max_packed_len": 64, "packing_impl": "kv"}), 0,
+                                     torch.device("cpu"))
+    return cfg, batch, PlainNumerator(batch), numerator
+
+
+@pytest.mark.parametrize("form", ["on", "paper"])
+def test_old_reference_and_kl_reference_wiring(form):
+    cfg, batch, plain, numerator = bicc_setup(form)
+    policy, _ = build_tiny(ARCH, seed=0)
+    ref, _ = build_tiny(ARCH, seed=1)
+    on_q = logprobs_no_grad(policy, plain, 4, 4, 1.0)
+    on_xc = logprobs_no_grad(policy, numerator, 4, 4, 1.0)
+    ref_q = logprobs_no_grad(ref, plain, 4, 4, 1.0)
+    ref_xc = logprobs_no_grad(ref, numerator, 4, 4, 1.0)
+    assert not torch.allclose(on_q, on_xc)  # the context changes the log-probs: the checks below can fail
+    old, q = old_logprobs(policy, plain, numerator, cfg, 4, 4, need_q=True)
+    ref_logp, kl_ref = reference_logprobs(ref, plain, numerator, cfg, 4, 4)
+    torch.testing.assert_close(q, on_q)
+    torch.testing.assert_close(ref_logp, ref_q)  # RCC's delta: pi_ref on q in every form
+    if form == "paper":  # the paper: rho = pi(o | x^c) / pi_old(o | q); KL to pi_ref(. | q)
+        torch.testing.assert_close(old, on_q)
+        torch.testing.assert_close(kl_ref, ref_q)
+    else:  # the stabilised form: pi_old and the KL's reference on x^c
+        torch.testing.assert_close(old, on_xc)
+        torch.testing.assert_close(kl_ref, ref_xc)
