@@ -299,6 +299,8 @@ def run(cfg, d: distributed.Dist) -> dict:
     cuda = f"cuda:{d.local_rank}" if torch.cuda.is_available() else "cpu"
     device = torch.device(cuda if cfg.device == "auto" else cfg.device)
     torch.manual_seed(cfg.seed)
+    if d.enabled:
+        print(f"[dist] rank {d.rank}/{d.world} (local rank {d.local_rank}) on {device}, collectives on {d.device}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     task = build_task(cfg.data)
     max_model_len = validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model))

@@ -132,7 +132,7 @@ class LogprobHead(torch.nn.Linear):
                 parts.append(_chunk_logprobs(*args))
         logp = torch.cat([p[0] for p in parts]) if parts else flat_h.new_zeros(0, dtype=torch.float32)
         entropy = torch.cat([p[1] for p in parts]) if parts else logp
-        return torch.stack([logp, entropy], dim=-1).view(*shape, 2)
+        return torch.stack([logp.view(shape), entropy.view(shape)], dim=-1)  # a fresh tensor, not a view
 
 
 def install_logprob_head(model, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bool:

@@ -130,3 +130,47 @@ def test_ddp_checkpoint_resumes_in_two_processes(runs):
     assert "resumed from" in proc.stdout
     assert losses(resumed) == losses(out["ddp"])[1:]
     assert max_diff(weights(resumed, 2), weights(out["ddp"], 2)) <= 1e-6
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_nodes(args, tmp_path) -> list[str]:
+    """Two torchrun agents of one process each, as two nodes would run them (RANK 1 has LOCAL_RANK 0)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                               "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "train.py",
+                               *RUN, *args], cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:] + err[-4000:]
+        outs.append(out)
+    return outs
+
+
+def test_two_nodes_match_one_process_and_resume(runs):
+    """`torchrun --nnodes=2`: placement by LOCAL_RANK, prompt shards by RANK, sharded evaluation, rank 0
+    writing the HF weights while both ranks write DCP optimizer shards, and a two-node resume."""
+    tmp, out = runs
+    multi = tmp / "two_nodes"
+    outs = two_nodes([f"hydra.run.dir={multi}", "dist.strategy=fsdp2"], tmp)
+    assert "[dist] rank 1/2 (local rank 0)" in outs[1] and "[dist] rank 0/2 (local rank 0)" in outs[0]
+    a, b = losses(out["single"]), losses(multi)
+    assert len(b) == 2 and all(abs(x - y) <= 1e-5 for x, y in zip(a, b)), (a, b)
+    assert max_diff(weights(out["single"], 2), weights(multi, 2)) <= 1e-5
+    single_eval = json.loads((out["single"] / "results.json").read_text())
+    multi_eval = json.loads((multi / "results.json").read_text())
+    assert multi_eval["final"]["eval/pass@1"] == single_eval["final"]["eval/pass@1"]  # same chunks, same seeds
+    ckpt = multi / "checkpoints" / "step_1"
+    assert sorted(p.name for p in (ckpt / "optim_dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    resumed = tmp / "two_nodes_resumed"
+    outs = two_nodes([f"hydra.run.dir={resumed}", "dist.strategy=fsdp2", f"resume={ckpt}"], tmp)
+    assert "resumed from" in outs[0]
+    assert max_diff(weights(resumed, 2), weights(multi, 2)) <= 1e-6

