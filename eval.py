@@ -44,8 +44,8 @@ def score_main() -> None:
     from bicc.config import register_configs, validate
     from bicc.data import build_task
     from bicc.evaluation import evaluate, format_eval, markdown_table
-    from bicc.models import load_pretrained
-    from bicc.rollout import build_engine
+    from bicc.models import end_token_ids, load_pretrained
+    from bicc.rollout import EngineOptions, build_engine
 
     register_configs()
     hf_logging.disable_progress_bar()
@@ -60,7 +60,9 @@ def score_main() -> None:
         path = resolve_checkpoint(cfg.ckpt)
         model, tokenizer = load_pretrained(str(path), cfg.model, device)
         out_dir = Path(HydraConfig.get().runtime.output_dir)
-        metrics = evaluate(build_engine(cfg.rollout.engine, model, tokenizer, cfg.eval), tokenizer, build_task(cfg.data),
+        options = EngineOptions(end_ids=tuple(end_token_ids(tokenizer, model)), dtype=cfg.model.dtype)
+        metrics = evaluate(build_engine(cfg.rollout.engine, model, tokenizer, cfg.eval, options), tokenizer,
+                           build_task(cfg.data),
                            cfg.eval, cfg.seed, out_dir=out_dir, progress=cfg.logger.progress)
         table = markdown_table(metrics, cfg.eval.ks)
         (out_dir / "summary.json").write_text(json.dumps({"ckpt": str(path), "eval": cfg.eval.name, **metrics}, indent=1))

@@ -246,6 +246,7 @@ def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
     s.load_trainer_state(state)
     if "optimizer" not in state:  # written sharded by an FSDP2 run (any number of processes)
         distributed.load_sharded_optimizer(s.model, s.optimizer, ckpt)
+        s.apply_schedule()
     set_rng_state(state["rng"])
     print(f"[rl] resumed from {ckpt} at step {s.step}")
     return s

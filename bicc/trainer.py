@@ -53,6 +53,14 @@ class RLState:
         if "optimizer" in state:  # else saved sharded (FSDP2): bicc.distributed.load_sharded_optimizer
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.apply_schedule()
+
+    def apply_schedule(self) -> None:
+        """Each group's lr from this run's schedule at the restored step: the optimizer's saved lr follows the
+        schedule of the run that wrote it (a resume with more train.steps has a longer cosine)."""
+        for group, base, multiplier in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                           self.scheduler.lr_lambdas):
+            group["lr"] = base * multiplier(self.scheduler.last_epoch)
 
 
 def needs_reference(cfg) -> bool:

@@ -207,3 +207,29 @@ def test_dapo_math_is_deduplicated_and_shuffled_by_seed(tmp_path):
     assert problems != [c.train_problem(i).prompt for i in range(30)]
     assert problems != sorted(problems, key=lambda p: int(p.split()[1].rstrip(".")))  # not file order
     assert a.train_problem(30) == a.train_problem(0)  # the next epoch walks the same order
+
+
+def test_evaluation_is_shared_out_by_chunks():
+    """With eval=paper (600 problems x 32 samples x 4,096 tokens) rank 0 evaluated alone while the others sat
+    in their first collective until the NCCL watchdog killed the job. Chunk k goes to rank k mod W, seeded by
+    its position as in one process (test_distributed checks the metrics equal one process's)."""
+    from bicc.evaluation import _generate
+    from bicc.rollout import RolloutOutput, SamplingParams
+
+    class Recorder:
+        def __init__(self):
+            self.seeds = []
+
+        def generate(self, prompts, sampling):
+            self.seeds.append(sampling.seed)
+            return RolloutOutput([p for p in prompts for _ in range(sampling.n)], [[1]] * len(prompts) * sampling.n,
+                                 ["x"] * len(prompts) * sampling.n, [True] * len(prompts) * sampling.n)
+
+    prompts, sampling = [[i] for i in range(10)], SamplingParams(2, 1.0, 1.0, 4, seed=5)
+    shares = {}
+    for rank in (0, 1):
+        engine = Recorder()
+        shares[rank] = _generate(engine, prompts, sampling, chunk=3, desc="", progress=False, d=Dist(rank, 2))
+        assert engine.seeds == [5 * 1_000_003 + start for start in shares[rank]]
+    assert sorted(shares[0]) == [0, 6] and sorted(shares[1]) == [3, 9]
+    assert len(shares[1][9][0]) == 2  # the last chunk holds the one remaining problem's 2 samples

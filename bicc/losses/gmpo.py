@@ -24,9 +24,9 @@ from bicc.losses.common import dual_clip, importance_weighted, kl_term, log_rati
 def gmpo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_weight=None):
     delta = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
     sign = torch.sign(adv).unsqueeze(-1)  # [B, 1]
-    signed = sign * delta
-    signed_clipped = signed.clamp(-cfg.clip_eps_low, cfg.clip_eps_high)
-    delta_clipped = sign * torch.minimum(signed, signed_clipped)  # [B, L]
+    # A > 0: min(delta, eps_high); A < 0: max(delta, -eps_low) = -min(-delta, eps_low)
+    bound = torch.where(sign > 0, cfg.clip_eps_high, cfg.clip_eps_low).to(delta.dtype)  # [B, 1]
+    delta_clipped = sign * torch.minimum(sign * delta, bound)  # [B, L]
     seq_ratio = torch.exp(seq_mean(delta_clipped, mask))  # [B]: geometric mean of the clipped token ratios
     pg_seq = dual_clip((-adv * seq_ratio).unsqueeze(-1), adv, cfg)  # [B, 1]
     pg = pg_seq.expand_as(delta)  # [B, L]: one value per sequence, so seq-mean-token-mean = mean over sequences

@@ -187,3 +187,34 @@ def test_zero_advantage_zero_policy_gradient(variant):
                                             StepTotals.of(mask, 6))
     (grad,) = torch.autograd.grad(loss, logp)
     assert loss.item() == 0 and torch.all(grad == 0)
+
+
+def gmpo_loop_reference(logp, old, adv, mask, eps_low, eps_high):
+    """GMPO per sequence, written out: for A > 0 each token's log-ratio is capped above at +eps_high
+    (min(rho, e^eps_high)), for A < 0 floored below at -eps_low (max(rho, e^-eps_low)); the sequence term is
+    -A * exp(mean of the clipped log-ratios); mean over sequences."""
+    total = 0.0
+    for i in range(logp.shape[0]):
+        clipped = []
+        for t in range(logp.shape[1]):
+            if mask[i, t] == 0:
+                continue
+            d = logp[i, t] - old[i, t]
+            clipped.append(torch.minimum(d, torch.tensor(eps_high, dtype=d.dtype)) if adv[i] > 0
+                           else torch.maximum(d, torch.tensor(-eps_low, dtype=d.dtype)))
+        total = total - adv[i] * torch.exp(torch.stack(clipped).mean())
+    return total / logp.shape[0]
+
+
+def test_gmpo_asymmetric_bounds_against_a_loop():
+    """With eps_low = 0.1, eps_high = 0.5, a token at log-ratio -0.3 on A < 0 lies below the floor -0.1:
+    its gradient is 0 (the high bound used as the floor gave 0.74)."""
+    logp, old, adv, mask = two_seq_case([0.3, 0.6, -0.3], [-0.3, 0.2])
+    algo = cfg(clip_eps_low=0.1, clip_eps_high=0.5, loss_agg="seq-mean-token-mean")
+    loss, grad, _ = loss_and_grad("gmpo", algo, logp, old, None, adv, mask)
+    ref = gmpo_loop_reference(logp, old, adv, mask, 0.1, 0.5)
+    (ref_grad,) = torch.autograd.grad(ref, logp)
+    assert loss == pytest.approx(ref.item(), abs=1e-12)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=0)
+    assert grad[1, 0].item() == 0.0 and grad[0, 1].item() == 0.0  # floored (A < 0) and capped (A > 0) tokens
+    assert grad[1, 1].item() != 0.0 and grad[0, 0].item() != 0.0
