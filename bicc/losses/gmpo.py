@@ -25,7 +25,8 @@ def gmpo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_w
     delta = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
     sign = torch.sign(adv).unsqueeze(-1)  # [B, 1]
     # A > 0: min(delta, eps_high); A < 0: max(delta, -eps_low) = -min(-delta, eps_low)
-    bound = torch.where(sign > 0, cfg.clip_eps_high, cfg.clip_eps_low).to(delta.dtype)  # [B, 1]
+    high, low = (torch.tensor(e, dtype=delta.dtype, device=delta.device) for e in (cfg.clip_eps_high, cfg.clip_eps_low))
+    bound = torch.where(sign > 0, high, low)  # [B, 1]
     delta_clipped = sign * torch.minimum(sign * delta, bound)  # [B, L]
     seq_ratio = torch.exp(seq_mean(delta_clipped, mask))  # [B]: geometric mean of the clipped token ratios
     pg_seq = dual_clip((-adv * seq_ratio).unsqueeze(-1), adv, cfg)  # [B, 1]
