@@ -148,6 +148,20 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     }, s.dist), diag_record
 
 
+NAMED_FORMS = {("bicc", "stable"): "stabilised BiCC, not the paper's", ("rcc", "mean"): "RCC with per-token mean delta, not the paper's"}
+
+
+def describe_choices(choices, cfg) -> str:
+    """What this run trains, by config group, with the forms that are not the paper's named as such."""
+    parts = []
+    for group in ("algo", "bicc", "rcc", "model", "data", "rollout", "eval", "experiment"):
+        choice = choices.get(group)
+        if choice is not None:
+            note = NAMED_FORMS.get((group, choice))
+            parts.append(f"{group}={choice}" + (f" ({note})" if note else ""))
+    return " ".join(parts) + f"; lr {peak_lr(cfg):g}"
+
+
 def peak_lr(cfg) -> float:
     """optim.lr, times bicc.lr_scale while BiCC is on (the conditioned gradient is noisier for the
     policy on q; see README, "BiCC: the default and the paper's equation")."""
@@ -303,6 +317,8 @@ def run(cfg, d: distributed.Dist) -> dict:
     if d.enabled:
         print(f"[dist] rank {d.rank}/{d.world} (local rank {d.local_rank}) on {device}, collectives on {d.device}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if d.is_main:
+        print(f"[run] {describe_choices(HydraConfig.get().runtime.choices, cfg)}")
     task = build_task(cfg.data)
     max_model_len = validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model))
 

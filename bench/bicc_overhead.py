@@ -8,7 +8,7 @@ BiCC with packing, in one run, on two configs:
                 Also reports training tokens/s and model FLOPs utilisation. ``--shrink`` cuts it to 2
                 layers and 64-token outputs, to check the path on a CPU.
 
-Variants: GRPO; BiCC in its default form (``bicc=on``: pi_old on the context too) without packing,
+Variants: GRPO; BiCC in its stabilised form (``bicc=stable``: pi_old on the context too) without packing,
 with packing through a shared prefix KV cache (``packing_impl=kv``, the default) and through one packed
 row with a 4-D mask (``packing_impl=mask``); and the paper's exact form with the default packing.
 
@@ -55,12 +55,12 @@ CONFIGS = {
                 attn="flash_attention_2", prompts=8, group=8, out_len=1024, max_tokens=2048, micro=8, steps=3),
 }
 SHRINK = dict(num_hidden_layers=2, out_len=64, max_tokens=128)
-VARIANTS = {  # the default BiCC form (bicc=on) unless named; packing_impl kv is the default
+VARIANTS = {  # the stabilised BiCC form (bicc=stable) unless named; packing_impl kv is the default
     "grpo": ["bicc=off", "rcc=off"],
-    "bicc_unpacked": ["bicc=on", "rcc=off", "bicc.packing=false"],
-    "bicc_packed": ["bicc=on", "rcc=off"],
-    "bicc_packed_mask": ["bicc=on", "rcc=off", "bicc.packing_impl=mask"],
-    "bicc_paper_packed": ["bicc=paper", "rcc=off"],
+    "bicc_unpacked": ["bicc=stable", "rcc=off", "bicc.packing=false"],
+    "bicc_packed": ["bicc=stable", "rcc=off"],
+    "bicc_packed_mask": ["bicc=stable", "rcc=off", "bicc.packing_impl=mask"],
+    "bicc_paper_packed": ["bicc=on", "rcc=off"],
 }
 
 

@@ -290,8 +290,8 @@ def main() -> None:
         arch, mb, tokens, chunk = json.loads(args.measure)
         print(json.dumps(measure(Arch(**arch), mb, tokens, chunk)))
         return
-    qwen = print_table("paper_qwen3_4b (rollout=vllm, bicc=paper rcc=on)", QWEN3_4B, Run())
-    phi = print_table("paper_phi4_mini (rollout=vllm, bicc=paper rcc=on)", PHI4_MINI, Run())
+    qwen = print_table("paper_qwen3_4b (rollout=vllm, bicc=on rcc=on)", QWEN3_4B, Run())
+    phi = print_table("paper_phi4_mini (rollout=vllm, bicc=on rcc=on)", PHI4_MINI, Run())
     for mean_output in (1000, 2048):
         times = step_seconds(QWEN3_4B, Run(), mean_output)
         print(f"\npaper_qwen3_4b step estimate, outputs of {mean_output} tokens on average (arithmetic, H100, 40% MFU):")

@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 
 CONFIGS = {  # name -> (overrides, baseline name or None)
     "GRPO": (["algo=grpo", "bicc=off", "rcc=off"], None),
-    "BiCC-GRPO": (["algo=grpo", "bicc=on", "rcc=off"], "GRPO"),
-    "BiCC-GRPO+RCC": (["algo=grpo", "bicc=on", "rcc=on"], "GRPO"),
+    "BiCC-GRPO": (["algo=grpo", "bicc=stable", "rcc=off"], "GRPO"),
+    "BiCC-GRPO+RCC": (["algo=grpo", "bicc=stable", "rcc=mean"], "GRPO"),
     "DAPO": (["algo=dapo", "bicc=off", "rcc=off"], None),
-    "BiCC-DAPO": (["algo=dapo", "bicc=on", "rcc=off"], "DAPO"),
+    "BiCC-DAPO": (["algo=dapo", "bicc=stable", "rcc=off"], "DAPO"),
 }
 
 

@@ -1,6 +1,7 @@
 """Every experiment and sweep preset composes, validates and carries the paper's values (Table 3)."""
 
 import pytest
+from omegaconf import OmegaConf
 from hydra import compose, initialize_config_dir
 
 from bicc.config import validate
@@ -58,8 +59,8 @@ def test_variant_clip_ranges():
 
 
 @pytest.mark.parametrize("sweep, params, jobs", [
-    ("sweep_paper_main", {"algo": "grpo,dr_grpo,dapo,gspo,gmpo,aspo", "bicc": "off,paper", "rcc": "off,on"}, 24),
-    ("sweep_paper_group_size", {"rollout.group_size": "2,8", "bicc": "off,paper", "rcc": "off,on"}, 8),
+    ("sweep_paper_main", {"algo": "grpo,dr_grpo,dapo,gspo,gmpo,aspo", "bicc": "off,on", "rcc": "off,on"}, 24),
+    ("sweep_paper_group_size", {"rollout.group_size": "2,8", "bicc": "off,on", "rcc": "off,on"}, 8),
     ("sweep_context_ratio", {"bicc.context_ratio": "0.2,0.4,0.6,0.8"}, 4),
 ])
 def test_sweeps_compose(sweep, params, jobs):
@@ -101,3 +102,23 @@ def test_data_presets_point_at_their_sources(shared_data):
     dapo = compose_cfg(["data=dapo_math17k"])
     assert dapo.data.math.problem_field == "prompt.0.content" and dapo.data.math.answer_field == "reward_model.ground_truth"
     assert dapo.data.math.extractors[0] == "answer_line" and dapo.data.math.test_problem_field == "problem"
+
+
+@pytest.mark.parametrize("experiment", [None, "paper_qwen3_4b"])
+def test_on_means_the_paper_everywhere(experiment):
+    """`bicc=on rcc=on` is the published method whatever else is selected: pi_old on q, no stabiliser, the base
+    learning rate, delta summed over tokens. The stabilised forms carry their own names."""
+    pre = [f"experiment={experiment}"] if experiment else ["sft.cache_dir=/tmp/x"]
+    cfg = compose_cfg([*pre, "algo=dapo", "bicc=on", "rcc=on"])
+    assert cfg.bicc.enabled and not cfg.bicc.old_on_context and cfg.bicc.lr_scale == 1.0
+    assert cfg.bicc.log_ratio_clip == 0 and cfg.bicc.warmup_steps == 0
+    assert cfg.rcc.enabled and cfg.rcc.delta == "sum"
+    assert OmegaConf.to_container(compose_cfg([*pre, "bicc=paper"]).bicc) == OmegaConf.to_container(cfg.bicc)
+    stable = compose_cfg([*pre, "bicc=stable", "rcc=mean"])
+    assert stable.bicc.old_on_context and stable.bicc.lr_scale < 1 and stable.rcc.delta == "mean"
+    if experiment:  # the preset alone is the paper's method
+        alone = compose_cfg([f"experiment={experiment}"])
+        assert alone.bicc.enabled and not alone.bicc.old_on_context and alone.rcc.delta == "sum"
+    else:  # the embedded default picks the named forms, visibly
+        default = compose_cfg(["sft.cache_dir=/tmp/x"])
+        assert default.bicc.old_on_context and default.rcc.delta == "mean"

@@ -1,6 +1,6 @@
 """A miniature rehearsal of the headline command
 
-    torchrun --nproc_per_node=4 train.py experiment=paper_qwen3_4b algo=dapo bicc=paper rcc=on rollout=vllm
+    torchrun --nproc_per_node=4 train.py experiment=paper_qwen3_4b algo=dapo bicc=on rcc=on rollout=vllm
 
 on its exact code path: torchrun (2 processes, gloo), FSDP2, the paper preset (bf16 compute over fp32 master
 weights, activation checkpointing, KV-reuse packing, DAPO's dynamic sampling, RCC), one vLLM engine per rank
@@ -70,7 +70,7 @@ def dapo_file(tmp_path) -> Path:
 
 def headline(experiment, model_dir, run_dir, steps, extra=()):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-            f"experiment={experiment}", "algo=dapo", "bicc=paper", "rcc=on", "rollout=vllm", f"model.path={model_dir}",
+            f"experiment={experiment}", "algo=dapo", "bicc=on", "rcc=on", "rollout=vllm", f"model.path={model_dir}",
             *SHRINK, f"train.steps={steps}", f"hydra.run.dir={run_dir}", *extra]
 
 

@@ -88,14 +88,14 @@ def test_two_step_training_run_with_vllm_rollouts(tmp_path):
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "train.py", *SMALL, *VLLM_CFG, "bicc=on", "rollout.tis_cap=2.0",
+    proc = subprocess.run([sys.executable, "train.py", *SMALL, *VLLM_CFG, "bicc=stable", "rollout.tis_cap=2.0",
                            f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     # the engine's sampling log-probs and the trainer's pi_old on q agree (same weights, fp32); under
-    # bicc=on's old_on_context pi_old is on x^c, and TIS takes one more forward on q for its weights
+    # bicc=stable's old_on_context pi_old is on x^c, and TIS takes one more forward on q for its weights
     assert all(r["rollout/logprob_diff"] < 1e-3 for r in steps)
     # so the truncated importance weights pi_old / pi_sampler are ~1, none at the cap
     assert all(abs(r["rollout/tis_weight_mean"] - 1) < 1e-3 and r["rollout/tis_clip_frac"] == 0 for r in steps)
@@ -121,7 +121,7 @@ def test_sigkill_then_resume_with_vllm_rollouts(tmp_path):
 
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
-    args = [*[a for a in SMALL if not a.startswith("train.steps")], *VLLM_CFG, "bicc=on", "train.steps=4",
+    args = [*[a for a in SMALL if not a.startswith("train.steps")], *VLLM_CFG, "bicc=stable", "train.steps=4",
             "train.save_every=2", "train.keep_last=0", "eval.num_problems=2"]
 
     def train(*extra):
