@@ -38,9 +38,9 @@ from bicc.optim import build_optimizer, warmup_cosine
 from bicc.rollout import EngineOptions, build_engine
 from bicc.sft import config_hash, warm_start
 from bicc.tracking import Tracker, rewind_jsonl
-from bicc.trainer import (RLState, collect_rollout, conditioned_logprobs_no_grad, loss_of_rows_fn,
-                          needs_reference, old_logprobs, reference_logprobs, sampler_importance_weights,
-                          sampler_logprob_diff, update_policy)
+from bicc.trainer import (RLState, collect_rollout, loss_of_rows_fn, needs_reference, old_logprobs,
+                          rcc_policy_logprobs, reference_logprobs, sampler_importance_weights, sampler_logprob_diff,
+                          update_policy)
 
 register_configs()
 hf_logging.disable_progress_bar()
@@ -65,7 +65,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     numerator, bicc_metrics = plain, {}
     if cfg.bicc.enabled:
         contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
-                                  cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids)
+                                  cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
         contexts = warm_up(contexts, ro.group_ids, ro.out.prompt_ids, s.step, cfg.bicc.warmup_steps)
         numerator = ConditionedNumerator(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
                                          s.tokenizer.pad_token_id, device)
@@ -77,7 +77,9 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     diag = cfg.rcc.diag_every > 0 and s.step % cfg.rcc.diag_every == 0 and not distributed.is_sharded(s.model)
     tis = ro.out.logprobs is not None and cfg.rollout.tis_cap > 0
     # pi_old on x^c under bicc.old_on_context; then on q too where something needs it (diagnostics, TIS)
-    old_logp, q_logp = old_logprobs(s.model, plain, numerator, cfg, N, mb, need_q=diag or tis, d=s.dist)  # [N, L]
+    delta_on_q = (cfg.rcc.enabled or diag) and cfg.rcc.delta_context == "q"
+    old_logp, q_logp = old_logprobs(s.model, plain, numerator, cfg, N, mb, need_q=diag or tis or delta_on_q,
+                                    d=s.dist)  # [N, L]
     # log_w: log conditioning weight per sequence; None = measured in the update's first pass (old on q)
     log_w = None
     if q_logp is not None and q_logp is not old_logp:
@@ -96,9 +98,9 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
     delta, diag_record = None, {}
-    if cfg.rcc.enabled or diag:  # delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q), theta = theta_old here
-        cond_logp = conditioned_logprobs_no_grad(s.model, numerator, plain, old_logp, cfg, N, mb, s.dist)
-        delta = sequence_delta(cond_logp, ref_logp, batch.completion_mask, cfg.rcc.delta).cpu()
+    if cfg.rcc.enabled or diag:  # delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), theta = theta_old here
+        policy_logp = rcc_policy_logprobs(s.model, numerator, plain, old_logp, q_logp, cfg, N, mb, s.dist)
+        delta = sequence_delta(policy_logp, ref_logp, batch.completion_mask, cfg.rcc.delta).cpu()
     adv_name = "rcc" if cfg.rcc.enabled else cfg.algo.advantage
     adv, adv_metrics = ADVANTAGES.get(adv_name)(ro.rewards, ro.group_ids, delta, cfg.algo)  # [N]
     adv = adv.to(device)
@@ -280,6 +282,12 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
                 f.write(json.dumps(diag_record) + "\n")
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", loss=f"{metrics['train/loss']:.3f}")
+        share = metrics.get("bicc/samples_conditioned_share")
+        if share is not None and share < 0.5 and s.dist.is_main and (s.step == 1 or s.step % 50 == 0):
+            print(f"[bicc] warning: step {s.step}: only {100 * share:.0f}% of samples see an opposite attempt "
+                  f"({metrics['bicc/attempts_shown']:.1f} shown on average, "
+                  f"{100 * metrics['bicc/dropped_share']:.0f}% of attempts dropped by the budget "
+                  f"bicc.context_ratio x bicc.max_tokens = {int(cfg.bicc.context_ratio * cfg.bicc.max_tokens)} tokens)")
         if s.step % cfg.train.log_every == 0:
             tracker.log(metrics, step=s.step)
         out_of_time = cfg.train.time_budget_s and time.perf_counter() - start > cfg.train.time_budget_s

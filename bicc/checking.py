@@ -91,6 +91,15 @@ def extract_last_number(text: str) -> str | None:
     return found[-1].replace("$", "") if found else None
 
 
+# Text that starts the final answer each extractor reads, so that BiCC's middle truncation keeps it.
+ANSWER_ANCHORS = {"boxed": "\\boxed", "answer_is": "answer is", "answer_line": "Answer:", "gsm8k": "####"}
+
+
+def answer_anchors(extractors) -> tuple[str, ...]:
+    """The anchors of ``extractors`` in their order (``last_number`` has none)."""
+    return tuple(ANSWER_ANCHORS[name] for name in extractors if name in ANSWER_ANCHORS)
+
+
 def extract(text: str, extractors) -> str | None:
     text = text[-MAX_CHARS:]
     for name in extractors:

@@ -74,7 +74,10 @@ def fair_shares(lengths: list[int], budget: int) -> list[int]:
     return shares
 
 
-def answer_start(ids: list[int], tokenizer, anchors=("\\boxed", "answer is")) -> int:
+DEFAULT_ANCHORS = ("\\boxed", "answer is")
+
+
+def answer_start(ids: list[int], tokenizer, anchors=DEFAULT_ANCHORS) -> int:
     """Index of the first token of the final answer: the shortest suffix whose text contains the last
     anchor. Binary search over suffixes (O(log n) decodes). ``len(ids)`` when there is no anchor."""
     text = tokenizer.decode(ids)
@@ -130,10 +133,14 @@ def _encode_template(tokenizer, prompt: str, bicc_cfg, max_attempts: int) -> _En
 
 def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct: torch.Tensor,
                    group_ids: torch.Tensor, tokenizer, bicc_cfg, max_tokens: int,
-                   plain_prompt_ids: list[list[int]], end_ids=None) -> ConditionedPrompts:
+                   plain_prompt_ids: list[list[int]], end_ids=None, anchors=DEFAULT_ANCHORS) -> ConditionedPrompts:
     """x^c for every sample. ``prompts`` holds the user-turn text of each sample's query (per sample),
     ``plain_prompt_ids`` the ids of q used where a group falls back. ``end_ids``: the tokens that end an
-    output (default the tokenizer's EOS), stripped from attempts shown in a context."""
+    output (default the tokenizer's EOS), stripped from attempts shown in a context. ``anchors``: text that
+    starts a final answer (the task's extractors'), kept by middle truncation.
+
+    A group is conditioned whole or not at all: when every attempt of one side is dropped (so some of its
+    samples would see attempts and others not, ratios w and 1 in one group), the whole group keeps q."""
     positive = partition(correct, bicc_cfg.reward_threshold)
     budget = int(bicc_cfg.context_ratio * max_tokens)
     end = set(end_ids or [tokenizer.eos_token_id])
@@ -142,9 +149,10 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
     out_ids: list[list[int]] = [list(p) for p in plain_prompt_ids]
     keys = list(range(n))  # unconditioned samples: unique keys (their q prefix is not shared in packing)
     conditioned = torch.zeros(n, dtype=torch.bool)
-    stats = {"groups": 0, "groups_conditioned": 0, "attempts": 0, "truncated": 0, "dropped": 0,
-             "context_tokens": 0, "contexts": 0}
-    cache: dict[tuple, tuple[list[int], int]] = {}
+    shown = torch.zeros(n)
+    stats = {"groups": 0, "groups_conditioned": 0, "groups_dropped": 0, "attempts": 0, "truncated": 0, "dropped": 0,
+             "context_tokens": 0, "contexts": 0, "shown": 0}
+    cache: dict[tuple, tuple[list[int] | None, int, int]] = {}
     next_key = n
     for g in torch.unique(group_ids).tolist():
         rows = (group_ids == g).nonzero().flatten().tolist()
@@ -153,8 +161,8 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
         neg = [r for r in rows if not positive[r]]
         if not pos or not neg:
             continue
-        stats["groups_conditioned"] += 1
         enc = _encode_template(tokenizer, prompts[rows[0]], bicc_cfg, max(len(pos), len(neg)))
+        assigned = {}
         for side, opposite in ((pos, neg), (neg, pos)):
             for j, r in enumerate(side):
                 if bicc_cfg.mode == "partition":
@@ -163,18 +171,24 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
                     k = min(bicc_cfg.paired_k, len(opposite))
                     chosen = tuple(opposite[(j * k + t) % len(opposite)] for t in range(k))
                 if chosen not in cache:
-                    ids, used = _render(enc, [attempts[o] for o in chosen], budget, bicc_cfg, tokenizer, stats)
-                    cache[chosen] = (ids, next_key)
+                    before = stats["shown"]
+                    ids, used = _render(enc, [attempts[o] for o in chosen], budget, bicc_cfg, tokenizer, stats, anchors)
+                    cache[chosen] = (ids, next_key, stats["shown"] - before)
                     next_key += 1
                     stats["context_tokens"] += used
                     stats["contexts"] += 1
-                ids, key = cache[chosen]
-                if ids is not None:  # None: every attempt was dropped, the sample keeps q
-                    out_ids[r], keys[r] = ids, key
-                    conditioned[r] = True
+                assigned[r] = cache[chosen]
+        if any(ids is None for ids, _, _ in assigned.values()):  # some sample would keep q: the group keeps q
+            stats["groups_dropped"] += 1
+            continue
+        stats["groups_conditioned"] += 1
+        for r, (ids, key, count) in assigned.items():
+            out_ids[r], keys[r], conditioned[r], shown[r] = ids, key, True, count
     metrics = {
         "bicc/groups_conditioned_share": stats["groups_conditioned"] / max(1, stats["groups"]),
+        "bicc/groups_dropped_share": stats["groups_dropped"] / max(1, stats["groups"]),
         "bicc/samples_conditioned_share": conditioned.float().mean().item(),
+        "bicc/attempts_shown": shown[conditioned].mean().item() if conditioned.any() else 0.0,
         "bicc/context_tokens": stats["context_tokens"] / max(1, stats["contexts"]),
         "bicc/context_budget_used": stats["context_tokens"] / max(1, stats["contexts"] * budget),
         "bicc/truncated_share": stats["truncated"] / max(1, stats["attempts"]),
@@ -183,11 +197,12 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
     return ConditionedPrompts(out_ids, keys, conditioned, metrics)
 
 
-def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, tokenizer, stats) -> tuple[list[int] | None, int]:
+def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, tokenizer, stats,
+            anchors=DEFAULT_ANCHORS) -> tuple[list[int] | None, int]:
     """Context ids for the chosen attempts and the attempt tokens used (elision markers included);
     None when no attempt fits. Attempts that would fall below the minimum length are dropped one at a
     time (latest first) and the budget re-shared among the rest."""
-    starts = [answer_start(a, tokenizer) if bicc_cfg.truncate == "middle" else len(a) for a in chosen]
+    starts = [answer_start(a, tokenizer, anchors) if bicc_cfg.truncate == "middle" else len(a) for a in chosen]
     candidates = list(range(len(chosen)))
     stats["attempts"] += len(chosen)
     while candidates:
@@ -201,6 +216,7 @@ def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, token
         stats["dropped"] += 1
     if not candidates:
         return None, 0
+    stats["shown"] += len(candidates)
     body: list[int] = []
     for shown, (c, cut) in enumerate(zip(candidates, cuts)):
         stats["truncated"] += int(cut != chosen[c])
@@ -208,12 +224,13 @@ def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, token
     return enc.head + enc.preamble + body + enc.tail, sum(len(cut) for cut in cuts)
 
 
-def render_context(tokenizer, prompt: str, attempts: list[list[int]], bicc_cfg, budget: int) -> list[int] | None:
+def render_context(tokenizer, prompt: str, attempts: list[list[int]], bicc_cfg, budget: int,
+                   anchors=DEFAULT_ANCHORS) -> list[int] | None:
     """The prompt ``prompt`` with ``attempts`` (token ids) shown under the BiCC template and budget, as
     build_contexts renders them; None when no attempt fits. Used to show warm starts such prompts."""
     enc = _encode_template(tokenizer, prompt, bicc_cfg, len(attempts))
-    stats = {"attempts": 0, "dropped": 0, "truncated": 0}
-    return _render(enc, attempts, budget, bicc_cfg, tokenizer, stats)[0]
+    stats = {"attempts": 0, "dropped": 0, "truncated": 0, "shown": 0}
+    return _render(enc, attempts, budget, bicc_cfg, tokenizer, stats, anchors)[0]
 
 
 def warm_up(contexts: ConditionedPrompts, group_ids: torch.Tensor, plain_prompt_ids: list[list[int]], step: int,

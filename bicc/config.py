@@ -33,8 +33,13 @@ class AlgoConfig:
     adv_eps: float = 1e-6
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
-    overlong_buffer: int = 0
+    overlong_buffer_share: float = 0.0
     overlong_penalty: float = 1.0
+
+
+def overlong_buffer_tokens(algo_cfg, max_new_tokens: int) -> int:
+    """DAPO's L_cache in tokens: ``algo.overlong_buffer_share`` of the response length limit."""
+    return round(algo_cfg.overlong_buffer_share * max_new_tokens)
 
 
 @dataclass
@@ -67,6 +72,7 @@ class RccConfig:
 
     enabled: bool = MISSING
     delta: str = "sum"
+    delta_context: str = "xc"
     diag_every: int = 10
     diag_splits: int = 4
     stage_steps: int = 100
@@ -339,8 +345,8 @@ def validate(cfg: Any) -> None:
            f"'{a.ratio_denominator}' unknown; choose from: old, ref")
     _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
     _check(a.max_sampling_rounds >= 1, "algo.max_sampling_rounds", f"must be >= 1, got {a.max_sampling_rounds}")
-    _check(0 <= a.overlong_buffer < cfg.rollout.max_new_tokens, "algo.overlong_buffer",
-           f"must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}), got {a.overlong_buffer}")
+    _check(0 <= a.overlong_buffer_share < 1, "algo.overlong_buffer_share",
+           f"must be in [0, 1) (a share of rollout.max_new_tokens), got {a.overlong_buffer_share}")
     _check(a.overlong_penalty >= 0, "algo.overlong_penalty", f"must be >= 0, got {a.overlong_penalty}")
     _check(a.adv_eps >= 0, "algo.adv_eps", f"must be >= 0, got {a.adv_eps}")
 
@@ -427,6 +433,7 @@ def validate(cfg: Any) -> None:
 
     rc = cfg.rcc
     _check(rc.delta in ("sum", "mean"), "rcc.delta", f"'{rc.delta}' unknown; choose from: sum, mean")
+    _check(rc.delta_context in ("xc", "q"), "rcc.delta_context", f"'{rc.delta_context}' unknown; choose from: xc, q")
     _check(rc.diag_every >= 0, "rcc.diag_every", f"must be >= 0 (0 = off), got {rc.diag_every}")
     _check(rc.diag_splits >= 2, "rcc.diag_splits", f"must be >= 2 (a variance needs 2+ estimates), got {rc.diag_splits}")
     _check(rc.diag_splits <= cfg.rollout.prompts_per_step, "rcc.diag_splits",

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from bicc.config import overlong_buffer_tokens
 from bicc.data import encode_prompt
 from bicc.distributed import (Dist, all_reduce_sum, full_tensor, global_max, global_totals, is_sharded, loss_scale,
                               sync_gradients)
@@ -104,6 +105,18 @@ def conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_row
     if numerator is plain or cfg.bicc.old_on_context:
         return old_logp
     return logprobs_no_grad(model, numerator, num_rows, micro_batch_size, cfg.rollout.temperature, d)
+
+
+def rcc_policy_logprobs(model, numerator, plain, old_logp, q_logp, cfg, num_rows: int, micro_batch_size: int,
+                        d: Dist = Dist()):
+    """log pi_theta(o_i | .) per token at theta = theta_old for RCC's delta: on x^c with
+    ``rcc.delta_context=xc`` (Algorithm 1, line 10), on q with ``q`` (Section 4.2, Appendices B/C). ``q_logp``
+    is pi_old on q (``old_logprobs`` with need_q)."""
+    if cfg.rcc.delta_context == "q":
+        if q_logp is None:
+            raise ValueError("rcc.delta_context=q needs pi_old on q: call old_logprobs with need_q=True")
+        return q_logp
+    return conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_rows, micro_batch_size, d)
 
 
 def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg, is_weight=None):
@@ -209,7 +222,8 @@ def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) 
                   else [state.task.reward(t, p) for t, p in zip(out.texts, golds)])
         correct = torch.tensor(scores).view(want, G)
         lengths = torch.tensor([len(c) for c in out.completion_ids]).view(want, G)
-        shaped = correct.double() + overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer,
+        buffer = overlong_buffer_tokens(algo, cfg.rollout.max_new_tokens)
+        shaped = correct.double() + overlong_penalty(lengths, cfg.rollout.max_new_tokens, buffer,
                                                      algo.overlong_penalty)  # [want, G]
         queries = [problems[i // G].prompt for i in range(want * G)]  # each row's user-turn text
         last_draw = (out, queries, correct.flatten(), shaped.flatten())

@@ -133,3 +133,48 @@ def test_budget_is_never_exceeded_on_random_groups(ratio):
                 shown = attempts_in(out.prompt_ids[r])
                 assert sum(len(enc(a)) for a in shown) <= int(ratio * 128)
                 assert all(extract_answer(a) == str(trial) for a in shown)
+
+
+def test_truncation_keeps_the_answer_line_of_the_tasks_extractors():
+    """DAPO-Math outputs end with an 'Answer:' line: with the \\boxed / 'answer is' anchors alone, middle
+    truncation cut it away; the anchors now come from the data's extractors."""
+    from bicc.checking import answer_anchors
+    from bicc.conditioning import DEFAULT_ANCHORS, answer_start, truncate
+    from bicc.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    text = "Let me think step by step about this long problem and its parts.\nAnswer: 42"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    anchors = answer_anchors(["answer_line", "boxed", "answer_is"])
+    assert anchors == ("Answer:", "\\boxed", "answer is")
+    elision = tok(" ... ", add_special_tokens=False)["input_ids"]
+    kept = tok.decode(truncate(ids, 30, "middle", elision, answer_start(ids, tok, anchors), 12))
+    assert kept.endswith("Answer: 42") and " ... " in kept
+    lost = tok.decode(truncate(ids, 30, "middle", elision, answer_start(ids, tok, DEFAULT_ANCHORS), 12))
+    assert "Answer: 42" not in lost
+
+
+def test_a_group_with_one_side_dropped_falls_back_whole():
+    """Long incorrect attempts that cannot fit the budget: the correct samples (shown O-) would keep q while
+    the incorrect ones (shown O+) see attempts; the whole group keeps q instead, and is counted."""
+    from omegaconf import OmegaConf
+
+    from bicc.conditioning import build_contexts
+    from bicc.config import BiccConfig
+    from bicc.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    cfg = OmegaConf.structured(BiccConfig(enabled=True, max_tokens=100, context_ratio=0.4, min_attempt_tokens=12,
+                                          truncate="head"))
+    short, long = [40] * 12, [50] * 200
+    completions = [short, short, long, long, short, long, short, long]  # group 0: +,+,-,-; group 1: +,-,+,-
+    correct = torch.tensor([1, 1, 0, 0, 1, 0, 1, 0.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    plain = [[1, 2, 3]] * 8
+    ctx = build_contexts(["p"] * 8, completions, correct, groups, tok, cfg, 100, plain)
+    # budget 40: 2 long attempts of 200 get 20 each (head cut, kept); 2 short ones 12 each (kept whole)
+    assert ctx.conditioned.all() and ctx.metrics["bicc/attempts_shown"] == 2
+    cfg.min_attempt_tokens = 41  # now a long attempt never fits (budget 40): O- shows nothing, O+ still would
+    ctx = build_contexts(["p"] * 8, completions, correct, groups, tok, cfg, 100, plain)
+    assert not ctx.conditioned.any() and ctx.prompt_ids == plain
+    assert ctx.metrics["bicc/groups_dropped_share"] == 1.0 and ctx.metrics["bicc/samples_conditioned_share"] == 0.0

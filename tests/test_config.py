@@ -67,7 +67,7 @@ def test_unknown_key_is_rejected_by_the_schema():
         ("stage=finetune", "stage"),
         ("algo.dual_clip_c=0.5", "algo.dual_clip_c"),
         ("algo.ratio_denominator=new", "algo.ratio_denominator"),
-        ("algo.overlong_buffer=64", "algo.overlong_buffer"),
+        ("algo.overlong_buffer_share=1.5", "algo.overlong_buffer_share"),
         ("algo.max_sampling_rounds=0", "algo.max_sampling_rounds"),
         ("rollout.tis_cap=-1", "rollout.tis_cap"),
     ],
@@ -92,7 +92,7 @@ def test_algo_presets_match_their_papers():
     assert (c["grpo"].clip_eps_low, c["grpo"].clip_eps_high, c["grpo"].loss_agg) == (0.2, 0.2, "seq-mean-token-mean")
     assert (c["dr_grpo"].advantage, c["dr_grpo"].loss_agg, c["dr_grpo"].kl_coef) == ("mean_centered", "seq-mean-token-sum-norm", 0.01)
     assert (c["dapo"].clip_eps_high, c["dapo"].loss_agg, c["dapo"].dynamic_sampling, c["dapo"].kl_coef) == (0.28, "token-mean", True, 0.0)
-    assert c["dapo"].overlong_buffer > 0
+    assert c["dapo"].overlong_buffer_share == 0.2
     assert (c["gspo"].loss, c["gspo"].clip_eps_low, c["gspo"].clip_eps_high) == ("gspo", 3e-4, 4e-4)
     assert (c["gmpo"].loss, c["gmpo"].clip_eps_low, c["gmpo"].clip_eps_high) == ("gmpo", 0.4, 0.4)
     assert (c["aspo"].loss, c["aspo"].dual_clip_c, c["aspo"].clip_eps_high) == ("aspo", 3.0, 0.28)

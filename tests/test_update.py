@@ -16,7 +16,8 @@ from bicc.losses import LOSSES, StepTotals
 from bicc.models import build_tiny
 from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.optim import build_optimizer, warmup_cosine
-from bicc.trainer import RLState, logprobs_no_grad, old_logprobs, reference_logprobs, update_policy
+from bicc.trainer import (RLState, logprobs_no_grad, old_logprobs, rcc_policy_logprobs, reference_logprobs,
+                          update_policy)
 from tests.conftest import compose_cfg
 
 ARCH = TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
@@ -106,3 +107,16 @@ def test_old_reference_and_kl_reference_wiring(form):
     else:  # the stabilised form: pi_old and the KL's reference on x^c
         torch.testing.assert_close(old, on_xc)
         torch.testing.assert_close(kl_ref, ref_xc)
+
+
+@pytest.mark.parametrize("form", ["stable", "on"])
+@pytest.mark.parametrize("context", ["xc", "q"])
+def test_rcc_delta_context(form, context):
+    """The paper evaluates delta's policy term on x^c (Algorithm 1) and on q (Section 4.2, Appendices B/C)."""
+    cfg, batch, plain, numerator = bicc_setup(form)
+    cfg.rcc.delta_context = context
+    policy, _ = build_tiny(ARCH, seed=0)
+    old, q = old_logprobs(policy, plain, numerator, cfg, 4, 4, need_q=True)
+    got = rcc_policy_logprobs(policy, numerator, plain, old, q, cfg, 4, 4)
+    expected = logprobs_no_grad(policy, plain if context == "q" else numerator, 4, 4, 1.0)
+    torch.testing.assert_close(got, expected)

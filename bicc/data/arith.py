@@ -35,6 +35,8 @@ def _rng(seed: int, stream: str, index: int) -> random.Random:
 
 @TASKS.register("arith")
 class ArithTask:
+    answer_anchors = ("\\boxed", "answer is")  # what exact_match_reward extracts (BiCC truncation keeps it)
+
     def __init__(self, data_cfg):
         self.cfg = data_cfg.arith
         self.seed = data_cfg.seed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from bicc.checking import MathChecker
+from bicc.checking import MathChecker, answer_anchors
 from bicc.data import TASKS, Problem
 from bicc.data.benchmarks import FieldNames, load_problems
 
@@ -27,6 +27,7 @@ class MathTask:
                                       cfg.test_answer_field or cfg.answer_field, cfg.test_id_field or cfg.id_field)
         self._test: list[Problem] | None = None
         self.checker = MathChecker(extractors=tuple(cfg.extractors))
+        self.answer_anchors = answer_anchors(cfg.extractors)  # where a final answer starts (BiCC truncation)
         if not self.train:
             raise ValueError(f"data.math.train_source={cfg.train_source}: no problems")
 
