@@ -81,7 +81,9 @@ def summarize(runs: dict[str, list[Path]], steps: int, seeds: int, wall: str) ->
     init = next(iter(res.values()))["init"]
     lines = [f"Embedded task, one SFT warm start (pass@1 {init:.1f}%), {seeds} RL seeds per row, {steps} RL steps "
              f"each; pass@1 on 200 held-out problems x 4 samples (T = 1). Mean over seeds ± their standard "
-             f"deviation; CI = mean of the per-run 95% CIs over problems. Δ against the matching baseline.",
+             f"deviation; CI = mean of the per-run 95% CIs over problems. Δ against the matching baseline. "
+             f"BiCC rows use the embedded task's named forms, not the paper's: bicc=stable (pi_old on x^c, lr / 3) and "
+             f"rcc=mean (delta averaged per token).",
              "", "| Method | pass@1 | seeds | CI95 | Δ | greedy | grad. variance |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in res.items():
         base = CONFIGS[name][1]
