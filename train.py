@@ -18,7 +18,6 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
-from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from bicc.advantages import ADVANTAGES
@@ -35,6 +34,7 @@ from bicc.models import (DTYPES, compute_copy, end_token_ids, frozen_copy, load_
                          tokenizer_and_positions)
 from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.optim import build_optimizer, warmup_cosine
+from bicc.progress import progress
 from bicc.rollout import EngineOptions, build_engine
 from bicc.sft import config_hash, warm_start
 from bicc.tracking import Tracker, rewind_jsonl
@@ -273,8 +273,7 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
         print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples on {s.dist.world} process(es)")
     start = time.perf_counter()
-    bar = tqdm(total=cfg.train.steps, initial=s.step, desc="rl", disable=not (cfg.logger.progress and s.dist.is_main),
-               dynamic_ncols=True)
+    bar = progress(cfg.train.steps, "rl", cfg.logger.progress and s.dist.is_main, initial=s.step)
     while s.step < cfg.train.steps:
         metrics, diag_record = rl_step(s, cfg)
         if diag_record and s.dist.is_main:  # raw per-sample values for the delta histograms (bicc.plots)

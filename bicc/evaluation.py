@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from bicc.checking import MathChecker
 from bicc.data import Problem, encode_prompt
 from bicc.data.benchmarks import FieldNames, load_problems
 from bicc.distributed import Dist, all_gather_objects
+from bicc.progress import progress as progress_bar
 from bicc.rollout import SamplingParams
 from bicc.stats import bootstrap_ci, pass_at_k_table
 
@@ -58,7 +58,7 @@ def _generate(engine, prompts, sampling: SamplingParams, chunk: int, desc: str, 
     {chunk start: (texts, lengths)}: chunk k goes to rank k mod W."""
     starts = list(range(0, len(prompts), chunk))[d.rank :: d.world]
     done = {}
-    bar = tqdm(total=len(starts), desc=desc, disable=not progress, dynamic_ncols=True, leave=False)
+    bar = progress_bar(len(starts), desc, progress, leave=False)
     for start in starts:
         part = SamplingParams(sampling.n, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
                               sampling.seed * 1_000_003 + start)

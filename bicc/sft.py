@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
 from bicc.checkpoint import COMPLETE, save_hf
 from bicc.conditioning import render_context
@@ -25,6 +24,7 @@ from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.losses.agg import masked_mean
 from bicc.models import build_tiny
 from bicc.optim import build_optimizer, warmup_cosine
+from bicc.progress import progress as progress_bar
 
 SFT_INDEX_OFFSET = 10**9  # SFT draws its problems from a stream apart from RL's
 
@@ -91,9 +91,9 @@ def train_sft(cfg, task, device: torch.device, progress: bool = True):
     optimizer = build_optimizer(model, sft.lr, cfg.optim.betas, sft.weight_decay)
     scheduler = warmup_cosine(optimizer, sft.warmup_steps, sft.steps, sft.min_lr_ratio)
     start = time.perf_counter()
-    bar = tqdm(range(sft.steps), desc="sft", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(sft.steps, "sft", progress)
     loss_value = float("nan")
-    for step in bar:
+    for step in range(sft.steps):
         first = SFT_INDEX_OFFSET + step * sft.batch_size
         batch = demonstration_batch(task, tokenizer, list(range(first, first + sft.batch_size)), sft_seed(cfg),
                                     sft.context_share, cfg.bicc).to(device)
@@ -105,9 +105,11 @@ def train_sft(cfg, task, device: torch.device, progress: bool = True):
         optimizer.step()
         scheduler.step()
         loss_value = loss.item()
+        bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
         if sft.time_budget_s and time.perf_counter() - start > sft.time_budget_s:
             break
+    bar.close()
     metrics = {"sft/loss": loss_value, "sft/steps": step + 1, "sft/seconds": time.perf_counter() - start}
     return model, tokenizer, metrics
 
