@@ -233,6 +233,12 @@ def render_context(tokenizer, prompt: str, attempts: list[list[int]], bicc_cfg, 
     return _render(enc, attempts, budget, bicc_cfg, tokenizer, stats, anchors)[0]
 
 
+def template_prompt(tokenizer, prompt: str, bicc_cfg) -> list[int]:
+    """The BiCC template around ``prompt`` with no attempts in it (the probe's template-only placebo)."""
+    enc = _encode_template(tokenizer, prompt, bicc_cfg, 0)
+    return enc.head + enc.preamble + enc.tail
+
+
 def warm_up(contexts: ConditionedPrompts, group_ids: torch.Tensor, plain_prompt_ids: list[list[int]], step: int,
             warmup_steps: int) -> ConditionedPrompts:
     """Condition only a share step/warmup_steps of the groups (the first groups of the batch), so training

@@ -76,16 +76,21 @@ def make_token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]
     return TokenBatch(input_ids, attention_mask, position_ids, completion_mask)
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Low-precision logits upcast to fp32 for the softmax; fp64 kept (the probe's exact checks)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[targets] without materialising the full log-softmax. [..., V], [...] -> [...]"""
-    logits = logits.float()
+    logits = at_least_fp32(logits)
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) per position. [..., V] -> [...]"""
-    logits = logits.float()
+    logits = at_least_fp32(logits)
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
@@ -102,7 +107,7 @@ def compute_precision(model):
 
 def _chunk_logprobs(hidden, weight, bias, targets, temperature: float):
     """[n, H] hidden states -> [n] log-probs of ``targets`` and [n] entropies (no graph)."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [n, V]
+    logits = at_least_fp32(torch.nn.functional.linear(hidden, weight, bias))  # [n, V]
     if temperature != 1.0:
         logits = logits / temperature
     logp = logprobs_from_logits(logits, targets)
@@ -171,7 +176,7 @@ def forward_logprobs(model, targets: torch.Tensor, temperature: float, with_entr
         out = model(**inputs, use_cache=False).logits
     if chunked:
         return out[..., 0], (out[..., 1] if with_entropy else None)
-    logits = out.float() / temperature if temperature != 1.0 else out
+    logits = at_least_fp32(out) / temperature if temperature != 1.0 else out
     entropy = None
     if with_entropy:
         with torch.no_grad():

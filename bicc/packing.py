@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from bicc.logprobs import compute_precision, entropy_from_logits, forward_logprobs, logprobs_from_logits
+from bicc.logprobs import at_least_fp32, compute_precision, entropy_from_logits, forward_logprobs, logprobs_from_logits
 
 
 MASK_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
@@ -132,7 +132,7 @@ def packed_logprobs(model, packed: PackedBatch, num_samples: int, length: int, t
                        logits_to_keep=packed.input_ids.shape[1] - first, use_cache=False).logits  # [R, T - first, V]
     picked = logits[packed.row, packed.pos - first]  # [M, V]
     if temperature != 1.0:
-        picked = picked.float() / temperature
+        picked = at_least_fp32(picked) / temperature
     flat = logprobs_from_logits(picked, packed.target)  # [M]
     logp = flat.new_zeros(num_samples, length).index_put((packed.sample, packed.step), flat)  # [n, L]
     entropy = None
@@ -221,7 +221,7 @@ def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int]
                         use_cache=True, logits_to_keep=1)
         first_logits = out.logits[:, -1][index]  # [n, V]: predicts each completion's first token
         if temperature != 1.0:
-            first_logits = first_logits.float() / temperature
+            first_logits = at_least_fp32(first_logits) / temperature
         first_logp = logprobs_from_logits(first_logits, c_ids[:, 0])  # [n]
         first_entropy = None
         if with_entropy:
