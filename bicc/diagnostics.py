@@ -58,17 +58,21 @@ class GradientMoments:
         self.sum = flat if self.sum is None else [s + g for s, g in zip(self.sum, flat)]
         self.count += 1
 
-    def relative_variance(self) -> float:
-        """mean_k ||g_k - g_bar||^2 / ||g_bar||^2 with g_bar = mean_k g_k (see ``gradient_variance``)."""
+    def variances(self) -> tuple[float, float]:
+        """(relative, absolute): mean_k ||g_k - g_bar||^2 / ||g_bar||^2 and mean_k ||g_k - g_bar||^2, with
+        g_bar = mean_k g_k (see ``gradient_variance``)."""
         if self.count < 2:
             raise ValueError(f"a gradient variance needs >= 2 estimates, got {self.count}")
         mean_sq_norm = sum(float((s * s).sum()) for s in self.sum) / self.count**2
-        spread = self.sq_norm_sum / self.count - mean_sq_norm
-        return max(spread, 0.0) / mean_sq_norm if mean_sq_norm > 0 else float("nan")
+        spread = max(self.sq_norm_sum / self.count - mean_sq_norm, 0.0)
+        return (spread / mean_sq_norm if mean_sq_norm > 0 else float("nan")), spread
+
+    def relative_variance(self) -> float:
+        return self.variances()[0]
 
 
 def gradient_variance(model, loss_of_rows, group_ids: torch.Tensor, splits: int, generator: torch.Generator,
-                      micro_batch_size: int) -> float:
+                      micro_batch_size: int, absolute: bool = False):
     """Relative variance of the policy-gradient estimator at the current parameters.
 
     Definition (fixed across the project): the step's groups (queries) are shuffled and cut into K =
@@ -82,7 +86,8 @@ def gradient_variance(model, loss_of_rows, group_ids: torch.Tensor, splits: int,
     which is invariant to the scale of the advantages (GRPO's std division vs RCC's none). Lower V
     means a less noisy gradient. ``loss_of_rows(rows)`` returns the loss of those rows normalised over
     ``rows`` (callers pass the update's own loss). Gradients are cleared afterwards, so the following
-    update is unchanged."""
+    update is unchanged. With ``absolute`` it returns (V, mean_k ||g_k - g_bar||^2): the absolute spread,
+    which does depend on the advantages' scale (it falls by RCC dropping the std division alone)."""
     groups = torch.unique(group_ids)
     groups = groups[torch.randperm(len(groups), generator=generator)]
     moments = GradientMoments()
@@ -94,4 +99,4 @@ def gradient_variance(model, loss_of_rows, group_ids: torch.Tensor, splits: int,
             loss_of_rows(rows[start : start + micro_batch_size], rows).backward()
         moments.add([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
     model.zero_grad(set_to_none=True)
-    return moments.relative_variance()
+    return moments.variances() if absolute else moments.relative_variance()
