@@ -144,12 +144,10 @@ def install_logprob_head(model, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> boo
     """Turn the model's ``nn.Linear`` output projection into a ``LogprobHead`` (same parameters and state
     dict); False when the head is of another kind (log-probs then come from full logits)."""
     head = model.get_output_embeddings()
-    if isinstance(head, LogprobHead):
-        head.chunk_tokens = chunk_tokens
-        return True
-    if type(head) is not torch.nn.Linear:
+    if type(head) is torch.nn.Linear:
+        head.__class__ = LogprobHead
+    if not isinstance(head, LogprobHead):
         return False
-    head.__class__ = LogprobHead
     head.chunk_tokens = chunk_tokens
     return True
 

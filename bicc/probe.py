@@ -39,19 +39,15 @@ from bicc.trainer import logprobs_no_grad
 FORMS = ("g_q", "g_0", "g_1", "g_P", "g_perm", "g_tmpl")
 
 
-def _contexts(prompt_ids: list[list[int]], keys: list[int], conditioned: torch.Tensor) -> ConditionedPrompts:
-    return ConditionedPrompts(prompt_ids, keys, conditioned)
-
-
 def identity_contexts(plain_prompt_ids: list[list[int]], group_ids: torch.Tensor) -> ConditionedPrompts:
     """x^c = q for every sample, through the conditioned code path (a group's samples share one prefix)."""
-    return _contexts([list(p) for p in plain_prompt_ids], group_ids.tolist(), torch.ones(len(plain_prompt_ids), dtype=torch.bool))
+    return ConditionedPrompts([list(p) for p in plain_prompt_ids], group_ids.tolist(), torch.ones(len(plain_prompt_ids), dtype=torch.bool))
 
 
 def template_contexts(prompts: list[str], group_ids: torch.Tensor, tokenizer, bicc_cfg) -> ConditionedPrompts:
     """The BiCC template (preamble, no attempts) around each sample's own query."""
     ids = {g: template_prompt(tokenizer, prompts[i], bicc_cfg) for i, g in enumerate(group_ids.tolist())}
-    return _contexts([ids[g] for g in group_ids.tolist()], group_ids.tolist(), torch.ones(len(prompts), dtype=torch.bool))
+    return ConditionedPrompts([ids[g] for g in group_ids.tolist()], group_ids.tolist(), torch.ones(len(prompts), dtype=torch.bool))
 
 
 def placebo_contexts(prompts: list[str], completion_ids: list[list[int]], correct: torch.Tensor, group_ids: torch.Tensor,
@@ -78,7 +74,7 @@ def placebo_contexts(prompts: list[str], completion_ids: list[list[int]], correc
                 continue
             for r in rows:
                 prompt_ids[r], keys[r], conditioned[r] = ids, len(correct) + 2 * k + side, True
-    return _contexts(prompt_ids, keys, conditioned)
+    return ConditionedPrompts(prompt_ids, keys, conditioned)
 
 
 def policy_gradient(model, numerator, old_logp, adv, mask, cfg) -> torch.Tensor:
