@@ -79,6 +79,26 @@ def _score(task, problems, texts, n, checker: MathChecker | None) -> np.ndarray:
     return np.asarray(scores, dtype=float).reshape(len(problems), n)
 
 
+def _sampled_rewards(engine, prompts, problems, task, sampling: SamplingParams, chunk: int, desc: str,
+                     checker: MathChecker | None, progress: bool, d: Dist):
+    """One sampled pass over every problem, scored where generated and gathered: rewards [P, n], the
+    completion lengths and the first sample's text of each problem (the same on every rank)."""
+    n = sampling.n
+    mine = {start: (_score(task, problems[start : start + chunk], texts, n, checker).tolist(), lengths, texts[::n])
+            for start, (texts, lengths) in _generate(engine, prompts, sampling, chunk, desc, progress, d).items()}
+    parts = {}
+    for theirs in all_gather_objects(mine, d):  # every chunk's scores, on every rank
+        parts.update(theirs)
+    order = sorted(parts)
+    rewards = np.concatenate([np.asarray(parts[k][0], dtype=float).reshape(-1, n) for k in order])
+    return rewards, [x for k in order for x in parts[k][1]], [t for k in order for t in parts[k][2]]
+
+
+def temperature_key(temperature: float) -> str:
+    """Metric suffix of an extra sampled pass (top-p 1): ``pass@1_T1``."""
+    return f"pass@1_T{temperature:g}"
+
+
 def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, progress: bool = False, d: Dist = Dist()):
     """Metrics of one benchmark and its per-problem records (the same on every rank)."""
     start = time.perf_counter()
@@ -87,35 +107,25 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
         raise ValueError(f"benchmark {bench.name}: no problems loaded from {bench.source}")
     prompts = [format_prompt(tokenizer, p, bench, eval_cfg.instruction) for p in problems]
     n = eval_cfg.samples_per_problem
-    sampling = SamplingParams(n, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.max_new_tokens, seed)
     chunk = max(1, eval_cfg.batch_size // n)
-    sampled = _generate(engine, prompts, sampling, chunk, f"eval {bench.name}", progress, d)
-    greedy = None
-    if eval_cfg.greedy:
-        greedy = _generate(engine, prompts, SamplingParams(1, 0.0, 1.0, eval_cfg.max_new_tokens, seed), chunk * n,
-                           f"greedy {bench.name}", progress, d)
-    # one checker (and worker pool) per rank scores that rank's sampled and greedy answers
+    # one checker (and worker pool) per rank scores that rank's answers
     checker = None if bench.source == "task" else MathChecker(
         extractors=tuple(bench.extractors), workers=eval_cfg.checker_workers, deadline_s=eval_cfg.checker_deadline_s)
     try:
-        mine = {start: (_score(task, problems[start : start + chunk], texts, n, checker).tolist(), lengths, texts[::n])
-                for start, (texts, lengths) in sampled.items()}
-        mine_greedy = {start: _score(task, problems[start : start + chunk * n], texts, 1, checker)[:, 0].tolist()
-                       for start, (texts, _) in (greedy or {}).items()}
+        score = lambda sampling, size, desc: _sampled_rewards(  # noqa: E731
+            engine, prompts, problems, task, sampling, size, desc, checker, progress, d)
+        rewards, lengths, first_texts = score(
+            SamplingParams(n, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.max_new_tokens, seed), chunk,
+            f"eval {bench.name}")
+        extra = {t: score(SamplingParams(n, t, 1.0, eval_cfg.max_new_tokens, seed), chunk, f"eval {bench.name} T={t:g}")[0]
+                 for t in eval_cfg.also_temperatures}
+        greedy_rewards = None
+        if eval_cfg.greedy:
+            greedy_rewards = score(SamplingParams(1, 0.0, 1.0, eval_cfg.max_new_tokens, seed), chunk * n,
+                                   f"greedy {bench.name}")[0][:, 0]
     finally:
         if checker is not None:
             checker.close()
-    sampled_parts, greedy_parts = {}, {}
-    for theirs, theirs_greedy in all_gather_objects((mine, mine_greedy), d):  # every chunk's scores, on every rank
-        sampled_parts.update(theirs)
-        greedy_parts.update(theirs_greedy)
-    order = sorted(sampled_parts)
-    rewards = np.concatenate([np.asarray(sampled_parts[k][0], dtype=float).reshape(-1, n) for k in order])  # [P, n]
-    lengths = [x for k in order for x in sampled_parts[k][1]]
-    first_texts = [t for k in order for t in sampled_parts[k][2]]
-    greedy_rewards = None
-    if greedy is not None:
-        greedy_rewards = np.concatenate([np.asarray(greedy_parts[k], dtype=float) for k in sorted(greedy_parts)])  # [P]
     correct = (rewards > 0.5).sum(axis=1).astype(int)
     per_problem = rewards.mean(axis=1)
     lo, hi = bootstrap_ci(per_problem, eval_cfg.bootstrap_samples, seed=seed)
@@ -127,6 +137,8 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
         prefix + "pass@1_ci_high": hi,
         prefix + "num_problems": len(problems),
         prefix + "samples_per_problem": n,
+        prefix + "temperature": float(eval_cfg.temperature),
+        prefix + "top_p": float(eval_cfg.top_p),
         prefix + "response_len": float(np.mean(lengths)),
     }
     table = pass_at_k_table(n, correct.tolist(), eval_cfg.ks)
@@ -136,11 +148,14 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
         k_lo, k_hi = bootstrap_ci(values, eval_cfg.bootstrap_samples, seed=seed)
         metrics[prefix + f"pass@{k}"] = float(values.mean())
         metrics[prefix + f"pass@{k}_ci_low"], metrics[prefix + f"pass@{k}_ci_high"] = k_lo, k_hi
+    for t, r in extra.items():
+        metrics[prefix + temperature_key(t)] = float(r.mean())
     if greedy_rewards is not None:
         metrics[prefix + "greedy_acc"] = float(greedy_rewards.mean())
     metrics[prefix + "seconds"] = time.perf_counter() - start
     records = [{"id": p.id, "answer": p.answer, "n": n, "correct": int(c), "accuracy": float(a),
                 **({"greedy": float(greedy_rewards[i])} if greedy_rewards is not None else {}),
+                **{temperature_key(t): float(r[i].mean()) for t, r in extra.items()},
                 "sample": first_texts[i][:2000]}
                for i, (p, c, a) in enumerate(zip(problems, correct, per_problem))]
     return metrics, records
@@ -174,10 +189,13 @@ def benchmark_names(metrics: dict) -> list[str]:
 
 
 def markdown_table(metrics: dict, ks=(1, 2, 4, 8, 16, 32)) -> str:
-    """One row per benchmark: pass@1 with its bootstrap CI, pass@k, greedy accuracy."""
+    """One row per benchmark: pass@1 with its bootstrap CI (and its sampling), pass@k, pass@1 of the extra
+    temperatures, greedy accuracy."""
     names = benchmark_names(metrics)
     shown = [k for k in ks if k > 1 and any(f"eval/{b}/pass@{k}" in metrics for b in names)]
-    head = ["benchmark", "problems", "n", "pass@1 (95% CI)", *[f"pass@{k}" for k in shown], "greedy"]
+    extras = sorted({k.split("/")[2] for k in metrics if k.count("/") == 2 and k.split("/")[2].startswith("pass@1_T")})
+    head = ["benchmark", "problems", "n", "pass@1 (95% CI)", *[f"pass@{k}" for k in shown],
+            *[e.replace("pass@1_T", "pass@1 T=") for e in extras], "greedy"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for b in names:
         p = f"eval/{b}/"
@@ -185,14 +203,21 @@ def markdown_table(metrics: dict, ks=(1, 2, 4, 8, 16, 32)) -> str:
                  f"{100 * metrics[p + 'pass@1']:.1f} [{100 * metrics[p + 'pass@1_ci_low']:.1f}, "
                  f"{100 * metrics[p + 'pass@1_ci_high']:.1f}]"]
         cells += [f"{100 * metrics[p + f'pass@{k}']:.1f}" if p + f"pass@{k}" in metrics else "—" for k in shown]
+        cells += [f"{100 * metrics[p + e]:.1f}" if p + e in metrics else "—" for e in extras]
         cells.append(f"{100 * metrics[p + 'greedy_acc']:.1f}" if p + "greedy_acc" in metrics else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def format_eval(metrics: dict[str, float]) -> str:
+    """One line: the headline pass@1 with its sampling, then the extra temperatures and greedy accuracy."""
+    sampling = ""
+    if "eval/temperature" in metrics:
+        sampling = f"T={metrics['eval/temperature']:g}, top-p {metrics['eval/top_p']:g}; "
     text = (f"pass@1 {100 * metrics['eval/pass@1']:.1f}% ± {100 * metrics['eval/pass@1_ci95']:.1f} "
-            f"({metrics['eval/num_problems']} problems × {metrics['eval/samples_per_problem']} samples)")
+            f"({sampling}{metrics['eval/num_problems']} problems × {metrics['eval/samples_per_problem']} samples)")
+    for key in sorted(k for k in metrics if k.startswith("eval/pass@1_T")):
+        text += f", T={key.removeprefix('eval/pass@1_T')} pass@1 {100 * metrics[key]:.1f}%"
     if "eval/greedy_acc" in metrics:
         text += f", greedy {100 * metrics['eval/greedy_acc']:.1f}%"
     return text
