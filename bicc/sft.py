@@ -45,8 +45,11 @@ def cache_key(cfg) -> str:
     sft = OmegaConf.to_container(cfg.sft, resolve=True)
     sft.pop("cache_dir")
     sft.pop("seed", None)  # folded into the effective seed below (keys made before the option stay valid)
-    if sft["context_share"] == 0:  # absent from keys made before the option existed: keep those caches valid
+    if sft["context_share"] == 0:  # absent from keys made before the options existed: keep those caches valid
         sft.pop("context_share")
+        sft.pop("context_attempts")
+    elif sft["context_attempts"] == "independent":
+        sft.pop("context_attempts")
     data = OmegaConf.to_container(cfg.data, resolve=True)
     for task in ("arith", "math"):  # only the active task's settings shape the warm start
         if data["task"] != task:
@@ -63,10 +66,22 @@ def cache_path(cfg) -> Path:
     return Path(cfg.sft.cache_dir) / f"sft-{cache_key(cfg)}"
 
 
-def demonstration_batch(task, tokenizer, indices: list[int], seed: int, context_share: float = 0.0, bicc_cfg=None):
+CONTEXT_ATTEMPTS = ("independent", "informative")
+
+
+def demonstration_batch(task, tokenizer, indices: list[int], seed: int, context_share: float = 0.0, bicc_cfg=None,
+                        context_attempts: str = "independent"):
     """Prompts and demonstrations for ``indices``. With ``context_share`` > 0 that share of prompts also
-    shows 1-4 other demonstrations of the same problem (independent of the target, slips included) under
-    the BiCC template, so the warm start has read such prompts before RL conditions on them."""
+    shows 1-4 other attempts at the same problem under the BiCC template, so the warm start has read such
+    prompts before RL conditions on them. ``context_attempts``:
+
+    - ``independent``: the attempts are further demonstrations (slips at the task's rate) and the target is
+      drawn as for a plain prompt, so the attempts carry no information about it;
+    - ``informative``: each attempt is slipped or correct with probability 1/2 (all-correct, all-wrong and
+      mixed sets, like BiCC's x- and x+ contexts) and the target is correct, so reusing a correct attempt
+      and not repeating a wrong one pays."""
+    if context_attempts not in CONTEXT_ATTEMPTS:
+        raise ValueError(f"config field 'sft.context_attempts': expected one of {CONTEXT_ATTEMPTS}, got {context_attempts!r}")
     prompts, completions = [], []
     for index in indices:
         problem = task.train_problem(index)
@@ -74,8 +89,11 @@ def demonstration_batch(task, tokenizer, indices: list[int], seed: int, context_
         demo = task.demonstration(problem, rng)
         prompt_ids = encode_prompt(tokenizer, problem.prompt)
         if context_share > 0 and rng.random() < context_share:
-            attempts = [tokenizer(task.demonstration(problem, rng), add_special_tokens=False)["input_ids"]
-                        for _ in range(rng.randint(1, 4))]
+            informative = context_attempts == "informative"
+            attempts = [tokenizer(task.demonstration(problem, rng, slip=rng.random() < 0.5 if informative else None),
+                                  add_special_tokens=False)["input_ids"] for _ in range(rng.randint(1, 4))]
+            if informative:
+                demo = task.demonstration(problem, rng, slip=False)
             budget = int(bicc_cfg.context_ratio * bicc_cfg.max_tokens)
             prompt_ids = render_context(tokenizer, problem.prompt, attempts, bicc_cfg, budget) or prompt_ids
         prompts.append(prompt_ids)
@@ -96,7 +114,7 @@ def train_sft(cfg, task, device: torch.device, progress: bool = True):
     for step in range(sft.steps):
         first = SFT_INDEX_OFFSET + step * sft.batch_size
         batch = demonstration_batch(task, tokenizer, list(range(first, first + sft.batch_size)), sft_seed(cfg),
-                                    sft.context_share, cfg.bicc).to(device)
+                                    sft.context_share, cfg.bicc, sft.context_attempts).to(device)
         logp, _ = batch_logprobs(model, batch)
         loss = -masked_mean(logp, batch.completion_mask)
         optimizer.zero_grad(set_to_none=True)

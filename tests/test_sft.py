@@ -21,8 +21,7 @@ def test_context_share_adds_attempts_to_prompts_only():
     assert not any(preamble in text for text in decoded_rows(plain))
     assert all(preamble in text for text in decoded_rows(with_ctx))
     # the targets are the same demonstrations: the context does not change what is learned to output
-    targets = lambda b: [TOK.decode(r[m.bool()].tolist()) for r, m in zip(b.input_ids[:, -b.completion_len:], b.completion_mask)]  # noqa: E731
-    assert targets(plain) == targets(with_ctx)
+    assert targets_of(plain) == targets_of(with_ctx)
 
 
 def test_cache_key_tracks_context_share_and_keeps_old_keys():
@@ -36,3 +35,38 @@ def test_cache_key_ignores_inactive_task_settings():
     base = compose_cfg(["sft.cache_dir=/tmp/x"])
     assert cache_key(base) == cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "data.math.train_source=/elsewhere.jsonl"]))
     assert cache_key(base) != cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "data.arith.max_operand=20"]))
+
+
+def test_informative_attempts_mix_right_and_wrong_under_a_correct_target():
+    """sft.context_attempts=informative: the attempts shown are right or slipped with probability 1/2 and the
+    target is always right, so a warm start can learn to reuse a right attempt and not repeat a wrong one."""
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", "rollout.max_new_tokens=160"])
+    task = build_task(cfg.data)
+    indices = list(range(200))
+    batch = demonstration_batch(task, TOK, indices, 0, 1.0, cfg.bicc, "informative")
+    rows = decoded_rows(batch)
+    targets = targets_of(batch)
+    problems = [task.train_problem(i) for i in indices]
+    assert all(task.reward(t, p) == 1.0 for t, p in zip(targets, problems))  # every target is right
+    prompts = [row[: row.rindex(t)] for row, t in zip(rows, targets)]
+    shown = [[task.reward(a, p) for a in prompt.split("Attempt ")[1:]] for prompt, p in zip(prompts, problems)]
+    flat = [r for s in shown for r in s]
+    assert 0.35 < sum(flat) / len(flat) < 0.65  # attempts right about half the time
+    assert any(0 < sum(s) < len(s) for s in shown) and any(sum(s) == 0 for s in shown) and any(sum(s) == len(s) for s in shown)
+    # independent attempts keep the task's targets (slips included) and draw the same RNG stream as before
+    independent = demonstration_batch(task, TOK, indices, 0, 1.0, cfg.bicc)
+    wrong = [t for t, p in zip(targets_of(independent), problems) if task.reward(t, p) == 0.0]
+    assert 0.15 < len(wrong) / len(problems) < 0.45  # slip_rate 0.3
+
+
+def targets_of(batch):
+    return [TOK.decode(r[m.bool()].tolist()) for r, m in zip(batch.input_ids[:, -batch.completion_len:], batch.completion_mask)]
+
+
+def test_cache_key_tracks_context_attempts_only_when_attempts_are_shown():
+    base = compose_cfg(["sft.cache_dir=/tmp/x"])
+    assert cache_key(base) == cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "sft.context_attempts=informative"]))
+    shown = lambda kind: cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "sft.context_share=0.5",  # noqa: E731
+                                                f"sft.context_attempts={kind}"]))
+    assert shown("informative") != shown("independent")
+    assert shown("independent") == cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "sft.context_share=0.5"]))

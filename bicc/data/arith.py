@@ -99,11 +99,16 @@ class ArithTask:
         return exact_match_reward(completion, problem.answer)
 
     # ---- demonstrations ---------------------------------------------------------------------
-    def demonstration(self, problem: Problem, rng: random.Random) -> str:
-        """Worked steps for ``problem``; with probability slip_rate one step is off and carried."""
+    def demonstration(self, problem: Problem, rng: random.Random, slip: bool | None = None) -> str:
+        """Worked steps for ``problem``; one step is off and carried with probability slip_rate, or as
+        ``slip`` says (True: a slipped demonstration, False: a correct one)."""
         tokens = problem.prompt.removeprefix("Compute ").removesuffix(".")
         operands, ops = _parse(tokens)
-        slip_step = rng.randrange(len(ops)) if rng.random() < self.cfg.slip_rate else -1
+        if slip is None:
+            slip = rng.random() < self.cfg.slip_rate
+        slip_step = -1
+        if slip:
+            slip_step = rng.randrange(len(ops)) if self.cfg.slip_step == "any" else len(ops) - 1
         lines = []
         value = operands[0]
         for step, (op, x) in enumerate(zip(ops, operands[1:])):
