@@ -88,7 +88,7 @@ class TinyArchConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
-    max_position_embeddings: int = 512
+    max_position_embeddings: int = 1024
     tie_word_embeddings: bool = True
     attention_dropout: float = 0.0
 
@@ -116,6 +116,7 @@ class ArithConfig:
     ops: str = "+-"
     slip_rate: float = 0.3
     slip_max: int = 2
+    slip_step: str = "any"
     test_size: int = 500
     test_share: float = 0.1
 
@@ -218,6 +219,7 @@ class SFTConfig:
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.0
     context_share: float = 0.0
+    context_attempts: str = "independent"
     seed: Optional[int] = None
     cache_dir: str = MISSING
 
@@ -246,6 +248,7 @@ class EvalConfig:
     samples_per_problem: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
+    also_temperatures: List[float] = field(default_factory=list)
     max_new_tokens: int = 64
     greedy: bool = True
     batch_size: int = 512
@@ -393,6 +396,8 @@ def validate(cfg: Any) -> None:
     _check(d.reduce_dtype in DTYPES, "dist.reduce_dtype", f"'{d.reduce_dtype}' unknown; choose from: {', '.join(DTYPES)}")
 
     _check(0 <= cfg.sft.context_share <= 1, "sft.context_share", f"must be in [0, 1], got {cfg.sft.context_share}")
+    _check(cfg.sft.context_attempts in ("independent", "informative"), "sft.context_attempts",
+           f"must be independent | informative, got {cfg.sft.context_attempts!r}")
     b = cfg.bicc
     _check(b.mode in ("partition", "paired"), "bicc.mode", f"'{b.mode}' unknown; choose from: partition, paired")
     _check(b.packing_impl in ("kv", "mask"), "bicc.packing_impl", f"'{b.packing_impl}' unknown; choose from: kv, mask")
@@ -419,6 +424,8 @@ def validate(cfg: Any) -> None:
     _check(e.limit is None or e.limit >= 1, "eval.limit", f"must be null or >= 1, got {e.limit}")
     _check(e.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {e.temperature}")
     _check(0 < e.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {e.top_p}")
+    for i, t in enumerate(e.also_temperatures):
+        _check(t > 0, f"eval.also_temperatures[{i}]", f"must be > 0 (greedy is eval.greedy), got {t}")
     _check(e.on_bad_row in ("error", "skip"), "eval.on_bad_row", f"'{e.on_bad_row}' unknown; choose from: error, skip")
     _check(all(k >= 1 for k in e.ks), "eval.ks", f"every k must be >= 1, got {list(e.ks)}")
     _check(e.checker_deadline_s > 0, "eval.checker_deadline_s", f"must be > 0, got {e.checker_deadline_s}")
@@ -445,6 +452,7 @@ def validate(cfg: Any) -> None:
     _check(2 <= ar.min_operands <= ar.max_operands, "data.arith.min_operands",
            f"need 2 <= min_operands <= max_operands, got {ar.min_operands}..{ar.max_operands}")
     _check(0 <= ar.slip_rate <= 1, "data.arith.slip_rate", f"must be in [0, 1], got {ar.slip_rate}")
+    _check(ar.slip_step in ("any", "last"), "data.arith.slip_step", f"must be any | last, got {ar.slip_step!r}")
     _check(set(ar.ops) <= set("+-") and ar.ops != "", "data.arith.ops", f"use a non-empty subset of '+-', got '{ar.ops}'")
     _check(0 < ar.test_share < 1, "data.arith.test_share", f"must be in (0, 1), got {ar.test_share}")
 
@@ -464,11 +472,16 @@ def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field:
     train_len, train_id = longest([task.train_problem(i) for i in range(sample)],
                                   lambda p: encode_prompt(tokenizer, p.prompt))
     budget = int(cfg.bicc.context_ratio * cfg.bicc.max_tokens) if cfg.bicc.enabled else 0
-    need = train_len + budget + cfg.rollout.max_new_tokens
+    template, shown = 0, cfg.rollout.group_size - 1  # a context shows at most G - 1 attempts
+    if cfg.bicc.enabled:
+        enc = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+        template = enc(cfg.bicc.preamble) + sum(enc(cfg.bicc.attempt_header.format(i=i + 1)) for i in range(shown))
+    need = train_len + budget + template + cfg.rollout.max_new_tokens
     _check(need <= max_positions, "rollout.max_new_tokens",
            f"longest training prompt ({train_len} tokens, problem {train_id}) + BiCC context budget ({budget} = "
-           f"bicc.context_ratio x bicc.max_tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {need} "
-           f"exceeds the model's {max_positions} positions ({limit_field}); lower the budgets or use a longer model")
+           f"bicc.context_ratio x bicc.max_tokens) + BiCC template ({template} = preamble + {shown} attempt headers) + "
+           f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {need} exceeds the model's {max_positions} "
+           f"positions ({limit_field}); lower the budgets or use a longer model")
     need_eval = 0
     for bench in cfg.eval.benchmarks:
         test_len, test_id = longest(benchmark_problems(bench, task, cfg.eval),

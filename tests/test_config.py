@@ -104,7 +104,8 @@ def _lengths(overrides):
     from bicc.data import build_task
     from bicc.models import tokenizer_and_positions
 
-    cfg = compose_cfg(["sft.cache_dir=/tmp/x", *overrides])
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", "model.tiny.max_position_embeddings=512", "rollout.max_new_tokens=64",
+                       *overrides])
     validate(cfg)
     validate_lengths(cfg, build_task(cfg.data), *tokenizer_and_positions(cfg.model))
 
@@ -126,3 +127,11 @@ def test_budgets_beyond_the_model_positions_name_the_field(overrides, field):
 
 def test_context_budget_only_counts_with_bicc_on():
     _lengths(["bicc=off", "bicc.max_tokens=1200", "bicc.context_ratio=0.5"])
+
+
+def test_the_bicc_template_counts_toward_the_positions():
+    """The budget bounds the attempts' tokens only; the preamble and one header per shown attempt come on
+    top. 400 tokens of output + 40 of context fit 512 positions without them, not with them."""
+    _lengths(["bicc=off", "rollout.max_new_tokens=400", "eval.max_new_tokens=64"])
+    with pytest.raises(ValueError, match=r"BiCC template \(\d+ = preamble \+ 7 attempt headers\)"):
+        _lengths(["rollout.max_new_tokens=400", "bicc.max_tokens=100", "eval.max_new_tokens=64"])
