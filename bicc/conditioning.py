@@ -149,10 +149,10 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
     out_ids: list[list[int]] = [list(p) for p in plain_prompt_ids]
     keys = list(range(n))  # unconditioned samples: unique keys (their q prefix is not shared in packing)
     conditioned = torch.zeros(n, dtype=torch.bool)
-    shown = torch.zeros(n)
+    shown, whole = torch.zeros(n), torch.zeros(n)
     stats = {"groups": 0, "groups_conditioned": 0, "groups_dropped": 0, "attempts": 0, "truncated": 0, "dropped": 0,
-             "context_tokens": 0, "contexts": 0, "shown": 0}
-    cache: dict[tuple, tuple[list[int] | None, int, int]] = {}
+             "context_tokens": 0, "contexts": 0, "shown": 0, "whole": 0}
+    cache: dict[tuple, tuple[list[int] | None, int, int, int]] = {}
     next_key = n
     for g in torch.unique(group_ids).tolist():
         rows = (group_ids == g).nonzero().flatten().tolist()
@@ -171,24 +171,25 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
                     k = min(bicc_cfg.paired_k, len(opposite))
                     chosen = tuple(opposite[(j * k + t) % len(opposite)] for t in range(k))
                 if chosen not in cache:
-                    before = stats["shown"]
+                    before = stats["shown"], stats["whole"]
                     ids, used = _render(enc, [attempts[o] for o in chosen], budget, bicc_cfg, tokenizer, stats, anchors)
-                    cache[chosen] = (ids, next_key, stats["shown"] - before)
+                    cache[chosen] = (ids, next_key, stats["shown"] - before[0], stats["whole"] - before[1])
                     next_key += 1
                     stats["context_tokens"] += used
                     stats["contexts"] += 1
                 assigned[r] = cache[chosen]
-        if any(ids is None for ids, _, _ in assigned.values()):  # some sample would keep q: the group keeps q
+        if any(ids is None for ids, _, _, _ in assigned.values()):  # some sample would keep q: the group keeps q
             stats["groups_dropped"] += 1
             continue
         stats["groups_conditioned"] += 1
-        for r, (ids, key, count) in assigned.items():
-            out_ids[r], keys[r], conditioned[r], shown[r] = ids, key, True, count
+        for r, (ids, key, count, uncut) in assigned.items():
+            out_ids[r], keys[r], conditioned[r], shown[r], whole[r] = ids, key, True, count, uncut
     metrics = {
         "bicc/groups_conditioned_share": stats["groups_conditioned"] / max(1, stats["groups"]),
         "bicc/groups_dropped_share": stats["groups_dropped"] / max(1, stats["groups"]),
         "bicc/samples_conditioned_share": conditioned.float().mean().item(),
         "bicc/attempts_shown": shown[conditioned].mean().item() if conditioned.any() else 0.0,
+        "bicc/whole_attempts_shown": whole[conditioned].mean().item() if conditioned.any() else 0.0,
         "bicc/context_tokens": stats["context_tokens"] / max(1, stats["contexts"]),
         "bicc/context_budget_used": stats["context_tokens"] / max(1, stats["contexts"] * budget),
         "bicc/truncated_share": stats["truncated"] / max(1, stats["attempts"]),
@@ -220,6 +221,7 @@ def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, token
     body: list[int] = []
     for shown, (c, cut) in enumerate(zip(candidates, cuts)):
         stats["truncated"] += int(cut != chosen[c])
+        stats["whole"] += int(cut == chosen[c])
         body += enc.headers[shown] + cut
     return enc.head + enc.preamble + body + enc.tail, sum(len(cut) for cut in cuts)
 
@@ -229,7 +231,7 @@ def render_context(tokenizer, prompt: str, attempts: list[list[int]], bicc_cfg, 
     """The prompt ``prompt`` with ``attempts`` (token ids) shown under the BiCC template and budget, as
     build_contexts renders them; None when no attempt fits. Used to show warm starts such prompts."""
     enc = _encode_template(tokenizer, prompt, bicc_cfg, len(attempts))
-    stats = {"attempts": 0, "dropped": 0, "truncated": 0, "shown": 0}
+    stats = {"attempts": 0, "dropped": 0, "truncated": 0, "shown": 0, "whole": 0}
     return _render(enc, attempts, budget, bicc_cfg, tokenizer, stats, anchors)[0]
 
 
