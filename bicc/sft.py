@@ -21,7 +21,6 @@ from bicc.checkpoint import COMPLETE, save_hf
 from bicc.conditioning import render_context
 from bicc.data import encode_prompt
 from bicc.logprobs import batch_logprobs, make_token_batch
-from bicc.losses.agg import masked_mean
 from bicc.models import build_tiny
 from bicc.optim import build_optimizer, warmup_cosine
 from bicc.progress import progress as progress_bar
@@ -71,6 +70,13 @@ CONTEXT_ATTEMPTS = ("independent", "informative")
 
 def demonstration_batch(task, tokenizer, indices: list[int], seed: int, context_share: float = 0.0, bicc_cfg=None,
                         context_attempts: str = "independent"):
+    """The rows of ``demonstrations`` as one padded batch."""
+    prompts, completions, _ = demonstrations(task, tokenizer, indices, seed, context_share, bicc_cfg, context_attempts)
+    return make_token_batch(prompts, completions, tokenizer.pad_token_id)
+
+
+def demonstrations(task, tokenizer, indices: list[int], seed: int, context_share: float = 0.0, bicc_cfg=None,
+                   context_attempts: str = "independent") -> tuple[list[list[int]], list[list[int]], list[bool]]:
     """Prompts and demonstrations for ``indices``. With ``context_share`` > 0 that share of prompts also
     shows 1-4 other attempts at the same problem under the BiCC template, so the warm start has read such
     prompts before RL conditions on them. ``context_attempts``:
@@ -79,15 +85,17 @@ def demonstration_batch(task, tokenizer, indices: list[int], seed: int, context_
       drawn as for a plain prompt, so the attempts carry no information about it;
     - ``informative``: each attempt is slipped or correct with probability 1/2 (all-correct, all-wrong and
       mixed sets, like BiCC's x- and x+ contexts) and the target is correct, so reusing a correct attempt
-      and not repeating a wrong one pays."""
+      and not repeating a wrong one pays.
+
+    Returns prompt ids, completion ids and, per row, whether its prompt shows attempts."""
     if context_attempts not in CONTEXT_ATTEMPTS:
         raise ValueError(f"config field 'sft.context_attempts': expected one of {CONTEXT_ATTEMPTS}, got {context_attempts!r}")
-    prompts, completions = [], []
+    prompts, completions, shown = [], [], []
     for index in indices:
         problem = task.train_problem(index)
         rng = random.Random(f"{seed}:demo:{index}")
         demo = task.demonstration(problem, rng)
-        prompt_ids = encode_prompt(tokenizer, problem.prompt)
+        prompt_ids, context = encode_prompt(tokenizer, problem.prompt), None
         if context_share > 0 and rng.random() < context_share:
             informative = context_attempts == "informative"
             attempts = [tokenizer(task.demonstration(problem, rng, slip=rng.random() < 0.5 if informative else None),
@@ -95,10 +103,28 @@ def demonstration_batch(task, tokenizer, indices: list[int], seed: int, context_
             if informative:
                 demo = task.demonstration(problem, rng, slip=False)
             budget = int(bicc_cfg.context_ratio * bicc_cfg.max_tokens)
-            prompt_ids = render_context(tokenizer, problem.prompt, attempts, bicc_cfg, budget) or prompt_ids
+            context = render_context(tokenizer, problem.prompt, attempts, bicc_cfg, budget)
+            prompt_ids = context or prompt_ids
         prompts.append(prompt_ids)
         completions.append(tokenizer(demo, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-    return make_token_batch(prompts, completions, tokenizer.pad_token_id)
+        shown.append(context is not None)
+    return prompts, completions, shown
+
+
+def sft_loss(model, prompts, completions, shown, pad_id: int, device: torch.device) -> torch.Tensor:
+    """Mean negative log-likelihood over every completion token, backpropagated (and returned detached).
+    Rows with and without attempts in their prompt are padded and run apart, so the short plain prompts do
+    not pay for the long ones' padding; the sum over both is the one-batch loss."""
+    groups = [[i for i, s in enumerate(shown) if s == flag] for flag in (False, True)]
+    total = sum(len(c) for c in completions)
+    parts = []
+    for rows in (g for g in groups if g):
+        batch = make_token_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_id).to(device)
+        logp, _ = batch_logprobs(model, batch)
+        part = -(logp * batch.completion_mask).sum() / total
+        part.backward()
+        parts.append(part.detach())
+    return sum(parts[1:], parts[0])
 
 
 def train_sft(cfg, task, device: torch.device, progress: bool = True):
@@ -113,12 +139,10 @@ def train_sft(cfg, task, device: torch.device, progress: bool = True):
     loss_value = float("nan")
     for step in range(sft.steps):
         first = SFT_INDEX_OFFSET + step * sft.batch_size
-        batch = demonstration_batch(task, tokenizer, list(range(first, first + sft.batch_size)), sft_seed(cfg),
-                                    sft.context_share, cfg.bicc, sft.context_attempts).to(device)
-        logp, _ = batch_logprobs(model, batch)
-        loss = -masked_mean(logp, batch.completion_mask)
+        prompts, completions, shown = demonstrations(task, tokenizer, list(range(first, first + sft.batch_size)),
+                                                     sft_seed(cfg), sft.context_share, cfg.bicc, sft.context_attempts)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = sft_loss(model, prompts, completions, shown, tokenizer.pad_token_id, device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
         optimizer.step()
         scheduler.step()

@@ -70,3 +70,30 @@ def test_cache_key_tracks_context_attempts_only_when_attempts_are_shown():
                                                 f"sft.context_attempts={kind}"]))
     assert shown("informative") != shown("independent")
     assert shown("independent") == cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "sft.context_share=0.5"]))
+
+
+def test_sft_loss_runs_plain_and_context_rows_apart_with_the_one_batch_loss_and_gradient():
+    """Rows with attempts are padded and run apart from plain rows (their padding would multiply the plain
+    rows' cost); the loss and gradient are the one-batch token mean's."""
+    import torch
+
+    from bicc.logprobs import batch_logprobs
+    from bicc.losses.agg import masked_mean
+    from bicc.models import build_tiny
+    from bicc.sft import demonstrations, sft_loss
+
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x"])
+    task = build_task(cfg.data)
+    prompts, completions, shown = demonstrations(task, TOK, list(range(12)), 0, 0.5, cfg.bicc, "informative")
+    assert 0 < sum(shown) < len(shown)
+    model, _ = build_tiny(cfg.model.tiny, seed=0)
+    model = model.double()
+    loss = sft_loss(model, prompts, completions, shown, TOK.pad_token_id, torch.device("cpu"))
+    split = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    batch = demonstration_batch(task, TOK, list(range(12)), 0, 0.5, cfg.bicc, "informative")
+    logp, _ = batch_logprobs(model, batch)
+    reference = -masked_mean(logp, batch.completion_mask)
+    reference.backward()
+    assert torch.allclose(loss, reference.detach(), atol=1e-12)
+    assert all(torch.allclose(a, p.grad, atol=1e-10) for a, p in zip(split, model.parameters()))
