@@ -141,7 +141,8 @@ def probe_batch(model, tokenizer, ro, cfg, task_anchors, end_ids, device, advant
     log_w = ((on["real"] - on_q) * mask).sum(-1).cpu()  # [N]
     cond = real.conditioned
     out = {"grads": grads, **clip_gating(on["real"], on_q, adv, mask, cfg.algo),
-           "conditioned_share": cond.float().mean().item()}
+           "conditioned_share": cond.float().mean().item(), "attempts_shown": real.metrics["bicc/attempts_shown"],
+           "whole_attempts_shown": real.metrics["bicc/whole_attempts_shown"]}
     for name, side in (("pos", ro.correct == 1), ("neg", ro.correct != 1)):
         sel = cond & side
         out[f"log_w_{name}"] = log_w[sel].tolist()
@@ -223,7 +224,7 @@ def main() -> None:
         if v:
             print(f"{name}: mean {statistics.fmean(v):.2f}, median {statistics.median(v):.2f}, "
                   f"share > 0 {sum(x > 0 for x in v) / len(v):.2f} ({len(v)} outputs)")
-    for name in ("gated_share_A_pos", "gated_share_A_neg", "conditioned_share"):
+    for name in ("gated_share_A_pos", "gated_share_A_neg", "conditioned_share", "attempts_shown", "whole_attempts_shown"):
         print(f"{name}: {statistics.fmean(pooled[name]):.3f}")
     print(f"RESULT probe_identity_maxdiff={identity:.3g} target<=1e-6")
 
