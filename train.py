@@ -161,7 +161,18 @@ def describe_choices(choices, cfg) -> str:
         if choice is not None:
             note = NAMED_FORMS.get((group, choice))
             parts.append(f"{group}={choice}" + (f" ({note})" if note else ""))
-    return " ".join(parts) + f"; lr {peak_lr(cfg):g}"
+    r = cfg.rollout
+    text = (" ".join(parts) + f"; lr {peak_lr(cfg):g}, {cfg.train.steps} steps of {r.prompts_per_step} prompts x "
+            f"G={r.group_size}, max {r.max_new_tokens} tokens")
+    if cfg.algo.kl_coef > 0:
+        text += f", KL {cfg.algo.kl_coef:g} ({cfg.algo.kl_estimator})"
+    if cfg.bicc.enabled:
+        text += f", context budget {int(cfg.bicc.context_ratio * cfg.bicc.max_tokens)} tokens"
+    if cfg.model.tiny is not None and cfg.data.task == "arith":
+        text += f", arith slips {cfg.data.arith.slip_rate:g} at {cfg.data.arith.slip_step} step"
+    if cfg.model.tiny is not None and cfg.sft.context_share > 0:
+        text += f", warm start shows {cfg.sft.context_attempts} attempts on {cfg.sft.context_share:g} of its prompts"
+    return text
 
 
 def peak_lr(cfg) -> float:

@@ -1,8 +1,10 @@
 """CPU reproduction of the paper's main comparison on the embedded task (``make results``).
 
 From one SFT warm start (``sft.seed=0``) and several RL seeds, trains GRPO, BiCC-GRPO, BiCC-GRPO+RCC,
-DAPO and BiCC-DAPO with the default settings of each, evaluates every run (pass@1 with its 95% CI) and
-writes:
+DAPO and BiCC-DAPO with the default settings of each; GRPO and BiCC-GRPO again from the warm start that
+has learnt to read attempts (``READING``); and BiCC-GRPO at several context ratios (one seed each, with
+what the contexts held). It evaluates every run (pass@1 at T 0.6 / top-p 0.95 with its 95% CI, pass@1 at
+T 1, greedy accuracy) and writes:
 
 - ``outputs/results/steps<N>/<config>/s<seed>/``: the run dirs (metrics, diagnostics, results.json);
 - ``docs/results/results.md``: the table in the paper's format (mean over seeds, spread, delta against
@@ -28,23 +30,42 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# The warm start that has learnt to read attempts: a quarter of its SFT prompts show informative attempts (right
+# or slipped, under a correct target) in the BiCC template, with 1,200 SFT steps instead of 900 so that its plain
+# accuracy matches the plain warm start's (README: the gradient-alignment probe).
+READING = ["sft.context_share=0.25", "sft.context_attempts=informative", "sft.steps=1200"]
 CONFIGS = {  # name -> (overrides, baseline name or None)
     "GRPO": (["algo=grpo", "bicc=off", "rcc=off"], None),
     "BiCC-GRPO": (["algo=grpo", "bicc=stable", "rcc=off"], "GRPO"),
     "BiCC-GRPO+RCC": (["algo=grpo", "bicc=stable", "rcc=mean"], "GRPO"),
     "DAPO": (["algo=dapo", "bicc=off", "rcc=off"], None),
     "BiCC-DAPO": (["algo=dapo", "bicc=stable", "rcc=off"], "DAPO"),
+    "GRPO, reading warm start": (["algo=grpo", "bicc=off", "rcc=off", *READING], None),
+    "BiCC-GRPO, reading warm start": (["algo=grpo", "bicc=stable", "rcc=off", *READING], "GRPO, reading warm start"),
 }
+# The context-ratio ablation (one seed each): BiCC-GRPO with the share of max tokens the attempts may fill.
+RATIOS = (0.2, 0.4, 0.6)
 
 
-def run_one(name: str, seed: int, steps: int, threads: int, out_root: Path, extra: list[str]) -> Path:
-    run_dir = out_root / name / f"s{seed}"
+def ablation_configs(ratios) -> dict:
+    return {f"BiCC-GRPO, context ratio {r}": (["algo=grpo", "bicc=stable", "rcc=off", f"bicc.context_ratio={r}"], None)
+            for r in ratios}
+
+
+def run_dir_of(out_root: Path, name: str, seed: int) -> Path:
+    return out_root / name.replace(", ", "_").replace(" ", "-") / f"s{seed}"
+
+
+def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int, out_root: Path, extra: list[str]) -> Path:
+    run_dir = run_dir_of(out_root, name, seed)
     if (run_dir / "results.json").exists():
         return run_dir
-    cmd = [sys.executable, str(ROOT / "train.py"), *CONFIGS[name][0], f"seed={seed}", "sft.seed=0",
+    cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"seed={seed}", "sft.seed=0",
            f"train.steps={steps}", f"threads={threads}", "logger.wandb_mode=disabled", "logger.progress=false",
            f"hydra.run.dir={run_dir}", *extra]
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -68,41 +89,68 @@ def mean_metric(run_dir: Path, name: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def summarize(runs: dict[str, list[Path]], steps: int, seeds: int, wall: str) -> str:
+def final_metrics(dirs: list[Path]) -> dict:
+    finals = [json.loads((d / "results.json").read_text()) for d in dirs]
+    pct = lambda key: [100 * f["final"][key] for f in finals]  # noqa: E731
+    return dict(p1=pct("eval/pass@1"), ci=pct("eval/pass@1_ci95"), t1=pct("eval/pass@1_T1"), greedy=pct("eval/greedy_acc"),
+                init=finals[0]["initial"])
+
+
+def spread(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.1f} ± {sd:.1f}"
+
+
+def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], steps: int, seeds: int, wall: str) -> str:
     res = {}
     for name, dirs in runs.items():
-        finals = [json.loads((d / "results.json").read_text()) for d in dirs]
-        p1 = [100 * f["final"]["eval/pass@1"] for f in finals]
-        ci = [100 * f["final"]["eval/pass@1_ci95"] for f in finals]
-        greedy = [100 * f["final"]["eval/greedy_acc"] for f in finals]
+        res[name] = final_metrics(dirs)
         gv = [v for v in (mean_metric(d, "rcc/grad_var") for d in dirs) if v is not None]
-        res[name] = dict(p1=p1, ci=ci, greedy=greedy, gv=statistics.fmean(gv) if gv else None,
-                         init=100 * finals[0]["initial"]["eval/pass@1"])
-    init = next(iter(res.values()))["init"]
-    lines = [f"Embedded task, one SFT warm start (pass@1 {init:.1f}%), {seeds} RL seeds per row, {steps} RL steps "
-             f"each; pass@1 on 200 held-out problems x 4 samples (T = 1). Mean over seeds ± their standard "
-             f"deviation; CI = mean of the per-run 95% CIs over problems. Δ against the matching baseline. "
-             f"BiCC rows use the embedded task's named forms, not the paper's: bicc=stable (pi_old on x^c, lr / 3) and "
-             f"rcc=mean (delta averaged per token).",
-             "", "| Method | pass@1 | seeds | CI95 | Δ | greedy | grad. variance |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        res[name]["gv"] = statistics.fmean(gv) if gv else None
+    starts = {}  # warm start -> its initial metrics (runs sharing sft overrides share it)
+    for name, r in res.items():
+        starts.setdefault("reading" if "reading" in name else "plain", r["init"])
+    lines = [f"Embedded task, {seeds} RL seeds per row, {steps} RL steps each, one SFT warm start per kind (sft.seed=0). "
+             f"pass@1 on 200 held-out problems x 4 samples at the paper's evaluation sampling (T = 0.6, top-p 0.95), "
+             f"T = 1 (the training temperature) and greedy beside it. Mean over seeds ± their standard deviation; "
+             f"CI = mean of the per-run 95% CIs over problems. Δ against the matching baseline. BiCC rows use the "
+             f"embedded task's named form bicc=stable (pi_old on x^c, lr / 3), RCC rows rcc=mean (delta averaged "
+             f"per token); neither is the paper's exact form (README).", ""]
+    for kind, init in starts.items():
+        lines.append(f"- {kind} warm start: pass@1 {100 * init['eval/pass@1']:.1f}, T = 1 "
+                     f"{100 * init['eval/pass@1_T1']:.1f}, greedy {100 * init['eval/greedy_acc']:.1f}")
+    lines += ["", "| Method | pass@1 | seeds | CI95 | Δ | pass@1 T=1 | greedy | grad. variance |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in res.items():
         base = CONFIGS[name][1]
-        m = statistics.fmean(r["p1"])
-        sd = statistics.stdev(r["p1"]) if len(r["p1"]) > 1 else 0.0
         if base and base in res:
-            d = m - statistics.fmean(res[base]["p1"])
+            d = statistics.fmean(r["p1"]) - statistics.fmean(res[base]["p1"])
             delta = f"{'↑' if d >= 0 else '↓'}{abs(d):.1f}"
         else:
             delta = "—"
         gv = f"{r['gv']:.2f}" if r["gv"] is not None else "—"
-        lines.append(f"| {name} | {m:.1f} ± {sd:.1f} | {', '.join(f'{x:.1f}' for x in r['p1'])} | "
-                     f"±{statistics.fmean(r['ci']):.1f} | {delta} | {statistics.fmean(r['greedy']):.1f} | {gv} |")
+        lines.append(f"| {name} | {spread(r['p1'])} | {', '.join(f'{x:.1f}' for x in r['p1'])} | "
+                     f"±{statistics.fmean(r['ci']):.1f} | {delta} | {spread(r['t1'])} | {spread(r['greedy'])} | {gv} |")
     if res.get("BiCC-GRPO+RCC", {}).get("gv") and res.get("BiCC-GRPO", {}).get("gv"):
         ratio = res["BiCC-GRPO+RCC"]["gv"] / res["BiCC-GRPO"]["gv"]
         lines += ["", f"Gradient variance (relative, measured every `rcc.diag_every` steps during training, mean over "
                       f"steps and seeds): BiCC-GRPO+RCC / BiCC-GRPO = **{ratio:.2f}**. Runs follow different "
                       f"trajectories; `bench/rcc_variance.py` compares the two advantages on identical batches."]
-    lines += ["", f"Wall time of this table: {wall}"]
+    if ablation:
+        lines += ["", "Context-ratio ablation (BiCC-GRPO, plain warm start, seed 0, same steps), with what the contexts held "
+                      "(training means): the share of samples conditioned, attempts shown per context, of them whole "
+                      "(not cut), and attempts dropped.", "",
+                  "| context ratio | budget (tokens) | pass@1 | pass@1 T=1 | greedy | conditioned | attempts shown | whole | dropped |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, dirs in ablation.items():
+            r, d = final_metrics(dirs), dirs[0]
+            ratio = float(name.rsplit(" ", 1)[1])
+            budget = int(ratio * OmegaConf.load(d / ".hydra" / "config.yaml").rollout.max_new_tokens)
+            cells = [f"{mean_metric(d, k):.2f}" for k in ("bicc/samples_conditioned_share", "bicc/attempts_shown",
+                                                          "bicc/whole_attempts_shown", "bicc/dropped_share")]
+            lines.append(f"| {ratio} | {budget} | {r['p1'][0]:.1f} | {r['t1'][0]:.1f} | {r['greedy'][0]:.1f} | "
+                         + " | ".join(cells) + " |")
+    lines += ["", f"Wall time of these tables: {wall}"]
     return "\n".join(lines)
 
 
@@ -119,26 +167,32 @@ def update_readme(table: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="default: outputs/results/steps<steps>")
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--ratios", default=",".join(map(str, RATIOS)), help="context-ratio ablation rows ('' = none)")
     parser.add_argument("--no-readme", action="store_true")
     parser.add_argument("extra", nargs="*", help="Hydra overrides added to every run")
     args = parser.parse_args()
     names = args.configs.split(",")
+    configs = {n: CONFIGS[n][0] for n in names}
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    configs.update({n: o for n, (o, _) in ablation_configs(ratios).items()})
     args.out = args.out or ROOT / "outputs" / "results" / f"steps{args.steps}"
     start = time.perf_counter()
-    # the shared warm start first, so parallel jobs do not race to build it
-    subprocess.run([sys.executable, str(ROOT / "train.py"), "stage=sft", "sft.seed=0", "logger.progress=false",
-                    f"hydra.run.dir={args.out / '_sft'}", *args.extra], cwd=ROOT, check=True)
-    jobs = [(n, s) for s in range(args.seeds) for n in names]
-    reused = sum((args.out / n / f"s{s}" / "results.json").exists() for n, s in jobs)
+    # each warm start first (one per set of sft overrides), so parallel jobs do not race to build it
+    for sft in sorted({tuple(o for o in overrides if o.startswith("sft.")) for overrides in configs.values()}):
+        subprocess.run([sys.executable, str(ROOT / "train.py"), "stage=sft", "sft.seed=0", "logger.progress=false",
+                        f"hydra.run.dir={args.out / '_sft'}", *sft, *args.extra], cwd=ROOT, check=True)
+    jobs = [(n, s) for s in range(args.seeds) for n in names] + [(n, 0) for n in configs if n not in names]
+    reused = sum((run_dir_of(args.out, n, s) / "results.json").exists() for n, s in jobs)
     with ThreadPoolExecutor(args.jobs) as pool:
-        dirs = list(pool.map(lambda job: run_one(job[0], job[1], args.steps, args.threads, args.out, args.extra), jobs))
-    runs: dict[str, list[Path]] = {n: [] for n in names}
+        dirs = list(pool.map(lambda job: run_one(job[0], configs[job[0]], job[1], args.steps, args.threads, args.out,
+                                                 args.extra), jobs))
+    runs: dict[str, list[Path]] = {n: [] for n in configs}
     for (n, _), d in zip(jobs, dirs):
         runs[n].append(d)
     # the wall time of a call that made every run; a call that reuses runs quotes the one that made them
@@ -151,7 +205,8 @@ def main() -> None:
         wall = f"{float(wall_file.read_text()):.0f} min on this machine (`make results`, when its runs were made)."
     else:
         wall = f"{minutes:.0f} min for this call, which reused {reused} of {len(jobs)} runs made earlier."
-    table = summarize(runs, args.steps, args.seeds, wall)
+    table = summarize({n: runs[n] for n in names}, {n: runs[n] for n in configs if n not in names}, args.steps,
+                      args.seeds, wall)
     out_docs = ROOT / "docs" / "results"
     out_docs.mkdir(parents=True, exist_ok=True)
     (out_docs / "results.md").write_text(table + "\n")

@@ -27,6 +27,10 @@ def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train([*SMALL, f"hydra.run.dir={run_dir}"], tmp_path)
     assert f"outputs in {run_dir}" in proc.stdout.strip().splitlines()[-1]
+    # what it trains, printed first: the groups (non-paper forms named) and the embedded task's own settings
+    run_line = next(line for line in proc.stdout.splitlines() if line.startswith("[run]"))
+    assert "algo=grpo bicc=stable (stabilised BiCC, not the paper's) rcc=mean" in run_line
+    assert "2 steps of 4 prompts x G=4, max 16 tokens" in run_line and "context budget 6 tokens" in run_line
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
