@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["sft.steps=5", "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
+SMALL = ["bicc=stable", "rcc=mean", "sft.steps=5", "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
          "rollout.max_new_tokens=16", "eval.num_problems=8", "eval.samples_per_problem=2", "eval.max_new_tokens=16",
          "logger.wandb_mode=disabled", "logger.progress=false"]
 
@@ -27,7 +27,7 @@ def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train([*SMALL, f"hydra.run.dir={run_dir}"], tmp_path)
     assert f"outputs in {run_dir}" in proc.stdout.strip().splitlines()[-1]
-    # what it trains, printed first: the groups (non-paper forms named) and the embedded task's own settings
+    # what it trains, printed first: the groups (non-paper forms named) and the run's own settings
     run_line = next(line for line in proc.stdout.splitlines() if line.startswith("[run]"))
     assert "algo=grpo bicc=stable (stabilised BiCC, not the paper's) rcc=mean" in run_line
     assert "2 steps of 4 prompts x G=4, max 16 tokens" in run_line and "context budget 6 tokens" in run_line
