@@ -45,8 +45,8 @@ CONFIGS = {  # name -> (overrides, baseline name or None)
     "BiCC-GRPO+RCC": (["algo=grpo", "bicc=stable", "rcc=mean"], "GRPO"),
     "DAPO": (["algo=dapo", "bicc=off", "rcc=off"], None),
     "BiCC-DAPO": (["algo=dapo", "bicc=stable", "rcc=off"], "DAPO"),
-    "GRPO, reading warm start": (["algo=grpo", "bicc=off", "rcc=off", *READING], None),
-    "BiCC-GRPO, reading warm start": (["algo=grpo", "bicc=stable", "rcc=off", *READING], "GRPO, reading warm start"),
+    "GRPO (reading warm start)": (["algo=grpo", "bicc=off", "rcc=off", *READING], None),
+    "BiCC-GRPO (reading warm start)": (["algo=grpo", "bicc=stable", "rcc=off", *READING], "GRPO (reading warm start)"),
 }
 # The context-ratio ablation (one seed each): BiCC-GRPO with the share of max tokens the attempts may fill.
 RATIOS = (0.2, 0.4, 0.6)
@@ -56,12 +56,12 @@ DEFAULT_RATIO = 0.4  # the BiCC-GRPO row's own ratio: its seed-0 run is that abl
 
 
 def ablation_configs(ratios) -> dict:
-    return {f"BiCC-GRPO, context ratio {r}": (["algo=grpo", "bicc=stable", "rcc=off", f"bicc.context_ratio={r}"], None)
+    return {f"BiCC-GRPO ratio={r}": (["algo=grpo", "bicc=stable", "rcc=off", f"bicc.context_ratio={r}"], None)
             for r in ratios if r != DEFAULT_RATIO}
 
 
 def run_dir_of(out_root: Path, name: str, seed: int) -> Path:
-    return out_root / name.replace(", ", "_").replace(" ", "-") / f"s{seed}"
+    return out_root / name.replace(" (", "_").replace(")", "").replace(" ", "-") / f"s{seed}"
 
 
 def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int, out_root: Path, extra: list[str]) -> Path:
@@ -147,7 +147,7 @@ def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], step
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, dirs in ablation.items():
             r, d = final_metrics(dirs), dirs[0]
-            ratio = float(name.rsplit(" ", 1)[1])
+            ratio = float(name.split("=")[1])
             budget = int(ratio * OmegaConf.load(d / ".hydra" / "config.yaml").rollout.max_new_tokens)
             cells = [f"{mean_metric(d, k):.2f}" for k in ("bicc/samples_conditioned_share", "bicc/attempts_shown",
                                                           "bicc/whole_attempts_shown", "bicc/dropped_share")]
@@ -210,8 +210,8 @@ def main() -> None:
         wall = f"{minutes:.0f} min for this call, which reused {reused} of {len(jobs)} runs made earlier."
     ablation = {n: runs[n] for n in configs if n not in names}
     if DEFAULT_RATIO in ratios and "BiCC-GRPO" in runs:
-        ablation[f"BiCC-GRPO, context ratio {DEFAULT_RATIO}"] = runs["BiCC-GRPO"][:1]
-    ablation = dict(sorted(ablation.items(), key=lambda item: float(item[0].rsplit(" ", 1)[1])))
+        ablation[f"BiCC-GRPO ratio={DEFAULT_RATIO}"] = runs["BiCC-GRPO"][:1]
+    ablation = dict(sorted(ablation.items(), key=lambda item: float(item[0].split("=")[1])))
     table = summarize({n: runs[n] for n in names}, ablation, args.steps, args.seeds, wall)
     out_docs = ROOT / "docs" / "results"
     out_docs.mkdir(parents=True, exist_ok=True)
