@@ -61,7 +61,7 @@ def ablation_configs(ratios) -> dict:
 
 
 def run_dir_of(out_root: Path, name: str, seed: int) -> Path:
-    return out_root / name.replace(" (", "_").replace(")", "").replace(" ", "-") / f"s{seed}"
+    return out_root / name.replace(" (", "_").replace(")", "").replace(" ", "-").replace("=", "") / f"s{seed}"  # no "=": Hydra paths
 
 
 def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int, out_root: Path, extra: list[str]) -> Path:
