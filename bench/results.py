@@ -100,8 +100,10 @@ def final_metrics(dirs: list[Path]) -> dict:
 
 
 def spread(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.1f} ± {sd:.1f}"
+    """Mean ± standard deviation over seeds; the value alone for one seed."""
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{statistics.fmean(values):.1f} ± {statistics.stdev(values):.1f}"
 
 
 def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], steps: int, seeds: int, wall: str) -> str:
@@ -113,9 +115,10 @@ def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], step
     starts = {}  # warm start -> its initial metrics (runs sharing sft overrides share it)
     for name, r in res.items():
         starts.setdefault("reading" if "reading" in name else "plain", r["init"])
-    lines = [f"Embedded task, {seeds} RL seeds per row, {steps} RL steps each, one SFT warm start per kind (sft.seed=0). "
+    lines = [f"Embedded task, {seeds} RL seed(s) per row, {steps} RL steps each, one SFT warm start per kind (sft.seed=0). "
              f"pass@1 on 200 held-out problems x 4 samples at the paper's evaluation sampling (T = 0.6, top-p 0.95), "
-             f"T = 1 (the training temperature) and greedy beside it. Mean over seeds ± their standard deviation; "
+             f"T = 1 (the training temperature) and greedy beside it. Mean over seeds ± their standard deviation (with "
+             f"several seeds); "
              f"CI = mean of the per-run 95% CIs over problems. Δ against the matching baseline. BiCC rows use the "
              f"embedded task's named form bicc=stable (pi_old on x^c, lr / 3), RCC rows rcc=mean (delta averaged "
              f"per token); neither is the paper's exact form (README).", ""]
