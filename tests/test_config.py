@@ -105,7 +105,7 @@ def _lengths(overrides):
     from bicc.models import tokenizer_and_positions
 
     cfg = compose_cfg(["sft.cache_dir=/tmp/x", "model.tiny.max_position_embeddings=512", "rollout.max_new_tokens=64",
-                       *overrides])
+                       "bicc=stable", *overrides])
     validate(cfg)
     validate_lengths(cfg, build_task(cfg.data), *tokenizer_and_positions(cfg.model))
 
