@@ -94,7 +94,7 @@ def mean_metric(run_dir: Path, name: str) -> float | None:
 
 def final_metrics(dirs: list[Path]) -> dict:
     finals = [json.loads((d / "results.json").read_text()) for d in dirs]
-    pct = lambda key: [100 * f["final"][key] for f in finals]  # noqa: E731
+    pct = lambda key: [100 * f["final"].get(key, float("nan")) for f in finals]  # noqa: E731 (T=1 absent: nan)
     return dict(p1=pct("eval/pass@1"), ci=pct("eval/pass@1_ci95"), t1=pct("eval/pass@1_T1"), greedy=pct("eval/greedy_acc"),
                 init=finals[0]["initial"])
 
@@ -124,7 +124,7 @@ def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], step
              f"per token); neither is the paper's exact form (README).", ""]
     for kind, init in starts.items():
         lines.append(f"- {kind} warm start: pass@1 {100 * init['eval/pass@1']:.1f}, T = 1 "
-                     f"{100 * init['eval/pass@1_T1']:.1f}, greedy {100 * init['eval/greedy_acc']:.1f}")
+                     f"{100 * init.get('eval/pass@1_T1', float('nan')):.1f}, greedy {100 * init['eval/greedy_acc']:.1f}")
     lines += ["", "| Method | pass@1 | seeds | CI95 | Δ | pass@1 T=1 | greedy | grad. variance |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in res.items():
