@@ -151,7 +151,7 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
     conditioned = torch.zeros(n, dtype=torch.bool)
     shown, whole = torch.zeros(n), torch.zeros(n)
     stats = {"groups": 0, "groups_conditioned": 0, "groups_dropped": 0, "attempts": 0, "truncated": 0, "dropped": 0,
-             "context_tokens": 0, "contexts": 0, "shown": 0, "whole": 0}
+             "context_tokens": 0, "contexts": 0}
     cache: dict[tuple, tuple[list[int] | None, int, int, int]] = {}
     next_key = n
     for g in torch.unique(group_ids).tolist():
@@ -171,9 +171,9 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
                     k = min(bicc_cfg.paired_k, len(opposite))
                     chosen = tuple(opposite[(j * k + t) % len(opposite)] for t in range(k))
                 if chosen not in cache:
-                    before = stats["shown"], stats["whole"]
-                    ids, used = _render(enc, [attempts[o] for o in chosen], budget, bicc_cfg, tokenizer, stats, anchors)
-                    cache[chosen] = (ids, next_key, stats["shown"] - before[0], stats["whole"] - before[1])
+                    ids, used, count, uncut = _render(enc, [attempts[o] for o in chosen], budget, bicc_cfg, tokenizer,
+                                                      stats, anchors)
+                    cache[chosen] = (ids, next_key, count, uncut)
                     next_key += 1
                     stats["context_tokens"] += used
                     stats["contexts"] += 1
@@ -199,9 +199,9 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
 
 
 def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, tokenizer, stats,
-            anchors=DEFAULT_ANCHORS) -> tuple[list[int] | None, int]:
-    """Context ids for the chosen attempts and the attempt tokens used (elision markers included);
-    None when no attempt fits. Attempts that would fall below the minimum length are dropped one at a
+            anchors=DEFAULT_ANCHORS) -> tuple[list[int] | None, int, int, int]:
+    """Context ids for the chosen attempts, the attempt tokens used (elision markers included), and the
+    attempts shown and shown uncut; ids None when no attempt fits. Attempts that would fall below the minimum length are dropped one at a
     time (latest first) and the budget re-shared among the rest."""
     starts = [answer_start(a, tokenizer, anchors) if bicc_cfg.truncate == "middle" else len(a) for a in chosen]
     candidates = list(range(len(chosen)))
@@ -216,14 +216,13 @@ def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, token
         candidates.pop(failed[-1])
         stats["dropped"] += 1
     if not candidates:
-        return None, 0
-    stats["shown"] += len(candidates)
+        return None, 0, 0, 0
     body: list[int] = []
-    for shown, (c, cut) in enumerate(zip(candidates, cuts)):
-        stats["truncated"] += int(cut != chosen[c])
-        stats["whole"] += int(cut == chosen[c])
+    whole = sum(cut == chosen[c] for c, cut in zip(candidates, cuts))
+    stats["truncated"] += len(candidates) - whole
+    for shown, cut in enumerate(cuts):
         body += enc.headers[shown] + cut
-    return enc.head + enc.preamble + body + enc.tail, sum(len(cut) for cut in cuts)
+    return enc.head + enc.preamble + body + enc.tail, sum(len(cut) for cut in cuts), len(candidates), whole
 
 
 def render_context(tokenizer, prompt: str, attempts: list[list[int]], bicc_cfg, budget: int,
@@ -231,7 +230,7 @@ def render_context(tokenizer, prompt: str, attempts: list[list[int]], bicc_cfg, 
     """The prompt ``prompt`` with ``attempts`` (token ids) shown under the BiCC template and budget, as
     build_contexts renders them; None when no attempt fits. Used to show warm starts such prompts."""
     enc = _encode_template(tokenizer, prompt, bicc_cfg, len(attempts))
-    stats = {"attempts": 0, "dropped": 0, "truncated": 0, "shown": 0, "whole": 0}
+    stats = {"attempts": 0, "dropped": 0, "truncated": 0}
     return _render(enc, attempts, budget, bicc_cfg, tokenizer, stats, anchors)[0]
 
 
