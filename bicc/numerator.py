@@ -3,14 +3,16 @@
 Base variants use the plain prompt q. BiCC uses the conditioned prompt x^c, either one row per output
 or packed behind shared prefixes (``bicc.packing``). Old and reference log-probs never come from here:
 they stay on q. Both classes offer ``logprobs(model, rows, temperature, with_entropy)`` returning
-[len(rows), L] log-probs (and entropies) aligned with the plain batch's completion grid, and
-``tokens``: how many tokens one forward over all rows processes.
+[len(rows), L] log-probs (and entropies) aligned with the plain batch's completion grid, zero past each
+output; ``tokens``: how many tokens one forward over all rows processes; and ``lengths`` [N, 2]: each row's
+prompt (or context) and output length, which length-aware micro-batches plan on (``bicc.batching``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from bicc.batching import to_grid, trim_rows
 from bicc.conditioning import ConditionedPrompts
 from bicc.logprobs import TokenBatch, batch_logprobs, make_token_batch
 from bicc.packing import pack, packed_logprobs, prefix_cache_logprobs
@@ -19,10 +21,20 @@ from bicc.packing import pack, packed_logprobs, prefix_cache_logprobs
 class PlainNumerator:
     def __init__(self, batch: TokenBatch):
         self.batch = batch
-        self.tokens = int(batch.attention_mask.sum())
+        out = batch.completion_mask.sum(-1)
+        self.lengths = torch.stack([batch.attention_mask.sum(-1) - out, out], -1).cpu()  # [N, 2]: prompt, output
+        self.tokens = int(self.lengths.sum())
 
     def logprobs(self, model, rows, temperature: float, with_entropy: bool = False):
-        return batch_logprobs(model, self.batch.rows(rows), temperature, with_entropy)
+        return trimmed_logprobs(model, self.batch.rows(rows), temperature, with_entropy)
+
+
+def trimmed_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool):
+    """``batch_logprobs`` over the rows' own columns only (``trim_rows``), back on the batch's grid."""
+    part = trim_rows(batch)
+    logp, entropy = batch_logprobs(model, part, temperature, with_entropy)
+    length = batch.completion_len
+    return to_grid(logp, part.completion_mask, length), to_grid(entropy, part.completion_mask, length)
 
 
 class ConditionedNumerator:
@@ -33,6 +45,9 @@ class ConditionedNumerator:
         self.packing_impl = bicc_cfg.packing_impl
         self.pad_id, self.device = pad_id, device
         completion_tokens = sum(map(len, completion_ids))
+        self.lengths = torch.tensor([[len(p), len(c)] for p, c in zip(contexts.prompt_ids, completion_ids)])
+        # KV-reuse packing computes each distinct context once per micro-batch: plan its rows together
+        self.plan_keys = list(contexts.context_key) if self.packing and self.packing_impl == "kv" else None
         if self.packing:  # each distinct prefix once (ignoring splits of over-long packs)
             prefixes = {k: len(p) for k, p in zip(contexts.context_key, contexts.prompt_ids)}
             self.tokens = sum(prefixes.values()) + completion_tokens
@@ -78,4 +93,4 @@ class ConditionedNumerator:
         prefixes = [self.contexts.prompt_ids[r] for r in rows]
         completions = [self.completion_ids[r] for r in rows]
         batch = make_token_batch(prefixes, completions, self.pad_id, length=self.length).to(self.device)
-        return batch_logprobs(model, batch, temperature, with_entropy)
+        return trimmed_logprobs(model, batch, temperature, with_entropy)

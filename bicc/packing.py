@@ -195,6 +195,7 @@ def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int]
     attention matrix, so the cost is linear in the number of completions per prefix."""
     device = next(model.parameters()).device
     U, n = len(prefixes), len(completions)
+    grid, length = length, max(1, min(length, max(len(c) for c in completions)))  # computed to the longest here
     width = max(len(p) for p in prefixes)
     p_ids = torch.full((U, width), pad_id, dtype=torch.long)  # [U, W]
     p_mask = torch.zeros((U, width), dtype=torch.long)  # [U, W]
@@ -239,7 +240,7 @@ def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int]
             entropy = torch.cat([first_entropy[:, None], rest_entropy], dim=1) if with_entropy else None
         else:
             logp, entropy = first_logp[:, None], (first_entropy[:, None] if with_entropy else None)
-    logp = logp * c_mask  # [n, L]
+    logp = torch.nn.functional.pad(logp * c_mask, (0, grid - length))  # [n, grid]
     if entropy is not None:
-        entropy = entropy.detach() * c_mask
+        entropy = torch.nn.functional.pad(entropy.detach() * c_mask, (0, grid - length))
     return logp, entropy

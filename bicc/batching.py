@@ -1,0 +1,125 @@
+"""How a step's rows are cut into micro-batches, and each micro-batch padded only to its own longest row.
+
+Two plans (``plan_micro_batches``):
+- fixed (``train.micro_batch_tokens = 0``): ``train.micro_batch_size`` rows at a time, in order;
+- length-aware (``train.micro_batch_tokens > 0``): rows sorted by real length (prompt + output, longest
+  first) and cut greedily so that each micro-batch's padded size, rows x its longest row, stays within
+  ``micro_batch_tokens`` (and at most ``micro_batch_size`` rows) and within ``1 + MAX_PADDING`` times its
+  real tokens. Rows of similar length then share a micro-batch and little is spent on padding; the long
+  tail of a reasoning-length batch goes in small micro-batches.
+
+Either way a micro-batch is computed on its own columns only (``trim_rows``): the prompt columns that are
+padding in all of its rows and the output columns past its longest output are cut before the forward, and
+the log-probs come back on the step's [n, L] grid with zeros past each output. The loss normalisers are the
+whole minibatch's (``StepTotals``), so the gradient does not depend on the plan (tests/test_batching.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bicc.distributed import Dist, global_max, is_sharded
+from bicc.logprobs import TokenBatch
+
+MAX_PADDING = 0.1  # length-aware micro-batches: padded tokens at most 10% above the real ones
+
+
+def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, tokens: int = 0,
+                       keys: list[int] | None = None) -> list[torch.Tensor]:
+    """``rows`` [n] (indices into the step) cut into micro-batches. ``lengths``: every step row's real length,
+    [N] tokens, or [N, 2] (prompt, output) tokens, since a micro-batch is as wide as its longest prompt plus
+    its longest output (``trim_rows``). ``keys`` [N] (optional): rows with the same key share their prompt,
+    computed once per micro-batch (BiCC's KV-reuse packing); they are kept together, and a micro-batch's size
+    is then (distinct prompts x longest prompt) + (rows x longest output). ``tokens = 0``: fixed slices of
+    ``size`` rows; else the length-aware cut above (a row longer than ``tokens`` gets a micro-batch alone)."""
+    if size < 1:
+        raise ValueError(f"train.micro_batch_size must be >= 1, got {size}")
+    if tokens <= 0:
+        return list(rows.split(size))
+    parts = lengths if lengths.dim() == 2 else lengths[:, None]  # [N, k]
+    total = parts.sum(-1)
+    if keys is None:
+        order = rows[total[rows].argsort(descending=True, stable=True)].tolist()
+    else:  # rows of one prompt together, the prompts with the longest rows first
+        longest: dict[int, int] = {}
+        for r in rows.tolist():
+            longest[keys[r]] = max(longest.get(keys[r], 0), int(total[r]))
+        order = sorted(rows.tolist(), key=lambda r: (-longest[keys[r]], keys[r], -int(total[r])))
+    plan, current = [], []
+    for r in order:
+        if current:
+            padded, real = _size(current + [r], parts, keys)
+            if len(current) == size or padded > tokens or padded > (1 + MAX_PADDING) * real:
+                plan.append(torch.tensor(current, dtype=torch.long))
+                current = []
+        current.append(r)
+    if current:
+        plan.append(torch.tensor(current, dtype=torch.long))
+    return plan
+
+
+def _size(rows: list[int], parts: torch.Tensor, keys: list[int] | None) -> tuple[int, int]:
+    """(padded, real) tokens of a micro-batch of ``rows``."""
+    if keys is None or parts.shape[1] < 2:
+        return len(rows) * int(parts[rows].max(0).values.sum()), int(parts[rows].sum())
+    first = {keys[r]: r for r in reversed(rows)}  # one row per distinct prompt
+    prompts = parts[list(first.values()), 0]
+    outputs = parts[rows, 1]
+    return len(first) * int(prompts.max()) + len(rows) * int(outputs.max()), int(prompts.sum() + outputs.sum())
+
+
+def padded_tokens(plan: list[torch.Tensor], lengths: torch.Tensor, keys: list[int] | None = None) -> int:
+    """Tokens the forwards over ``plan`` compute, ``lengths`` and ``keys`` as in ``plan_micro_batches``."""
+    parts = lengths if lengths.dim() == 2 else lengths[:, None]
+    return sum(_size(mb.tolist(), parts, keys)[0] for mb in plan if len(mb))
+
+
+def trim_rows(batch: TokenBatch) -> TokenBatch:
+    """``batch`` without the prompt columns that are padding in every row and the output columns past its
+    longest output (at least one output column is kept)."""
+    length = batch.completion_len
+    width = batch.input_ids.shape[1] - length
+    out = max(1, int(batch.completion_mask.sum(-1).max())) if batch.input_ids.shape[0] else 1
+    prompt = int(batch.attention_mask[:, :width].sum(-1).max()) if batch.input_ids.shape[0] else 0
+    cols = slice(width - prompt, width + out)
+    return TokenBatch(batch.input_ids[:, cols], batch.attention_mask[:, cols], batch.position_ids[:, cols],
+                      batch.completion_mask[:, :out])
+
+
+def to_grid(x: torch.Tensor | None, mask: torch.Tensor, length: int) -> torch.Tensor | None:
+    """[B, l] per-token values back on a [B, length] grid: zeros past each output (``mask`` [B, l])."""
+    if x is None:
+        return None
+    x = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.nn.functional.pad(x, (0, length - x.shape[1]))
+
+
+def micro_batches(rows: torch.Tensor, inputs, size: int, tokens: int, model, d: Dist) -> list[torch.Tensor]:
+    """``rows`` cut into micro-batches (``bicc.batching``: fixed, or by length under
+    ``train.micro_batch_tokens``). A sharded (FSDP2) model all-gathers in every forward and reduce-scatters
+    in every backward, so every rank runs the largest count of any rank (ranks hold different numbers of
+    rows after DAPO's dynamic sampling); the extra ones are empty (no-op forwards)."""
+    plan = plan_micro_batches(rows, inputs.lengths, size, tokens, getattr(inputs, "plan_keys", None))
+    if d.enabled and is_sharded(model):
+        plan += [rows[:0]] * (global_max(len(plan), d) - len(plan))
+    return plan
+
+
+@torch.no_grad()
+def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temperature: float, d: Dist = Dist(),
+                     micro_batch_tokens: int = 0) -> torch.Tensor:
+    """Per-token log-probs [N, L] in micro-batches (``micro_batches``), no graph kept (old and reference
+    policies). ``inputs`` is a numerator (``bicc.numerator``): plain rows, or conditioned ones."""
+    was_training = model.training
+    model.eval()
+    out = None
+    for rows in micro_batches(torch.arange(num_rows), inputs, micro_batch_size, micro_batch_tokens, model, d):
+        if len(rows) == 0:  # a no-op forward that keeps this rank's collectives in step with the others
+            inputs.logprobs(model, torch.arange(0, 1), temperature)
+            continue
+        logp = inputs.logprobs(model, rows, temperature)[0]
+        if out is None:
+            out = logp.new_zeros(num_rows, logp.shape[1])
+        out[rows.to(out.device)] = logp
+    model.train(was_training)
+    return out

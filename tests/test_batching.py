@@ -1,0 +1,130 @@
+"""Length-aware micro-batches and per-micro-batch padding (bicc/batching.py): the plan by hand, the trimmed
+columns by hand, and the gradient against one forward over the whole padded batch (how every step ran
+before micro-batches were cut by length)."""
+
+import pytest
+import torch
+
+from bicc.batching import padded_tokens, plan_micro_batches, trim_rows
+from bicc.config import TinyArchConfig
+from bicc.logprobs import batch_logprobs, make_token_batch
+from bicc.losses import LOSSES, StepTotals
+from bicc.models import build_tiny
+from bicc.numerator import PlainNumerator
+from bicc.trainer import logprobs_no_grad, micro_batches
+from bicc.distributed import Dist
+from tests.conftest import compose_cfg
+
+ARCH = TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16)
+
+
+def test_plan_by_hand():
+    lengths = torch.tensor([10, 10, 9, 4, 4, 20])
+    # longest first: 20 alone (a second row makes 2 x 20 = 40 > 30 tokens) | 10, 10, 9 (3 x 10 = 30 padded for
+    # 29 real) | 4, 4 (the 4 would make 4 x 10 = 40 > 30)
+    plan = plan_micro_batches(torch.arange(6), lengths, size=4, tokens=30)
+    assert [mb.tolist() for mb in plan] == [[5], [0, 1, 2], [3, 4]]
+    assert padded_tokens(plan, lengths) == 20 + 30 + 8
+    # without a token limit the padding cap cuts the same places: 20 + 10 padded to 40 > 1.1 x 30 real
+    assert [mb.tolist() for mb in plan_micro_batches(torch.arange(6), lengths, size=6, tokens=10_000)] == [[5], [0, 1, 2], [3, 4]]
+    fixed = plan_micro_batches(torch.arange(6), lengths, size=4)
+    assert [mb.tolist() for mb in fixed] == [[0, 1, 2, 3], [4, 5]]
+    assert padded_tokens(fixed, lengths) == 4 * 10 + 2 * 20
+    # the row cap; a subset of rows is planned on its own
+    assert [mb.tolist() for mb in plan_micro_batches(torch.tensor([2, 1, 0]), lengths, size=2, tokens=1000)] == [[1, 0], [2]]
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        plan_micro_batches(torch.arange(6), lengths, size=0)
+
+
+def test_plan_counts_longest_prompt_plus_longest_output():
+    # (prompt, output) lengths, 10 tokens each: rows 0 and 1 together are 2 x (6 + 8) = 28 wide for 20 real
+    # tokens (> 1.1 x 20); rows 1 and 2, 2 x (6 + 5) = 22 for 20
+    lengths = torch.tensor([[2, 8], [6, 4], [5, 5]])
+    plan = plan_micro_batches(torch.arange(3), lengths, size=4, tokens=100)
+    assert [mb.tolist() for mb in plan] == [[0], [1, 2]]
+    assert padded_tokens(plan, lengths) == 10 + 22
+    assert [mb.tolist() for mb in plan_micro_batches(torch.arange(3), lengths.sum(-1), size=4, tokens=100)] == [[0, 1, 2]]
+
+
+def test_trim_rows_by_hand():
+    # prompts of 2 and 4 tokens (width 4), outputs of 1 and 2 tokens padded to 5
+    batch = make_token_batch([[7, 8], [5, 6, 7, 8]], [[9], [9, 3]], pad_id=0, length=5)
+    part = trim_rows(batch.rows(torch.tensor([0])))
+    assert part.input_ids.tolist() == [[7, 8, 9]]  # two all-padding prompt columns and four output columns cut
+    assert part.position_ids.tolist() == [[0, 1, 2]]
+    assert part.completion_mask.tolist() == [[1]]
+    both = trim_rows(batch)
+    assert both.input_ids.shape == (2, 6) and both.completion_mask.shape == (2, 2)
+
+
+@pytest.mark.parametrize("tokens", [0, 24])
+def test_gradient_equals_one_padded_forward(tokens):
+    """Ragged rows cut by length (or in fixed slices) and each micro-batch trimmed give the gradient of
+    one forward over the whole padded batch, to 1e-6 in fp32."""
+    cfg = compose_cfg(["algo=dapo", "rollout.max_new_tokens=16", "train.micro_batch_size=3",
+                       f"train.micro_batch_tokens={tokens}"])
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 90, (int(n),), generator=gen).tolist() for n in torch.randint(2, 9, (10,), generator=gen)]
+    outputs = [torch.randint(4, 90, (int(n),), generator=gen).tolist() for n in torch.randint(1, 17, (10,), generator=gen)]
+    batch = make_token_batch(prompts, outputs, 0)
+    adv = torch.linspace(-1.0, 1.2, 10)
+    loss_fn = LOSSES.get(cfg.algo.loss)
+    totals = StepTotals.of(batch.completion_mask, cfg.rollout.max_new_tokens)
+
+    reference, _ = build_tiny(ARCH, seed=0)
+    logp, _ = batch_logprobs(reference, batch)
+    loss, _ = loss_fn(logp, logp.detach(), None, adv, batch.completion_mask, cfg.algo, totals)
+    loss.backward()
+
+    model, _ = build_tiny(ARCH, seed=0)
+    plain = PlainNumerator(batch)
+    plan = micro_batches(torch.arange(10), plain, cfg.train.micro_batch_size, tokens, model, Dist())
+    assert sorted(torch.cat(plan).tolist()) == list(range(10)) and len(plan) > 1
+    if tokens:
+        assert padded_tokens(plan, plain.lengths) < padded_tokens(list(torch.arange(10).split(3)), plain.lengths)
+    for rows in plan:
+        logp, _ = plain.logprobs(model, rows, 1.0)
+        assert (logp[batch.completion_mask[rows] == 0] == 0).all()  # zeros past each output
+        loss, _ = loss_fn(logp, logp.detach(), None, adv[rows], batch.completion_mask[rows], cfg.algo, totals)
+        loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert q.grad.abs().max() > 0 or p.grad.abs().max() == 0
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
+
+
+def test_plan_keeps_shared_contexts_together():
+    # (context, output) lengths; rows 0, 1 share context 0 and rows 2, 3 context 1 (KV-reuse packing computes a
+    # context once per micro-batch): 0 + 1 cost 10 + 2 x 5 = 20 for 19 real; adding row 2 would cost
+    # 2 x 10 + 3 x 6 = 38 for 33 real (> 1.1 x 33)
+    lengths, keys = torch.tensor([[10, 5], [10, 4], [8, 6], [8, 5]]), [0, 0, 1, 1]
+    plan = plan_micro_batches(torch.tensor([2, 0, 3, 1]), lengths, size=8, tokens=1000, keys=keys)
+    assert [mb.tolist() for mb in plan] == [[0, 1], [2, 3]]
+    assert padded_tokens(plan, lengths, keys) == 20 + 20
+
+
+@pytest.mark.parametrize("impl", ["kv", "mask"])
+def test_conditioned_logprobs_do_not_depend_on_the_plan(impl):
+    """BiCC's packed numerator over length-aware micro-batches (under KV reuse, rows sharing a context kept
+    together) gives the log-probs of one forward over every row."""
+    from omegaconf import OmegaConf
+
+    from bicc.conditioning import ConditionedPrompts
+    from bicc.numerator import ConditionedNumerator
+
+    gen = torch.Generator().manual_seed(5)
+    contexts = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (12, 9, 7)]
+    rows = [0, 0, 0, 1, 1, 2, 2, 2]  # which context each output follows
+    outputs = [torch.randint(4, 90, (int(n),), generator=gen).tolist() for n in torch.randint(1, 12, (8,), generator=gen)]
+    prompts = ConditionedPrompts([contexts[k] for k in rows], rows, torch.ones(8, dtype=torch.bool))
+    bicc_cfg = OmegaConf.create({"packing": True, "max_packed_len": 256, "packing_impl": impl})
+    numerator = ConditionedNumerator(prompts, outputs, max(map(len, outputs)), bicc_cfg, 0, torch.device("cpu"))
+    model, _ = build_tiny(ARCH, seed=0)
+    model.config._attn_implementation = "sdpa"
+    whole = logprobs_no_grad(model, numerator, 8, 8, 1.0)
+    plan = micro_batches(torch.arange(8), numerator, 8, 40, model, Dist())
+    assert len(plan) > 1
+    if impl == "kv":  # each context's rows in as few micro-batches as the budget allows
+        assert numerator.plan_keys == rows
+    torch.testing.assert_close(logprobs_no_grad(model, numerator, 8, 8, 1.0, micro_batch_tokens=40), whole,
+                               atol=1e-5, rtol=0)
