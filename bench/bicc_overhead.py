@@ -23,8 +23,8 @@ Ends with ``RESULT bicc_step_ratio=... target<=1.15`` and ``RESULT bicc_mem_rati
 (packed BiCC over GRPO on the last config), and for ``gpu`` also ``RESULT gpu_grpo_mfu=...`` and
 ``RESULT gpu_bicc_mfu=...``.
 
-MFU counts 2 x parameters FLOPs per token for the no-grad forward of pi_old and 6 x parameters per token
-for the numerator's forward and backward (attention's own FLOPs left out, as is usual), over the step time,
+MFU counts 2 x parameters FLOPs per token for the no-grad forward of pi_old (when the step plan makes one) and
+6 x parameters per token for the numerator's forward and backward (attention's own FLOPs left out, as is usual), over the step time,
 against the GPU's dense bf16 peak (``--peak-tflops``; default 989 for H100/H200).
 """
 
@@ -94,7 +94,8 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     from bicc.models import num_parameters
     from bicc.numerator import ConditionedNumerator, PlainNumerator
     from bicc.optim import build_optimizer, warmup_cosine
-    from bicc.trainer import RLState, old_logprobs, update_policy
+    from bicc.plan import StepPlan, step_logprobs
+    from bicc.trainer import RLState, update_policy
 
     spec = dict(CONFIGS[config_name])
     if shrink:
@@ -138,9 +139,11 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
         contexts = build_contexts(prompts, completions, correct, group_ids, tok, cfg.bicc, cfg.bicc.max_tokens, prompt_ids)
         numerator = ConditionedNumerator(contexts, completions, batch.completion_len, cfg.bicc, tok.pad_token_id, device)
 
+    plan = StepPlan.from_config(cfg, False)
+
     def step():  # phases 4 and 6 of train.rl_step (no diagnostics)
-        old, _ = old_logprobs(model, plain, numerator, cfg, len(completions), cfg.train.micro_batch_size)
-        update_policy(state, batch, numerator, old, None, adv.to(device), cfg, step_seed=0)
+        lp = step_logprobs(plan, model, None, plain, numerator, None, cfg, batch.completion_mask)
+        update_policy(state, batch, numerator, lp.old, None, adv.to(device), cfg, step_seed=0)
 
     step()  # warm-up
     if device.type == "cuda":
@@ -155,7 +158,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
         times.append(time.perf_counter() - start)
     peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    old_tokens = numerator.tokens if cfg.bicc.enabled and cfg.bicc.old_on_context else plain.tokens
+    old_tokens = {"update": 0, "forward": numerator.tokens if plan.old_context == "xc" else plain.tokens}[plan.old_source]
     params = num_parameters(model)
     return {"config": config_name, "variant": variant, "params_m": params / 1e6,
             "step_s": statistics.median(times), "peak_mb": peak / 2**20, "tokens": numerator.tokens,

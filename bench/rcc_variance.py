@@ -63,7 +63,7 @@ def main() -> None:
     from bicc.numerator import ConditionedNumerator, PlainNumerator
     from bicc.rollout import build_engine
     from bicc.sft import warm_start
-    from bicc.trainer import RLState, collect_rollout, logprobs_no_grad, loss_of_rows_fn, rcc_policy_logprobs
+    from bicc.trainer import RLState, collect_rollout, logprobs_no_grad, loss_of_rows_fn
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -99,9 +99,8 @@ def main() -> None:
         on_q = logprobs_no_grad(model, plain, N, mb, T)
         ref = logprobs_no_grad(ref_model, plain, N, mb, T)
         deltas = {}
-        for context in ("xc", "q"):
-            cfg.rcc.delta_context = context
-            policy = rcc_policy_logprobs(model, numerator, plain, old, on_q, cfg, N, mb)
+        on_xc = old if numerator is plain or cfg.bicc.old_on_context else logprobs_no_grad(model, numerator, N, mb, T)
+        for context, policy in (("xc", on_xc), ("q", on_q)):  # log pi_theta_old(o | x^c) or (o | q)
             deltas[f"rcc_{context}"] = sequence_delta(policy, ref, batch.completion_mask, cfg.rcc.delta).cpu()
         values = {}
         for name, estimator in estimators.items():

@@ -70,6 +70,7 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int
         return run_dir
     cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"seed={seed}", "sft.seed=0",
            f"train.steps={steps}", f"threads={threads}", "logger.wandb_mode=disabled", "logger.progress=false",
+           "rcc.diag_every=10",  # the gradient-variance comparison needs the diagnostics on every row
            f"hydra.run.dir={run_dir}", *extra]
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

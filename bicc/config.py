@@ -73,7 +73,7 @@ class RccConfig:
     enabled: bool = MISSING
     delta: str = "sum"
     delta_context: str = "xc"
-    diag_every: int = 10
+    diag_every: int = 0
     diag_splits: int = 4
     stage_steps: int = 100
 
@@ -167,6 +167,7 @@ class RolloutConfig:
     enforce_eager: bool = False
     max_model_len: Optional[int] = None
     tis_cap: float = 0.0
+    old_from_sampler: bool = False
 
 
 @dataclass
@@ -188,6 +189,7 @@ class TrainConfig:
     epochs_per_rollout: int = 1
     minibatches_per_rollout: int = 1
     micro_batch_size: int = 128
+    micro_batch_tokens: int = 0
     logprob_chunk_tokens: int = 1024
     log_every: int = 1
     save_every: int = 100
@@ -368,6 +370,7 @@ def validate(cfg: Any) -> None:
     _check(t.epochs_per_rollout >= 1, "train.epochs_per_rollout", f"must be >= 1, got {t.epochs_per_rollout}")
     _check(t.minibatches_per_rollout >= 1, "train.minibatches_per_rollout", f"must be >= 1, got {t.minibatches_per_rollout}")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
+    _check(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", f"must be >= 0 (0 = fixed micro-batches), got {t.micro_batch_tokens}")
     _check(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", f"must be >= 1, got {t.logprob_chunk_tokens}")
     _check(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", f"must be >= 1, got {t.max_nonfinite_steps}")
     rollout_size = r.prompts_per_step * r.group_size

@@ -5,15 +5,17 @@ over minibatches and micro-batches, and the state a checkpoint must carry.
 from __future__ import annotations
 
 import math
+import time
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from bicc.batching import logprobs_no_grad, micro_batches  # noqa: F401 (logprobs_no_grad: re-exported)
 from bicc.config import overlong_buffer_tokens
 from bicc.data import encode_prompt
-from bicc.distributed import (Dist, all_reduce_sum, full_tensor, global_max, global_totals, is_sharded, loss_scale,
+from bicc.distributed import (Dist, all_reduce_sum, full_tensor, global_totals, loss_scale,
                               sync_gradients)
 from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
@@ -40,6 +42,7 @@ class RLState:
     shard_pos: list = field(default_factory=list)  # per prompt shard, when rollout.shards > 1
     dist: Dist = field(default_factory=Dist)
     end_ids: tuple = ()  # tokens that end an output (stripped from attempts shown in BiCC contexts)
+    plan: Any = None  # the step's log-prob plan (bicc.plan.StepPlan), resolved once from the config
 
     def trainer_state(self) -> dict:
         return {"step": self.step, "data_pos": self.data_pos, "shard_pos": list(self.shard_pos), "init_path": self.init_path,
@@ -71,54 +74,6 @@ def needs_reference(cfg) -> bool:
             or cfg.rcc.diag_every > 0)
 
 
-def old_logprobs(model, plain, numerator, cfg, num_rows: int, micro_batch_size: int, need_q: bool = False,
-                 d: Dist = Dist()):
-    """pi_old's per-token log-probs [N, L]: on q (the paper), or on x^c with ``bicc.old_on_context``;
-    and pi_old's log-probs on q, which are the same tensor in the first case and, in the second, cost one
-    more forward, taken only with ``need_q`` (else None)."""
-    T = cfg.rollout.temperature
-    if not (cfg.bicc.enabled and cfg.bicc.old_on_context) or numerator is plain:
-        old = logprobs_no_grad(model, plain, num_rows, micro_batch_size, T, d)
-        return old, old
-    old = logprobs_no_grad(model, numerator, num_rows, micro_batch_size, T, d)
-    return old, logprobs_no_grad(model, plain, num_rows, micro_batch_size, T, d) if need_q else None
-
-
-def reference_logprobs(ref_model, plain, numerator, cfg, num_rows: int, micro_batch_size: int):
-    """pi_ref's per-token log-probs [N, L] on q (RCC's delta, the paper's KL) and the KL term's reference.
-    Under ``bicc.old_on_context`` the KL compares like with like, KL(pi_theta(.|x^c) || pi_ref(.|x^c)):
-    against pi_ref(.|q) the k3 estimator grows as exp(log pi_ref(o|q) - log pi_theta(o|x^c)) and swamps
-    the update (BiCC-Dr.GRPO collapsed). (None, None) without a reference model."""
-    if ref_model is None:
-        return None, None
-    T = cfg.rollout.temperature
-    on_q = logprobs_no_grad(ref_model, plain, num_rows, micro_batch_size, T)
-    if cfg.bicc.enabled and cfg.bicc.old_on_context and cfg.algo.kl_coef > 0 and numerator is not plain:
-        return on_q, logprobs_no_grad(ref_model, numerator, num_rows, micro_batch_size, T)
-    return on_q, on_q
-
-
-def conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_rows: int, micro_batch_size: int,
-                                 d: Dist = Dist()):
-    """log pi_theta(o_i | x^c) per token at theta = theta_old (before the update), for RCC's delta: the
-    numerator's context (x^c = q when BiCC is off). Reuses ``old_logp`` when it already is exactly that."""
-    if numerator is plain or cfg.bicc.old_on_context:
-        return old_logp
-    return logprobs_no_grad(model, numerator, num_rows, micro_batch_size, cfg.rollout.temperature, d)
-
-
-def rcc_policy_logprobs(model, numerator, plain, old_logp, q_logp, cfg, num_rows: int, micro_batch_size: int,
-                        d: Dist = Dist()):
-    """log pi_theta(o_i | .) per token at theta = theta_old for RCC's delta: on x^c with
-    ``rcc.delta_context=xc`` (Algorithm 1, line 10), on q with ``q`` (Section 4.2, Appendices B/C). ``q_logp``
-    is pi_old on q (``old_logprobs`` with need_q)."""
-    if cfg.rcc.delta_context == "q":
-        if q_logp is None:
-            raise ValueError("rcc.delta_context=q needs pi_old on q: call old_logprobs with need_q=True")
-        return q_logp
-    return conditioned_logprobs_no_grad(model, numerator, plain, old_logp, cfg, num_rows, micro_batch_size, d)
-
-
 def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg, is_weight=None):
     """``loss(rows, norm_rows)``: the update's loss on ``rows`` normalised over ``norm_rows`` (a whole
     minibatch or a diagnostic split), as a differentiable scalar."""
@@ -147,6 +102,7 @@ class Rollout:
     rewards:   [N] training reward: correctness plus any shaping
     group_ids: [N] query index of each row
     prompts_drawn / rounds: how many queries and generate calls it took (dynamic sampling draws more)
+    generate_s: seconds spent in those generate calls
     """
 
     out: RolloutOutput
@@ -156,6 +112,7 @@ class Rollout:
     group_ids: torch.Tensor
     prompts_drawn: int
     rounds: int
+    generate_s: float = 0.0  # seconds inside the engine's generate calls
 
 
 FIELDS = ("prompt_ids", "completion_ids", "texts", "finished")
@@ -189,7 +146,7 @@ def collect_rollout(state: RLState, cfg, seed: int, shards=(0,), num_shards: int
     return Rollout(_concat([p.out for p in parts]), [t for p in parts for t in p.prompts],
                    torch.cat([p.correct for p in parts]), torch.cat([p.rewards for p in parts]),
                    torch.cat([p.group_ids + o for p, o in zip(parts, offsets)]),
-                   sum(p.prompts_drawn for p in parts), max(p.rounds for p in parts))
+                   sum(p.prompts_drawn for p in parts), max(p.rounds for p in parts), sum(p.generate_s for p in parts))
 
 
 def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) -> Rollout:
@@ -201,7 +158,7 @@ def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) 
     if num_shards > 1 and len(state.shard_pos) != num_shards:
         state.shard_pos = [0] * num_shards
     kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor]] = []
-    num_kept, drawn, rounds = 0, 0, 0
+    num_kept, drawn, rounds, generate_s = 0, 0, 0, 0.0
     while num_kept < P and rounds < algo.max_sampling_rounds:
         want = P - num_kept
         if num_shards == 1:
@@ -215,7 +172,9 @@ def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) 
         prompts = [encode_prompt(state.tokenizer, p.prompt) for p in problems]
         sampling = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   max_new_tokens=cfg.rollout.max_new_tokens, seed=seed + 7919 * rounds)
+        start = time.perf_counter()
         out = state.engine.generate(prompts, sampling)
+        generate_s += time.perf_counter() - start
         rounds += 1
         golds = [problems[i // G] for i in range(len(out.texts))]
         scores = (state.task.reward_many(out.texts, golds) if hasattr(state.task, "reward_many")
@@ -240,33 +199,7 @@ def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) 
     correct = torch.cat([k[2] for k in kept])
     rewards = torch.cat([k[3] for k in kept]).float()
     group_ids = torch.arange(len(correct) // G).repeat_interleave(G)
-    return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds)
-
-
-def micro_batch_count(num_rows: int, micro_batch_size: int, model, d: Dist) -> int:
-    """Micro-batches this rank runs over ``num_rows`` rows. A sharded (FSDP2) model all-gathers in every
-    forward and reduce-scatters in every backward, so every rank runs the largest count of any rank
-    (ranks hold different numbers of rows after DAPO's dynamic sampling); the extra ones are no-ops."""
-    count = -(-num_rows // micro_batch_size)
-    return global_max(count, d) if d.enabled and is_sharded(model) else count
-
-
-@torch.no_grad()
-def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temperature: float,
-                     d: Dist = Dist()) -> torch.Tensor:
-    """Per-token log-probs [N, L] in micro-batches, no graph kept (old and reference policies).
-    ``inputs`` is a numerator (``bicc.numerator``): plain rows, or conditioned ones."""
-    was_training = model.training
-    model.eval()
-    chunks = []
-    for k in range(micro_batch_count(num_rows, micro_batch_size, model, d)):
-        start = k * micro_batch_size
-        if start >= num_rows:  # a no-op forward that keeps this rank's collectives in step with the others
-            inputs.logprobs(model, torch.arange(0, 1), temperature)
-            continue
-        chunks.append(inputs.logprobs(model, torch.arange(start, min(start + micro_batch_size, num_rows)), temperature)[0])
-    model.train(was_training)
-    return torch.cat(chunks)
+    return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds, generate_s)
 
 
 def sampler_grid(sampler_logprobs: list[list[float]], like: torch.Tensor, mask: torch.Tensor):
@@ -316,7 +249,8 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     trainable log-probs (plain or BiCC-conditioned); ``batch`` the completion masks. Also returns, as
     ``first_pass_log_ratio`` [N], each sequence's summed log pi_theta - log pi_old before any update
     (under BiCC: the log conditioning weight log w_i). ``is_weight`` [N, L]: the sampler correction
-    (``sampler_importance_weights``), or None."""
+    (``sampler_importance_weights``), or None. ``old_logp`` None: pi_old is the policy this update's first
+    forward runs (one update per rollout, ``bicc.plan.StepPlan``), taken from that forward, detached."""
     model, loss_fn = state.model, LOSSES.get(cfg.algo.loss)
     n = batch.input_ids.shape[0]
     generator = torch.Generator().manual_seed(step_seed)
@@ -329,6 +263,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
 
     first_pass = torch.zeros(n)
     seen = torch.zeros(n, dtype=torch.bool)
+    timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for perf/ (not synchronised on CUDA)
     clip_bound = cfg.bicc.log_ratio_clip if cfg.bicc.enabled else 0.0
     scale = loss_scale(state.dist)
     model.train()
@@ -339,24 +274,29 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             totals = global_totals(StepTotals.of(batch.completion_mask[mb_rows], cfg.rollout.max_new_tokens), state.dist)
             state.optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
-            mbs = cfg.train.micro_batch_size
-            for k in range(micro_batch_count(len(mb_rows), mbs, model, state.dist)):
-                rows = mb_rows[k * mbs : (k + 1) * mbs]
+            for rows in micro_batches(mb_rows, numerator, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens,
+                                      model, state.dist):
                 if len(rows) == 0:  # no rows left here, but the other ranks' forward/backward are collectives
                     logp, _ = numerator.logprobs(model, torch.arange(0, 1), cfg.rollout.temperature)
                     (logp.sum() * 0.0).backward()
                     continue
                 mask = batch.completion_mask[rows]
+                start = time.perf_counter()
                 logp, entropy = numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)
+                timers["forward"] += time.perf_counter() - start
+                # pi_old: given, or (StepPlan old_source "update") this very forward, before any update
+                old = logp.detach() if old_logp is None else old_logp[rows]
                 new = ~seen[rows]
-                first_pass[rows[new]] = ((logp.detach() - old_logp[rows]) * mask).sum(-1)[new].cpu().float()
+                first_pass[rows[new]] = ((logp.detach() - old) * mask).sum(-1)[new].cpu().float()
                 seen[rows] = True
                 if clip_bound > 0:
-                    logp = clip_log_ratio_value(logp, old_logp[rows], clip_bound)
-                loss, metrics = loss_fn(logp, old_logp[rows], None if ref_logp is None else ref_logp[rows],
+                    logp = clip_log_ratio_value(logp, old, clip_bound)
+                loss, metrics = loss_fn(logp, old, None if ref_logp is None else ref_logp[rows],
                                         adv[rows], mask, cfg.algo, totals,
                                         is_weight=None if is_weight is None else is_weight[rows])
+                start = time.perf_counter()
                 (loss * scale).backward()
+                timers["backward"] += time.perf_counter() - start
                 step_loss += loss.item()
                 for name, value in metrics.items():
                     add(name, value)
@@ -377,8 +317,11 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                 continue
             state.nonfinite_streak = 0
             add("train/nonfinite_skip", 0.0)
+            start = time.perf_counter()
             state.optimizer.step()
             state.scheduler.step()
+            timers["optimizer"] += time.perf_counter() - start
     metrics = {name: sums[name] / counts[name] for name in sums}
     metrics["train/lr"] = state.scheduler.get_last_lr()[0]
+    metrics.update({f"perf/update_{name}_s": value for name, value in timers.items()})
     return metrics, first_pass

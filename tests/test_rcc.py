@@ -10,7 +10,9 @@ from bicc.diagnostics import GradientMoments, delta_by_reward, gradient_variance
 from bicc.logprobs import make_token_batch
 from bicc.models import build_tiny
 from bicc.numerator import ConditionedNumerator, PlainNumerator
-from bicc.trainer import conditioned_logprobs_no_grad, logprobs_no_grad
+from bicc.plan import StepPlan, step_logprobs
+from bicc.trainer import logprobs_no_grad
+from tests.conftest import compose_cfg
 from tests.test_conditioning import BiccCfg
 from tests.test_numerator import setup
 
@@ -83,16 +85,6 @@ def test_sequence_delta_sum_and_mean():
     assert m == {"rcc/delta_pos": 2.0, "rcc/delta_neg": -2.0, "rcc/delta_sep": 4.0}
 
 
-class _Cfg:
-    """The slice of the run config that ``conditioned_logprobs_no_grad`` reads."""
-
-    class bicc:
-        old_on_context = False
-
-    class rollout:
-        temperature = 1.0
-
-
 def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
     policy, tok, prompts, completions, batch = setup()
     # a reference that differs from the policy: same architecture, other init
@@ -106,10 +98,9 @@ def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
     numerator = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(min_attempt_tokens=4),
                                      tok.pad_token_id, "cpu")
     plain = PlainNumerator(batch)
-    old = logprobs_no_grad(policy, plain, 4, 2, 1.0)
-    ref_logp = logprobs_no_grad(ref, plain, 4, 2, 1.0)
-    delta = sequence_delta(conditioned_logprobs_no_grad(policy, numerator, plain, old, _Cfg, 4, 2), ref_logp,
-                           batch.completion_mask)
+    cfg = compose_cfg(["bicc=on", "rcc=on", "train.micro_batch_size=2"])  # the paper: delta on x^c
+    lp = step_logprobs(StepPlan.from_config(cfg, False), policy, ref, plain, numerator, None, cfg, batch.completion_mask)
+    delta = sequence_delta(lp.delta, lp.ref, batch.completion_mask)
     # by hand: each output scored alone after its conditioned prompt (policy) and after q (reference)
     for i, completion in enumerate(completions):
         cond = make_token_batch([ctx.prompt_ids[i]], [completion], tok.pad_token_id)
@@ -118,8 +109,9 @@ def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
         b = logprobs_no_grad(ref, PlainNumerator(on_q), 1, 1, 1.0).sum()
         assert delta[i].item() == pytest.approx((a - b).item(), abs=1e-4)
     # the plain numerator gives delta on q instead, which differs
-    delta_q = sequence_delta(conditioned_logprobs_no_grad(policy, plain, plain, old, _Cfg, 4, 2), ref_logp,
-                             batch.completion_mask)
+    cfg.rcc.delta_context = "q"
+    lp_q = step_logprobs(StepPlan.from_config(cfg, False), policy, ref, plain, numerator, None, cfg, batch.completion_mask)
+    delta_q = sequence_delta(lp_q.delta, lp_q.ref, batch.completion_mask)
     assert (delta_q - delta).abs().max() > 1e-3
 
 

@@ -16,8 +16,8 @@ from bicc.losses import LOSSES, StepTotals
 from bicc.models import build_tiny
 from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.optim import build_optimizer, warmup_cosine
-from bicc.trainer import (RLState, logprobs_no_grad, old_logprobs, rcc_policy_logprobs, reference_logprobs,
-                          update_policy)
+from bicc.plan import StepPlan, step_logprobs
+from bicc.trainer import RLState, logprobs_no_grad, update_policy
 from tests.conftest import compose_cfg
 
 ARCH = TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
@@ -57,20 +57,24 @@ def hand_loop(model, batch, old_logp, adv, cfg, step_seed):
 
 
 @pytest.mark.parametrize("algo", ["dapo", "grpo"])  # token-mean and seq-mean-token-mean normalisers
-@pytest.mark.parametrize("micro", [1, 4, 12])
+@pytest.mark.parametrize("micro", ["1", "4", "12", "12 tokens=30"])  # the last: length-aware micro-batches
 def test_update_equals_hand_sequenced_loop(algo, micro):
+    """In fp64, so that the only differences left are the update's arithmetic, not summation order: each
+    micro-batch is computed on its own columns (bicc.batching.trim_rows), the hand loop on the minibatch's."""
+    size, _, tokens = micro.partition(" tokens=")
     cfg = compose_cfg([f"algo={algo}", "train.minibatches_per_rollout=2", "train.epochs_per_rollout=2",
-                       f"train.micro_batch_size={micro}", "rollout.max_new_tokens=9", "optim.clip_grad=1e9"])
+                       f"train.micro_batch_size={size}", f"train.micro_batch_tokens={tokens or 0}",
+                       "rollout.max_new_tokens=9", "optim.clip_grad=1e9"])
     prompts, completions = rows()
     batch = make_token_batch(prompts, completions, 0)
-    model, _ = build_tiny(ARCH, seed=0)
-    reference, _ = build_tiny(ARCH, seed=0)
+    model, reference = build_tiny(ARCH, seed=0)[0].double(), build_tiny(ARCH, seed=0)[0].double()
     old_logp = logprobs_no_grad(model, PlainNumerator(batch), 12, 12, 1.0)
-    adv = torch.linspace(-1.5, 1.5, 12)
+    adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
     s = state_for(model)
     update_policy(s, batch, PlainNumerator(batch), old_logp, None, adv, cfg, step_seed=7)
     hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
-    moved = max((p - q).abs().max().item() for p, q in zip(build_tiny(ARCH, seed=0)[0].parameters(), model.parameters()))
+    moved = max((p - q).abs().max().item() for p, q in zip(build_tiny(ARCH, seed=0)[0].double().parameters(),
+                                                            model.parameters()))
     assert moved > 1e-3  # 4 optimizer steps at lr 1e-2: the comparison is not vacuous
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
@@ -97,10 +101,11 @@ def test_old_reference_and_kl_reference_wiring(form):
     ref_q = logprobs_no_grad(ref, plain, 4, 4, 1.0)
     ref_xc = logprobs_no_grad(ref, numerator, 4, 4, 1.0)
     assert not torch.allclose(on_q, on_xc)  # the context changes the log-probs: the checks below can fail
-    old, q = old_logprobs(policy, plain, numerator, cfg, 4, 4, need_q=True)
-    ref_logp, kl_ref = reference_logprobs(ref, plain, numerator, cfg, 4, 4)
-    torch.testing.assert_close(q, on_q)
-    torch.testing.assert_close(ref_logp, ref_q)  # RCC's delta: pi_ref on q in every form
+    lp = step_logprobs(StepPlan.from_config(cfg, False, diagnostics=True), policy, ref, plain, numerator, None, cfg,
+                       batch.completion_mask)
+    old, kl_ref = lp.old, lp.kl_ref
+    torch.testing.assert_close(lp.on_q, on_q)
+    torch.testing.assert_close(lp.ref, ref_q)  # RCC's delta: pi_ref on q in every form
     if form == "on":  # the paper: rho = pi(o | x^c) / pi_old(o | q); KL to pi_ref(. | q)
         torch.testing.assert_close(old, on_q)
         torch.testing.assert_close(kl_ref, ref_q)
@@ -116,7 +121,7 @@ def test_rcc_delta_context(form, context):
     cfg, batch, plain, numerator = bicc_setup(form)
     cfg.rcc.delta_context = context
     policy, _ = build_tiny(ARCH, seed=0)
-    old, q = old_logprobs(policy, plain, numerator, cfg, 4, 4, need_q=True)
-    got = rcc_policy_logprobs(policy, numerator, plain, old, q, cfg, 4, 4)
+    got = step_logprobs(StepPlan.from_config(cfg, False), policy, None, plain, numerator, None, cfg,
+                        batch.completion_mask).delta
     expected = logprobs_no_grad(policy, plain if context == "q" else numerator, 4, 4, 1.0)
     torch.testing.assert_close(got, expected)

@@ -3,12 +3,15 @@
 Usually the engine samples from the very module being trained, so ``update_weights`` has nothing to
 copy. Under FSDP2 the trained module is sharded and the engine holds a full copy, which
 ``update_weights`` refreshes from the gathered full state dict. Prompts are left-padded per chunk of at most
-``rollout.batch_size`` output rows.
+``rollout.batch_size`` output rows. With ``rollout.old_from_sampler`` it also returns each sampled token's
+log-prob, log softmax(logits / T), recorded during sampling (``_RecordLogprobs``) so that the trainer can
+skip its own pi_old pass.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from bicc.logprobs import compute_precision
 from bicc.rollout import ENGINES, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
@@ -21,6 +24,7 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.max_rows = rollout_cfg.batch_size
         self.end_ids = end_ids_of(tokenizer, options)
+        self.returns_logprobs = bool(getattr(rollout_cfg, "old_from_sampler", False))
 
     def update_weights(self, model) -> None:
         if model is not self.model:
@@ -40,7 +44,7 @@ class HFEngine:
         torch.manual_seed(sampling.seed)
         was_training = self.model.training
         self.model.eval()
-        out = RolloutOutput([], [], [], [])
+        out = RolloutOutput([], [], [], [], logprobs=[] if self.returns_logprobs and not greedy else None)
         try:
             for start in range(0, len(prompts), prompts_per_chunk):
                 chunk = prompts[start : start + prompts_per_chunk]
@@ -50,6 +54,7 @@ class HFEngine:
                 for i, p in enumerate(chunk):
                     input_ids[i, width - len(p) :] = torch.tensor(p)
                     attention_mask[i, width - len(p) :] = 1
+                record = _RecordLogprobs(sampling.temperature) if out.logprobs is not None else None
                 with compute_precision(self.model):
                     sequences = self.model.generate(
                         input_ids=input_ids.to(device),
@@ -62,7 +67,9 @@ class HFEngine:
                         max_new_tokens=sampling.max_new_tokens,
                         pad_token_id=pad_id,
                         eos_token_id=end_ids,
+                        logits_processor=LogitsProcessorList([record] if record else []),
                     )  # [P*n, W + L]
+                token_logprobs = record.finish(sequences[:, width:]).tolist() if record else None
                 new_tokens = sequences[:, width:].tolist()
                 for row, ids in enumerate(new_tokens):
                     stop = next((t for t, tok in enumerate(ids) if tok in end_ids), None)  # first end token
@@ -71,6 +78,8 @@ class HFEngine:
                     out.prompt_ids.append(chunk[row // n])
                     out.completion_ids.append(ids)
                     out.finished.append(finished)
+                    if token_logprobs is not None:
+                        out.logprobs.append(token_logprobs[row][: len(ids)])
             out.texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         finally:
             torch.random.set_rng_state(generator_state)
@@ -78,6 +87,27 @@ class HFEngine:
         if greedy and sampling.n > 1:
             out = _repeat(out, sampling.n)
         return out
+
+
+class _RecordLogprobs(LogitsProcessor):
+    """Each sampled token's log softmax(logits / T). Called with the logits of step t (before the
+    temperature warper, which HF applies after custom processors), it keeps their log-softmax and reads
+    the previous step's at the token sampled since (the last column of ``input_ids``)."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.steps = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self.steps.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # [B, V]
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, L] log-probs of the generated tokens ``new_tokens`` [B, L]."""
+        if self.last is not None and new_tokens.shape[1] > len(self.steps):
+            self.steps.append(self.last.gather(-1, new_tokens[:, len(self.steps)].unsqueeze(-1)).squeeze(-1))
+        return torch.stack(self.steps, dim=1).cpu() if self.steps else new_tokens.new_zeros(new_tokens.shape[0], 0).float()
 
 
 def _repeat(out: RolloutOutput, n: int) -> RolloutOutput:

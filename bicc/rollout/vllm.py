@@ -89,6 +89,7 @@ class VLLMEngine:
         self.end_ids = end_ids_of(tokenizer, options)
         self.dtype = options.dtype or str(model.dtype).replace("torch.", "")
         self.sleep_enabled = bool(rollout_cfg.sleep) and torch.cuda.is_available()
+        self.returns_logprobs = True  # every sampled token's processed log-prob
         self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, torch.cuda.is_available()))
         self.model = None  # no HF module: evaluation with this engine samples through vLLM as well
 
