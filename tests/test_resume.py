@@ -86,7 +86,7 @@ def _checkpoint(tmp_path, step):
 
 
 def test_corrupt_or_partial_checkpoints_are_named_and_skipped(tmp_path):
-    import train as train_module
+    from bicc.loop import resume_dir
 
     good = _checkpoint(tmp_path, 2)
     corrupt = _checkpoint(tmp_path, 4)
@@ -97,13 +97,13 @@ def test_corrupt_or_partial_checkpoints_are_named_and_skipped(tmp_path):
     with pytest.raises(CorruptCheckpoint, match="step_4"):
         verify_checkpoint(corrupt)
     verify_checkpoint(good)
-    assert train_module.resume_dir("auto", tmp_path) == good
+    assert resume_dir("auto", tmp_path) == good
     with pytest.raises(CorruptCheckpoint, match="step_4"):
-        train_module.resume_dir(str(corrupt), tmp_path)
+        resume_dir(str(corrupt), tmp_path)
     (good / "trainer_state.pt").write_bytes(b"not a torch file")
     with pytest.raises(CorruptCheckpoint, match="trainer_state.pt"):
         verify_checkpoint(good)
-    assert train_module.resume_dir("auto", tmp_path) is None  # nothing sound left: start over
+    assert resume_dir("auto", tmp_path) is None  # nothing sound left: start over
 
 
 def test_no_pickle_outside_weights_only_loads():

@@ -1,0 +1,162 @@
+"""One RL step, the paper's Algorithm 1 in marked phases: rollout -> reward -> partition/contexts ->
+log-probs (``bicc.plan``) -> advantages -> loss and optimizer step -> weight sync -> metrics; and the state it
+runs on (``build_rl_state``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bicc import distributed
+from bicc.advantages import ADVANTAGES
+from bicc.conditioning import build_contexts, warm_up
+from bicc.data import build_task
+from bicc.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
+from bicc.logprobs import make_token_batch
+from bicc.models import DTYPES, compute_copy, end_token_ids, frozen_copy, load_policy
+from bicc.numerator import ConditionedNumerator, PlainNumerator
+from bicc.optim import build_optimizer, warmup_cosine
+from bicc.plan import StepPlan, step_logprobs
+from bicc.rollout import EngineOptions, build_engine
+from bicc.trainer import (RLState, collect_rollout, loss_of_rows_fn, needs_reference, sampler_grid,
+                          sampler_importance_weights, sampler_logprob_diff, update_policy)
+
+
+def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
+    t0 = time.perf_counter()
+    device = next(s.model.parameters()).device
+    step_seed = cfg.seed * 1_000_003 + s.step
+
+    # ---- 1-2. rollout and reward: G samples per query from pi_old, scored (binary, plus shaping) --
+    # (each process samples its own prompt shards; groups never span processes)
+    ro = collect_rollout(s, cfg, step_seed, distributed.local_shards(cfg.rollout, s.dist),
+                         distributed.num_shards(cfg.rollout, s.dist))
+    t_rollout = time.perf_counter()
+    if hasattr(s.engine, "sleep"):  # vLLM with rollout.sleep on GPU: free its memory until the sync
+        s.engine.sleep()
+
+    # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c ----------------
+    batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
+    plain = PlainNumerator(batch)
+    numerator, bicc_metrics = plain, {}
+    if cfg.bicc.enabled:
+        contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
+                                  cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
+        contexts = warm_up(contexts, ro.group_ids, ro.out.prompt_ids, s.step, cfg.bicc.warmup_steps)
+        numerator = ConditionedNumerator(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
+                                         s.tokenizer.pad_token_id, device)
+        bicc_metrics = {**contexts.metrics, "bicc/extra_token_share": numerator.tokens / plain.tokens - 1}
+
+    # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
+    plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, distributed.is_sharded(s.model))
+    mask_cpu = batch.completion_mask.cpu()
+    sampled = None
+    if ro.out.logprobs is not None:
+        sampled, valid = sampler_grid(ro.out.logprobs, torch.zeros(mask_cpu.shape), mask_cpu)
+        if plan.old_source == "sampler" and not bool(valid[mask_cpu.bool()].all()):
+            raise ValueError("rollout.old_from_sampler: the engine returned no log-prob for some sampled tokens")
+        sampled = sampled.to(device)
+    t_contexts = time.perf_counter()
+    lp = step_logprobs(plan, s.model, s.ref_model, plain, numerator, sampled, cfg, batch.completion_mask, s.dist)
+    t_logprobs = time.perf_counter()
+    sampler_metrics, is_weight = {}, None
+    if sampled is not None and plan.old_source != "sampler":  # the sampler against the trainer, both on q
+        q_cpu = lp.on_q.cpu()
+        sampler_metrics["rollout/logprob_diff"] = sampler_logprob_diff(ro.out.logprobs, q_cpu, mask_cpu)
+        if plan.tis:  # tokens were drawn from pi_sampler, not pi_old: weight each by min(pi_old / pi_sampler, C)
+            is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q_cpu, mask_cpu, cfg.rollout.tis_cap)
+            is_weight = is_weight.to(device)
+            sampler_metrics.update(tis_metrics)
+
+    # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
+    delta, diag_record = None, {}
+    if plan.delta is not None:  # delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), theta = theta_old here
+        delta = sequence_delta(lp.delta, lp.ref, batch.completion_mask, cfg.rcc.delta).cpu()
+    adv_name = "rcc" if cfg.rcc.enabled else cfg.algo.advantage
+    adv, adv_metrics = ADVANTAGES.get(adv_name)(ro.rewards, ro.group_ids, delta, cfg.algo)  # [N]
+    adv = adv.to(device)
+    t_diagnostics = time.perf_counter()
+    if plan.diagnostics:
+        diag_metrics, diag_record = step_diagnostics(s, cfg, batch, numerator, ro, lp, adv, delta, is_weight, step_seed)
+        adv_metrics.update(diag_metrics)
+    diagnostics_s = time.perf_counter() - t_diagnostics
+
+    # ---- 6. loss and optimizer step(s) ---------------------------------------------------------
+    update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, lp.old, lp.kl_ref, adv, cfg,
+                                                         step_seed, is_weight)
+    t_update = time.perf_counter()
+
+    if cfg.bicc.enabled:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass
+        log_w = first_pass_log_ratio if plan.old_context == "q" else lp.log_w
+        if log_w is not None:
+            bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
+
+    # ---- 7. weight sync: the rollout engine samples from the updated policy next step ----------
+    s.engine.update_weights(s.model)
+    s.step += 1
+    if s.shard_pos and s.dist.enabled:  # every process learns every shard's data position (checkpoints)
+        s.shard_pos = distributed.merge_shard_positions(s.shard_pos, cfg.rollout, s.dist)
+
+    # ---- 8. metrics ----------------------------------------------------------------------------
+    lengths = batch.completion_mask.sum(-1).float()
+    return distributed.mean_metrics({
+        "reward/accuracy": ro.correct.mean().item(),
+        "reward/mean": ro.rewards.mean().item(),
+        "rollout/response_len": lengths.mean().item(),
+        "rollout/truncated_share": 1 - sum(ro.out.finished) / len(ro.out.finished),
+        "rollout/prompts_drawn": ro.prompts_drawn,
+        "rollout/generate_rounds": ro.rounds,
+        "rollout/groups": len(ro.correct) // cfg.rollout.group_size,
+        **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics,
+        # phases' seconds (not synchronised on CUDA); generate_s and the no-grad passes' logprob_s are inside
+        "perf/rollout_s": t_rollout - t0, "perf/generate_s": ro.generate_s, "perf/logprob_s": t_logprobs - t_contexts,
+        "perf/no_grad_passes": len(plan.passes()) - 1, "perf/diagnostics_s": diagnostics_s,
+        "perf/update_s": t_update - t_logprobs, "perf/step_s": time.perf_counter() - t0,
+        "perf/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - t0),
+    }, s.dist), diag_record
+
+
+def step_diagnostics(s: RLState, cfg, batch, numerator, ro, lp, adv, delta, is_weight, step_seed: int):
+    """RCC's diagnostics on this step's batch (delta by reward, gradient variance over group splits),
+    measured without changing the update: gradients are cleared before it. Returns (metrics, the raw
+    per-sample record for bicc.plots)."""
+    metrics = {}
+    if not cfg.rcc.enabled:
+        _, rcc_metrics = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
+        metrics.update({k: v for k, v in rcc_metrics.items() if k.startswith("rcc/")})
+    loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, lp.old, lp.kl_ref, adv, cfg, is_weight)
+    s.model.train()
+    grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(adv.device), cfg.rcc.diag_splits,
+                                 torch.Generator().manual_seed(step_seed), cfg.train.micro_batch_size)
+    metrics.update({**delta_by_reward(delta, ro.correct), "rcc/grad_var": grad_var})
+    return metrics, {"step": s.step + 1, "delta": delta.tolist(), "correct": ro.correct.tolist(), "grad_var": grad_var}
+
+
+def peak_lr(cfg) -> float:
+    """optim.lr, times bicc.lr_scale while BiCC is on (the conditioned gradient is noisier for the
+    policy on q; see README, "BiCC: the default and the paper's equation")."""
+    return cfg.optim.lr * (cfg.bicc.lr_scale if cfg.bicc.enabled else 1.0)
+
+
+def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
+                   d: distributed.Dist = distributed.Dist(), max_model_len: int | None = None) -> RLState:
+    """Policy from ``policy_path`` (the initial policy, or a checkpoint when resuming) in fp32 master
+    weights computing in ``model.dtype``; the frozen reference is always the initial policy at ``init_path``
+    (a full copy in the compute dtype on every process). Under FSDP2 the HF rollout engine gets its own
+    full copy of the policy in the compute dtype; otherwise it samples from the policy itself."""
+    model, tokenizer = load_policy(policy_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
+    ref_model = frozen_copy(init_path, cfg.model, device) if needs_reference(cfg) else None
+    sharded_hf = d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf"
+    sampler = compute_copy(model, cfg.model) if sharded_hf else model
+    end_ids = tuple(end_token_ids(tokenizer, model))
+    model = distributed.wrap(model, cfg.dist, d, DTYPES[cfg.model.dtype])
+    optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)
+    total = cfg.train.steps * cfg.train.epochs_per_rollout * cfg.train.minibatches_per_rollout
+    scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
+    options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype)
+    engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
+    plan = StepPlan.from_config(cfg, getattr(engine, "returns_logprobs", False))
+    return RLState(model, ref_model, tokenizer, engine, optimizer, scheduler, build_task(cfg.data), init_path, dist=d,
+                   end_ids=end_ids, plan=plan)
