@@ -40,7 +40,7 @@ test-all: $(STAMP) $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) bench/step_profile.py
+	$(PY) -m bench.step_profile
 
 clean:
 	rm -rf outputs .cache

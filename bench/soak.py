@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,108 +1,280 @@
-"""Where an RL step's time goes at the default config.
+"""Where an RL step's time goes, and what length-aware batching and the step plan save.
 
-Times model forward passes outside generation, backward passes and rollout generation, and reports
-the rest of the step (tokenising, rewards, batching, advantages, optimizer, logging glue) as loop
-overhead. Run: ``.venv/bin/python bench/step_profile.py [hydra overrides...]``
-Ends with ``RESULT loop_overhead_share=<share> target<=0.10``.
+Run: ``.venv/bin/python -m bench.step_profile [--lengths task|realistic] [hydra overrides...]``.
+
+``--lengths task`` (default): the embedded default (tiny model, its cached warm start, real rollouts). Times
+``--steps`` calls of ``bicc.step.rl_step`` after ``--warmup`` and splits them with the step's own timers
+(``perf/``): generate, the plan's no-grad passes, the update's forward, backward and optimizer step, the
+diagnostics (``rcc.diag_every``: their own forwards and backwards); the rest is loop overhead (tokenising, rewards, batching, contexts, advantages, metrics). Ends with
+``RESULT loop_overhead_share=<share> target<=0.05`` and ``RESULT passes_per_step=<no-grad passes + 1 update>``.
+
+``--lengths realistic``: a random-init Qwen3 of >= 10M parameters, 8 queries x G = 8, outputs up to 256
+tokens whose lengths follow the labelled completions' (``../shared/data/labelled_completions.jsonl``, scaled
+so that the 99th percentile is ``rollout.max_new_tokens``). The rollout decodes every token for real (EOS held back
+until the row's drawn length, so generation costs what such outputs cost) and half of each group is scored
+correct, so every BiCC group is conditioned. Three measurements:
+- the training part of one fixed rollout (no-grad passes + update), as before this batching (every row padded
+  to the step's longest, pi_old by its own pass, fixed micro-batches of ``--micro`` rows) and as now
+  (length-aware micro-batches under ``rows x longest <= --micro x longest row``, pi_old from the update's own
+  forward), alternating: ``RESULT padding_share=<padded tokens computed / real tokens - 1> target<=0.10``
+  and ``RESULT step_speedup_vs_padded=<before / now> target>=1.4``, with the weights after each update
+  compared (same rows, same gradient);
+- full steps (rollout included) of GRPO, of the paper's BiCC + RCC and of BiCC + RCC with delta on q
+  (Section 4.2's reading) and pi_old from the sampler (two no-grad passes fewer), alternating:
+  ``RESULT full_step_ratio_bicc_rcc=<BiCC+RCC step / GRPO step> target<=1.15``;
+- ``RESULT passes_per_step_bicc_rcc=<n>`` for ``bicc=on rcc=on`` (and with ``rollout.old_from_sampler``).
+
+Timings are only meaningful on a quiet machine (nothing else running on its cores).
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import json
 import os
 import statistics
-import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from hydra import compose, initialize_config_dir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from bicc.config import register_configs, validate  # noqa: E402
-from bicc.data import build_task  # noqa: E402
-from bicc.sft import warm_start  # noqa: E402
+from bicc.batching import trim_rows
+from bicc.config import TinyArchConfig, register_configs, validate
+from bicc.data import build_task
+from bicc.logprobs import batch_logprobs, make_token_batch
+from bicc.models import build_tiny, num_parameters
+from bicc.numerator import PlainNumerator
+from bicc.plan import StepPlan, step_logprobs
+from bicc.rollout.hf import HFEngine
+from bicc.sft import warm_start
+from bicc.step import build_rl_state, rl_step
+from bicc.trainer import collect_rollout, update_policy
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "labelled_completions.jsonl"
+LARGE = dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1152, num_attention_heads=6,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+REALISTIC = ["rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=256",
+             "rollout.batch_size=64", "train.micro_batch_size=64", "optim.lr=1e-5", "rcc.diag_every=0"]
+PAPER = ["bicc=on", "rcc=on"]
+LEAN = ["rcc.delta_context=q", "rollout.old_from_sampler=true"]  # the paper's method with two passes fewer
 
 
-class Timers:
-    def __init__(self):
-        self.generate = self.forward = self.backward = 0.0
-        self.in_generate = False
-        self._forward_start = 0.0
-
-
-def instrument(state, timers: Timers) -> None:
-    """Wrap the engine's generate, the policy's forward (outside generate) and Tensor.backward."""
-    generate = state.engine.generate
-
-    def timed_generate(*args, **kwargs):
-        timers.in_generate = True
-        start = time.perf_counter()
-        try:
-            return generate(*args, **kwargs)
-        finally:
-            timers.generate += time.perf_counter() - start
-            timers.in_generate = False
-
-    state.engine.generate = timed_generate
-
-    def pre_hook(module, args, kwargs):
-        timers._forward_start = time.perf_counter()
-
-    def post_hook(module, args, kwargs, output):
-        if not timers.in_generate:
-            timers.forward += time.perf_counter() - timers._forward_start
-
-    state.model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    state.model.register_forward_hook(post_hook, with_kwargs=True)
-
-    backward = torch.Tensor.backward
-
-    def timed_backward(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return backward(self, *args, **kwargs)
-        finally:
-            timers.backward += time.perf_counter() - start
-
-    torch.Tensor.backward = timed_backward
-
-
-def main(overrides: list[str], warmup: int = 3, steps: int = 20) -> None:
-    import train  # the entry point's step function, as the real run uses it
-
+def compose_cfg(overrides: list[str]):
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="train", overrides=[f"sft.cache_dir={ROOT / '.cache' / 'bicc'}", *overrides])
     validate(cfg)
+    return cfg
+
+
+def phase_split(records: list[dict]) -> dict[str, float]:
+    """Seconds per phase summed over steps, from the step's ``perf/`` metrics."""
+    keys = {"generate": "perf/generate_s", "no-grad passes": "perf/logprob_s", "update forward": "perf/update_forward_s",
+            "update backward": "perf/update_backward_s", "optimizer": "perf/update_optimizer_s",
+            "diagnostics": "perf/diagnostics_s"}
+    out = {name: sum(r.get(key, 0.0) for r in records) for name, key in keys.items()}
+    out["step"] = sum(r["perf/step_s"] for r in records)
+    out["overhead"] = out["step"] - sum(v for k, v in out.items() if k != "step")
+    return out
+
+
+def report(split: dict[str, float], steps: int) -> None:
+    total = split["step"]
+    print(f"{steps} steps, {total:.1f}s (median-free sum); " + ", ".join(
+        f"{name} {value:.2f}s ({value / total:.0%})" for name, value in split.items() if name != "step"))
+
+
+def task_profile(overrides: list[str], warmup: int, steps: int) -> None:
+    cfg = compose_cfg(overrides)
     torch.set_num_threads(cfg.threads or os.cpu_count())
     device = torch.device("cpu")
-    init_path = str(warm_start(cfg, build_task(cfg.data), device, progress=True))
-    state = train.build_rl_state(cfg, init_path, init_path, device)
+    init_path = str(warm_start(cfg, build_task(cfg.data), device, progress=False))
+    state = build_rl_state(cfg, init_path, init_path, device)
+    print(f"passes per step: {' -> '.join(state.plan.passes())}")
     for _ in range(warmup):
-        train.rl_step(state, cfg)
-    timers = Timers()
-    instrument(state, timers)
-    step_times, gen_times = [], []
+        rl_step(state, cfg)
+    records = [rl_step(state, cfg)[0] for _ in range(steps)]
+    split = phase_split(records)
+    report(split, steps)
+    print(f"median step {statistics.median(r['perf/step_s'] for r in records):.3f}s")
+    print(f"RESULT loop_overhead_share={split['overhead'] / split['step']:.3f} target<=0.05")
+    print(f"RESULT passes_per_step={len(state.plan.passes())}")
+
+
+# ---- realistic lengths -------------------------------------------------------------------------------
+
+
+def drawn_lengths(max_tokens: int, tokenizer) -> torch.Tensor:
+    """Token lengths of the labelled completions under ``tokenizer``, scaled so that the 99th percentile is
+    ``max_tokens`` (the longest is 5 x that percentile: scaling by it would squeeze the rest to a few
+    tokens); the 1% above are truncated there, as a run truncates them."""
+    texts = [json.loads(line)["completion"] for line in DATA.read_text().splitlines() if line.strip()]
+    lengths = torch.tensor([len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts], dtype=torch.float)
+    return (lengths * max_tokens / lengths.quantile(0.99)).round().clamp(2, max_tokens).long()
+
+
+class DrawnLengthEngine(HFEngine):
+    """HF sampling whose outputs end at lengths drawn from ``lengths``: EOS is held back (no token ends an
+    output) and each row is cut at its drawn length, its last token replaced by EOS. Every token is decoded
+    for real, so the rollout costs what outputs of those lengths cost."""
+
+    def __init__(self, model, tokenizer, rollout_cfg, lengths: torch.Tensor):
+        super().__init__(model, tokenizer, rollout_cfg)
+        self.lengths = lengths
+        self.end_ids = [len(tokenizer) + 1]  # no sampled id: generation runs to max_new_tokens
+
+    def generate(self, prompts, sampling):
+        gen = torch.Generator().manual_seed(sampling.seed)
+        n = len(prompts) * sampling.n
+        drawn = self.lengths[torch.randint(len(self.lengths), (n,), generator=gen)].clamp(max=sampling.max_new_tokens)
+        out = super().generate(prompts, replace(sampling, max_new_tokens=int(drawn.max())))
+        eos = self.tokenizer.eos_token_id
+        out.completion_ids = [ids[: int(k) - 1] + [eos] for ids, k in zip(out.completion_ids, drawn)]
+        if out.logprobs is not None:  # (the EOS put in last keeps the replaced token's log-prob: timing only)
+            out.logprobs = [lp[: int(k)] for lp, k in zip(out.logprobs, drawn)]
+        out.finished = [True] * n
+        out.texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        return out
+
+
+class HalfCorrect:
+    """The task, with every other sample of a group scored correct (random outputs are never right)."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def reward_many(self, texts, golds):
+        return [float(i % 2 == 0) for i in range(len(texts))]
+
+
+class PaddedNumerator(PlainNumerator):
+    """The numerator before length-aware batching: every micro-batch is computed on the step's full width."""
+
+    def logprobs(self, model, rows, temperature: float, with_entropy: bool = False):
+        return batch_logprobs(model, self.batch.rows(rows), temperature, with_entropy)
+
+
+def realistic_state(cfg, init_path: str, lengths: torch.Tensor):
+    state = build_rl_state(cfg, init_path, init_path, torch.device("cpu"))
+    state.engine = DrawnLengthEngine(state.model, state.tokenizer, cfg.rollout, lengths)
+    state.task = HalfCorrect(state.task)
+    return state
+
+
+def computed_tokens(numerator, plan_rows: list[torch.Tensor], trimmed: bool) -> int:
+    """Tokens the forwards over ``plan_rows`` compute (rows x the micro-batch's width)."""
+    total = 0
+    for rows in plan_rows:
+        part = numerator.batch.rows(rows)
+        total += (trim_rows(part) if trimmed else part).input_ids.numel()
+    return total
+
+
+def training_part(state, cfg, batch, adv, padded: bool, micro: int, seed: int):
+    """The no-grad passes and the update on one rollout batch: before (padded) or now; returns seconds."""
+    from bicc.trainer import micro_batches
+
+    numerator = PaddedNumerator(batch) if padded else PlainNumerator(batch)
+    run_cfg = copy.deepcopy(cfg)
+    run_cfg.train.micro_batch_size = micro if padded else cfg.train.micro_batch_size
+    run_cfg.train.micro_batch_tokens = 0 if padded else cfg.train.micro_batch_tokens
+    plan = StepPlan.from_config(run_cfg, False)
+    if padded:
+        plan = plan.with_old_source("forward")
     start = time.perf_counter()
-    for _ in range(steps):
-        t0, g0 = time.perf_counter(), timers.generate
-        train.rl_step(state, cfg)
-        step_times.append(time.perf_counter() - t0)
-        gen_times.append(timers.generate - g0)
-    total = time.perf_counter() - start
-    inside = timers.generate + timers.forward + timers.backward
-    share = 1 - inside / total
-    print(f"steps {steps}, total {total:.1f}s, median step {statistics.median(step_times):.2f}s, "
-          f"max step {max(step_times):.2f}s")
-    print(f"generate {timers.generate:.1f}s ({timers.generate / total:.0%}; median call {statistics.median(gen_times):.2f}s, "
-          f"max {max(gen_times):.2f}s), forward {timers.forward:.1f}s ({timers.forward / total:.0%}), "
-          f"backward {timers.backward:.1f}s ({timers.backward / total:.0%})")
-    print(f"RESULT loop_overhead_share={share:.3f} target<=0.10")
+    lp = step_logprobs(plan, state.model, None, numerator, numerator, None, run_cfg, batch.completion_mask)
+    update_policy(state, batch, numerator, lp.old, None, adv, run_cfg, seed)
+    seconds = time.perf_counter() - start
+    rows = micro_batches(torch.arange(len(adv)), numerator, run_cfg.train.micro_batch_size,
+                         run_cfg.train.micro_batch_tokens, state.model, state.dist)
+    passes = len(plan.passes())  # the no-grad passes and the update's forward
+    return seconds, computed_tokens(numerator, rows, trimmed=not padded) * passes
+
+
+def realistic_profile(overrides: list[str], micro: int, repeats: int, steps: int) -> None:
+    base = compose_cfg([*REALISTIC, "bicc=off", "rcc=off", *overrides])
+    torch.set_num_threads(base.threads or os.cpu_count())
+    model, tokenizer = build_tiny(TinyArchConfig(**LARGE), seed=0)
+    lengths = drawn_lengths(base.rollout.max_new_tokens, tokenizer)
+    print(f"model {num_parameters(model) / 1e6:.1f}M parameters; output lengths: median {int(lengths.median())}, "
+          f"max {int(lengths.max())} of {base.rollout.max_new_tokens} ({len(lengths)} labelled completions)")
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        width = max(len(p) for p in [tokenizer(build_task(base.data).train_problem(i).prompt)["input_ids"] for i in range(64)])
+        budget = micro * (base.rollout.max_new_tokens + width + 16)  # today's micro-batch size in tokens, chat template included
+        cfg = compose_cfg([*REALISTIC, "bicc=off", "rcc=off", f"train.micro_batch_tokens={budget}", *overrides])
+
+        # -- 1. one rollout's training part, before and now --------------------------------------------
+        state = realistic_state(cfg, tmp, lengths)
+        ro = collect_rollout(state, cfg, seed=0)
+        batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, tokenizer.pad_token_id)
+        adv = torch.linspace(-1, 1, len(ro.correct))
+        real = int(batch.attention_mask.sum())
+        start = copy.deepcopy(state.model.state_dict())
+        optimizer_state = copy.deepcopy(state.optimizer.state_dict())
+        times, tokens, weights = {True: [], False: []}, {}, {}
+        for r in range(repeats + 1):  # the first round warms up
+            for padded in (True, False):
+                state.model.load_state_dict(start)
+                state.optimizer.load_state_dict(optimizer_state)
+                seconds, tokens[padded] = training_part(state, cfg, batch, adv, padded, micro, seed=1)
+                if r:
+                    times[padded].append(seconds)
+                weights[padded] = {k: v.clone() for k, v in state.model.state_dict().items()}
+        diff = max((weights[True][k] - weights[False][k]).abs().max().item() for k in weights[True])
+        before, now = statistics.median(times[True]), statistics.median(times[False])
+        print(f"training part of one rollout ({len(adv)} rows, {real} real tokens): before {before:.2f}s "
+              f"({tokens[True] / real:.2f} x real tokens computed), now {now:.2f}s ({tokens[False] / real:.2f} x); "
+              f"weights after the update differ by at most {diff:.1e}")
+        passes_now = len(StepPlan.from_config(cfg, False).passes())
+        print(f"RESULT padding_share={tokens[False] / (real * passes_now) - 1:.3f} target<=0.10")
+        print(f"RESULT step_speedup_vs_padded={before / now:.2f} target>=1.4")
+
+        # -- 2. full steps: GRPO and the paper's BiCC + RCC, alternating -----------------------------
+        cfgs = {"grpo": cfg, "bicc_rcc": compose_cfg([*REALISTIC, *PAPER, f"train.micro_batch_tokens={budget}", *overrides]),
+                "bicc_rcc_lean": compose_cfg([*REALISTIC, *PAPER, *LEAN, f"train.micro_batch_tokens={budget}", *overrides])}
+        states = {name: realistic_state(c, tmp, lengths) for name, c in cfgs.items()}
+        records = {name: [] for name in states}
+        for k in range(steps + 1):
+            for name in states:
+                metrics, _ = rl_step(states[name], cfgs[name])
+                if k:  # the first step warms up
+                    records[name].append(metrics)
+        for name in states:
+            print(f"{name}: passes {' -> '.join(states[name].plan.passes())}")
+            report(phase_split(records[name]), steps)
+        median = {name: statistics.median(r["perf/step_s"] for r in records[name]) for name in states}
+        print(f"median full step: GRPO {median['grpo']:.2f}s, BiCC+RCC {median['bicc_rcc']:.2f}s, BiCC+RCC with "
+              f"{' '.join(LEAN)} {median['bicc_rcc_lean']:.2f}s ({median['bicc_rcc_lean'] / median['grpo']:.3f} x GRPO)")
+        print(f"RESULT full_step_ratio_bicc_rcc={median['bicc_rcc'] / median['grpo']:.3f} target<=1.15")
+    sampler = StepPlan.from_config(compose_cfg([*PAPER, "rollout.old_from_sampler=true"]), True)
+    print(f"with rollout.old_from_sampler: {len(sampler.passes())} passes ({' -> '.join(sampler.passes())})")
+    print(f"RESULT passes_per_step_bicc_rcc={len(states['bicc_rcc'].plan.passes())}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", choices=["task", "realistic"], default="task")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (realistic: full steps per config)")
+    parser.add_argument("--micro", type=int, default=8, help="realistic: rows per micro-batch before (the presets')")
+    parser.add_argument("--repeats", type=int, default=3, help="realistic: timed rounds of the training part")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if args.lengths == "task":
+        task_profile(args.overrides, args.warmup, args.steps)
+    else:
+        realistic_profile(args.overrides, args.micro, args.repeats, min(args.steps, 5))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bicc.packing import pack, packed_logprobs, prefix_cache_logprobs
-from tests.test_packing import _prefix_cache_case, assert_gradients_match, tiny, unpacked
+from tests.test_packing import _prefix_cache_case, tiny, unpacked
 
 CALLS = {"varlen": 0, "dense": 0}
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from bicc.checking import MathChecker, canonical, extract
 from bicc.conditioning import build_contexts
 from bicc.rewards import exact_match_reward
-from tests.test_conditioning import TOK, BiccCfg, enc, group
+from tests.test_conditioning import BiccCfg, enc, group
 
 LATEX_BITS = st.sampled_from(["\\boxed{", "{", "}", "\\frac", "\\sqrt", "^", "_", "$", "\\left(", "\\right)", "1", "-",
                               "answer is", "####", "A:", "\\", "\n", "__import__", "e9", "9^{9^{9}}", ",", ".", " "])

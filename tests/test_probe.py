@@ -5,7 +5,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from bicc.advantages import ADVANTAGES
 from bicc.config import TinyArchConfig

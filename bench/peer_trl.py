@@ -1,0 +1,137 @@
+"""Our step time against TRL's ``GRPOTrainer`` on the same work, and what both learn in it.
+
+Install the peer first: ``.venv/bin/python -m pip install -r requirements-bench.txt``. Run:
+``.venv/bin/python -m bench.peer_trl [--steps 40] [--rounds 2] [hydra overrides...]``.
+
+Both start from the embedded default's warm start (the cached tiny model), draw the same training prompts
+in the same order, score with the same reward (the task's checker) and use the embedded default's settings:
+16 prompts x G = 8 per optimizer step, T = 1, top-p 1, at most ``rollout.max_new_tokens`` tokens, one
+update per batch (``num_iterations=1``), clip 0.2, no KL, group-std advantages, the sequence-mean-token-mean
+loss (TRL's ``loss_type="grpo"``), AdamW at ``optim.lr`` with its warmup and cosine to 0.1x, gradient clip 1.0,
+HF ``generate`` rollouts (no vLLM) on the same CPU threads. The two alternate in rounds of ``--steps``
+optimizer steps (each continuing its own run), so that machine drift hits both; the first 3 steps of each
+round are warm-up and not timed. After the last round both are scored like ``make train`` (pass@1 at
+T = 0.6, top-p 0.95, 200 problems x 4 samples, with its 95% CI).
+
+Ends with ``RESULT step_time_vs_trl=<our median step / TRL's> target<=0.8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from bench.step_profile import compose_cfg
+from bicc.data import build_task
+from bicc.evaluation import evaluate, format_eval
+from bicc.models import load_pretrained
+from bicc.rollout import EngineOptions, build_engine
+from bicc.sft import warm_start
+from bicc.step import build_rl_state, rl_step
+
+WARMUP = 3
+
+
+def trl_trainer(cfg, init_path: str, task, out_dir: str, total_steps: int):
+    """TRL's GRPOTrainer with the embedded default's settings (module docstring)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, tokenizer = load_pretrained(init_path, cfg.model, torch.device("cpu"), dtype=torch.float32)
+    r = cfg.rollout
+    problems = [task.train_problem(i) for i in range(total_steps * r.prompts_per_step)]
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p.prompt}], "index": i}
+                                 for i, p in enumerate(problems)])
+
+    def reward(prompts, completions, index, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        golds = [problems[i] for i in index]
+        if hasattr(task, "reward_many"):
+            return task.reward_many(texts, golds)
+        return [task.reward(t, g) for t, g in zip(texts, golds)]
+
+    args = GRPOConfig(
+        output_dir=out_dir, max_steps=total_steps, per_device_train_batch_size=r.prompts_per_step * r.group_size,
+        num_generations=r.group_size, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=0,
+        learning_rate=cfg.optim.lr, adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1],
+        weight_decay=cfg.optim.weight_decay, warmup_steps=cfg.optim.warmup_steps,
+        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": cfg.optim.min_lr_ratio},
+        max_grad_norm=cfg.optim.clip_grad, beta=0.0, epsilon=cfg.algo.clip_eps_low, loss_type="grpo",
+        scale_rewards="group", shuffle_dataset=False, use_cpu=True, bf16=False, report_to="none",
+        save_strategy="no", logging_steps=1000, seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0)
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.times, self.start = [], None
+
+        def on_step_begin(self, *a, **k):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.times.append(time.perf_counter() - self.start)
+
+    timer = StepTimes()
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    return trainer, timer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per round, per trainer")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    cfg = compose_cfg(["rcc.diag_every=0", "logger.progress=false", *args.overrides])
+    torch.set_num_threads(cfg.threads or os.cpu_count())
+    device = torch.device("cpu")
+    task = build_task(cfg.data)
+    init_path = str(warm_start(cfg, task, device, progress=False))
+    total = args.steps * args.rounds
+    cfg.train.steps = total  # our cosine over the same number of steps as TRL's
+    ours = build_rl_state(cfg, init_path, init_path, device)
+    print(f"ours: passes per step {' -> '.join(ours.plan.passes())}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer, timer = trl_trainer(cfg, init_path, task, tmp, total)
+        # TRL trains in one call; a round is a pause in its loop (a callback that stops, then resumes)
+        our_times, trl_times = [], []
+        from transformers import TrainerCallback
+
+        class Rounds(TrainerCallback):
+            def on_step_end(self, args_, state, control, **k):
+                if state.global_step % args.steps == 0 and state.global_step < total:
+                    for i in range(args.steps):  # our round, between TRL's
+                        t0 = time.perf_counter()
+                        rl_step(ours, cfg)
+                        if i >= WARMUP:
+                            our_times.append(time.perf_counter() - t0)
+
+        for i in range(args.steps):  # our first round
+            t0 = time.perf_counter()
+            rl_step(ours, cfg)
+            if i >= WARMUP:
+                our_times.append(time.perf_counter() - t0)
+        trainer.add_callback(Rounds())
+        trainer.train()
+        trl_times = [t for k, t in enumerate(timer.times) if k % args.steps >= WARMUP]
+        results = {}
+        for name, model in (("ours", ours.engine.model), ("TRL", trainer.model)):
+            engine = build_engine("hf", model, ours.tokenizer, cfg.eval, EngineOptions(end_ids=ours.end_ids))
+            results[name] = evaluate(engine, ours.tokenizer, task, cfg.eval, cfg.seed)
+    ours_s, trl_s = statistics.median(our_times), statistics.median(trl_times)
+    print(f"{total} optimizer steps each, {len(our_times)} timed: median step ours {ours_s:.3f}s, TRL {trl_s:.3f}s")
+    for name, metrics in results.items():
+        print(f"{name:5s} after {total} steps: {format_eval(metrics)}")
+    print(f"RESULT step_time_vs_trl={ours_s / trl_s:.3f} target<=0.8")
+
+
+if __name__ == "__main__":
+    main()
