@@ -45,7 +45,7 @@ def score_main() -> None:
     from bicc.data import build_task
     from bicc.evaluation import evaluate, format_eval, markdown_table
     from bicc.models import end_token_ids, load_pretrained
-    from bicc.rollout import EngineOptions, build_engine
+    from bicc.rollout import EngineOptions, build_engine, eval_engine_config
 
     register_configs()
     hf_logging.disable_progress_bar()
@@ -61,7 +61,8 @@ def score_main() -> None:
         model, tokenizer = load_pretrained(str(path), cfg.model, device)
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         options = EngineOptions(end_ids=tuple(end_token_ids(tokenizer, model)), dtype=cfg.model.dtype)
-        metrics = evaluate(build_engine(cfg.rollout.engine, model, tokenizer, cfg.eval, options), tokenizer,
+        engine = build_engine(cfg.rollout.engine, model, tokenizer, eval_engine_config(cfg.rollout, cfg.eval), options)
+        metrics = evaluate(engine, tokenizer,
                            build_task(cfg.data),
                            cfg.eval, cfg.seed, out_dir=out_dir, progress=cfg.logger.progress)
         table = markdown_table(metrics, cfg.eval.ks)

@@ -22,7 +22,7 @@ from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
 from bicc.models import DTYPES, num_parameters, tokenizer_and_positions
 from bicc.progress import progress
-from bicc.rollout import EngineOptions, build_engine
+from bicc.rollout import EngineOptions, build_engine, eval_engine_config
 from bicc.sft import config_hash, warm_start
 from bicc.step import build_rl_state, peak_lr, rl_step
 from bicc.tracking import Tracker, rewind_jsonl
@@ -59,7 +59,8 @@ def eval_engine(s: RLState, cfg):
     copy under FSDP2) batched by eval.batch_size."""
     if getattr(s.engine, "model", None) is None:
         return s.engine
-    return build_engine("hf", s.engine.model, s.tokenizer, cfg.eval, EngineOptions(end_ids=s.end_ids))
+    return build_engine("hf", s.engine.model, s.tokenizer, eval_engine_config(cfg.rollout, cfg.eval),
+                        EngineOptions(end_ids=s.end_ids))
 
 
 def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:

@@ -1,6 +1,8 @@
 """The embedded evaluation reports pass@1 at the paper's sampling (T 0.6, top-p 0.95) as its headline, the
 training temperature beside it (eval.also_temperatures) and greedy accuracy."""
 
+import pytest
+
 from bicc.data import build_task, encode_prompt
 from bicc.evaluation import evaluate, format_eval, markdown_table
 from bicc.rollout import RolloutOutput
@@ -40,3 +42,21 @@ def test_headline_is_the_paper_sampling_with_training_temperature_and_greedy_bes
     assert "pass@1 100.0%" in line and "T=0.6, top-p 0.95" in line and "T=1 pass@1 50.0%" in line
     table = markdown_table(metrics)
     assert "pass@1 T=1" in table.splitlines()[0] and "| 50.0 |" in table.splitlines()[2]
+
+
+def test_eval_engine_config_is_an_engine_config():
+    """Evaluation's engine gets the run's rollout engine settings, evaluation's batch size, no sleep mode and
+    no sampling log-probs; the eval config alone lacks what a vLLM engine reads (``sleep``)."""
+    from omegaconf.errors import ConfigAttributeError
+
+    from bicc.rollout import EngineOptions, eval_engine_config
+    from bicc.rollout.vllm import engine_args
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["rollout=vllm", "rollout.sleep=true", "rollout.old_from_sampler=true", "eval.batch_size=7"])
+    engine_cfg = eval_engine_config(cfg.rollout, cfg.eval)
+    assert engine_cfg.batch_size == 7 and engine_cfg.sleep is False and engine_cfg.old_from_sampler is False
+    assert engine_cfg.gpu_memory_utilization == cfg.rollout.gpu_memory_utilization
+    assert engine_args("m", "bfloat16", engine_cfg, EngineOptions(), cuda=True)["enable_sleep_mode"] is False
+    with pytest.raises(ConfigAttributeError):
+        engine_args("m", "bfloat16", cfg.eval, EngineOptions(), cuda=True)

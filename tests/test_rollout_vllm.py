@@ -148,3 +148,18 @@ def test_sigkill_then_resume_with_vllm_rollouts(tmp_path):
     ra = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     rb = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("reward/mean") for r in ra] == [r.get("reward/mean") for r in rb]
+
+
+@pytest.mark.slow
+def test_eval_entry_point_with_vllm(tmp_path):
+    """``eval.py rollout=vllm`` builds its engine from the run's rollout settings plus evaluation's (it used to
+    hand the eval config to the engine, which has no ``sleep``, and raise)."""
+    model, tokenizer = build_tiny(TinyArchConfig(), seed=0)
+    save_hf(model, tokenizer, tmp_path / "policy")
+    env = {**os.environ, "WANDB_MODE": "disabled", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "eval.py", f"ckpt={tmp_path / 'policy'}", *VLLM_CFG, "eval.num_problems=4",
+                           "eval.samples_per_problem=2", "eval.also_temperatures=[]", f"hydra.run.dir={tmp_path / 'eval'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["eval/arith/num_problems"] == 4 and 0.0 <= summary["eval/arith/pass@1"] <= 1.0

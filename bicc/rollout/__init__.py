@@ -67,6 +67,15 @@ def build_engine(name: str, model, tokenizer, rollout_cfg, options: EngineOption
     return ENGINES.get(name)(model, tokenizer, rollout_cfg, options)
 
 
+def eval_engine_config(rollout_cfg, eval_cfg):
+    """The engine settings evaluation runs with: the run's rollout engine settings (vLLM's memory share,
+    longest sequence, eager mode), evaluation's batch size, and neither sleep mode nor sampling log-probs
+    (``cfg.eval`` alone is not an engine config: a vLLM engine built from it had no ``sleep``)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(rollout_cfg, {"batch_size": eval_cfg.batch_size, "sleep": False, "old_from_sampler": False})
+
+
 def end_ids_of(tokenizer, options: EngineOptions) -> list[int]:
     return list(options.end_ids) or [tokenizer.eos_token_id]
 
