@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 # The warm start that has learnt to read attempts: a quarter of its SFT prompts show informative attempts (right
 # or slipped, under a correct target) in the BiCC template, with 1,200 SFT steps instead of 900 so that its plain
 # accuracy matches the plain warm start's (README: the gradient-alignment probe).
-READING = ["sft.context_share=0.25", "sft.context_attempts=informative", "sft.steps=1200"]
+READING = ["sft.context_share=0.25", "sft.context_attempts=informative", "sft.steps=1800"]
 CONFIGS = {  # name -> (overrides, baseline name or None)
     "GRPO": (["algo=grpo", "bicc=off", "rcc=off"], None),
     "BiCC-GRPO": (["algo=grpo", "bicc=stable", "rcc=off"], "GRPO"),
