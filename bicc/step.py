@@ -50,6 +50,8 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         bicc_metrics = {**contexts.metrics, "bicc/extra_token_share": numerator.tokens / plain.tokens - 1}
 
     # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
+    if s.plan is None:  # a state built by hand (build_rl_state resolves it)
+        s.plan = StepPlan.from_config(cfg, getattr(s.engine, "returns_logprobs", False))
     plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, distributed.is_sharded(s.model))
     mask_cpu = batch.completion_mask.cpu()
     sampled = None
@@ -112,7 +114,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics,
         # phases' seconds (not synchronised on CUDA); generate_s and the no-grad passes' logprob_s are inside
         "perf/rollout_s": t_rollout - t0, "perf/generate_s": ro.generate_s, "perf/logprob_s": t_logprobs - t_contexts,
-        "perf/no_grad_passes": len(plan.passes()) - 1, "perf/diagnostics_s": diagnostics_s,
+        "perf/no_grad_passes": plan.no_grad_passes(), "perf/diagnostics_s": diagnostics_s,
         "perf/update_s": t_update - t_logprobs, "perf/step_s": time.perf_counter() - t0,
         "perf/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - t0),
     }, s.dist), diag_record
