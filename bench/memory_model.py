@@ -19,8 +19,11 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
 - the chunked log-prob head: about four chunk x V fp32 buffers (logits, their log-softmax / exp for the
   entropy, the gradient), plus the chunk's compute-dtype logits when b < 4; in its backward, the head's
   V x H weight gradient and each chunk's contribution to it;
-- BiCC's KV-reuse packing: each completion's gathered copy of its prefix's keys and values in every layer,
-  held for the whole backward, and the prefixes' own tokens as activations.
+- BiCC's KV-reuse packing: the step's distinct contexts (two per group, this GPU's share) computed once per
+  minibatch and held through all of its micro-batches: their checkpointed layer inputs, their keys/values
+  in every layer and the gradient that the micro-batches leave on those; each completion's gathered copy of
+  its context's keys and values, held for its micro-batch's backward; at the end, one backward through the
+  context forward (one recomputed layer over all context tokens).
 
 The peak of a phase is the sum of what is alive in it; the run's peak is the largest phase. Attention is
 assumed to be flash-attention 2 (no T x T scores kept); SDPA with a padding mask adds the repeated K/V
@@ -83,6 +86,7 @@ class Run:
     prompt_tokens: int = 300  # a long DAPO-Math prompt in the chat template
     context_ratio: float = 0.4  # bicc.context_ratio: the opposite attempts' budget
     bicc: bool = True
+    contexts: int = 16  # distinct contexts per GPU: rollout.prompts_per_step x 2 sides / world
     reference: bool = True  # RCC's delta (or a KL term) loads the frozen reference
     chunk_tokens: int = 1024  # train.logprob_chunk_tokens
     vllm_utilization: float = 0.4  # rollout.gpu_memory_utilization
@@ -94,20 +98,24 @@ class Run:
     runtime_gib: float = 1.0  # CUDA context, kernels, allocator slack: measured on no CPU, a usual figure
 
 
-def _activations(arch: Arch, run: Run) -> tuple[int, int, int]:
-    """(tokens in a micro-batch's forward, bytes of one recomputed layer, bytes of the kept prefix K/V)."""
-    b, h = run.compute_bytes, arch.hidden
-    hq, hkv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-    prefix = run.prompt_tokens + (int(run.context_ratio * run.output_tokens) if run.bicc else 0)
-    # KV-reuse packing: the outputs of a micro-batch share at most one prefix per (group, side)
-    prefixes = min(run.micro_batch, 2) if run.bicc else run.micro_batch
-    tokens = run.micro_batch * run.output_tokens + prefixes * prefix if run.bicc else run.micro_batch * (
-        run.output_tokens + run.prompt_tokens)
+def _layer_bytes_per_token(arch: Arch, b: int) -> int:
+    """Bytes of one recomputed layer's activations per token."""
+    h, hq, hkv = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     per_token = (3 * h + 6 * hq + 6 * hkv + 4 * arch.intermediate) * b
     if b < 4:  # RMSNorm computes in fp32: input and normalised copies of the two layer norms and q/k norms
         per_token += 8 * (2 * h + hq + hkv)
+    return per_token
+
+
+def _activations(arch: Arch, run: Run) -> tuple[int, int, int, int]:
+    """(tokens in a micro-batch's forward, bytes of one recomputed layer, bytes of the micro-batch's gathered
+    context K/V, context tokens held per minibatch)."""
+    b, hkv = run.compute_bytes, arch.kv_heads * arch.head_dim
+    prefix = run.prompt_tokens + (int(run.context_ratio * run.output_tokens) if run.bicc else 0)
+    # KV-reuse packing: the contexts are computed apart, once per minibatch (bicc.numerator.contexts_once)
+    tokens = run.micro_batch * run.output_tokens if run.bicc else run.micro_batch * (run.output_tokens + run.prompt_tokens)
     kv = run.micro_batch * prefix * arch.layers * 2 * hkv * b if run.bicc else 0
-    return tokens, tokens * per_token, kv
+    return tokens, tokens * _layer_bytes_per_token(arch, b), kv, (run.contexts * prefix if run.bicc else 0)
 
 
 def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
@@ -124,7 +132,10 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     if run.sharded:
         gathered = {"FSDP2 gathered root (embeddings, head)": b * arch.root_params(),
                     "FSDP2 gathered layers (current + prefetch)": 2 * b * arch.layer_params()}
-    tokens, layer_act, prefix_kv = _activations(arch, run)
+    tokens, layer_act, prefix_kv, context_tokens = _activations(arch, run)
+    context_kv = context_tokens * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
+    # held through the minibatch: the context forward's checkpointed inputs, its K/V and their gradient
+    contexts = {"BiCC contexts (inputs, K/V, K/V gradient)": context_tokens * arch.layers * arch.hidden * b + 2 * context_kv}
     chunk = min(run.chunk_tokens, tokens)
     head = chunk * arch.vocab * (4 * 4 + (b if b < 4 else 0))
     # the backward's worst layer: gradients of the layers above it done, inputs of the layers below it kept
@@ -135,7 +146,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
               "gradients so far (fp32, sharded)": head_grads + (arch.layers - 1 - worst) * grads_per_layer,
               "checkpointed layer inputs": (worst + 1) * inputs_per_layer,
               "one layer's recomputed activations": layer_act,
-              "BiCC prefix keys/values": prefix_kv}
+              "BiCC prefix keys/values": prefix_kv, **contexts}
     if run.sharded:
         update["unsharded layer gradient (compute dtype)"] = b * arch.layer_params()
     # the head's weight gradient (unsharded, in the compute dtype, until FSDP2 reduce-scatters it at the end of the
@@ -143,14 +154,20 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     head_grad_bytes = (b if run.sharded else 4) * arch.vocab * arch.hidden
     head_phase = {**static, **gathered, "head weight gradient + one chunk's": 2 * head_grad_bytes,
                   "checkpointed layer inputs": arch.layers * inputs_per_layer,
-                  "log-prob head chunk": head, "BiCC prefix keys/values": prefix_kv}
-    logprob = {**static, **gathered, "one layer's activations (no grad)": layer_act / 2, "log-prob head chunk": head / 2}
+                  "log-prob head chunk": head, "BiCC prefix keys/values": prefix_kv, **contexts}
+    # the contexts' own backward, after the last micro-batch: one recomputed layer over all context tokens
+    context_phase = {**static, **gathered, "gradients so far (fp32, sharded)": grads,
+                     "BiCC contexts (inputs, K/V, K/V gradient)": contexts and sum(contexts.values()),
+                     "one context layer's recomputed activations": context_tokens * _layer_bytes_per_token(arch, b)}
+    logprob = {**static, **gathered, "one layer's activations (no grad)": layer_act / 2, "log-prob head chunk": head / 2,
+               "BiCC contexts' K/V (no grad)": context_kv}
     optimizer = {**static, "gradients (fp32, sharded)": grads, "AdamW step temporaries": 2 * 4 * n / w}
     rollout = dict(static)
     if run.vllm:
         rollout["vLLM (awake: weights + KV cache)"] = run.vllm_utilization * run.gpu_gib * GIB
-    return {"rollout": rollout, "no-grad log-probs": logprob, "update: head backward": head_phase,
-            "update: layers backward": update, "optimizer step": optimizer}
+    out = {"rollout": rollout, "no-grad log-probs": logprob, "update: head backward": head_phase,
+           "update: layers backward": update, "update: contexts backward": context_phase, "optimizer step": optimizer}
+    return out if run.bicc else {k: v for k, v in out.items() if k != "update: contexts backward"}
 
 
 def peak(arch: Arch, run: Run) -> tuple[str, float]:

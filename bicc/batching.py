@@ -24,31 +24,21 @@ from bicc.logprobs import TokenBatch
 MAX_PADDING = 0.1  # length-aware micro-batches: padded tokens at most 10% above the real ones
 
 
-def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, tokens: int = 0,
-                       keys: list[int] | None = None) -> list[torch.Tensor]:
+def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, tokens: int = 0) -> list[torch.Tensor]:
     """``rows`` [n] (indices into the step) cut into micro-batches. ``lengths``: every step row's real length,
     [N] tokens, or [N, 2] (prompt, output) tokens, since a micro-batch is as wide as its longest prompt plus
-    its longest output (``trim_rows``). ``keys`` [N] (optional): rows with the same key share their prompt,
-    computed once per micro-batch (BiCC's KV-reuse packing); they are kept together, and a micro-batch's size
-    is then (distinct prompts x longest prompt) + (rows x longest output). ``tokens = 0``: fixed slices of
+    its longest output (``trim_rows``). ``tokens = 0``: fixed slices of
     ``size`` rows; else the length-aware cut above (a row longer than ``tokens`` gets a micro-batch alone)."""
     if size < 1:
         raise ValueError(f"train.micro_batch_size must be >= 1, got {size}")
     if tokens <= 0:
         return list(rows.split(size))
     parts = lengths if lengths.dim() == 2 else lengths[:, None]  # [N, k]
-    total = parts.sum(-1)
-    if keys is None:
-        order = rows[total[rows].argsort(descending=True, stable=True)].tolist()
-    else:  # rows of one prompt together, the prompts with the longest rows first
-        longest: dict[int, int] = {}
-        for r in rows.tolist():
-            longest[keys[r]] = max(longest.get(keys[r], 0), int(total[r]))
-        order = sorted(rows.tolist(), key=lambda r: (-longest[keys[r]], keys[r], -int(total[r])))
+    order = rows[parts.sum(-1)[rows].argsort(descending=True, stable=True)].tolist()
     plan, current = [], []
     for r in order:
         if current:
-            padded, real = _size(current + [r], parts, keys)
+            padded, real = _size(current + [r], parts)
             if len(current) == size or padded > tokens or padded > (1 + MAX_PADDING) * real:
                 plan.append(torch.tensor(current, dtype=torch.long))
                 current = []
@@ -58,20 +48,15 @@ def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, tok
     return plan
 
 
-def _size(rows: list[int], parts: torch.Tensor, keys: list[int] | None) -> tuple[int, int]:
+def _size(rows: list[int], parts: torch.Tensor) -> tuple[int, int]:
     """(padded, real) tokens of a micro-batch of ``rows``."""
-    if keys is None or parts.shape[1] < 2:
-        return len(rows) * int(parts[rows].max(0).values.sum()), int(parts[rows].sum())
-    first = {keys[r]: r for r in reversed(rows)}  # one row per distinct prompt
-    prompts = parts[list(first.values()), 0]
-    outputs = parts[rows, 1]
-    return len(first) * int(prompts.max()) + len(rows) * int(outputs.max()), int(prompts.sum() + outputs.sum())
+    return len(rows) * int(parts[rows].max(0).values.sum()), int(parts[rows].sum())
 
 
-def padded_tokens(plan: list[torch.Tensor], lengths: torch.Tensor, keys: list[int] | None = None) -> int:
-    """Tokens the forwards over ``plan`` compute, ``lengths`` and ``keys`` as in ``plan_micro_batches``."""
+def padded_tokens(plan: list[torch.Tensor], lengths: torch.Tensor) -> int:
+    """Tokens the forwards over ``plan`` compute, ``lengths`` as in ``plan_micro_batches``."""
     parts = lengths if lengths.dim() == 2 else lengths[:, None]
-    return sum(_size(mb.tolist(), parts, keys)[0] for mb in plan if len(mb))
+    return sum(_size(mb.tolist(), parts)[0] for mb in plan if len(mb))
 
 
 def trim_rows(batch: TokenBatch) -> TokenBatch:
@@ -99,7 +84,7 @@ def micro_batches(rows: torch.Tensor, inputs, size: int, tokens: int, model, d: 
     ``train.micro_batch_tokens``). A sharded (FSDP2) model all-gathers in every forward and reduce-scatters
     in every backward, so every rank runs the largest count of any rank (ranks hold different numbers of
     rows after DAPO's dynamic sampling); the extra ones are empty (no-op forwards)."""
-    plan = plan_micro_batches(rows, inputs.lengths, size, tokens, getattr(inputs, "plan_keys", None))
+    plan = plan_micro_batches(rows, inputs.lengths, size, tokens)
     if d.enabled and is_sharded(model):
         plan += [rows[:0]] * (global_max(len(plan), d) - len(plan))
     return plan
@@ -113,13 +98,14 @@ def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temper
     was_training = model.training
     model.eval()
     out = None
-    for rows in micro_batches(torch.arange(num_rows), inputs, micro_batch_size, micro_batch_tokens, model, d):
-        if len(rows) == 0:  # a no-op forward that keeps this rank's collectives in step with the others
-            inputs.logprobs(model, torch.arange(0, 1), temperature)
-            continue
-        logp = inputs.logprobs(model, rows, temperature)[0]
-        if out is None:
-            out = logp.new_zeros(num_rows, logp.shape[1])
-        out[rows.to(out.device)] = logp
+    with inputs.contexts_once(model, torch.arange(num_rows)):
+        for rows in micro_batches(torch.arange(num_rows), inputs, micro_batch_size, micro_batch_tokens, model, d):
+            if len(rows) == 0:  # a no-op forward that keeps this rank's collectives in step with the others
+                inputs.logprobs(model, torch.arange(0, 1), temperature)
+                continue
+            logp = inputs.logprobs(model, rows, temperature)[0]
+            if out is None:
+                out = logp.new_zeros(num_rows, logp.shape[1])
+            out[rows.to(out.device)] = logp
     model.train(was_training)
     return out

@@ -4,18 +4,23 @@ Base variants use the plain prompt q. BiCC uses the conditioned prompt x^c, eith
 or packed behind shared prefixes (``bicc.packing``). Old and reference log-probs never come from here:
 they stay on q. Both classes offer ``logprobs(model, rows, temperature, with_entropy)`` returning
 [len(rows), L] log-probs (and entropies) aligned with the plain batch's completion grid, zero past each
-output; ``tokens``: how many tokens one forward over all rows processes; and ``lengths`` [N, 2]: each row's
-prompt (or context) and output length, which length-aware micro-batches plan on (``bicc.batching``).
+output; ``contexts_once(model, rows)``: a context manager inside which what rows share is computed once
+(BiCC's contexts under KV reuse; nothing for plain rows); ``tokens``: how many tokens one forward over all
+rows processes; and ``lengths`` [N, 2]: the prompt (or context) and output tokens each row adds to its
+micro-batch, which length-aware micro-batches plan on (``bicc.batching``; 0 for a context that
+``contexts_once`` computes apart).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from bicc.batching import to_grid, trim_rows
 from bicc.conditioning import ConditionedPrompts
 from bicc.logprobs import TokenBatch, batch_logprobs, make_token_batch
-from bicc.packing import pack, packed_logprobs, prefix_cache_logprobs
+from bicc.packing import completion_logprobs, encode_prefixes, pack, packed_logprobs
 
 
 class PlainNumerator:
@@ -27,6 +32,9 @@ class PlainNumerator:
 
     def logprobs(self, model, rows, temperature: float, with_entropy: bool = False):
         return trimmed_logprobs(model, self.batch.rows(rows), temperature, with_entropy)
+
+    def contexts_once(self, model, rows):
+        return contextlib.nullcontext()  # nothing shared between rows
 
 
 def trimmed_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool):
@@ -45,9 +53,10 @@ class ConditionedNumerator:
         self.packing_impl = bicc_cfg.packing_impl
         self.pad_id, self.device = pad_id, device
         completion_tokens = sum(map(len, completion_ids))
-        self.lengths = torch.tensor([[len(p), len(c)] for p, c in zip(contexts.prompt_ids, completion_ids)])
-        # KV-reuse packing computes each distinct context once per micro-batch: plan its rows together
-        self.plan_keys = list(contexts.context_key) if self.packing and self.packing_impl == "kv" else None
+        self.kv = self.packing and self.packing_impl == "kv"
+        # KV reuse computes the contexts apart from the micro-batches (``contexts_once``): plan on outputs alone
+        self.lengths = torch.tensor([[0 if self.kv else len(p), len(c)] for p, c in zip(contexts.prompt_ids, completion_ids)])
+        self._shared = None  # (PrefixStates, {context key: its row there}) inside ``contexts_once``
         if self.packing:  # each distinct prefix once (ignoring splits of over-long packs)
             prefixes = {k: len(p) for k, p in zip(contexts.context_key, contexts.prompt_ids)}
             self.tokens = sum(prefixes.values()) + completion_tokens
@@ -58,17 +67,11 @@ class ConditionedNumerator:
         rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
         if not self.packing:
             return self._rows(model, rows, temperature, with_entropy)
-        if self.packing_impl == "kv":  # each distinct prefix once, its keys/values reused by its outputs
-            slot: dict[int, int] = {}
-            prefixes, prefix_of = [], []
-            for r in rows:
-                key = self.contexts.context_key[r]
-                if key not in slot:
-                    slot[key] = len(prefixes)
-                    prefixes.append(self.contexts.prompt_ids[r])
-                prefix_of.append(slot[key])
-            return prefix_cache_logprobs(model, prefixes, prefix_of, [self.completion_ids[r] for r in rows],
-                                         self.length, self.pad_id, temperature, with_entropy)
+        if self.kv:  # each distinct prefix once, its keys/values reused by its outputs
+            states, slot = self._shared or self._encode(model, rows, detach=False)
+            return completion_logprobs(model, states, [slot[self.contexts.context_key[r]] for r in rows],
+                                       [self.completion_ids[r] for r in rows], self.length, self.pad_id,
+                                       temperature, with_entropy)
         # Only prefixes shared within this micro-batch gain from packing; the rest go as plain rows.
         counts: dict[int, int] = {}
         for r in rows:
@@ -87,6 +90,37 @@ class ConditionedNumerator:
         logp = torch.cat([logp, logp_single])[order]
         entropy = torch.cat([entropy, entropy_single])[order] if with_entropy else None
         return logp, entropy
+
+    @contextlib.contextmanager
+    def contexts_once(self, model, rows):
+        """Under KV reuse: inside, every distinct context of ``rows`` is computed once (one forward) and each
+        ``logprobs`` call reads its keys/values, so a context costs one forward per step however its outputs
+        are cut into micro-batches. With grad enabled, each micro-batch's backward leaves its share of the
+        gradient on the contexts' keys/values, and leaving runs one backward through the context forward (so
+        the gradient is complete on exit, before clipping). An exception inside drops the contexts' graph.
+        Other packings: a no-op. (The contexts' activations are held until exit: one forward's worth of
+        context tokens, on top of a micro-batch's.)"""
+        if not self.kv:
+            yield
+            return
+        rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        self._shared = self._encode(model, rows or [0], detach=True)  # no rows: the first context, for collectives
+        try:
+            yield
+            self._shared[0].backward()
+        finally:
+            self._shared = None
+
+    def _encode(self, model, rows: list[int], detach: bool):
+        """``PrefixStates`` of the distinct contexts of ``rows``, and each context key's row in them."""
+        slot: dict[int, int] = {}
+        prefixes = []
+        for r in rows:
+            key = self.contexts.context_key[r]
+            if key not in slot:
+                slot[key] = len(prefixes)
+                prefixes.append(self.contexts.prompt_ids[r])
+        return encode_prefixes(model, prefixes, self.pad_id, detach), slot
 
     def _rows(self, model, rows: list[int], temperature: float, with_entropy: bool):
         """One row per output: [left-padded x^c; right-padded output]."""

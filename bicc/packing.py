@@ -182,28 +182,76 @@ def _cache_through_checkpointing(model):
             del layer._can_checkpoint_with_cache
 
 
-def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int], completions: list[list[int]],
-                          length: int, pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
-    """Per-token log-probs [n, length] of each completion after its prefix, computing every distinct
-    prefix ONCE and reusing its keys/values for all of its completions.
+@dataclass
+class PrefixStates:
+    """Distinct prefixes computed once: their keys/values and their last position's logits.
 
-    ``prefixes``: the distinct prefixes; ``prefix_of[i]``: which one completion i follows. Two forwards:
-    the prefixes (left-padded, with a cache, keeping only the last position's logits, which predict
-    each completion's first token), then all completions at once, each attending to its prefix's cached
-    keys/values (gathered per completion, differentiably: the prefix receives the gradient of every
-    completion behind it) and causally to itself. Unlike a packed row, completions never meet in one
-    attention matrix, so the cost is linear in the number of completions per prefix."""
+    keys, values:  per layer [U, kv_heads, W, head_dim], the prefixes left-padded to the longest (W)
+    mask:          [U, W] 1 on real prefix tokens
+    first_logits:  [U, V] the last position's logits: they predict the first token of every completion behind
+    roots:         when computed with grad and detached (``encode_prefixes(..., detach=True)``), the tensors the
+                   forward produced, in the order of ``leaves()``: ``backward()`` carries the gradient the
+                   completions left on the detached copies back through the prefix forward
+    """
+
+    keys: list
+    values: list
+    mask: torch.Tensor
+    first_logits: torch.Tensor
+    roots: list | None = None
+
+    def leaves(self) -> list:
+        return [*self.keys, *self.values, self.first_logits]
+
+    def backward(self) -> None:
+        """One backward through the prefix forward, with the gradients accumulated on the detached copies."""
+        if self.roots is None:
+            return
+        pairs = [(root, leaf.grad) for root, leaf in zip(self.roots, self.leaves()) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        self.roots = None
+
+
+def encode_prefixes(model, prefixes: list[list[int]], pad_id: int, detach: bool = False) -> PrefixStates:
+    """One forward over the distinct ``prefixes`` (left-padded, with a cache, keeping only the last position's
+    logits). ``detach``: return detached copies that collect gradients (``PrefixStates.backward``), so that
+    several completion forwards and backwards can share one prefix forward."""
     device = next(model.parameters()).device
-    U, n = len(prefixes), len(completions)
-    grid, length = length, max(1, min(length, max(len(c) for c in completions)))  # computed to the longest here
-    width = max(len(p) for p in prefixes)
-    p_ids = torch.full((U, width), pad_id, dtype=torch.long)  # [U, W]
-    p_mask = torch.zeros((U, width), dtype=torch.long)  # [U, W]
+    U, width = len(prefixes), max(len(p) for p in prefixes)
+    ids = torch.full((U, width), pad_id, dtype=torch.long)  # [U, W]
+    mask = torch.zeros((U, width), dtype=torch.long)  # [U, W]
     for u, p in enumerate(prefixes):
-        p_ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        p_mask[u, width - len(p) :] = 1
-    p_pos = (p_mask.cumsum(1) - 1).clamp(min=0)  # [U, W]
-    p_ids, p_mask, p_pos = p_ids.to(device), p_mask.to(device), p_pos.to(device)
+        ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[u, width - len(p) :] = 1
+    pos = (mask.cumsum(1) - 1).clamp(min=0)  # [U, W]
+    ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
+    with _cache_through_checkpointing(model):
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = _RecordLayer
+        with compute_precision(model):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+    states = PrefixStates([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask,
+                          out.logits[:, -1])
+    if not (detach and torch.is_grad_enabled()):
+        return states
+    roots = states.leaves()
+    leaf = lambda t: t.detach().requires_grad_(t.requires_grad)  # noqa: E731
+    return PrefixStates([leaf(k) for k in states.keys], [leaf(v) for v in states.values], mask,
+                        leaf(states.first_logits), roots)
+
+
+def completion_logprobs(model, states: PrefixStates, prefix_of: list[int], completions: list[list[int]], length: int,
+                        pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
+    """Per-token log-probs [n, length] (zeros past each output's end) of each completion after its prefix
+    (``prefix_of[i]``: its row in ``states``). All completions go in one forward, each attending to its
+    prefix's keys/values (gathered per completion, differentiably: the prefix receives the gradient of
+    every completion behind it) and causally to itself; completions never meet in one attention matrix, so
+    the cost is linear in the number of completions per prefix."""
+    device = states.mask.device
+    n = len(completions)
+    grid, length = length, max(1, min(length, max(len(c) for c in completions)))  # computed to the longest here
     index = torch.tensor(prefix_of, dtype=torch.long, device=device)  # [n]
     c_ids = torch.full((n, length), pad_id, dtype=torch.long)  # [n, L]
     c_mask = torch.zeros((n, length), dtype=torch.long)  # [n, L]
@@ -212,35 +260,41 @@ def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int]
             c_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
             c_mask[i, : len(c)] = 1
     c_ids, c_mask = c_ids.to(device), c_mask.to(device)
-    start = p_mask.sum(1)[index]  # [n] real prefix length = first completion position
-    c_pos = start[:, None] + torch.arange(length, device=device)[None]  # [n, L]
-    with _cache_through_checkpointing(model):
-        prefix_cache = DynamicCache()
-        prefix_cache.layer_class_to_replicate = _RecordLayer
-        with compute_precision(model):
-            out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, past_key_values=prefix_cache,
-                        use_cache=True, logits_to_keep=1)
-        first_logits = out.logits[:, -1][index]  # [n, V]: predicts each completion's first token
-        if temperature != 1.0:
-            first_logits = at_least_fp32(first_logits) / temperature
-        first_logp = logprobs_from_logits(first_logits, c_ids[:, 0])  # [n]
-        first_entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                first_entropy = entropy_from_logits(first_logits)
-        if length > 1:
+    p_mask = states.mask[index]  # [n, W]
+    c_pos = p_mask.sum(1)[:, None] + torch.arange(length, device=device)[None]  # [n, L]: after the real prefix
+    first_logits = states.first_logits.index_select(0, index)  # [n, V]: predicts each completion's first token
+    if temperature != 1.0:
+        first_logits = at_least_fp32(first_logits) / temperature
+    first_logp = logprobs_from_logits(first_logits, c_ids[:, 0])  # [n]
+    first_entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            first_entropy = entropy_from_logits(first_logits)
+    if length > 1:
+        with _cache_through_checkpointing(model):
             # one (shared, differentiable) copy of its prefix's keys/values per completion: [U, ...] -> [n, ...]
             cache = DynamicCache()
-            cache.layers = [_ReadLayer(layer.keys[index], layer.values[index]) for layer in prefix_cache.layers]
-            mask = torch.cat([p_mask[index], c_mask], dim=1)  # [n, W + L]
+            cache.layers = [_ReadLayer(k.index_select(0, index), v.index_select(0, index))
+                            for k, v in zip(states.keys, states.values)]
+            mask = torch.cat([p_mask, c_mask], dim=1)  # [n, W + L]
             rest_logp, rest_entropy = forward_logprobs(
                 model, c_ids[:, 1:], temperature, with_entropy, input_ids=c_ids[:, :-1], attention_mask=mask[:, :-1],
                 position_ids=c_pos[:, :-1], past_key_values=cache, logits_to_keep=0)  # [n, L-1]
-            logp = torch.cat([first_logp[:, None], rest_logp], dim=1)
-            entropy = torch.cat([first_entropy[:, None], rest_entropy], dim=1) if with_entropy else None
-        else:
-            logp, entropy = first_logp[:, None], (first_entropy[:, None] if with_entropy else None)
+        logp = torch.cat([first_logp[:, None], rest_logp], dim=1)
+        entropy = torch.cat([first_entropy[:, None], rest_entropy], dim=1) if with_entropy else None
+    else:
+        logp, entropy = first_logp[:, None], (first_entropy[:, None] if with_entropy else None)
     logp = torch.nn.functional.pad(logp * c_mask, (0, grid - length))  # [n, grid]
     if entropy is not None:
         entropy = torch.nn.functional.pad(entropy.detach() * c_mask, (0, grid - length))
     return logp, entropy
+
+
+def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int], completions: list[list[int]],
+                          length: int, pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
+    """Per-token log-probs [n, length] of each completion after its prefix, computing every distinct
+    prefix ONCE and reusing its keys/values for all of its completions: ``encode_prefixes`` then
+    ``completion_logprobs``. ``prefixes``: the distinct prefixes; ``prefix_of[i]``: which one completion i
+    follows."""
+    states = encode_prefixes(model, prefixes, pad_id)
+    return completion_logprobs(model, states, prefix_of, completions, length, pad_id, temperature, with_entropy)

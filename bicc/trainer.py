@@ -274,33 +274,39 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             totals = global_totals(StepTotals.of(batch.completion_mask[mb_rows], cfg.rollout.max_new_tokens), state.dist)
             state.optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
-            for rows in micro_batches(mb_rows, numerator, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens,
-                                      model, state.dist):
-                if len(rows) == 0:  # no rows left here, but the other ranks' forward/backward are collectives
-                    logp, _ = numerator.logprobs(model, torch.arange(0, 1), cfg.rollout.temperature)
-                    (logp.sum() * 0.0).backward()
-                    continue
-                mask = batch.completion_mask[rows]
-                start = time.perf_counter()
-                logp, entropy = numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)
+            start = time.perf_counter()
+            with numerator.contexts_once(model, mb_rows):  # BiCC's contexts: once per minibatch (KV reuse)
                 timers["forward"] += time.perf_counter() - start
-                # pi_old: given, or (StepPlan old_source "update") this very forward, before any update
-                old = logp.detach() if old_logp is None else old_logp[rows]
-                new = ~seen[rows]
-                first_pass[rows[new]] = ((logp.detach() - old) * mask).sum(-1)[new].cpu().float()
-                seen[rows] = True
-                if clip_bound > 0:
-                    logp = clip_log_ratio_value(logp, old, clip_bound)
-                loss, metrics = loss_fn(logp, old, None if ref_logp is None else ref_logp[rows],
-                                        adv[rows], mask, cfg.algo, totals,
-                                        is_weight=None if is_weight is None else is_weight[rows])
+                for rows in micro_batches(mb_rows, numerator, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens,
+                                          model, state.dist):
+                    if len(rows) == 0:  # no rows left here, but the other ranks' forward/backward are collectives
+                        logp, _ = numerator.logprobs(model, mb_rows[:1] if len(mb_rows) else torch.arange(0, 1),
+                                                     cfg.rollout.temperature)
+                        (logp.sum() * 0.0).backward()
+                        continue
+                    mask = batch.completion_mask[rows]
+                    start = time.perf_counter()
+                    logp, entropy = numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)
+                    timers["forward"] += time.perf_counter() - start
+                    # pi_old: given, or (StepPlan old_source "update") this very forward, before any update
+                    old = logp.detach() if old_logp is None else old_logp[rows]
+                    new = ~seen[rows]
+                    first_pass[rows[new]] = ((logp.detach() - old) * mask).sum(-1)[new].cpu().float()
+                    seen[rows] = True
+                    if clip_bound > 0:
+                        logp = clip_log_ratio_value(logp, old, clip_bound)
+                    loss, metrics = loss_fn(logp, old, None if ref_logp is None else ref_logp[rows],
+                                            adv[rows], mask, cfg.algo, totals,
+                                            is_weight=None if is_weight is None else is_weight[rows])
+                    start = time.perf_counter()
+                    (loss * scale).backward()
+                    timers["backward"] += time.perf_counter() - start
+                    step_loss += loss.item()
+                    for name, value in metrics.items():
+                        add(name, value)
+                    add("train/entropy", masked_mean(entropy, mask).item())
                 start = time.perf_counter()
-                (loss * scale).backward()
-                timers["backward"] += time.perf_counter() - start
-                step_loss += loss.item()
-                for name, value in metrics.items():
-                    add(name, value)
-                add("train/entropy", masked_mean(entropy, mask).item())
+            timers["backward"] += time.perf_counter() - start  # the contexts' own backward, on leaving
             sync_gradients(model, state.dist)
             step_loss = all_reduce_sum(step_loss, state.dist)
             grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad))

@@ -93,20 +93,10 @@ def test_gradient_equals_one_padded_forward(tokens):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
 
 
-def test_plan_keeps_shared_contexts_together():
-    # (context, output) lengths; rows 0, 1 share context 0 and rows 2, 3 context 1 (KV-reuse packing computes a
-    # context once per micro-batch): 0 + 1 cost 10 + 2 x 5 = 20 for 19 real; adding row 2 would cost
-    # 2 x 10 + 3 x 6 = 38 for 33 real (> 1.1 x 33)
-    lengths, keys = torch.tensor([[10, 5], [10, 4], [8, 6], [8, 5]]), [0, 0, 1, 1]
-    plan = plan_micro_batches(torch.tensor([2, 0, 3, 1]), lengths, size=8, tokens=1000, keys=keys)
-    assert [mb.tolist() for mb in plan] == [[0, 1], [2, 3]]
-    assert padded_tokens(plan, lengths, keys) == 20 + 20
-
-
 @pytest.mark.parametrize("impl", ["kv", "mask"])
 def test_conditioned_logprobs_do_not_depend_on_the_plan(impl):
-    """BiCC's packed numerator over length-aware micro-batches (under KV reuse, rows sharing a context kept
-    together) gives the log-probs of one forward over every row."""
+    """BiCC's packed numerator over length-aware micro-batches gives the log-probs of one forward over every
+    row."""
     from omegaconf import OmegaConf
 
     from bicc.conditioning import ConditionedPrompts
@@ -124,7 +114,68 @@ def test_conditioned_logprobs_do_not_depend_on_the_plan(impl):
     whole = logprobs_no_grad(model, numerator, 8, 8, 1.0)
     plan = micro_batches(torch.arange(8), numerator, 8, 40, model, Dist())
     assert len(plan) > 1
-    if impl == "kv":  # each context's rows in as few micro-batches as the budget allows
-        assert numerator.plan_keys == rows
     torch.testing.assert_close(logprobs_no_grad(model, numerator, 8, 8, 1.0, micro_batch_tokens=40), whole,
                                atol=1e-5, rtol=0)
+
+
+def kv_case(seed=5):
+    """Three contexts, eight ragged outputs behind them, as a KV-reuse numerator."""
+    from omegaconf import OmegaConf
+
+    from bicc.conditioning import ConditionedPrompts
+    from bicc.numerator import ConditionedNumerator
+
+    gen = torch.Generator().manual_seed(seed)
+    contexts = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (12, 9, 7)]
+    keys = [0, 1, 2, 0, 1, 2, 0, 0]  # which context each output follows
+    outputs = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (11, 2, 7, 3, 9, 1, 7, 3)]
+    prompts = ConditionedPrompts([contexts[k] for k in keys], keys, torch.ones(8, dtype=torch.bool))
+    bicc_cfg = OmegaConf.create({"packing": True, "max_packed_len": 256, "packing_impl": "kv"})
+    return ConditionedNumerator(prompts, outputs, 11, bicc_cfg, 0, torch.device("cpu")), contexts, outputs
+
+
+def test_kv_contexts_are_computed_once_per_step():
+    """Under KV reuse a context is one forward per step, however its outputs are cut into micro-batches:
+    the tokens embedded are the three contexts once (left-padded to the longest, 3 x 12) plus each
+    micro-batch's outputs, padded to its longest, less the last token (it predicts nothing)."""
+    numerator, contexts, outputs = kv_case()
+    model, _ = build_tiny(ARCH, seed=0)
+    model.config._attn_implementation = "sdpa"
+    embedded = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(args[0].numel()))
+    plan = micro_batches(torch.arange(8), numerator, 8, 16, model, Dist())
+    assert [mb.tolist() for mb in plan] == [[0], [4], [2, 6], [3, 7], [1], [5]]  # outputs 11 | 9 | 7, 7 | 3, 3 | 2 | 1
+    logprobs_no_grad(model, numerator, 8, 8, 1.0, micro_batch_tokens=16)
+    hook.remove()
+    # a 1-token output needs no forward of its own: the context's last position predicts it
+    assert embedded == [3 * 12, 1 * 10, 1 * 8, 2 * 6, 2 * 2, 1 * 1]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_kv_gradient_over_micro_batches_equals_one_row_per_output(checkpointing):
+    """Contexts computed once, outputs in micro-batches, each micro-batch's backward leaving its share of the
+    gradient on the contexts' keys/values, one backward through the contexts at the end: the gradient of one
+    plain forward over every [context; output] row, to 1e-6 in fp64; also under activation checkpointing in
+    train mode (the presets' combination), where the context layers are replayed in that last backward."""
+    numerator, contexts, outputs = kv_case()
+    model, _ = build_tiny(ARCH, seed=0)
+    reference, _ = build_tiny(ARCH, seed=0)
+    for m in (model, reference):
+        m.double()
+        m.config._attn_implementation = "sdpa"
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    weights = torch.randn(8, 11, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    plan = micro_batches(torch.arange(8), numerator, 8, 16, model, Dist())
+    assert len(plan) > 2
+    with numerator.contexts_once(model, torch.arange(8)):
+        for rows in plan:
+            logp, _ = numerator.logprobs(model, rows, 1.0)
+            (logp * weights[rows]).sum().backward()
+    batch = make_token_batch(numerator.contexts.prompt_ids, outputs, 0)
+    logp, _ = batch_logprobs(reference, batch, 1.0)
+    (logp * batch.completion_mask * weights).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert q.grad.abs().max() > 0
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
