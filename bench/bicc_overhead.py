@@ -17,8 +17,9 @@ backward over every micro-batch, and the optimizer step. Rollout generation is l
 with and without BiCC, and including it would only dilute the ratio. Outputs and rewards are synthetic
 (random tokens, half correct per group) so that every group is conditioned: the worst case for BiCC.
 
-Each variant runs in its own subprocess so that peak RSS (``ru_maxrss``) is its own; on CUDA the
-allocator's peak is used instead. Run: ``.venv/bin/python bench/bicc_overhead.py [--configs embedded,large]`` (on a GPU: ``--configs gpu``).
+Each variant runs in its own subprocess so that peak RSS (``ru_maxrss``) is its own (on CUDA the
+allocator's peak is used instead), ``--rounds`` times, the variants alternating; the step time is the median
+over every timed step of its rounds. Run: ``.venv/bin/python bench/bicc_overhead.py [--configs embedded,large]`` (on a GPU: ``--configs gpu``).
 Ends with ``RESULT bicc_step_ratio=... target<=1.15`` and ``RESULT bicc_mem_ratio=... target<=1.20``
 (packed BiCC over GRPO on the last config), and for ``gpu`` also ``RESULT gpu_grpo_mfu=...`` and
 ``RESULT gpu_bicc_mfu=...``.
@@ -161,7 +162,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     old_tokens = {"update": 0, "forward": numerator.tokens if plan.old_context == "xc" else plain.tokens}[plan.old_source]
     params = num_parameters(model)
     return {"config": config_name, "variant": variant, "params_m": params / 1e6,
-            "step_s": statistics.median(times), "peak_mb": peak / 2**20, "tokens": numerator.tokens,
+            "step_s": statistics.median(times), "times": times, "peak_mb": peak / 2**20, "tokens": numerator.tokens,
             "plain_tokens": plain.tokens, "flops": 2 * params * old_tokens + 6 * params * numerator.tokens,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "attn": model.config._attn_implementation}
@@ -174,18 +175,25 @@ def main() -> None:
     parser.add_argument("--shrink", action="store_true", help="2 layers and short outputs (check the path on a CPU)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU, for MFU")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each variant, alternating; step time: the "
+                                                               "median over all their timed steps, memory: the peak")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_variant(*args.child, shrink=args.shrink)))
         return
     results = {}
     for config_name in args.configs.split(","):
-        for variant in args.variants.split(","):
-            proc = subprocess.run([sys.executable, __file__, "--child", config_name, variant,
-                                   *(["--shrink"] if args.shrink else [])], capture_output=True, text=True, cwd=ROOT)
-            if proc.returncode != 0:
-                sys.exit(f"{config_name}/{variant} failed:\n{proc.stderr[-3000:]}")
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.rounds):  # variants alternate, so that machine drift hits all of them
+            for variant in args.variants.split(","):
+                proc = subprocess.run([sys.executable, __file__, "--child", config_name, variant,
+                                       *(["--shrink"] if args.shrink else [])], capture_output=True, text=True, cwd=ROOT)
+                if proc.returncode != 0:
+                    sys.exit(f"{config_name}/{variant} failed:\n{proc.stderr[-3000:]}")
+                runs.setdefault(variant, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        for variant, rounds in runs.items():
+            r = {**rounds[0], "step_s": statistics.median(t for x in rounds for t in x["times"]),
+                 "peak_mb": max(x["peak_mb"] for x in rounds)}
             results[(config_name, variant)] = r
             r["tokens_per_s"] = r["tokens"] / r["step_s"]
             r["mfu"] = r["flops"] / r["step_s"] / (args.peak_tflops * 1e12)

@@ -4,8 +4,8 @@ math-verify behind a hard per-item deadline.
 Model outputs are untrusted text. Here that means:
 
 - extraction is a linear scan over at most ``MAX_CHARS`` characters from the end of the output;
-- an extracted answer longer than ``MAX_ANSWER_CHARS``, or containing text that could only be code
-  (``__``, ``import``, ``lambda`` ...), scores 0 without being parsed;
+- an extracted answer longer than ``MAX_ANSWER_CHARS``, containing text that could only be code
+  (``__``, ``import``, ``lambda`` ...), or whose braces do not balance, scores 0 without being parsed;
 - math-verify's expression parser ends in sympy's ``parse_expr`` and thereby ``eval``: text that could
   be code never reaches it (the filter above runs in the parent and again in the worker), and it runs
   only on math-verify's own regex-extracted math spans, inside a memory-capped worker process;
@@ -69,7 +69,7 @@ def extract_answer_line(text: str) -> str | None:
 
 
 _HASHES = re.compile(r"####\s*([^\n]*)")
-_A_COLON = re.compile(r"(?:^|\n)\s*A:\s*([^\n]*)")
+_A_COLON = re.compile(r"(?:^|\n)[ \t]*A:\s*([^\n]*)")  # [ \t]* before A:, not \s*: that re-scanned newline runs
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -138,6 +138,20 @@ def canonical(answer: str) -> str:
     return s
 
 
+def balanced(answer: str) -> bool:
+    """Whether the braces of ``answer`` close in order (escaped ``\\{`` ``\\}`` aside): an unclosed ``\\boxed{42``
+    is a malformed answer, not 42."""
+    depth = 0
+    for brace in _BRACE.finditer(answer):
+        depth += 1 if brace.group() == "{" else -1
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+_BRACE = re.compile(r"(?<!\\)[{}]")
+
+
 def number_of(s: str) -> float | None:
     return float(s) if _PLAIN_NUMBER.match(s) else None
 
@@ -189,33 +203,43 @@ _WARM_ITEM = ("1", "1", ("latex",), 6, False, True)
 class VerifyPool:
     """Worker processes running math-verify, with a per-item wall-clock deadline.
 
-    A worker past its deadline is killed and a fresh one started in the background: the item scores 0
-    at once, and the new worker takes items again when its imports are done."""
+    A worker past its deadline is killed and its place taken at once by a warm spare (a worker that has
+    already imported math-verify), so the items behind it never wait for imports; a new spare is started in
+    the background. Without a warm spare (several kills in quick succession) a fresh worker takes the place
+    and takes items again when its imports are done. ``spares``: warm spares kept (default: one per worker)."""
 
-    def __init__(self, workers: int = 2, deadline_s: float = 1.5, memory_bytes: int = 4 << 30):
+    def __init__(self, workers: int = 2, deadline_s: float = 1.5, memory_bytes: int = 4 << 30,
+                 spares: int | None = None):
         self.size, self.deadline_s, self.memory_bytes = max(1, workers), deadline_s, memory_bytes
+        self.spares = self.size if spares is None else spares
         self._ctx = mp.get_context("spawn")  # fork after torch threads start is unsafe
         self._workers: list = []  # (process, connection) per slot
-        self._warming: dict = {}  # connection -> slot, for workers still importing
+        self._warming: dict = {}  # connection -> slot (None: a spare), for workers still importing
+        self._ready: list = []  # warm spares: (process, connection)
+        self._procs: dict = {}  # connection -> process, for the ones warming
         self.timeouts = 0
 
-    def _spawn(self, slot: int | None = None):
+    def _spawn(self, slot: int | None = None, spare: bool = False):
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_worker_loop, args=(child, self.memory_bytes), daemon=True)
         proc.start()
         child.close()
         parent.send(_WARM_ITEM)  # answered once the worker has imported math-verify
-        if slot is None:
-            self._workers.append((proc, parent))
-            slot = len(self._workers) - 1
-        else:
-            self._workers[slot] = (proc, parent)
+        if not spare:
+            if slot is None:
+                self._workers.append((proc, parent))
+                slot = len(self._workers) - 1
+            else:
+                self._workers[slot] = (proc, parent)
+        self._procs[parent] = proc
         self._warming[parent] = slot
 
     def start(self, timeout_s: float = 120.0) -> None:
-        """Start the workers and wait until all have imported math-verify."""
+        """Start the workers and spares and wait until all have imported math-verify."""
         while len(self._workers) < self.size:
             self._spawn()
+        while len(self._ready) + sum(slot is None for slot in self._warming.values()) < self.spares:
+            self._spawn(spare=True)
         deadline = time.monotonic() + timeout_s
         while self._warming:
             ready = wait(list(self._warming), timeout=max(0.0, deadline - time.monotonic()))
@@ -225,13 +249,17 @@ class VerifyPool:
                 self._finish_warm(conn)
 
     def _finish_warm(self, conn) -> int | None:
+        """A worker done importing: the slot it now serves, or None (a spare, or it died and is respawned)."""
         slot = self._warming.pop(conn)
+        proc = self._procs.pop(conn)
         try:
             conn.recv()
-            return slot
         except (EOFError, OSError):  # died while importing: try once more later
-            self._spawn(slot)
+            self._spawn(slot, spare=slot is None)
             return None
+        if slot is None:
+            self._ready.append((proc, conn))
+        return slot
 
     def run(self, items: list[tuple]) -> list[bool]:
         """Verify ``items`` (arguments of ``_verify_in_worker``); an item past its deadline is False."""
@@ -266,33 +294,42 @@ class VerifyPool:
                     results[index] = bool(conn.recv())
                     idle.append(slot)
                 except (EOFError, OSError):  # the worker died (e.g. out of memory): wrong, and replace it
-                    self._replace(slot)
+                    if self._replace(slot):
+                        idle.append(slot)
             now = time.monotonic()
             for conn, (index, started, slot) in list(busy.items()):
                 if now - started > self.deadline_s:
                     busy.pop(conn)
                     self.timeouts += 1
-                    self._replace(slot)
+                    if self._replace(slot):
+                        idle.append(slot)
         return results
 
-    def _replace(self, slot: int) -> None:
+    def _replace(self, slot: int) -> bool:
+        """Kill the worker in ``slot``; True when a warm spare took its place (it can take an item now)."""
         proc, conn = self._workers[slot]
         proc.kill()
         conn.close()
         proc.join(timeout=1)
+        if self._ready:
+            self._workers[slot] = self._ready.pop()
+            self._spawn(spare=True)  # a new spare, warming in the background
+            return True
         self._spawn(slot)
+        return False
 
     def close(self) -> None:
-        for proc, conn in self._workers:
+        workers = [*self._workers, *self._ready, *((self._procs[c], c) for c, slot in self._warming.items() if slot is None)]
+        for proc, conn in workers:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        for proc, _ in self._workers:
+        for proc, _ in workers:
             proc.join(timeout=2)
             if proc.is_alive():
                 proc.kill()
-        self._workers, self._warming = [], {}
+        self._workers, self._warming, self._ready, self._procs = [], {}, [], {}
 
     def __del__(self):
         try:
@@ -345,7 +382,7 @@ class MathChecker:
             if pred is None:
                 self.stats["no_answer"] += 1
                 continue
-            if len(pred) > MAX_ANSWER_CHARS or _CODE_LIKE.search(pred):
+            if len(pred) > MAX_ANSWER_CHARS or _CODE_LIKE.search(pred) or not balanced(pred):
                 self.stats["rejected"] += 1
                 continue
             decided = self.fast(pred, str(gold))
