@@ -32,7 +32,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def main() -> None:
-    from bicc.checking import MathChecker, VerifyPool, extract
+    from bicc.answers import extract
+    from bicc.checking import MathChecker, VerifyPool
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_dir = Path(os.environ.get("BICC_DATA_DIR", ROOT.parent / "shared" / "data"))

@@ -432,7 +432,7 @@ def validate(cfg: Any) -> None:
     _check(e.on_bad_row in ("error", "skip"), "eval.on_bad_row", f"'{e.on_bad_row}' unknown; choose from: error, skip")
     _check(all(k >= 1 for k in e.ks), "eval.ks", f"every k must be >= 1, got {list(e.ks)}")
     _check(e.checker_deadline_s > 0, "eval.checker_deadline_s", f"must be > 0, got {e.checker_deadline_s}")
-    from bicc.checking import EXTRACTORS
+    from bicc.answers import EXTRACTORS
 
     names = [b.name for b in e.benchmarks]
     _check(len(set(names)) == len(names), "eval.benchmarks", f"benchmark names must be unique, got {names}")
@@ -466,7 +466,7 @@ def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field:
     evaluation prompt plus ``eval.max_new_tokens``. Returns the longer of the two: the longest sequence
     the run needs (vLLM's ``max_model_len``)."""
     from bicc.data import encode_prompt
-    from bicc.evaluation import benchmark_problems, format_prompt
+    from bicc.evaluation import benchmark_source
 
     def longest(problems, encode):
         lengths = [(len(encode(p)), p.id) for p in problems]
@@ -487,8 +487,8 @@ def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field:
            f"positions ({limit_field}); lower the budgets or use a longer model")
     need_eval = 0
     for bench in cfg.eval.benchmarks:
-        test_len, test_id = longest(benchmark_problems(bench, task, cfg.eval),
-                                    lambda p: format_prompt(tokenizer, p, bench, cfg.eval.instruction))
+        source = benchmark_source(bench, task, cfg.eval)
+        test_len, test_id = longest(source.problems(), lambda p: source.prompt(tokenizer, p))
         need_bench = test_len + cfg.eval.max_new_tokens
         _check(need_bench <= max_positions, "eval.max_new_tokens",
                f"longest evaluation prompt of {bench.name} ({test_len} tokens, problem {test_id}) + eval.max_new_tokens "

@@ -32,24 +32,59 @@ from bicc.rollout import SamplingParams
 from bicc.stats import bootstrap_ci, pass_at_k_table
 
 
-def benchmark_problems(bench, task, eval_cfg) -> list[Problem]:
-    limit = eval_cfg.limit
-    if bench.source == "task":
-        return task.test_problems(limit or eval_cfg.num_problems)
-    fields = FieldNames(bench.problem_field, bench.answer_field, bench.id_field)
-    problems, _ = load_problems(bench.source, fields, bench.split, eval_cfg.on_bad_row, limit)
-    return problems
+class TaskBenchmark:
+    """``source: task``: the task's own test problems and prompts, scored by the task's reward."""
 
+    def __init__(self, bench, task, eval_cfg):
+        self.task, self.limit = task, eval_cfg.limit or eval_cfg.num_problems
 
-def format_prompt(tokenizer, problem: Problem, bench, instruction: str) -> list[int]:
-    """The task's own prompt for ``source: task``; else the problem plus the instruction, in the
-    model's chat template when it has one."""
-    if bench.source == "task":
+    def problems(self) -> list[Problem]:
+        return self.task.test_problems(self.limit)
+
+    def prompt(self, tokenizer, problem: Problem) -> list[int]:
         return encode_prompt(tokenizer, problem.prompt)
-    text = f"{problem.prompt}\n\n{instruction}" if instruction else problem.prompt
-    if getattr(tokenizer, "chat_template", None):
-        return encode_prompt(tokenizer, text)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def score_many(self, texts: list[str], problems: list[Problem]) -> list[float]:
+        return [self.task.reward(t, p) for t, p in zip(texts, problems)]
+
+    def close(self) -> None:
+        pass
+
+
+class FileBenchmark:
+    """A benchmark file or HF dataset: the problem plus the instruction, in the model's chat template when it has
+    one, scored by the math checker with the benchmark's extractors (its worker pool started on first use)."""
+
+    def __init__(self, bench, task, eval_cfg):
+        self.bench, self.eval_cfg = bench, eval_cfg
+        self.checker = None
+
+    def problems(self) -> list[Problem]:
+        b = self.bench
+        fields = FieldNames(b.problem_field, b.answer_field, b.id_field)
+        return load_problems(b.source, fields, b.split, self.eval_cfg.on_bad_row, self.eval_cfg.limit)[0]
+
+    def prompt(self, tokenizer, problem: Problem) -> list[int]:
+        instruction = self.eval_cfg.instruction
+        text = f"{problem.prompt}\n\n{instruction}" if instruction else problem.prompt
+        if getattr(tokenizer, "chat_template", None):
+            return encode_prompt(tokenizer, text)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def score_many(self, texts: list[str], problems: list[Problem]) -> list[float]:
+        if self.checker is None:
+            self.checker = MathChecker(extractors=tuple(self.bench.extractors), workers=self.eval_cfg.checker_workers,
+                                       deadline_s=self.eval_cfg.checker_deadline_s)
+        return self.checker.score_many(texts, [p.answer for p in problems])
+
+    def close(self) -> None:
+        if self.checker is not None:
+            self.checker.close()
+
+
+def benchmark_source(bench, task, eval_cfg):
+    """Where a benchmark's problems, prompts and scores come from (``bench.source``), resolved once."""
+    return (TaskBenchmark if bench.source == "task" else FileBenchmark)(bench, task, eval_cfg)
 
 
 def _generate(engine, prompts, sampling: SamplingParams, chunk: int, desc: str, progress: bool, d: Dist = Dist()):
@@ -69,22 +104,18 @@ def _generate(engine, prompts, sampling: SamplingParams, chunk: int, desc: str, 
     return done
 
 
-def _score(task, problems, texts, n, checker: MathChecker | None) -> np.ndarray:
-    """Rewards as a [num_problems, n] array; rows follow ``problems``. ``checker`` None: the task's reward."""
-    golds = [problems[i // n] for i in range(len(texts))]
-    if checker is None:
-        scores = [task.reward(t, p) for t, p in zip(texts, golds)]
-    else:
-        scores = checker.score_many(texts, [p.answer for p in golds])
+def _score(source, problems, texts, n) -> np.ndarray:
+    """Rewards as a [num_problems, n] array; rows follow ``problems``."""
+    scores = source.score_many(texts, [problems[i // n] for i in range(len(texts))])
     return np.asarray(scores, dtype=float).reshape(len(problems), n)
 
 
-def _sampled_rewards(engine, prompts, problems, task, sampling: SamplingParams, chunk: int, desc: str,
-                     checker: MathChecker | None, progress: bool, d: Dist):
+def _sampled_rewards(engine, prompts, problems, source, sampling: SamplingParams, chunk: int, desc: str,
+                     progress: bool, d: Dist):
     """One sampled pass over every problem, scored where generated and gathered: rewards [P, n], the
     completion lengths and the first sample's text of each problem (the same on every rank)."""
     n = sampling.n
-    mine = {start: (_score(task, problems[start : start + chunk], texts, n, checker).tolist(), lengths, texts[::n])
+    mine = {start: (_score(source, problems[start : start + chunk], texts, n).tolist(), lengths, texts[::n])
             for start, (texts, lengths) in _generate(engine, prompts, sampling, chunk, desc, progress, d).items()}
     parts = {}
     for theirs in all_gather_objects(mine, d):  # every chunk's scores, on every rank
@@ -102,18 +133,16 @@ def temperature_key(temperature: float) -> str:
 def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, progress: bool = False, d: Dist = Dist()):
     """Metrics of one benchmark and its per-problem records (the same on every rank)."""
     start = time.perf_counter()
-    problems = benchmark_problems(bench, task, eval_cfg)
+    source = benchmark_source(bench, task, eval_cfg)  # one per rank: it scores that rank's answers
+    problems = source.problems()
     if not problems:
         raise ValueError(f"benchmark {bench.name}: no problems loaded from {bench.source}")
-    prompts = [format_prompt(tokenizer, p, bench, eval_cfg.instruction) for p in problems]
+    prompts = [source.prompt(tokenizer, p) for p in problems]
     n = eval_cfg.samples_per_problem
     chunk = max(1, eval_cfg.batch_size // n)
-    # one checker (and worker pool) per rank scores that rank's answers
-    checker = None if bench.source == "task" else MathChecker(
-        extractors=tuple(bench.extractors), workers=eval_cfg.checker_workers, deadline_s=eval_cfg.checker_deadline_s)
     try:
         score = lambda sampling, size, desc: _sampled_rewards(  # noqa: E731
-            engine, prompts, problems, task, sampling, size, desc, checker, progress, d)
+            engine, prompts, problems, source, sampling, size, desc, progress, d)
         rewards, lengths, first_texts = score(
             SamplingParams(n, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.max_new_tokens, seed), chunk,
             f"eval {bench.name}")
@@ -124,8 +153,7 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
             greedy_rewards = score(SamplingParams(1, 0.0, 1.0, eval_cfg.max_new_tokens, seed), chunk * n,
                                    f"greedy {bench.name}")[0][:, 0]
     finally:
-        if checker is not None:
-            checker.close()
+        source.close()
     correct = (rewards > 0.5).sum(axis=1).astype(int)
     per_problem = rewards.mean(axis=1)
     lo, hi = bootstrap_ci(per_problem, eval_cfg.bootstrap_samples, seed=seed)

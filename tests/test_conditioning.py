@@ -138,7 +138,7 @@ def test_budget_is_never_exceeded_on_random_groups(ratio):
 def test_truncation_keeps_the_answer_line_of_the_tasks_extractors():
     """DAPO-Math outputs end with an 'Answer:' line: with the \\boxed / 'answer is' anchors alone, middle
     truncation cut it away; the anchors now come from the data's extractors."""
-    from bicc.checking import answer_anchors
+    from bicc.answers import answer_anchors
     from bicc.conditioning import DEFAULT_ANCHORS, answer_start, truncate
     from bicc.tokenizer import build_char_tokenizer
 

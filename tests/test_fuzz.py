@@ -7,7 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bicc.checking import MathChecker, canonical, extract
+from bicc.answers import canonical, extract
+from bicc.checking import MathChecker
 from bicc.conditioning import build_contexts
 from bicc.rewards import exact_match_reward
 from tests.test_conditioning import BiccCfg, enc, group

@@ -2,7 +2,8 @@ import time
 
 import pytest
 
-from bicc.rewards import exact_match_reward, extract_answer, last_boxed, normalize_answer
+from bicc.answers import last_boxed, normalize_answer
+from bicc.rewards import exact_match_reward, extract_answer
 
 
 @pytest.mark.parametrize(

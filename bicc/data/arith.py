@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 import zlib
 
+from bicc.answers import answer_anchors
 from bicc.data import TASKS, Problem
 from bicc.rewards import exact_match_reward
 
@@ -35,7 +36,7 @@ def _rng(seed: int, stream: str, index: int) -> random.Random:
 
 @TASKS.register("arith")
 class ArithTask:
-    answer_anchors = ("\\boxed", "answer is")  # what exact_match_reward extracts (BiCC truncation keeps it)
+    answer_anchors = answer_anchors(("boxed", "answer_number"))  # what exact_match_reward extracts (BiCC truncation keeps it)
 
     def __init__(self, data_cfg):
         self.cfg = data_cfg.arith

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from bicc.checking import MathChecker, answer_anchors
+from bicc.answers import answer_anchors
+from bicc.checking import MathChecker
 from bicc.data import TASKS, Problem
 from bicc.data.benchmarks import FieldNames, load_problems
 
