@@ -38,46 +38,24 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         s.engine.sleep()
 
     # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c ----------------
-    batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
-    plain = PlainNumerator(batch)
-    numerator, bicc_metrics = plain, {}
-    if cfg.bicc.enabled:
-        contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
-                                  cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
-        contexts = warm_up(contexts, ro.group_ids, ro.out.prompt_ids, s.step, cfg.bicc.warmup_steps)
-        numerator = ConditionedNumerator(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
-                                         s.tokenizer.pad_token_id, device)
-        bicc_metrics = {**contexts.metrics, "bicc/extra_token_share": numerator.tokens / plain.tokens - 1}
+    batch, plain, numerator, contexts, bicc_metrics = step_inputs(s, cfg, ro, device)
 
     # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
     if s.plan is None:  # a state built by hand (build_rl_state resolves it)
         s.plan = StepPlan.from_config(cfg, getattr(s.engine, "returns_logprobs", False))
     plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, distributed.is_sharded(s.model))
-    mask_cpu = batch.completion_mask.cpu()
-    sampled = None
-    if ro.out.logprobs is not None:
-        sampled, valid = sampler_grid(ro.out.logprobs, torch.zeros(mask_cpu.shape), mask_cpu)
-        if plan.old_source == "sampler" and not bool(valid[mask_cpu.bool()].all()):
-            raise ValueError("rollout.old_from_sampler: the engine returned no log-prob for some sampled tokens")
-        sampled = sampled.to(device)
+    sampled = sampled_logprobs(ro, plan, batch, device)
     t_contexts = time.perf_counter()
     lp = step_logprobs(plan, s.model, s.ref_model, plain, numerator, sampled, cfg, batch.completion_mask, s.dist)
     t_logprobs = time.perf_counter()
-    sampler_metrics, is_weight = {}, None
-    if sampled is not None and plan.old_source != "sampler":  # the sampler against the trainer, both on q
-        q_cpu = lp.on_q.cpu()
-        sampler_metrics["rollout/logprob_diff"] = sampler_logprob_diff(ro.out.logprobs, q_cpu, mask_cpu)
-        if plan.tis:  # tokens were drawn from pi_sampler, not pi_old: weight each by min(pi_old / pi_sampler, C)
-            is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q_cpu, mask_cpu, cfg.rollout.tis_cap)
-            is_weight = is_weight.to(device)
-            sampler_metrics.update(tis_metrics)
+    is_weight, sampler_metrics = sampler_correction(ro, plan, lp, batch, cfg, device)
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
     delta, diag_record = None, {}
     if plan.delta is not None:  # delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), theta = theta_old here
         delta = sequence_delta(lp.delta, lp.ref, batch.completion_mask, cfg.rcc.delta).cpu()
-    adv_name = "rcc" if cfg.rcc.enabled else cfg.algo.advantage
-    adv, adv_metrics = ADVANTAGES.get(adv_name)(ro.rewards, ro.group_ids, delta, cfg.algo)  # [N]
+    adv, adv_metrics = ADVANTAGES.get("rcc" if cfg.rcc.enabled else cfg.algo.advantage)(ro.rewards, ro.group_ids, delta,
+                                                                                         cfg.algo)  # [N]
     adv = adv.to(device)
     t_diagnostics = time.perf_counter()
     if plan.diagnostics:
@@ -89,8 +67,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, lp.old, lp.kl_ref, adv, cfg,
                                                          step_seed, is_weight)
     t_update = time.perf_counter()
-
-    if cfg.bicc.enabled:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass
+    if contexts is not None:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass
         log_w = first_pass_log_ratio if plan.old_context == "q" else lp.log_w
         if log_w is not None:
             bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
@@ -102,22 +79,68 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         s.shard_pos = distributed.merge_shard_positions(s.shard_pos, cfg.rollout, s.dist)
 
     # ---- 8. metrics ----------------------------------------------------------------------------
+    perf = {"perf/rollout_s": t_rollout - t0, "perf/generate_s": ro.generate_s, "perf/logprob_s": t_logprobs - t_contexts,
+            "perf/no_grad_passes": plan.no_grad_passes(), "perf/diagnostics_s": diagnostics_s,
+            "perf/update_s": t_update - t_logprobs}
+    metrics = {**rollout_metrics(ro, batch, cfg), **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics, **perf}
+    return distributed.mean_metrics(step_timing(metrics, batch, t0), s.dist), diag_record
+
+
+def step_inputs(s: RLState, cfg, ro, device):
+    """The rollout as rows on q (``PlainNumerator``) and, under BiCC, on x^c (``ConditionedNumerator``):
+    (batch, plain, numerator, contexts or None, ``bicc/`` metrics)."""
+    batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
+    plain = PlainNumerator(batch)
+    if not cfg.bicc.enabled:
+        return batch, plain, plain, None, {}
+    contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
+                              cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
+    contexts = warm_up(contexts, ro.group_ids, ro.out.prompt_ids, s.step, cfg.bicc.warmup_steps)
+    numerator = ConditionedNumerator(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
+                                     s.tokenizer.pad_token_id, device)
+    return batch, plain, numerator, contexts, {**contexts.metrics,
+                                               "bicc/extra_token_share": numerator.tokens / plain.tokens - 1}
+
+
+def sampled_logprobs(ro, plan, batch, device) -> torch.Tensor | None:
+    """The engine's sampling log-probs on the batch's [N, L] grid, or None when it returned none."""
+    if ro.out.logprobs is None:
+        return None
+    mask = batch.completion_mask.cpu()
+    sampled, valid = sampler_grid(ro.out.logprobs, torch.zeros(mask.shape), mask)
+    if plan.old_source == "sampler" and not bool(valid[mask.bool()].all()):
+        raise ValueError("rollout.old_from_sampler: the engine returned no log-prob for some sampled tokens")
+    return sampled.to(device)
+
+
+def sampler_correction(ro, plan, lp, batch, cfg, device):
+    """The sampler against the trainer, both on q: ``rollout/logprob_diff`` and, under TIS, each token's weight
+    min(pi_old / pi_sampler, C) (tokens were drawn from pi_sampler, not pi_old). Returns (weights [N, L] or
+    None, metrics); nothing when the engine gave no log-probs or they stand for pi_old."""
+    if ro.out.logprobs is None or plan.old_source == "sampler":
+        return None, {}
+    mask, q = batch.completion_mask.cpu(), lp.on_q.cpu()
+    metrics = {"rollout/logprob_diff": sampler_logprob_diff(ro.out.logprobs, q, mask)}
+    if not plan.tis:
+        return None, metrics
+    is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q, mask, cfg.rollout.tis_cap)
+    return is_weight.to(device), {**metrics, **tis_metrics}
+
+
+def rollout_metrics(ro, batch, cfg) -> dict:
     lengths = batch.completion_mask.sum(-1).float()
-    return distributed.mean_metrics({
-        "reward/accuracy": ro.correct.mean().item(),
-        "reward/mean": ro.rewards.mean().item(),
-        "rollout/response_len": lengths.mean().item(),
-        "rollout/truncated_share": 1 - sum(ro.out.finished) / len(ro.out.finished),
-        "rollout/prompts_drawn": ro.prompts_drawn,
-        "rollout/generate_rounds": ro.rounds,
-        "rollout/groups": len(ro.correct) // cfg.rollout.group_size,
-        **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics,
-        # phases' seconds (not synchronised on CUDA); generate_s and the no-grad passes' logprob_s are inside
-        "perf/rollout_s": t_rollout - t0, "perf/generate_s": ro.generate_s, "perf/logprob_s": t_logprobs - t_contexts,
-        "perf/no_grad_passes": plan.no_grad_passes(), "perf/diagnostics_s": diagnostics_s,
-        "perf/update_s": t_update - t_logprobs, "perf/step_s": time.perf_counter() - t0,
-        "perf/tokens_per_s": float(batch.attention_mask.sum()) / (time.perf_counter() - t0),
-    }, s.dist), diag_record
+    return {"reward/accuracy": ro.correct.mean().item(), "reward/mean": ro.rewards.mean().item(),
+            "rollout/response_len": lengths.mean().item(),
+            "rollout/truncated_share": 1 - sum(ro.out.finished) / len(ro.out.finished),
+            "rollout/prompts_drawn": ro.prompts_drawn, "rollout/generate_rounds": ro.rounds,
+            "rollout/groups": len(ro.correct) // cfg.rollout.group_size}
+
+
+def step_timing(metrics: dict, batch, t0: float) -> dict:
+    """``metrics`` with ``perf/step_s`` and ``perf/tokens_per_s`` up to now. (No phase's seconds are synchronised
+    on CUDA; ``perf/generate_s`` is part of ``perf/rollout_s``.)"""
+    seconds = time.perf_counter() - t0
+    return {**metrics, "perf/step_s": seconds, "perf/tokens_per_s": float(batch.attention_mask.sum()) / seconds}
 
 
 def step_diagnostics(s: RLState, cfg, batch, numerator, ro, lp, adv, delta, is_weight, step_seed: int):

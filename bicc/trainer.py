@@ -74,20 +74,30 @@ def needs_reference(cfg) -> bool:
             or cfg.rcc.diag_every > 0)
 
 
+def micro_batch_loss(model, numerator, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=None,
+                     with_entropy: bool = False):
+    """The update's loss on ``rows`` (one micro-batch; ``mask`` [n, L] their completion mask), normalised by
+    ``totals``: (differentiable loss, the loss's metrics, the rows' log-probs [n, L] detached and before any
+    log-ratio clip, their entropies or None, pi_old [n, L]). ``old_logp`` None: pi_old is this forward
+    (``bicc.plan.StepPlan`` old_source "update"), detached. Shared by the update and the diagnostics."""
+    logp, entropy = numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=with_entropy)
+    old = logp.detach() if old_logp is None else old_logp[rows]
+    raw = logp.detach()
+    if cfg.bicc.enabled and cfg.bicc.log_ratio_clip > 0:
+        logp = clip_log_ratio_value(logp, old, cfg.bicc.log_ratio_clip)
+    loss, metrics = LOSSES.get(cfg.algo.loss)(logp, old, None if ref_logp is None else ref_logp[rows], adv[rows], mask,
+                                              cfg.algo, totals, is_weight=None if is_weight is None else is_weight[rows])
+    return loss, metrics, raw, entropy, old
+
+
 def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg, is_weight=None):
     """``loss(rows, norm_rows)``: the update's loss on ``rows`` normalised over ``norm_rows`` (a whole
     minibatch or a diagnostic split), as a differentiable scalar."""
-    loss_fn = LOSSES.get(cfg.algo.loss)
 
     def loss(rows, norm_rows):
         totals = StepTotals.of(batch.completion_mask[norm_rows], cfg.rollout.max_new_tokens)
-        logp, _ = numerator.logprobs(model, rows, cfg.rollout.temperature)
-        if cfg.bicc.enabled and cfg.bicc.log_ratio_clip > 0:
-            logp = clip_log_ratio_value(logp, old_logp[rows], cfg.bicc.log_ratio_clip)
-        value, _ = loss_fn(logp, old_logp[rows], None if ref_logp is None else ref_logp[rows], adv[rows],
-                           batch.completion_mask[rows], cfg.algo, totals,
-                           is_weight=None if is_weight is None else is_weight[rows])
-        return value
+        return micro_batch_loss(model, numerator, rows, batch.completion_mask[rows], old_logp, ref_logp, adv, cfg,
+                                totals, is_weight)[0]
 
     return loss
 
@@ -243,15 +253,15 @@ def clip_log_ratio_value(logp: torch.Tensor, old_logp: torch.Tensor, bound: floa
 
 
 def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, adv, cfg, step_seed: int,
-                  is_weight: torch.Tensor | None = None) -> dict:
+                  is_weight: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
     """Epochs x minibatches optimizer steps over one rollout batch; gradients accumulate over
     micro-batches, each normalised by its minibatch's global ``StepTotals``. ``numerator`` gives the
-    trainable log-probs (plain or BiCC-conditioned); ``batch`` the completion masks. Also returns, as
-    ``first_pass_log_ratio`` [N], each sequence's summed log pi_theta - log pi_old before any update
+    trainable log-probs (plain or BiCC-conditioned); ``batch`` the completion masks. Returns (metrics,
+    ``first_pass_log_ratio`` [N]): each sequence's summed log pi_theta - log pi_old before any update
     (under BiCC: the log conditioning weight log w_i). ``is_weight`` [N, L]: the sampler correction
     (``sampler_importance_weights``), or None. ``old_logp`` None: pi_old is the policy this update's first
     forward runs (one update per rollout, ``bicc.plan.StepPlan``), taken from that forward, detached."""
-    model, loss_fn = state.model, LOSSES.get(cfg.algo.loss)
+    model = state.model
     n = batch.input_ids.shape[0]
     generator = torch.Generator().manual_seed(step_seed)
     sums: dict[str, float] = {}
@@ -264,7 +274,6 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     first_pass = torch.zeros(n)
     seen = torch.zeros(n, dtype=torch.bool)
     timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for perf/ (not synchronised on CUDA)
-    clip_bound = cfg.bicc.log_ratio_clip if cfg.bicc.enabled else 0.0
     scale = loss_scale(state.dist)
     model.train()
     for _ in range(cfg.train.epochs_per_rollout):
@@ -286,18 +295,12 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                         continue
                     mask = batch.completion_mask[rows]
                     start = time.perf_counter()
-                    logp, entropy = numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)
+                    loss, metrics, logp, entropy, old = micro_batch_loss(
+                        model, numerator, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight, with_entropy=True)
                     timers["forward"] += time.perf_counter() - start
-                    # pi_old: given, or (StepPlan old_source "update") this very forward, before any update
-                    old = logp.detach() if old_logp is None else old_logp[rows]
                     new = ~seen[rows]
-                    first_pass[rows[new]] = ((logp.detach() - old) * mask).sum(-1)[new].cpu().float()
+                    first_pass[rows[new]] = ((logp - old) * mask).sum(-1)[new].cpu().float()
                     seen[rows] = True
-                    if clip_bound > 0:
-                        logp = clip_log_ratio_value(logp, old, clip_bound)
-                    loss, metrics = loss_fn(logp, old, None if ref_logp is None else ref_logp[rows],
-                                            adv[rows], mask, cfg.algo, totals,
-                                            is_weight=None if is_weight is None else is_weight[rows])
                     start = time.perf_counter()
                     (loss * scale).backward()
                     timers["backward"] += time.perf_counter() - start
