@@ -55,7 +55,9 @@ def test_checker_scores_any_text_within_its_deadline(texts):
        st.sampled_from([0.2, 0.4, 0.6]), st.sampled_from(["middle", "head", "tail"]),
        st.sampled_from(["partition", "paired"]), st.integers(1, 3), st.integers(1, 20))
 def test_context_builder_on_arbitrary_groups(samples, ratio, how, mode, k, min_tokens):
-    texts = [t for t, _ in samples]
+    # each output starts and ends with its partition's mark (R: right, W: wrong; neither is in the alphabet,
+    # the prompt or the template), so a context shows which partition its attempts came from
+    texts = [("R" if c else "W") + t + ("R" if c else "W") for t, c in samples]
     correct = [1.0 if c else 0.0 for _, c in samples]
     cfg = BiccCfg(context_ratio=ratio, truncate=how, mode=mode, paired_k=k, min_attempt_tokens=min_tokens)
     g = group(texts, correct)
@@ -70,6 +72,9 @@ def test_context_builder_on_arbitrary_groups(samples, ratio, how, mode, k, min_t
         else:
             extra = len(ids) - len(g["plain_prompt_ids"][i])
             assert 0 < extra <= budget + template + len(enc(cfg.elision)) * len(texts)
+            shown = g["tokenizer"].decode(ids)
+            own, opposite = ("R", "W") if correct[i] else ("W", "R")
+            assert own not in shown and opposite in shown  # x+ = [q; O-], x- = [q; O+]
     if all(correct) or not any(correct):
         assert not ctx.conditioned.any()
     assert len(ctx.prompt_ids) == len(texts) and ctx.conditioned.dtype == torch.bool

@@ -37,7 +37,8 @@ def test_single_row_matches_manual_log_softmax():
         logp, entropy = token_logprobs(model, ids, torch.ones_like(ids), torch.arange(7)[None], 2, with_entropy=True)
         full = torch.log_softmax(model(ids).logits.float(), -1)
     torch.testing.assert_close(logp[0], torch.stack([full[0, 4, 20], full[0, 5, 21]]), atol=1e-5, rtol=0)
-    assert torch.all(entropy > 0)
+    by_hand = -(full[0, 4:6].exp() * full[0, 4:6]).sum(-1)  # -sum p log p at the two predicting positions
+    torch.testing.assert_close(entropy[0], by_hand, atol=1e-5, rtol=0)
 
 
 def test_4d_mask_matches_2d_mask():

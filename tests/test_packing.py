@@ -74,6 +74,9 @@ def test_mask_isolates_outputs():
     assert mask[13, 12] and mask[13, 0] and not mask[12, 13]  # output 0: prefix + causal
     assert not mask[17, 12] and mask[17, 11] and mask[17, 17]  # output 1 never sees output 0
     assert packed.position_ids[row, 17].item() == 12 and packed.position_ids[row, 18].item() == 12
+    # every output restarts at the prefix's length, also after a longer one: 0..11 | 12..16 | 12 | 12..15
+    assert packed.position_ids[row, :22].tolist() == [*range(12), *range(12, 17), 12, *range(12, 16)]
+    assert mask[20, :12].all() and mask[20, 18:21].all() and not mask[20, 12:18].any() and not mask[20, 21]
     # prefixes counted once: 12 + 7 prefix tokens + 25 output tokens
     assert packed.num_tokens == 12 + 7 + sum(map(len, completions))
 

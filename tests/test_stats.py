@@ -44,6 +44,15 @@ def test_bootstrap_ci_coverage_in_simulation():
     assert covered / trials >= 0.90
 
 
+def test_bootstrap_ci_has_the_width_of_a_standard_error():
+    """Coverage alone is met by any wide interval, (min, max) of the data included: the 95% interval of a mean
+    over 400 values in {0, 1} (half of each) is about 2 x 1.96 x sqrt(0.25 / 400) = 0.098 wide, centred."""
+    values = np.array([0.0, 1.0] * 200)
+    lo, hi = bootstrap_ci(values, num_samples=2000, seed=0)
+    assert 0.085 < hi - lo < 0.11
+    assert abs((lo + hi) / 2 - 0.5) < 0.01
+
+
 def test_paired_bootstrap_difference():
     a = np.array([0.0, 0.5, 1.0, 0.25])
     b = np.array([0.5, 0.5, 1.0, 0.75])

@@ -63,6 +63,22 @@ def test_kl_term_k3_hand_computed():
     assert metrics["train/kl_ref"] == pytest.approx((math.exp(-0.5) - 0.5) / 2, abs=1e-9)
 
 
+@pytest.mark.parametrize("estimator,per_token", [
+    ("k1", [0.5, -0.25]),  # -log r = logp - ref
+    ("k2", [0.125, 0.03125]),  # (log r)^2 / 2: 0.25 / 2, 0.0625 / 2
+    ("k3", [math.exp(-0.5) - 1 + 0.5, math.exp(0.25) - 1 - 0.25]),  # r - 1 - log r
+])
+def test_kl_estimators_hand_computed(estimator, per_token):
+    """log r = ref - logp = [-0.5, 0.25]; A = 0, so the loss is beta x the token mean of the estimator."""
+    logp = torch.tensor([[0.0, -1.0]], dtype=torch.float64)
+    ref = torch.tensor([[-0.5, -0.75]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    loss, metrics = LOSSES.get("grpo")(logp, logp.clone(), ref, torch.zeros(1, dtype=torch.float64), mask,
+                                       cfg(kl_coef=0.5, kl_estimator=estimator), StepTotals.of(mask, 2))
+    assert metrics["train/kl_ref"] == pytest.approx(sum(per_token) / 2, abs=1e-12)
+    assert loss.item() == pytest.approx(0.5 * sum(per_token) / 2, abs=1e-12)
+
+
 @pytest.mark.parametrize("agg", AGGREGATIONS.names())
 def test_gradient_matches_finite_differences(agg):
     AggCfg = cfg(loss_agg=agg, kl_coef=0.1)

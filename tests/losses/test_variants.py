@@ -61,6 +61,20 @@ def test_dual_clip_caps_negative_advantage_loss():
     assert grad[1, 0] == 0 and grad[1, 1] == pytest.approx(1 / 4)
 
 
+@pytest.mark.parametrize("name", ["grpo", "gspo", "gmpo"])
+def test_dual_clip_leaves_positive_advantages_alone(name):
+    """Dual clip caps the loss of A < 0 tokens at -c A; on A > 0 the same cap, min(-A rho, -c A), would replace
+    every term with ratio below c by the constant -c A. With every sample at A = +1 and ratios near 1, the loss
+    and gradient must be those without dual clip (about -1, not -3, and a gradient that is not zero)."""
+    logp, old, _, mask = two_seq_case([0.1, -0.1, 0.05], [0.0, 0.1])
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    plain = loss_and_grad(name, cfg(), logp, old, None, adv, mask)
+    capped = loss_and_grad(name, cfg(dual_clip_c=3.0), logp, old, None, adv, mask)
+    assert plain[0] == pytest.approx(capped[0], abs=1e-12) and -1.2 < plain[0] < -0.9
+    torch.testing.assert_close(plain[1], capped[1], atol=1e-12, rtol=0)
+    assert plain[1].abs().sum() > 0.1
+
+
 def test_gspo_sequence_ratio_clip():
     logp, old, adv, mask = two_seq_case([0.001, 0.001, 0.001], [0.0001, 0.0003])
     loss, grad, _ = loss_and_grad("gspo", cfg(clip_eps_low=3e-4, clip_eps_high=4e-4), logp, old, None, adv, mask)
