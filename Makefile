@@ -49,4 +49,4 @@ clean:
 # ablation; one seed, 100 RL steps each, so that it fits in an hour on 2 CPU cores); writes docs/results/ and
 # README's results section.
 results: $(STAMP)
-	$(PY) bench/results.py $(ARGS)
+	$(PY) -m bench.results $(ARGS)

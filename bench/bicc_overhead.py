@@ -19,7 +19,7 @@ with and without BiCC, and including it would only dilute the ratio. Outputs and
 
 Each variant runs in its own subprocess so that peak RSS (``ru_maxrss``) is its own (on CUDA the
 allocator's peak is used instead), ``--rounds`` times, the variants alternating; the step time is the median
-over every timed step of its rounds. Run: ``.venv/bin/python bench/bicc_overhead.py [--configs embedded,large]`` (on a GPU: ``--configs gpu``).
+over every timed step of its rounds. Run: ``.venv/bin/python -m bench.bicc_overhead [--configs embedded,large]`` (on a GPU: ``--configs gpu``).
 Ends with ``RESULT bicc_step_ratio=... target<=1.15`` and ``RESULT bicc_mem_ratio=... target<=1.20``
 (packed BiCC over GRPO on the last config), and for ``gpu`` also ``RESULT gpu_grpo_mfu=...`` and
 ``RESULT gpu_bicc_mfu=...``.
@@ -44,7 +44,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 CONFIGS = {
     "embedded": dict(arch=dict(hidden_size=128, num_hidden_layers=3, intermediate_size=256, num_attention_heads=4,
@@ -115,7 +114,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     model, tok = build_model(spec)
     model.to(device)
     optimizer = build_optimizer(model, 1e-5, (0.9, 0.999), 0.0)
-    state = RLState(model, None, tok, None, optimizer, warmup_cosine(optimizer, 1, 100, 0.1), None, "")
+    state = RLState(model, tokenizer=tok, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 1, 100, 0.1))
     task = build_task(cfg.data)
 
     gen = torch.Generator().manual_seed(0)
@@ -186,7 +185,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {}
         for _ in range(args.rounds):  # variants alternate, so that machine drift hits all of them
             for variant in args.variants.split(","):
-                proc = subprocess.run([sys.executable, __file__, "--child", config_name, variant,
+                proc = subprocess.run([sys.executable, "-m", "bench.bicc_overhead", "--child", config_name, variant,
                                        *(["--shrink"] if args.shrink else [])], capture_output=True, text=True, cwd=ROOT)
                 if proc.returncode != 0:
                     sys.exit(f"{config_name}/{variant} failed:\n{proc.stderr[-3000:]}")

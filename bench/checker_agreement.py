@@ -7,7 +7,7 @@
   verdict), run through the checker's verify path with each case's options.
 
 Every disagreement is printed with its category so that wrong labels can be told from checker errors.
-Run: ``.venv/bin/python bench/checker_agreement.py [--data-dir DIR]``. Ends with
+Run: ``.venv/bin/python -m bench.checker_agreement [--data-dir DIR]``. Ends with
 ``RESULT agreement_math=... target>=0.99``, ``RESULT agreement_gsm8k=... target>=0.98`` and
 ``RESULT mathverify_cases=... target>=0.95``.
 """
@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 EXTRACTORS = {"MATH test": ("boxed", "answer_is"), "GSM8K test": ("gsm8k", "boxed", "answer_is", "last_number")}
 

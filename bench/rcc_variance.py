@@ -14,7 +14,7 @@ on the very same samples and splits. RCC is measured with delta's policy term on
 does not define its measure, and the absolute variance falls by the std that RCC drops (GRPO divides by
 sigma, RCC does not) even when nothing else changes. Reports per-seed ratios and their mean with a 95%
 t-interval.
-Hydra overrides go after the flags: ``.venv/bin/python bench/rcc_variance.py --seeds 12 algo=dapo``.
+Hydra overrides go after the flags: ``.venv/bin/python -m bench.rcc_variance --seeds 12 algo=dapo``.
 Ends with ``RESULT rcc_grad_var_ratio=<RCC/baseline> target<1.0``.
 """
 
@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def t_interval(values: list[float]) -> tuple[float, float]:
@@ -76,7 +74,7 @@ def main() -> None:
     model, tokenizer = load_pretrained(args.ckpt or init_path, cfg.model, device)
     ref_model = frozen_copy(init_path, cfg.model, device)
     engine = build_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout)
-    state = RLState(model, ref_model, tokenizer, engine, None, None, task, init_path)
+    state = RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, task=task, init_path=init_path)
     T, mb = cfg.rollout.temperature, cfg.train.micro_batch_size
     estimators = {"baseline": cfg.algo.advantage, "rcc_xc": "rcc", "rcc_q": "rcc", "mean_centered": "mean_centered"}
     print(f"checkpoint {args.ckpt or init_path}; algo={cfg.algo.name} bicc={cfg.bicc.enabled} "

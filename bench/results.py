@@ -33,7 +33,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # The warm start that has learnt to read attempts: a quarter of its SFT prompts show informative attempts (right
 # or slipped, under a correct target) in the BiCC template, with 1,200 SFT steps instead of 900 so that its plain

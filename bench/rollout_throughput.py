@@ -11,7 +11,7 @@ new tokens; every engine stops on EOS, and throughput counts the output tokens e
 - ``sync_share``: ``VLLMEngine.update_weights`` time over the time of one training step on the same
   rollout (vLLM rollout + pi_old log-probs + loss, backward and AdamW step + sync).
 
-Run: ``.venv/bin/python bench/rollout_throughput.py [--hidden 256] [--prompts 32] [--n 8] [--tokens 64]``.
+Run: ``.venv/bin/python -m bench.rollout_throughput [--hidden 256] [--prompts 32] [--n 8] [--tokens 64]``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,6 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bicc.checkpoint import save_hf  # noqa: E402
 from bicc.config import ModelConfig, RolloutConfig, TinyArchConfig  # noqa: E402

@@ -7,7 +7,7 @@ uninterrupted run.
    have passed (after which it is left to finish).
 3. Every parameter of the two final checkpoints is compared.
 
-Run: ``.venv/bin/python bench/soak.py [--minutes 30] [--steps 120] [extra Hydra overrides]``.
+Run: ``.venv/bin/python -m bench.soak [--minutes 30] [--steps 120] [extra Hydra overrides]``.
 Ends with ``RESULT soak_divergence=<max |Δparam|> target==0`` and the counts of steps and resumes.
 """
 

@@ -20,6 +20,7 @@ Ends with ``RESULT model_step_ratio_bicc_rcc=<BiCC+RCC / GRPO> target<=1.15``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -129,6 +130,7 @@ def step_phases(plan: StepPlan, cost: dict[str, float], mean_len: float, max_len
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # no options: --help only
     torch.set_num_threads(os.cpu_count())
     cost = measured_costs()
     _, tok = build_tiny(TinyArchConfig(**SMALL[0]), seed=0)

@@ -1,4 +1,4 @@
-"""Markdown table of run dirs' evaluations: ``.venv/bin/python bench/summarize_runs.py RUN_DIR [RUN_DIR ...]``.
+"""Markdown table of run dirs' evaluations: ``.venv/bin/python -m bench.summarize_runs RUN_DIR [RUN_DIR ...]``.
 
 Reads each run's results.json (initial and final sampled pass@1 with 95% CI, greedy accuracy) and
 metrics.jsonl (steps, wall time of the RL stage)."""

@@ -194,7 +194,7 @@ def main() -> None:
     model, tokenizer = load_policy(path, cfg.model, device)
     end_ids = end_token_ids(tokenizer, model)
     engine = build_engine("hf", model, tokenizer, cfg.rollout, EngineOptions(end_ids=tuple(end_ids)))
-    state = RLState(model, None, tokenizer, engine, None, None, task, path)
+    state = RLState(model, tokenizer=tokenizer, engine=engine, task=task, init_path=path)
     print(f"probe: {path}; algo={cfg.algo.name} loss={cfg.algo.loss}, {args.batches} batches of "
           f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size}, context budget "
           f"{int(cfg.bicc.context_ratio * cfg.bicc.max_tokens)} tokens")

@@ -183,5 +183,6 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype)
     engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
     plan = StepPlan.from_config(cfg, getattr(engine, "returns_logprobs", False))
-    return RLState(model, ref_model, tokenizer, engine, optimizer, scheduler, build_task(cfg.data), init_path, dist=d,
+    return RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
+                   task=build_task(cfg.data), init_path=init_path, dist=d,
                    end_ids=end_ids, plan=plan)

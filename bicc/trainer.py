@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -28,13 +28,14 @@ class RLState:
     """Everything the RL loop mutates; ``step`` and ``data_pos`` go into checkpoints."""
 
     model: Any
-    ref_model: Optional[Any]
-    tokenizer: Any
-    engine: Any
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    task: Any
-    init_path: str
+    _: KW_ONLY  # everything else by name: a state for a part of the step needs only what that part reads
+    ref_model: Optional[Any] = None
+    tokenizer: Any = None
+    engine: Any = None  # the rollout engine
+    optimizer: Optional[torch.optim.Optimizer] = None
+    scheduler: Any = None
+    task: Any = None
+    init_path: str = ""
     step: int = 0
     data_pos: int = 0
     nonfinite_skips: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm, in total

@@ -1,5 +1,5 @@
-"""The step benches start as their docstrings say (``python -m bench.X --help``): a broken import or
-argument parser shows here, not at the first timing run."""
+"""The benches start as their docstrings say (``python -m bench.X --help``): a broken import or argument parser
+shows here, not at the first timing run."""
 
 import subprocess
 import sys
@@ -10,11 +10,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("module", ["bench.step_profile", "bench.peer_trl"])
-def test_bench_help(module):
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage:" in proc.stdout
+BENCHES = ["bench.step_profile", "bench.peer_trl", "bench.bicc_overhead", "bench.checker_agreement", "bench.memory_model",
+           "bench.rcc_variance", "bench.results", "bench.rollout_throughput", "bench.soak", "bench.step_model"]
+HELP = """
+import runpy, sys
+for module in sys.argv[1:]:
+    sys.argv = [module, "--help"]
+    try:
+        runpy.run_module(module, run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (0, None), (module, e.code)
+    print("ok", module, flush=True)
+"""
+
+
+def test_every_bench_starts_as_a_module():
+    """``python -m bench.X --help`` for every bench, in one interpreter: a broken import (a bench that only ran
+    with its own directory on sys.path) or argument parser shows here."""
+    proc = subprocess.run([sys.executable, "-c", HELP, *BENCHES], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok ")] == BENCHES
+    assert proc.stdout.count("usage:") == len(BENCHES)
 
 
 def test_step_model_phases_follow_the_plan():

@@ -16,7 +16,7 @@ def setup():
     model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=0)
     opt = build_optimizer(model, 1e-2, (0.9, 0.999), 0.0)
-    state = RLState(model, None, tok, None, opt, warmup_cosine(opt, 0, 10, 0.1), None, "")
+    state = RLState(model, tokenizer=tok, optimizer=opt, scheduler=warmup_cosine(opt, 0, 10, 0.1))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 60, (5,), generator=gen).tolist() for _ in range(4)]
     completions = [torch.randint(4, 60, (6,), generator=gen).tolist() for _ in range(4)]

@@ -35,7 +35,7 @@ def rows(n=12, seed=0):
 
 def state_for(model, lr=1e-2):
     optimizer = build_optimizer(model, lr, (0.9, 0.999), 0.0)
-    return RLState(model, None, None, None, optimizer, warmup_cosine(optimizer, 0, 100, 1.0), None, "")
+    return RLState(model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 0, 100, 1.0))
 
 
 def hand_loop(model, batch, old_logp, adv, cfg, step_seed):
