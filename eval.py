@@ -5,20 +5,15 @@
 
 ``ckpt`` is an HF-format model dir or a run dir (its latest complete checkpoint). Scoring writes, into
 the Hydra output dir: ``<benchmark>/per_problem.jsonl``, ``summary.json`` and ``results.md``.
-``compare`` reads two such dirs and reports, per benchmark, the paired Wilcoxon signed-rank test on
-per-problem accuracy, the difference B - A with a paired bootstrap CI, a Markdown table with ↑/↓
-deltas, and a pass@k plot with error bars (``passk.png``).
+``compare`` is ``python -m bicc.compare`` (``bicc/compare.py``): paired statistics of two such dirs.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
-
-import numpy as np
 
 COMPARE = "compare"
 
@@ -67,7 +62,6 @@ def score_main() -> None:
                            cfg.eval, cfg.seed, out_dir=out_dir, progress=cfg.logger.progress)
         table = markdown_table(metrics, cfg.eval.ks)
         (out_dir / "summary.json").write_text(json.dumps({"ckpt": str(path), "eval": cfg.eval.name, **metrics}, indent=1))
-        (out_dir / "eval.json").write_text(json.dumps({"ckpt": str(path), **metrics}, indent=1))  # older name
         (out_dir / "results.md").write_text(table + "\n")
         print(f"[eval] {path}: {format_eval(metrics)}")
         print(table)
@@ -77,57 +71,10 @@ def score_main() -> None:
     main()
 
 
-def _load_result(path: Path) -> tuple[dict, dict[str, dict[str, dict]]]:
-    summary_file = path / "summary.json"
-    if not summary_file.exists():
-        raise FileNotFoundError(f"{path}: no summary.json (run `python eval.py ckpt=...` first)")
-    summary = json.loads(summary_file.read_text())
-    per = {}
-    for sub in sorted(p for p in path.iterdir() if (p / "per_problem.jsonl").exists()):
-        rows = [json.loads(line) for line in (sub / "per_problem.jsonl").read_text().splitlines() if line.strip()]
-        per[sub.name] = {r["id"]: r for r in rows}
-    return summary, per
-
-
-def compare_main(argv: list[str]) -> None:
-    from bicc.plots import passk_plot
-    from bicc.stats import paired_bootstrap_diff, wilcoxon_paired
-
-    parser = argparse.ArgumentParser(prog="eval.py compare", description="paired comparison of two eval dirs")
-    parser.add_argument("a", type=Path)
-    parser.add_argument("b", type=Path)
-    parser.add_argument("--out", type=Path, default=None, help="where compare.md / passk.png go (default: B)")
-    args = parser.parse_args(argv)
-    (sa, pa), (sb, pb) = _load_result(args.a), _load_result(args.b)
-    out = args.out or args.b
-    out.mkdir(parents=True, exist_ok=True)
-    lines = [f"A = {args.a}", f"B = {args.b}", "",
-             "| benchmark | problems | A pass@1 | B pass@1 | Δ (B − A) [95% CI] | Wilcoxon W | p |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    report = {}
-    for bench in [b for b in pa if b in pb]:
-        ids = [i for i in pa[bench] if i in pb[bench]]
-        if len(ids) != len(pa[bench]) or len(ids) != len(pb[bench]):
-            print(f"[compare] {bench}: only {len(ids)} problems are in both runs; comparing those")
-        a = np.array([pa[bench][i]["accuracy"] for i in ids])
-        b = np.array([pb[bench][i]["accuracy"] for i in ids])
-        diff, lo, hi = paired_bootstrap_diff(a, b)
-        stat, p = wilcoxon_paired(a, b)
-        arrow = "↑" if diff > 0 else ("↓" if diff < 0 else "=")
-        lines.append(f"| {bench} | {len(ids)} | {100 * a.mean():.1f} | {100 * b.mean():.1f} | "
-                     f"{arrow}{100 * abs(diff):.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] | {stat:.1f} | {p:.3g} |")
-        report[bench] = {"problems": len(ids), "a": a.mean(), "b": b.mean(), "diff": diff, "ci": [lo, hi],
-                         "wilcoxon_w": stat, "p": p}
-    table = "\n".join(lines)
-    (out / "compare.md").write_text(table + "\n")
-    (out / "compare.json").write_text(json.dumps(report, indent=1))
-    plot = passk_plot({str(args.a): sa, str(args.b): sb}, out / "passk.png")
-    print(table)
-    print(f"[compare] wrote {out / 'compare.md'}" + (f" and {plot}" if plot else ""))
-
-
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == COMPARE:
+    if len(sys.argv) > 1 and sys.argv[1] == COMPARE:  # an alias of python -m bicc.compare
+        from bicc.compare import main as compare_main
+
         compare_main(sys.argv[2:])
     else:
         score_main()

@@ -1,4 +1,4 @@
-"""eval.py compare: paired statistics and outputs from two scored dirs."""
+"""python -m bicc.compare (and its alias eval.py compare): paired statistics and outputs from two scored dirs."""
 
 import json
 import subprocess
@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,13 +23,14 @@ def fake_result(path: Path, acc: list[float], n: int = 4):
     (path / "summary.json").write_text(json.dumps(summary))
 
 
-def test_compare_reports_wilcoxon_and_bootstrap(tmp_path):
+@pytest.mark.parametrize("command", [["-m", "bicc.compare"], ["eval.py", "compare"]])
+def test_compare_reports_wilcoxon_and_bootstrap(tmp_path, command):
     rng = np.random.default_rng(0)
     a = rng.integers(0, 5, 40) / 4
     b = np.clip(a + rng.choice([0, 0.25, 0.5], 40), 0, 1)
     fake_result(tmp_path / "A", a.tolist())
     fake_result(tmp_path / "B", b.tolist())
-    proc = subprocess.run([sys.executable, "eval.py", "compare", str(tmp_path / "A"), str(tmp_path / "B")], cwd=ROOT,
+    proc = subprocess.run([sys.executable, *command, str(tmp_path / "A"), str(tmp_path / "B")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "B" / "compare.json").read_text())["bench"]

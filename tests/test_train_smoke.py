@@ -51,7 +51,8 @@ def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
                            f"hydra.run.dir={eval_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "BICC_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    scored = json.loads((eval_dir / "eval.json").read_text())
+    scored = json.loads((eval_dir / "summary.json").read_text())
+    assert not (eval_dir / "eval.json").exists()  # one summary, not two
     assert scored["ckpt"].endswith("step_3") and scored["eval/num_problems"] == 4
     before = load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")
     after = load_file(run_dir / "checkpoints" / "step_3" / "model.safetensors")
