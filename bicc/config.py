@@ -25,7 +25,6 @@ class AlgoConfig:
     loss_agg: str = MISSING
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
-    clip_higher: bool = False
     dual_clip_c: float = 0.0
     ratio_denominator: str = "old"
     kl_coef: float = 0.0
@@ -210,9 +209,9 @@ class DistConfig:
 
 @dataclass
 class SFTConfig:
-    """Supervised warm start on demonstrations (some with deliberate slips)."""
+    """Supervised warm start on demonstrations (some with deliberate slips); it runs whenever the model is a
+    tiny one built from ``model.tiny`` (a pretrained model needs none)."""
 
-    enabled: bool = True
     steps: int = 600
     time_budget_s: float = 0.0
     batch_size: int = 64
@@ -311,7 +310,7 @@ def register_configs() -> None:
     cs.store(group="logger", name="logger_schema", node=LoggerConfig)
 
 
-STAGES = ("all", "sft", "rl")
+STAGES = ("all", "sft")
 WANDB_MODES = ("online", "offline", "disabled")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -343,8 +342,6 @@ def validate(cfg: Any) -> None:
     _check(a.clip_eps_low > 0, "algo.clip_eps_low", f"must be > 0, got {a.clip_eps_low}")
     _check(a.clip_eps_high > 0, "algo.clip_eps_high", f"must be > 0, got {a.clip_eps_high}")
     _check(a.clip_eps_low < 1, "algo.clip_eps_low", f"must be < 1 (ratio floor 1-eps), got {a.clip_eps_low}")
-    _check(not a.clip_higher or a.clip_eps_high >= a.clip_eps_low, "algo.clip_eps_high",
-           f"clip-higher needs clip_eps_high >= clip_eps_low, got {a.clip_eps_high} < {a.clip_eps_low}")
     _check(a.dual_clip_c == 0 or a.dual_clip_c > 1, "algo.dual_clip_c", f"must be 0 (off) or > 1, got {a.dual_clip_c}")
     _check(a.ratio_denominator in ("old", "ref"), "algo.ratio_denominator",
            f"'{a.ratio_denominator}' unknown; choose from: old, ref")

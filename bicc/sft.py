@@ -43,18 +43,15 @@ def cache_key(cfg) -> str:
     """Hash of the resolved settings that determine the SFT checkpoint."""
     sft = OmegaConf.to_container(cfg.sft, resolve=True)
     sft.pop("cache_dir")
-    sft.pop("seed", None)  # folded into the effective seed below (keys made before the option stay valid)
-    if sft["context_share"] == 0:  # absent from keys made before the options existed: keep those caches valid
-        sft.pop("context_share")
-        sft.pop("context_attempts")
-    elif sft["context_attempts"] == "independent":
+    sft.pop("seed")  # folded into the effective seed below
+    if sft["context_share"] == 0:  # no attempts are shown: which ones would be shapes nothing
         sft.pop("context_attempts")
     data = OmegaConf.to_container(cfg.data, resolve=True)
     for task in ("arith", "math"):  # only the active task's settings shape the warm start
         if data["task"] != task:
             data.pop(task, None)
     keyed = {"model": OmegaConf.to_container(cfg.model.tiny, resolve=True), "data": data,
-             "sft": sft, "seed": sft_seed(cfg), "format": 1}
+             "sft": sft, "seed": sft_seed(cfg), "format": 2}
     if cfg.sft.context_share > 0:  # the template shown in SFT prompts then shapes the checkpoint too
         keyed["template"] = [cfg.bicc.preamble, cfg.bicc.attempt_header, cfg.bicc.elision, cfg.bicc.context_ratio,
                              cfg.bicc.max_tokens, cfg.bicc.min_attempt_tokens, cfg.bicc.truncate]

@@ -37,7 +37,7 @@ def test_paper_experiment_has_table_3_values(experiment):
     assert cfg.eval.samples_per_problem == 32 and cfg.eval.temperature == 0.6 and cfg.eval.top_p == 0.95
     assert cfg.eval.max_new_tokens == 4096
     assert cfg.dist.strategy == "fsdp2" and cfg.dist.param_dtype == "bfloat16" and cfg.dist.reduce_dtype == "float32"
-    assert not cfg.sft.enabled
+    assert cfg.model.tiny is None  # a pretrained model: no warm start
 
 
 @pytest.mark.parametrize("algo", VARIANTS)

@@ -24,7 +24,7 @@ def test_context_share_adds_attempts_to_prompts_only():
     assert targets_of(plain) == targets_of(with_ctx)
 
 
-def test_cache_key_tracks_context_share_and_keeps_old_keys():
+def test_cache_key_tracks_context_share():
     base = compose_cfg(["sft.cache_dir=/tmp/x"])
     assert cache_key(base) == cache_key(compose_cfg(["sft.cache_dir=/tmp/y"]))  # the cache dir is not a setting
     assert cache_key(base) != cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "sft.context_share=0.5"]))

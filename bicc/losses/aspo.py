@@ -24,8 +24,8 @@ from bicc.losses.common import importance_weighted, kl_term, log_ratio, ratio_me
 
 @LOSSES.register("aspo")
 def aspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_weight=None):
-    delta = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
-    ratio = torch.exp(delta)  # [B, L]
+    log_rho = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
+    ratio = torch.exp(log_rho)  # [B, L]
     a = adv.unsqueeze(-1).expand_as(ratio)  # [B, L]
     positive = a > 0
     r_pos = ratio.clamp(max=1 + cfg.clip_eps_high)
@@ -38,7 +38,7 @@ def aspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_w
         pg = torch.where(over & (a != 0), -a * cfg.dual_clip_c * logp, pg)
     pg_loss = aggregate(importance_weighted(pg, is_weight), mask, cfg.loss_agg, totals)
     kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, cfg, totals)
-    metrics = {**ratio_metrics(delta.detach(), ratio.detach(), adv, mask, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high),
+    metrics = {**ratio_metrics(log_rho.detach(), ratio.detach(), adv, mask, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high),
                **kl_metrics}
     if cfg.dual_clip_c > 0:
         metrics["train/dual_clip_frac"] = ((over & mask.bool()).float().sum() / mask.sum().clamp(min=1)).item()

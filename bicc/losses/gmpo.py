@@ -22,19 +22,19 @@ from bicc.losses.common import dual_clip, importance_weighted, kl_term, log_rati
 
 @LOSSES.register("gmpo")
 def gmpo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_weight=None):
-    delta = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
+    log_rho = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
     sign = torch.sign(adv).unsqueeze(-1)  # [B, 1]
-    # A > 0: min(delta, eps_high); A < 0: max(delta, -eps_low) = -min(-delta, eps_low)
-    high, low = (torch.tensor(e, dtype=delta.dtype, device=delta.device) for e in (cfg.clip_eps_high, cfg.clip_eps_low))
+    # A > 0: min(log_rho, eps_high); A < 0: max(log_rho, -eps_low) = -min(-log_rho, eps_low)
+    high, low = (torch.tensor(e, dtype=log_rho.dtype, device=log_rho.device) for e in (cfg.clip_eps_high, cfg.clip_eps_low))
     bound = torch.where(sign > 0, high, low)  # [B, 1]
-    delta_clipped = sign * torch.minimum(sign * delta, bound)  # [B, L]
-    seq_ratio = torch.exp(seq_mean(delta_clipped, mask))  # [B]: geometric mean of the clipped token ratios
+    log_rho_clipped = sign * torch.minimum(sign * log_rho, bound)  # [B, L]
+    seq_ratio = torch.exp(seq_mean(log_rho_clipped, mask))  # [B]: geometric mean of the clipped token ratios
     pg_seq = dual_clip((-adv * seq_ratio).unsqueeze(-1), adv, cfg)  # [B, 1]
-    pg = pg_seq.expand_as(delta)  # [B, L]: one value per sequence, so seq-mean-token-mean = mean over sequences
+    pg = pg_seq.expand_as(log_rho)  # [B, L]: one value per sequence, so seq-mean-token-mean = mean over sequences
     pg_loss = aggregate(importance_weighted(pg, is_weight), mask, cfg.loss_agg, totals)
     kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, cfg, totals)
     with torch.no_grad():
-        metrics = ratio_metrics(delta, delta.exp(), adv, mask, float(torch.tensor(-cfg.clip_eps_low).exp()),
+        metrics = ratio_metrics(log_rho, log_rho.exp(), adv, mask, float(torch.tensor(-cfg.clip_eps_low).exp()),
                                 float(torch.tensor(cfg.clip_eps_high).exp()))
         metrics["train/seq_ratio_mean"] = seq_ratio.mean().item()
     return pg_loss + kl_loss, {**metrics, **kl_metrics}

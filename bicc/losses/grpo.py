@@ -25,14 +25,14 @@ from bicc.losses.common import dual_clip, importance_weighted, kl_term, log_rati
 
 @LOSSES.register("grpo")
 def grpo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_weight=None):
-    delta = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
-    ratio = torch.exp(delta)  # [B, L]
+    log_rho = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
+    ratio = torch.exp(log_rho)  # [B, L]
     a = adv.unsqueeze(-1)  # [B, 1]
     pg_unclipped = -a * ratio
     pg_clipped = -a * ratio.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
     pg = dual_clip(torch.maximum(pg_unclipped, pg_clipped), adv, cfg)  # [B, L]: max of losses = min of objectives
     pg_loss = aggregate(importance_weighted(pg, is_weight), mask, cfg.loss_agg, totals)
     kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, cfg, totals)
-    metrics = {**ratio_metrics(delta.detach(), ratio.detach(), adv, mask, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high),
+    metrics = {**ratio_metrics(log_rho.detach(), ratio.detach(), adv, mask, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high),
                **kl_metrics}
     return pg_loss + kl_loss, metrics

@@ -22,8 +22,8 @@ from bicc.losses.common import dual_clip, importance_weighted, kl_term, log_rati
 
 @LOSSES.register("gspo")
 def gspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_weight=None):
-    delta = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
-    log_seq_ratio = seq_mean(delta, mask)  # [B]
+    log_rho = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
+    log_seq_ratio = seq_mean(log_rho, mask)  # [B]
     seq_ratio_token = torch.exp(log_seq_ratio.detach().unsqueeze(-1) + logp - logp.detach())  # [B, L], value s_i
     a = adv.unsqueeze(-1)  # [B, 1]
     pg_unclipped = -a * seq_ratio_token
@@ -31,6 +31,6 @@ def gspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_w
     pg = dual_clip(torch.maximum(pg_unclipped, pg_clipped), adv, cfg)  # [B, L]
     pg_loss = aggregate(importance_weighted(pg, is_weight), mask, cfg.loss_agg, totals)
     kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, cfg, totals)
-    metrics = {**ratio_metrics(delta.detach(), seq_ratio_token.detach(), adv, mask, 1 - cfg.clip_eps_low,
+    metrics = {**ratio_metrics(log_rho.detach(), seq_ratio_token.detach(), adv, mask, 1 - cfg.clip_eps_low,
                                1 + cfg.clip_eps_high), **kl_metrics}
     return pg_loss + kl_loss, metrics
