@@ -70,7 +70,7 @@ class RccConfig:
     """Reward-confidence correction (conf/rcc) and the paper's diagnostics (conf/rcc: diag_*)."""
 
     enabled: bool = MISSING
-    delta: str = "sum"
+    delta: str = "mean"
     delta_context: str = "xc"
     diag_every: int = 0
     diag_splits: int = 4
@@ -158,7 +158,7 @@ class RolloutConfig:
     group_size: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 64
+    max_new_tokens: int = 320
     batch_size: int = 256
     shards: Optional[int] = None
     gpu_memory_utilization: float = 0.5
@@ -171,7 +171,7 @@ class RolloutConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
+    lr: float = 5e-5
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.01
     warmup_steps: int = 10
@@ -183,7 +183,7 @@ class OptimConfig:
 class TrainConfig:
     """The RL stage."""
 
-    steps: int = 200
+    steps: int = 250
     time_budget_s: float = 0.0
     epochs_per_rollout: int = 1
     minibatches_per_rollout: int = 1
@@ -212,7 +212,7 @@ class SFTConfig:
     """Supervised warm start on demonstrations (some with deliberate slips); it runs whenever the model is a
     tiny one built from ``model.tiny`` (a pretrained model needs none)."""
 
-    steps: int = 600
+    steps: int = 900
     time_budget_s: float = 0.0
     batch_size: int = 64
     lr: float = 3e-3
@@ -247,8 +247,8 @@ class EvalConfig:
     num_problems: int = 200
     limit: Optional[int] = None
     samples_per_problem: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 0.6
+    top_p: float = 0.95
     also_temperatures: List[float] = field(default_factory=list)
     max_new_tokens: int = 64
     greedy: bool = True

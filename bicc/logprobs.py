@@ -1,8 +1,9 @@
 """Per-token log-probs of target tokens under a causal LM, from explicit positions and masks.
 
-Every forward in training goes through ``token_logprobs``: the caller supplies ``position_ids`` and
-either a 2-D padding mask ``[B, T]`` or a prepared 4-D mask ``[B, 1, T, T]`` (bool: True = attend, or
-additive float), so packed rows with a shared prefix use the same code as plain padded rows.
+Rows [prompt; output] go through ``token_logprobs``: the caller supplies ``position_ids`` and either a 2-D
+padding mask ``[B, T]`` or a prepared 4-D mask ``[B, 1, T, T]`` (bool: True = attend, or additive float).
+BiCC's KV-reuse packing calls ``forward_logprobs`` on outputs behind cached context keys/values
+(``bicc.packing``); both go through the chunked head below.
 
 Memory: the output projection never materialises [B, T, V] logits. Inside ``head_targets`` the model's
 ``lm_head`` (class-swapped to ``LogprobHead``, same weight, same name) returns per-token log-probs and

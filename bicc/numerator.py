@@ -1,8 +1,9 @@
 """What the trainable numerator pi_theta(o_i | .) is evaluated on.
 
-Base variants use the plain prompt q. BiCC uses the conditioned prompt x^c, either one row per output
-or packed behind shared prefixes (``bicc.packing``). Old and reference log-probs never come from here:
-they stay on q. Both classes offer ``logprobs(model, rows, temperature, with_entropy)`` returning
+Base variants use the plain prompt q (``PlainNumerator``). BiCC uses the conditioned prompt x^c
+(``ConditionedNumerator``), either one row per output or packed behind shared prefixes (``bicc.packing``). The
+same classes also give the no-grad passes their rows (``bicc.plan``): pi_old and pi_ref on q through the plain
+rows, pi_old on x^c (``bicc.old_on_context``) and RCC's delta on x^c through the conditioned ones. Both offer ``logprobs(model, rows, temperature, with_entropy)`` returning
 [len(rows), L] log-probs (and entropies) aligned with the plain batch's completion grid, zero past each
 output; ``contexts_once(model, rows)``: a context manager inside which what rows share is computed once
 (BiCC's contexts under KV reuse; nothing for plain rows); ``tokens``: how many tokens one forward over all

@@ -127,3 +127,43 @@ def test_the_bicc_template_counts_toward_the_positions():
     _lengths(["bicc=off", "rollout.max_new_tokens=400", "eval.max_new_tokens=64"])
     with pytest.raises(ValueError, match=r"BiCC template \(\d+ = preamble \+ 7 attempt headers\)"):
         _lengths(["rollout.max_new_tokens=400", "bicc.max_tokens=100", "eval.max_new_tokens=64"])
+
+
+def _default_mismatches(schema, composed, path=""):
+    """(field, schema default, composed value) wherever a schema default disagrees with what the default composition
+    gives the field; fields the YAML leaves to the schema agree by construction. Values compared unresolved."""
+    from omegaconf import OmegaConf
+
+    out = []
+    for key in schema:
+        node = schema._get_node(key)
+        if node._is_missing() or key not in composed:  # required from the YAML, or left to the schema
+            continue
+        if OmegaConf.is_dict(node) and not node._is_none():
+            out += _default_mismatches(schema[key], composed[key], f"{path}{key}.")
+            continue
+        want, got = node._value(), composed._get_node(key)._value()
+        if OmegaConf.is_config(want) or OmegaConf.is_config(got):
+            want, got = OmegaConf.to_container(node), OmegaConf.to_container(composed._get_node(key))
+        if want != got:
+            out.append((f"{path}{key}", want, got))
+    return out
+
+
+def test_schema_defaults_equal_the_yaml_defaults():
+    """One default per field: every schema default equals what ``python train.py`` composes for it (train.yaml
+    and each group's default option), or the YAML does not set the field."""
+    from omegaconf import OmegaConf
+
+    from bicc import config as C
+
+    composed = compose_cfg([])
+    groups = {"algo": C.AlgoConfig, "bicc": C.BiccConfig, "rcc": C.RccConfig, "model": C.ModelConfig,
+              "data": C.DataConfig, "rollout": C.RolloutConfig, "eval": C.EvalConfig, "logger": C.LoggerConfig}
+    mismatches = _default_mismatches(OmegaConf.structured(C.RunConfig), composed)
+    for group, schema in groups.items():
+        mismatches += _default_mismatches(OmegaConf.structured(schema), composed[group], f"{group}.")
+    specific = {"sft.cache_dir",  # resolved from the environment or the working directory
+                "model.tiny",  # the default model option builds a tiny model; pretrained options leave it null
+                "eval.benchmarks", "eval.also_temperatures"}  # each eval option names its benchmarks (arith adds T = 1)
+    assert not [m for m in mismatches if m[0] not in specific], mismatches
