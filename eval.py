@@ -36,7 +36,8 @@ def score_main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from transformers.utils import logging as hf_logging
 
-    from bicc.config import register_configs, validate
+    from bicc.config import register_configs
+    from bicc.validation import validate
     from bicc.data import build_task
     from bicc.evaluation import evaluate, format_eval, markdown_table
     from bicc.models import end_token_ids, load_pretrained

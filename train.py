@@ -13,7 +13,8 @@ from hydra.core.hydra_config import HydraConfig
 from transformers.utils import logging as hf_logging
 
 from bicc import distributed
-from bicc.config import register_configs, validate
+from bicc.config import register_configs
+from bicc.validation import validate
 from bicc.loop import run
 
 register_configs()

@@ -53,7 +53,8 @@ def main() -> None:
 
     from bicc.advantages import ADVANTAGES
     from bicc.conditioning import build_contexts
-    from bicc.config import register_configs, validate
+    from bicc.config import register_configs
+    from bicc.validation import validate
     from bicc.data import build_task
     from bicc.diagnostics import gradient_variance, sequence_delta
     from bicc.logprobs import make_token_batch

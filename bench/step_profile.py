@@ -43,7 +43,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bicc.batching import trim_rows
-from bicc.config import TinyArchConfig, register_configs, validate
+from bicc.config import TinyArchConfig, register_configs
+from bicc.validation import validate
 from bicc.data import build_task
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.models import build_tiny, num_parameters

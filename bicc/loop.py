@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from bicc import distributed
 from bicc.checkpoint import (CorruptCheckpoint, incomplete_checkpoints, list_checkpoints, load_trainer_state,
                              save_checkpoint, set_rng_state, tmp_dir, verify_checkpoint)
-from bicc.config import validate_lengths
+from bicc.validation import validate_lengths
 from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
 from bicc.models import DTYPES, num_parameters, tokenizer_and_positions

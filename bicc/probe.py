@@ -172,7 +172,8 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     from bicc.advantages import ADVANTAGES
-    from bicc.config import register_configs, validate
+    from bicc.config import register_configs
+    from bicc.validation import validate
     from bicc.data import build_task
     from bicc.models import end_token_ids, load_policy
     from bicc.rollout import EngineOptions, build_engine

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from bicc.config import validate
+from bicc.validation import validate
 from tests.conftest import CONF, compose_cfg
 
 GROUPS = ["algo", "model", "data", "rollout", "eval", "logger"]
@@ -92,7 +92,7 @@ def test_algo_presets_match_their_papers():
 
 
 def _lengths(overrides):
-    from bicc.config import validate_lengths
+    from bicc.validation import validate_lengths
     from bicc.data import build_task
     from bicc.models import tokenizer_and_positions
 

@@ -4,7 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 from hydra import compose, initialize_config_dir
 
-from bicc.config import validate
+from bicc.validation import validate
 from tests.conftest import CONF, compose_cfg
 
 PAPER_MODELS = {"paper_qwen3_4b": "Qwen/Qwen3-4B-Instruct-2507", "paper_phi4_mini": "microsoft/Phi-4-mini-instruct"}

@@ -122,7 +122,7 @@ def test_mask_packing_refuses_flash(flash_model):
 def test_config_rejects_mask_packing_where_flash_runs(monkeypatch):
     """On a machine where flash-attn 2 would run, the config check stops mask packing before any load."""
     import bicc.models
-    from bicc.config import validate
+    from bicc.validation import validate
     from tests.conftest import compose_cfg
 
     monkeypatch.setattr(bicc.models, "resolve_attn_implementation", lambda name: name)

@@ -26,7 +26,7 @@ overwrites them anyway); the sync wakes the weights, loads the new ones, then wa
 Under torchrun every rank builds its own engine (tensor parallel size 1) with vLLM's
 ``external_launcher`` executor, which joins the trainer's process group and uses ``cuda:<LOCAL_RANK>``;
 vLLM's default uni-process executor would put every rank's engine on GPU 0. ``max_model_len`` is what the
-run needs (``bicc.config.validate_lengths``), not the model's (262,144 for Qwen3-4B-2507, whose KV for one
+run needs (``bicc.validation.validate_lengths``), not the model's (262,144 for Qwen3-4B-2507, whose KV for one
 request would not fit the engine's share of memory).
 """
 
