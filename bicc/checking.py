@@ -195,7 +195,8 @@ class VerifyPool:
         return False
 
     def close(self) -> None:
-        workers = [*self._workers, *self._ready, *((self._procs[c], c) for c, slot in self._warming.items() if slot is None)]
+        spares_warming = [(self._procs[c], c) for c, slot in self._warming.items() if slot is None]
+        workers = [*self._workers, *self._ready, *spares_warming]
         for proc, conn in workers:
             try:
                 conn.send(None)

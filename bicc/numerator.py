@@ -3,13 +3,14 @@
 Base variants use the plain prompt q (``PlainNumerator``). BiCC uses the conditioned prompt x^c
 (``ConditionedNumerator``), either one row per output or packed behind shared prefixes (``bicc.packing``). The
 same classes also give the no-grad passes their rows (``bicc.plan``): pi_old and pi_ref on q through the plain
-rows, pi_old on x^c (``bicc.old_on_context``) and RCC's delta on x^c through the conditioned ones. Both offer ``logprobs(model, rows, temperature, with_entropy)`` returning
-[len(rows), L] log-probs (and entropies) aligned with the plain batch's completion grid, zero past each
-output; ``contexts_once(model, rows)``: a context manager inside which what rows share is computed once
-(BiCC's contexts under KV reuse; nothing for plain rows); ``tokens``: how many tokens one forward over all
-rows processes; and ``lengths`` [N, 2]: the prompt (or context) and output tokens each row adds to its
-micro-batch, which length-aware micro-batches plan on (``bicc.batching``; 0 for a context that
-``contexts_once`` computes apart).
+rows, pi_old on x^c (``bicc.old_on_context``) and RCC's delta on x^c through the conditioned ones.
+
+Both offer ``logprobs(model, rows, temperature, with_entropy)`` returning [len(rows), L] log-probs (and
+entropies) aligned with the plain batch's completion grid, zero past each output; ``contexts_once(model,
+rows)``: a context manager inside which what rows share is computed once (BiCC's contexts under KV reuse;
+nothing for plain rows); ``tokens``: how many tokens one forward over all rows processes; and ``lengths``
+[N, 2]: the prompt (or context) and output tokens each row adds to its micro-batch, which length-aware
+micro-batches plan on (``bicc.batching``; 0 for a context that ``contexts_once`` computes apart).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class ConditionedNumerator:
         completion_tokens = sum(map(len, completion_ids))
         self.kv = self.packing and self.packing_impl == "kv"
         # KV reuse computes the contexts apart from the micro-batches (``contexts_once``): plan on outputs alone
-        self.lengths = torch.tensor([[0 if self.kv else len(p), len(c)] for p, c in zip(contexts.prompt_ids, completion_ids)])
+        self.lengths = torch.tensor([[0 if self.kv else len(p), len(c)]
+                                     for p, c in zip(contexts.prompt_ids, completion_ids)])
         self._shared = None  # (PrefixStates, {context key: its row there}) inside ``contexts_once``
         if self.packing:  # each distinct prefix once (ignoring splits of over-long packs)
             prefixes = {k: len(p) for k, p in zip(contexts.context_key, contexts.prompt_ids)}

@@ -36,7 +36,8 @@ def _rng(seed: int, stream: str, index: int) -> random.Random:
 
 @TASKS.register("arith")
 class ArithTask:
-    answer_anchors = answer_anchors(("boxed", "answer_number"))  # what exact_match_reward extracts (BiCC truncation keeps it)
+    # what exact_match_reward extracts, which BiCC truncation keeps
+    answer_anchors = answer_anchors(("boxed", "answer_number"))
 
     def __init__(self, data_cfg):
         self.cfg = data_cfg.arith
