@@ -37,11 +37,11 @@ def score_main() -> None:
     from transformers.utils import logging as hf_logging
 
     from bicc.config import register_configs
-    from bicc.validation import validate
     from bicc.data import build_task
     from bicc.evaluation import evaluate, format_eval, markdown_table
     from bicc.models import end_token_ids, load_pretrained
     from bicc.rollout import EngineOptions, build_engine, eval_engine_config
+    from bicc.validation import validate
 
     register_configs()
     hf_logging.disable_progress_bar()

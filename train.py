@@ -14,8 +14,8 @@ from transformers.utils import logging as hf_logging
 
 from bicc import distributed
 from bicc.config import register_configs
-from bicc.validation import validate
 from bicc.loop import run
+from bicc.validation import validate
 
 register_configs()
 hf_logging.disable_progress_bar()

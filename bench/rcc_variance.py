@@ -54,7 +54,6 @@ def main() -> None:
     from bicc.advantages import ADVANTAGES
     from bicc.conditioning import build_contexts
     from bicc.config import register_configs
-    from bicc.validation import validate
     from bicc.data import build_task
     from bicc.diagnostics import gradient_variance, sequence_delta
     from bicc.logprobs import make_token_batch
@@ -63,6 +62,7 @@ def main() -> None:
     from bicc.rollout import build_engine
     from bicc.sft import warm_start
     from bicc.trainer import RLState, collect_rollout, logprobs_no_grad, loss_of_rows_fn
+    from bicc.validation import validate
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

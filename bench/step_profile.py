@@ -44,7 +44,6 @@ from hydra import compose, initialize_config_dir
 
 from bicc.batching import trim_rows
 from bicc.config import TinyArchConfig, register_configs
-from bicc.validation import validate
 from bicc.data import build_task
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.models import build_tiny, num_parameters
@@ -54,6 +53,7 @@ from bicc.rollout.hf import HFEngine
 from bicc.sft import warm_start
 from bicc.step import build_rl_state, rl_step
 from bicc.trainer import collect_rollout, update_policy
+from bicc.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "labelled_completions.jsonl"

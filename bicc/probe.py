@@ -173,12 +173,12 @@ def main() -> None:
 
     from bicc.advantages import ADVANTAGES
     from bicc.config import register_configs
-    from bicc.validation import validate
     from bicc.data import build_task
     from bicc.models import end_token_ids, load_policy
     from bicc.rollout import EngineOptions, build_engine
     from bicc.sft import warm_start
     from bicc.trainer import RLState, collect_rollout
+    from bicc.validation import validate
 
     root = Path(__file__).resolve().parents[1]
     register_configs()
