@@ -106,8 +106,8 @@ def truncate(ids: list[int], keep: int, how: str, elision: list[int], ans_start:
         return elision + ids[len(ids) - (keep - len(elision)):] if keep > len(elision) else None
     tail = ids[ans_start:]
     head_len = keep - len(elision) - len(tail)
-    if head_len < 0:
-        return None  # the final answer alone does not fit: drop rather than lose it
+    if head_len < 0 or head_len + len(tail) == 0:
+        return None  # the final answer does not fit, or nothing but the marker would: drop rather than lose it
     return ids[:head_len] + elision + tail
 
 

@@ -3,32 +3,9 @@
 import pytest
 import torch
 
-from bicc.config import BiccConfig
 from bicc.conditioning import answer_start, build_contexts, fair_shares, partition, truncate
-from bicc.data import encode_prompt
 from bicc.rewards import extract_answer
-from bicc.tokenizer import build_char_tokenizer
-
-TOK = build_char_tokenizer()
-
-
-def BiccCfg(**overrides) -> BiccConfig:
-    """A BiCC config with short template pieces, easy to read back in assertions."""
-    fields = dict(enabled=True, max_tokens=64, min_attempt_tokens=12, preamble="\nOther attempts:",
-                  attempt_header="\n({i}) ", elision="...")
-    return BiccConfig(**{**fields, **overrides})
-
-
-def enc(text):
-    return TOK(text, add_special_tokens=False)["input_ids"]
-
-
-def group(texts, correct, prompt="Compute 1+2."):
-    completions = [enc(t) + [TOK.eos_token_id] for t in texts]
-    n = len(texts)
-    return dict(prompts=[prompt] * n, completion_ids=completions, correct=torch.tensor(correct, dtype=torch.float),
-                group_ids=torch.zeros(n, dtype=torch.long), tokenizer=TOK,
-                plain_prompt_ids=[encode_prompt(TOK, prompt)] * n)
+from tests.helpers import TOK, BiccCfg, enc, group
 
 
 def attempts_in(ids, cfg=None):
@@ -63,6 +40,16 @@ def test_truncate_middle_keeps_head_and_final_answer():
     assert TOK.decode(truncate(ids, 14, "tail", enc("..."), start, 12)) == "...\n\\boxed{41}"
     assert TOK.decode(truncate(ids, 14, "head", enc("..."), start, 12)) == "12+34=46\n46-5="
     assert truncate(ids, 100, "middle", enc("..."), start, 12) == ids
+
+
+def test_an_attempt_cut_to_its_elision_marker_alone_is_dropped():
+    """An answer-less attempt "W000W" with a 3-token share and a 3-token marker: middle truncation would show
+    "..." and nothing of the attempt (found by the fuzz test); it is dropped instead. One token more keeps
+    one token of it."""
+    ids = enc("W000W")
+    assert truncate(ids, 3, "middle", enc("..."), len(ids), min_tokens=1) is None
+    assert TOK.decode(truncate(ids, 4, "middle", enc("..."), len(ids), min_tokens=1)) == "W..."
+    assert truncate(ids, 3, "tail", enc("..."), len(ids), min_tokens=1) is None
 
 
 def test_partition_mode_contexts_budget_and_sampled_ids():
@@ -181,7 +168,7 @@ def test_a_group_with_one_side_dropped_falls_back_whole():
 
 
 def test_warm_up_conditions_a_growing_share_of_groups():
-    """bicc.warmup_steps = 4: at step 1, int(4 groups x 1/4) = 1 group keeps x^c, the others get q back (and keys
+    """bicc.experimental.warmup_steps = 4: at step 1, int(4 groups x 1/4) = 1 group keeps x^c, the others get q back (and keys
     of their own); at step 3, 3 groups; from step 4 on, all of them."""
     from bicc.conditioning import ConditionedPrompts, warm_up
 
