@@ -92,9 +92,9 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     from bicc.data import build_task, encode_prompt
     from bicc.logprobs import make_token_batch
     from bicc.models import num_parameters
-    from bicc.numerator import ConditionedNumerator, PlainNumerator
     from bicc.optim import build_optimizer, warmup_cosine
     from bicc.plan import StepPlan, step_logprobs
+    from bicc.rows import ContextRows, QueryRows
     from bicc.trainer import RLState, update_policy
 
     spec = dict(CONFIGS[config_name])
@@ -133,11 +133,11 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     adv = (correct - 0.5) * 2
 
     batch = make_token_batch(prompt_ids, completions, tok.pad_token_id).to(device)
-    plain = PlainNumerator(batch)
+    plain = QueryRows(batch)
     numerator = plain
     if cfg.bicc.enabled:
         contexts = build_contexts(prompts, completions, correct, group_ids, tok, cfg.bicc, cfg.bicc.max_tokens, prompt_ids)
-        numerator = ConditionedNumerator(contexts, completions, batch.completion_len, cfg.bicc, tok.pad_token_id, device)
+        numerator = ContextRows(contexts, completions, batch.completion_len, cfg.bicc, tok.pad_token_id, device)
 
     plan = StepPlan.from_config(cfg, False)
 

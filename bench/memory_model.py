@@ -112,7 +112,7 @@ def _activations(arch: Arch, run: Run) -> tuple[int, int, int, int]:
     context K/V, context tokens held per minibatch)."""
     b, hkv = run.compute_bytes, arch.kv_heads * arch.head_dim
     prefix = run.prompt_tokens + (int(run.context_ratio * run.output_tokens) if run.bicc else 0)
-    # KV-reuse packing: the contexts are computed apart, once per minibatch (bicc.numerator.contexts_once)
+    # KV-reuse packing: the contexts are computed apart, once per minibatch (bicc.rows.contexts_once)
     tokens = run.micro_batch * run.output_tokens if run.bicc else run.micro_batch * (run.output_tokens + run.prompt_tokens)
     kv = run.micro_batch * prefix * arch.layers * 2 * hkv * b if run.bicc else 0
     return tokens, tokens * _layer_bytes_per_token(arch, b), kv, (run.contexts * prefix if run.bicc else 0)

@@ -58,8 +58,8 @@ def main() -> None:
     from bicc.diagnostics import gradient_variance, sequence_delta
     from bicc.logprobs import make_token_batch
     from bicc.models import frozen_copy, load_pretrained
-    from bicc.numerator import ConditionedNumerator, PlainNumerator
     from bicc.rollout import build_engine
+    from bicc.rows import ContextRows, QueryRows
     from bicc.sft import warm_start
     from bicc.trainer import RLState, collect_rollout, logprobs_no_grad, loss_of_rows_fn
     from bicc.validation import validate
@@ -87,13 +87,13 @@ def main() -> None:
         state.data_pos = seed * cfg.rollout.prompts_per_step  # different queries per seed, same for every estimator
         ro = collect_rollout(state, cfg, seed)
         batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, tokenizer.pad_token_id).to(device)
-        plain = numerator = PlainNumerator(batch)
+        plain = numerator = QueryRows(batch)
         N = batch.input_ids.shape[0]
         if cfg.bicc.enabled:
             contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, tokenizer, cfg.bicc,
                                       cfg.bicc.max_tokens, ro.out.prompt_ids)
-            numerator = ConditionedNumerator(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
-                                             tokenizer.pad_token_id, device)
+            numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
+                                    tokenizer.pad_token_id, device)
         old = logprobs_no_grad(model, numerator if cfg.bicc.enabled and cfg.bicc.old_on_context else plain, N, mb, T)
         on_q = logprobs_no_grad(model, plain, N, mb, T)
         ref = logprobs_no_grad(ref_model, plain, N, mb, T)

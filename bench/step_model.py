@@ -32,8 +32,8 @@ from bench.step_profile import compose_cfg, drawn_lengths
 from bicc.config import TinyArchConfig
 from bicc.logprobs import make_token_batch
 from bicc.models import build_tiny, num_parameters
-from bicc.numerator import PlainNumerator
 from bicc.plan import StepPlan
+from bicc.rows import QueryRows
 
 SMALL = [dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
               head_dim=64),
@@ -63,7 +63,7 @@ def per_token_costs(model, tokenizer) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(4, len(tokenizer), (ROWS, TOKENS), generator=gen).tolist()
     batch = make_token_batch([r[:32] for r in ids], [r[32:] for r in ids], tokenizer.pad_token_id).to(device)
-    numerator, rows = PlainNumerator(batch), torch.arange(ROWS)
+    numerator, rows = QueryRows(batch), torch.arange(ROWS)
 
     def forward():
         with torch.no_grad():

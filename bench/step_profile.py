@@ -47,9 +47,9 @@ from bicc.config import TinyArchConfig, register_configs
 from bicc.data import build_task
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.models import build_tiny, num_parameters
-from bicc.numerator import PlainNumerator
 from bicc.plan import StepPlan, step_logprobs
 from bicc.rollout.hf import HFEngine
+from bicc.rows import QueryRows
 from bicc.sft import warm_start
 from bicc.step import build_rl_state, rl_step
 from bicc.trainer import collect_rollout, update_policy
@@ -156,7 +156,7 @@ class HalfCorrect:
         return [float(i % 2 == 0) for i in range(len(texts))]
 
 
-class PaddedNumerator(PlainNumerator):
+class PaddedNumerator(QueryRows):
     """The numerator before length-aware batching: every micro-batch is computed on the step's full width."""
 
     def logprobs(self, model, rows, temperature: float, with_entropy: bool = False):
@@ -183,7 +183,7 @@ def training_part(state, cfg, batch, adv, padded: bool, micro: int, seed: int):
     """The no-grad passes and the update on one rollout batch: before (padded) or now; returns seconds."""
     from bicc.trainer import micro_batches
 
-    numerator = PaddedNumerator(batch) if padded else PlainNumerator(batch)
+    numerator = PaddedNumerator(batch) if padded else QueryRows(batch)
     run_cfg = copy.deepcopy(cfg)
     run_cfg.train.micro_batch_size = micro if padded else cfg.train.micro_batch_size
     run_cfg.train.micro_batch_tokens = 0 if padded else cfg.train.micro_batch_tokens

@@ -143,7 +143,7 @@ class StepLogProbs:
 def step_logprobs(plan: StepPlan, model, ref_model, plain, numerator, sampled: Optional[torch.Tensor], cfg,
                   mask: torch.Tensor, d: Dist = Dist()) -> StepLogProbs:
     """The plan's no-grad passes. ``plain``/``numerator``: the rows on q and on the numerator's context
-    (``bicc.numerator``); ``sampled`` [N, L]: the engine's sampling log-probs on the grid (or None);
+    (``bicc.rows``); ``sampled`` [N, L]: the engine's sampling log-probs on the grid (or None);
     ``mask`` [N, L]: the completion mask."""
     T, n = cfg.rollout.temperature, mask.shape[0]
 

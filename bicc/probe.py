@@ -33,7 +33,7 @@ import torch
 from bicc.conditioning import ConditionedPrompts, build_contexts, render_context, template_prompt
 from bicc.logprobs import make_token_batch
 from bicc.losses import LOSSES, StepTotals
-from bicc.numerator import ConditionedNumerator, PlainNumerator
+from bicc.rows import ContextRows, QueryRows
 from bicc.trainer import logprobs_no_grad
 
 FORMS = ("g_q", "g_0", "g_1", "g_P", "g_perm", "g_tmpl")
@@ -125,9 +125,9 @@ def probe_batch(model, tokenizer, ro, cfg, task_anchors, end_ids, device, advant
                                  end_ids, task_anchors, ro.out.prompt_ids),
         "tmpl": template_contexts(ro.prompts, ro.group_ids, tokenizer, cfg.bicc),
     }
-    numerators = {name: ConditionedNumerator(c, ro.out.completion_ids, L, cfg.bicc, tokenizer.pad_token_id, device)
+    numerators = {name: ContextRows(c, ro.out.completion_ids, L, cfg.bicc, tokenizer.pad_token_id, device)
                   for name, c in contexts.items()}
-    plain = PlainNumerator(batch)
+    plain = QueryRows(batch)
     on_q = logprobs_no_grad(model, plain, N, mb, T)
     on = {name: logprobs_no_grad(model, numerators[name], N, mb, T) for name in ("real", "perm", "tmpl")}
     grads = {

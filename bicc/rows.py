@@ -1,9 +1,10 @@
-"""What the trainable numerator pi_theta(o_i | .) is evaluated on.
+"""The rows a log-prob pass is evaluated on: the plain prompt q (``QueryRows``) or the conditioned prompt x^c
+(``ContextRows``).
 
-Base variants use the plain prompt q (``PlainNumerator``). BiCC uses the conditioned prompt x^c
-(``ConditionedNumerator``), either one row per output or packed behind shared prefixes (``bicc.packing``). The
-same classes also give the no-grad passes their rows (``bicc.plan``): pi_old and pi_ref on q through the plain
-rows, pi_old on x^c (``bicc.old_on_context``) and RCC's delta on x^c through the conditioned ones.
+The trainable numerator pi_theta(o_i | .) of a base variant reads ``QueryRows``; BiCC's reads ``ContextRows``,
+either one row per output or packed behind shared prefixes (``bicc.packing``). The no-grad passes take their
+rows from the same two classes (``bicc.plan``): pi_old and pi_ref on q from ``QueryRows``, pi_old on x^c
+(``bicc.old_on_context``) and RCC's delta on x^c from ``ContextRows``.
 
 Both offer ``logprobs(model, rows, temperature, with_entropy)`` returning [len(rows), L] log-probs (and
 entropies) aligned with the plain batch's completion grid, zero past each output; ``contexts_once(model,
@@ -25,7 +26,7 @@ from bicc.logprobs import TokenBatch, batch_logprobs, make_token_batch
 from bicc.packing import completion_logprobs, encode_prefixes, pack, packed_logprobs
 
 
-class PlainNumerator:
+class QueryRows:
     def __init__(self, batch: TokenBatch):
         self.batch = batch
         out = batch.completion_mask.sum(-1)
@@ -47,7 +48,7 @@ def trimmed_logprobs(model, batch: TokenBatch, temperature: float, with_entropy:
     return to_grid(logp, part.completion_mask, length), to_grid(entropy, part.completion_mask, length)
 
 
-class ConditionedNumerator:
+class ContextRows:
     def __init__(self, contexts: ConditionedPrompts, completion_ids: list[list[int]], length: int, bicc_cfg,
                  pad_id: int, device: torch.device):
         self.contexts, self.completion_ids, self.length = contexts, completion_ids, length

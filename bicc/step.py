@@ -16,10 +16,10 @@ from bicc.data import build_task
 from bicc.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
 from bicc.logprobs import make_token_batch
 from bicc.models import DTYPES, compute_copy, end_token_ids, frozen_copy, load_policy
-from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.optim import build_optimizer, warmup_cosine
 from bicc.plan import StepPlan, step_logprobs
 from bicc.rollout import EngineOptions, build_engine
+from bicc.rows import ContextRows, QueryRows
 from bicc.trainer import (RLState, collect_rollout, loss_of_rows_fn, needs_reference, sampler_grid,
                           sampler_importance_weights, sampler_logprob_diff, update_policy)
 
@@ -87,17 +87,17 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
 
 def step_inputs(s: RLState, cfg, ro, device):
-    """The rollout as rows on q (``PlainNumerator``) and, under BiCC, on x^c (``ConditionedNumerator``):
+    """The rollout as rows on q (``QueryRows``) and, under BiCC, on x^c (``ContextRows``):
     (batch, plain, numerator, contexts or None, ``bicc/`` metrics)."""
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
-    plain = PlainNumerator(batch)
+    plain = QueryRows(batch)
     if not cfg.bicc.enabled:
         return batch, plain, plain, None, {}
     contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
                               cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
-    contexts = warm_up(contexts, ro.group_ids, ro.out.prompt_ids, s.step, cfg.bicc.warmup_steps)
-    numerator = ConditionedNumerator(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
-                                     s.tokenizer.pad_token_id, device)
+    contexts = warm_up(contexts, ro.group_ids, ro.out.prompt_ids, s.step, cfg.bicc.experimental.warmup_steps)
+    numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
+                            s.tokenizer.pad_token_id, device)
     return batch, plain, numerator, contexts, {**contexts.metrics,
                                                "bicc/extra_token_share": numerator.tokens / plain.tokens - 1}
 

@@ -84,8 +84,8 @@ def micro_batch_loss(model, numerator, rows, mask, old_logp, ref_logp, adv, cfg,
     logp, entropy = numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=with_entropy)
     old = logp.detach() if old_logp is None else old_logp[rows]
     raw = logp.detach()
-    if cfg.bicc.enabled and cfg.bicc.log_ratio_clip > 0:
-        logp = clip_log_ratio_value(logp, old, cfg.bicc.log_ratio_clip)
+    if cfg.bicc.enabled and cfg.bicc.experimental.log_ratio_clip > 0:
+        logp = clip_log_ratio_value(logp, old, cfg.bicc.experimental.log_ratio_clip)
     loss, metrics = LOSSES.get(cfg.algo.loss)(logp, old, None if ref_logp is None else ref_logp[rows], adv[rows], mask,
                                               cfg.algo, totals, is_weight=None if is_weight is None else is_weight[rows])
     return loss, metrics, raw, entropy, old

@@ -6,17 +6,14 @@ import pytest
 import torch
 
 from bicc.batching import padded_tokens, plan_micro_batches, trim_rows
-from bicc.config import TinyArchConfig
+from bicc.distributed import Dist
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.losses import LOSSES, StepTotals
 from bicc.models import build_tiny
-from bicc.numerator import PlainNumerator
+from bicc.rows import QueryRows
 from bicc.trainer import logprobs_no_grad, micro_batches
-from bicc.distributed import Dist
 from tests.conftest import compose_cfg
-
-ARCH = TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16)
+from tests.helpers import ARCH
 
 
 def test_plan_by_hand():
@@ -78,7 +75,7 @@ def test_gradient_equals_one_padded_forward(tokens):
     loss.backward()
 
     model, _ = build_tiny(ARCH, seed=0)
-    plain = PlainNumerator(batch)
+    plain = QueryRows(batch)
     plan = micro_batches(torch.arange(10), plain, cfg.train.micro_batch_size, tokens, model, Dist())
     assert sorted(torch.cat(plan).tolist()) == list(range(10)) and len(plan) > 1
     if tokens:
@@ -100,7 +97,7 @@ def test_conditioned_logprobs_do_not_depend_on_the_plan(impl):
     from omegaconf import OmegaConf
 
     from bicc.conditioning import ConditionedPrompts
-    from bicc.numerator import ConditionedNumerator
+    from bicc.rows import ContextRows
 
     gen = torch.Generator().manual_seed(5)
     contexts = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (12, 9, 7)]
@@ -108,7 +105,7 @@ def test_conditioned_logprobs_do_not_depend_on_the_plan(impl):
     outputs = [torch.randint(4, 90, (int(n),), generator=gen).tolist() for n in torch.randint(1, 12, (8,), generator=gen)]
     prompts = ConditionedPrompts([contexts[k] for k in rows], rows, torch.ones(8, dtype=torch.bool))
     bicc_cfg = OmegaConf.create({"packing": True, "max_packed_len": 256, "packing_impl": impl})
-    numerator = ConditionedNumerator(prompts, outputs, max(map(len, outputs)), bicc_cfg, 0, torch.device("cpu"))
+    numerator = ContextRows(prompts, outputs, max(map(len, outputs)), bicc_cfg, 0, torch.device("cpu"))
     model, _ = build_tiny(ARCH, seed=0)
     model.config._attn_implementation = "sdpa"
     whole = logprobs_no_grad(model, numerator, 8, 8, 1.0)
@@ -123,7 +120,7 @@ def kv_case(seed=5):
     from omegaconf import OmegaConf
 
     from bicc.conditioning import ConditionedPrompts
-    from bicc.numerator import ConditionedNumerator
+    from bicc.rows import ContextRows
 
     gen = torch.Generator().manual_seed(seed)
     contexts = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (12, 9, 7)]
@@ -131,7 +128,7 @@ def kv_case(seed=5):
     outputs = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (11, 2, 7, 3, 9, 1, 7, 3)]
     prompts = ConditionedPrompts([contexts[k] for k in keys], keys, torch.ones(8, dtype=torch.bool))
     bicc_cfg = OmegaConf.create({"packing": True, "max_packed_len": 256, "packing_impl": "kv"})
-    return ConditionedNumerator(prompts, outputs, 11, bicc_cfg, 0, torch.device("cpu")), contexts, outputs
+    return ContextRows(prompts, outputs, 11, bicc_cfg, 0, torch.device("cpu")), contexts, outputs
 
 
 def test_kv_contexts_are_computed_once_per_step():

@@ -70,6 +70,11 @@ def test_unknown_key_is_rejected_by_the_schema():
         ("algo.overlong_buffer_share=1.5", "algo.overlong_buffer_share"),
         ("algo.max_sampling_rounds=0", "algo.max_sampling_rounds"),
         ("rollout.tis_cap=-1", "rollout.tis_cap"),
+        ("bicc.mode=ring", "bicc.mode"),
+        ("bicc.experimental.warmup_steps=-1", "bicc.experimental.warmup_steps"),
+        ("dist.param_dtype=fp8", "dist.param_dtype"),
+        ("data.math.on_bad_row=ignore", "data.math.on_bad_row"),
+        ("logger.wandb_mode=cloud", "logger.wandb_mode"),
     ],
 )
 def test_validation_names_the_field(override, field):
@@ -92,9 +97,9 @@ def test_algo_presets_match_their_papers():
 
 
 def _lengths(overrides):
-    from bicc.validation import validate_lengths
     from bicc.data import build_task
     from bicc.models import tokenizer_and_positions
+    from bicc.validation import validate_lengths
 
     cfg = compose_cfg(["sft.cache_dir=/tmp/x", "model.tiny.max_position_embeddings=512", "rollout.max_new_tokens=64",
                        "bicc=stable", *overrides])
@@ -167,3 +172,35 @@ def test_schema_defaults_equal_the_yaml_defaults():
                 "model.tiny",  # the default model option builds a tiny model; pretrained options leave it null
                 "eval.benchmarks", "eval.also_temperatures"}  # each eval option names its benchmarks (arith adds T = 1)
     assert not [m for m in mismatches if m[0] not in specific], mismatches
+
+
+def test_closed_choices_come_from_literal_types_at_any_depth():
+    """``choice(Literal[...])`` fields are checked wherever the schema sits (nested, optional); an Optional
+    Literal also allows null; the error lists the Literal's values; unset optional sub-schemas are skipped."""
+    from dataclasses import dataclass, field
+    from typing import Literal, Optional
+
+    from bicc.config.fields import check_schema, choice, need
+
+    @dataclass
+    class Inner:
+        kind: str = choice(Literal["a", "b"], "a")
+        dtype: Optional[str] = choice(Optional[Literal["x"]], None)
+
+        @staticmethod
+        def check(c):
+            need(c.kind != "b" or c.dtype is not None, "outer.inner.kind", "'b' needs a dtype")
+
+    @dataclass
+    class Outer:
+        inner: Inner = field(default_factory=Inner)
+        spare: Optional[Inner] = None
+
+    check_schema(OmegaConf.structured(Outer), Outer)
+    check_schema(OmegaConf.structured(Outer(inner=Inner("b", "x"))), Outer)
+    with pytest.raises(ValueError, match=r"config field 'inner.kind': 'c' unknown; choose from: a, b$"):
+        check_schema(OmegaConf.structured(Outer(inner=Inner("c"))), Outer)
+    with pytest.raises(ValueError, match=r"'spare.dtype': 'y' unknown; choose from: x, null$"):
+        check_schema(OmegaConf.structured(Outer(spare=Inner("a", "y"))), Outer)
+    with pytest.raises(ValueError, match="'b' needs a dtype"):  # the schema's own check runs too
+        check_schema(OmegaConf.structured(Outer(inner=Inner("b"))), Outer)

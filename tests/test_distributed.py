@@ -11,16 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_train_smoke import ROOT
-
-# GRPO + BiCC + RCC; short sums and a warm start good enough that some groups hold both right and wrong
-# answers (else every advantage is 0 and any two runs agree trivially); two prompt shards, so one process
-# samples exactly what two processes sample.
-RUN = ["bicc=stable", "rcc=mean", "optim.lr=3e-4", "data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50",
-       "sft.steps=300", "sft.batch_size=16", "train.steps=2", "train.save_every=1", "train.keep_last=0",
-       "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=64", "rollout.shards=2",
-       "rcc.diag_every=0", "optim.warmup_steps=0", "eval.num_problems=4", "eval.samples_per_problem=1", "eval.greedy=false",
-       "eval.max_new_tokens=64", "logger.wandb_mode=disabled", "logger.progress=false", "threads=1", "sft.seed=0"]
+from tests.helpers import MIXED_RUN as RUN, ROOT
 
 
 def env(tmp_path):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bicc.packing import pack, packed_logprobs, prefix_cache_logprobs
-from tests.test_packing import _prefix_cache_case, tiny, unpacked
+from tests.helpers import prefix_cache_case, tiny, unpacked
 
 CALLS = {"varlen": 0, "dense": 0}
 
@@ -69,7 +69,7 @@ def flash_model(monkeypatch):
 def test_plain_rows_match_sdpa(flash_model):
     """The harness itself: padded rows (left-padded prompt, right-padded output) agree with SDPA."""
     flash, sdpa, tok = flash_model
-    prefixes, _, _, completions = _prefix_cache_case()
+    prefixes, _, _, completions = prefix_cache_case()
     with torch.no_grad():
         a, batch = unpacked(flash, tok, prefixes, completions)
         b, _ = unpacked(sdpa, tok, prefixes, completions)
@@ -80,7 +80,7 @@ def test_plain_rows_match_sdpa(flash_model):
 
 def test_prefix_cache_packing_matches_unpacked_sdpa(flash_model):
     flash, sdpa, tok = flash_model
-    prefixes, distinct, prefix_of, completions = _prefix_cache_case()
+    prefixes, distinct, prefix_of, completions = prefix_cache_case()
     a, _ = prefix_cache_logprobs(flash, distinct, prefix_of, completions, 9, tok.pad_token_id)
     b, batch = unpacked(sdpa, tok, prefixes, completions)
     m = batch.completion_mask.bool()
@@ -113,7 +113,7 @@ def test_prefix_cache_packing_without_padding(flash_model):
 
 def test_mask_packing_refuses_flash(flash_model):
     flash, _, tok = flash_model
-    prefixes, keys, completions = _prefix_cache_case()[0], [0, 1, 0, 1, 0], _prefix_cache_case()[3]
+    prefixes, keys, completions = prefix_cache_case()[0], [0, 1, 0, 1, 0], prefix_cache_case()[3]
     packed = pack(prefixes, keys, completions, max_len=1000, pad_id=tok.pad_token_id)
     with pytest.raises(ValueError, match="packing_impl=kv"):
         packed_logprobs(flash, packed, len(completions), 9)

@@ -11,7 +11,7 @@ from bicc.answers import canonical, extract
 from bicc.checking import MathChecker
 from bicc.conditioning import build_contexts
 from bicc.rewards import exact_match_reward
-from tests.test_conditioning import BiccCfg, enc, group
+from tests.helpers import BiccCfg, enc, group
 
 LATEX_BITS = st.sampled_from(["\\boxed{", "{", "}", "\\frac", "\\sqrt", "^", "_", "$", "\\left(", "\\right)", "1", "-",
                               "answer is", "####", "A:", "\\", "\n", "__import__", "e9", "9^{9^{9}}", ",", ".", " "])

@@ -12,7 +12,7 @@ from bicc.checkpoint import save_hf
 from bicc.config import ModelConfig, TinyArchConfig
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.models import build_tiny, load_pretrained, resolve_attn_implementation
-from tests.test_train_smoke import ROOT, SMALL
+from tests.helpers import ROOT, SMALL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -51,11 +51,11 @@ def test_flash_attention_prefix_cache_packing_matches_sdpa_rows():
     reference kernel on CPU)."""
     pytest.importorskip("flash_attn")
     from bicc.packing import prefix_cache_logprobs
-    from tests.test_packing import _prefix_cache_case
+    from tests.helpers import prefix_cache_case
 
     model, tokenizer = build_tiny(TinyArchConfig(), seed=0)
     model = model.to("cuda", torch.bfloat16).eval()
-    prefixes, distinct, prefix_of, completions = _prefix_cache_case()
+    prefixes, distinct, prefix_of, completions = prefix_cache_case()
     batch = make_token_batch(prefixes, completions, tokenizer.pad_token_id).to("cuda")
     with torch.no_grad():
         model.config._attn_implementation = "flash_attention_2"

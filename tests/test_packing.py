@@ -3,32 +3,8 @@
 import pytest
 import torch
 
-from bicc.config import TinyArchConfig
-from bicc.logprobs import make_token_batch, token_logprobs
-from bicc.models import build_tiny
 from bicc.packing import pack, packed_logprobs, plan_rows
-
-
-def tiny(attn="sdpa"):
-    model, tok = build_tiny(TinyArchConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16), seed=0)
-    model.config._attn_implementation = attn
-    return model, tok
-
-
-def case():
-    gen = torch.Generator().manual_seed(0)
-    rand = lambda n: torch.randint(4, 100, (n,), generator=gen).tolist()  # noqa: E731
-    prefix_a, prefix_b = rand(12), rand(7)
-    completions = [rand(5), rand(9), rand(1), rand(6), rand(4)]
-    prefixes = [prefix_a, prefix_b, prefix_a, prefix_b, prefix_a]
-    keys = [0, 1, 0, 1, 0]
-    return prefixes, keys, completions
-
-
-def unpacked(model, tok, prefixes, completions):
-    batch = make_token_batch(prefixes, completions, tok.pad_token_id)
-    return token_logprobs(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_len)[0], batch
+from tests.helpers import packing_case, prefix_cache_case, tiny, unpacked
 
 
 def assert_gradients_match(model, a, b, mask):
@@ -45,7 +21,7 @@ def assert_gradients_match(model, a, b, mask):
 @pytest.mark.parametrize("max_len", [1000, 20])
 def test_packed_equals_unpacked(attn, max_len):
     model, tok = tiny(attn)
-    prefixes, keys, completions = case()
+    prefixes, keys, completions = packing_case()
     packed = pack(prefixes, keys, completions, max_len=max_len, pad_id=tok.pad_token_id)
     assert packed.input_ids.shape[0] == (2 if max_len == 1000 else len(plan_rows(prefixes, keys, completions, 20)))
     with torch.no_grad():
@@ -58,7 +34,7 @@ def test_packed_equals_unpacked(attn, max_len):
 
 def test_packed_gradients_equal_unpacked():
     model, tok = tiny()
-    prefixes, keys, completions = case()
+    prefixes, keys, completions = packing_case()
     packed = pack(prefixes, keys, completions, max_len=1000, pad_id=tok.pad_token_id)
     a, _ = packed_logprobs(model, packed, 5, 9)
     b, batch = unpacked(model, tok, prefixes, completions)
@@ -66,7 +42,7 @@ def test_packed_gradients_equal_unpacked():
 
 
 def test_mask_isolates_outputs():
-    prefixes, keys, completions = case()
+    prefixes, keys, completions = packing_case()
     packed = pack(prefixes, keys, completions, max_len=1000, pad_id=0)
     # row of prefix A (12 tokens) holds samples 0, 2, 4 of lengths 5, 1, 4 at 12..16, 17, 18..21
     row = [r for r in range(2) if packed.input_ids[r, :12].tolist() == prefixes[0]][0]
@@ -83,18 +59,11 @@ def test_mask_isolates_outputs():
 
 def test_entropy_is_returned_where_asked():
     model, tok = tiny()
-    prefixes, keys, completions = case()
+    prefixes, keys, completions = packing_case()
     packed = pack(prefixes, keys, completions, max_len=1000, pad_id=tok.pad_token_id)
     with torch.no_grad():
         _, entropy = packed_logprobs(model, packed, 5, 9, with_entropy=True)
     assert entropy[0, :5].gt(0).all() and entropy[2, 1:].eq(0).all()
-
-
-def _prefix_cache_case():
-    prefixes, keys, completions = case()
-    distinct = {k: p for k, p in zip(keys, prefixes)}
-    order = sorted(distinct)
-    return prefixes, [distinct[k] for k in order], [order.index(k) for k in keys], completions
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -102,7 +71,7 @@ def test_prefix_cache_equals_unpacked(attn):
     from bicc.packing import prefix_cache_logprobs
 
     model, tok = tiny(attn)
-    prefixes, distinct, prefix_of, completions = _prefix_cache_case()
+    prefixes, distinct, prefix_of, completions = prefix_cache_case()
     with torch.no_grad():
         a, ent = prefix_cache_logprobs(model, distinct, prefix_of, completions, 9, tok.pad_token_id, with_entropy=True)
         b, batch = unpacked(model, tok, prefixes, completions)
@@ -115,7 +84,7 @@ def test_prefix_cache_gradients_equal_unpacked():
     from bicc.packing import prefix_cache_logprobs
 
     model, tok = tiny()
-    prefixes, distinct, prefix_of, completions = _prefix_cache_case()
+    prefixes, distinct, prefix_of, completions = prefix_cache_case()
     a, _ = prefix_cache_logprobs(model, distinct, prefix_of, completions, 9, tok.pad_token_id)
     b, batch = unpacked(model, tok, prefixes, completions)
     assert_gradients_match(model, a, b, batch.completion_mask)
@@ -131,7 +100,7 @@ def test_prefix_cache_under_activation_checkpointing_in_train_mode():
     reference, _ = tiny()
     model.gradient_checkpointing_enable()
     model.train(), reference.train()
-    prefixes, distinct, prefix_of, completions = _prefix_cache_case()
+    prefixes, distinct, prefix_of, completions = prefix_cache_case()
     a, _ = prefix_cache_logprobs(model, distinct, prefix_of, completions, 9, tok.pad_token_id)
     b, batch = unpacked(reference, tok, prefixes, completions)
     m = batch.completion_mask.bool()

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 
-from tests.test_train_smoke import ROOT  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
 
 ARITH = ["data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50", "model.tiny.max_position_embeddings=1024"]
 WARM = [*ARITH, "eval.num_problems=4", "stage=sft", "sft.steps=300", "sft.batch_size=16", "logger.wandb_mode=disabled", "logger.progress=false",

@@ -8,12 +8,12 @@ from bicc.config import TinyArchConfig
 from bicc.data import encode_prompt
 from bicc.logprobs import make_token_batch
 from bicc.models import build_tiny
-from bicc.numerator import PlainNumerator
 from bicc.plan import StepPlan
 from bicc.rollout import EngineOptions, SamplingParams, build_engine
+from bicc.rows import QueryRows
 from bicc.trainer import logprobs_no_grad, update_policy
 from tests.conftest import compose_cfg
-from tests.test_update import ARCH, rows, state_for
+from tests.helpers import ARCH, rows, state_for
 
 
 def passes(overrides, sampler=False, diagnostics=False):
@@ -59,9 +59,9 @@ def test_pi_old_from_the_update_forward_gives_the_same_update():
     batch = make_token_batch(prompts, completions, 0)
     adv = torch.linspace(-1.5, 1.5, 12)
     a, b = build_tiny(ARCH, seed=0)[0], build_tiny(ARCH, seed=0)[0]
-    old = logprobs_no_grad(a, PlainNumerator(batch), 12, 5, 1.0)
-    metrics_a, _ = update_policy(state_for(a), batch, PlainNumerator(batch), old, None, adv, cfg, step_seed=1)
-    metrics_b, _ = update_policy(state_for(b), batch, PlainNumerator(batch), None, None, adv, cfg, step_seed=1)
+    old = logprobs_no_grad(a, QueryRows(batch), 12, 5, 1.0)
+    metrics_a, _ = update_policy(state_for(a), batch, QueryRows(batch), old, None, adv, cfg, step_seed=1)
+    metrics_b, _ = update_policy(state_for(b), batch, QueryRows(batch), None, None, adv, cfg, step_seed=1)
     moved = max((p - q).abs().max().item() for p, q in zip(build_tiny(ARCH, seed=0)[0].parameters(), a.parameters()))
     assert moved > 1e-3
     for p, q in zip(a.parameters(), b.parameters()):
@@ -86,7 +86,7 @@ def test_hf_sampling_logprobs_equal_the_trainers(temperature):
     assert [len(lp) for lp in out.logprobs] == [len(c) for c in out.completion_ids]
     assert len({len(c) for c in out.completion_ids}) > 1  # ragged: the grid alignment is exercised
     batch = make_token_batch(out.prompt_ids, out.completion_ids, tok.pad_token_id)
-    trainer = logprobs_no_grad(model, PlainNumerator(batch), 6, 6, temperature)
+    trainer = logprobs_no_grad(model, QueryRows(batch), 6, 6, temperature)
     for i, lp in enumerate(out.logprobs):
         torch.testing.assert_close(torch.tensor(lp), trainer[i, : len(lp)], atol=1e-5, rtol=0)
     greedy = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=4, seed=0))

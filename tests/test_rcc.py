@@ -9,12 +9,11 @@ from bicc.config import TinyArchConfig
 from bicc.diagnostics import GradientMoments, delta_by_reward, gradient_variance, sequence_delta
 from bicc.logprobs import make_token_batch
 from bicc.models import build_tiny
-from bicc.numerator import ConditionedNumerator, PlainNumerator
 from bicc.plan import StepPlan, step_logprobs
+from bicc.rows import ContextRows, QueryRows
 from bicc.trainer import logprobs_no_grad
 from tests.conftest import compose_cfg
-from tests.test_conditioning import BiccCfg
-from tests.test_numerator import setup
+from tests.helpers import BiccCfg, rows_setup
 
 
 class Cfg:
@@ -86,7 +85,7 @@ def test_sequence_delta_sum_and_mean():
 
 
 def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
-    policy, tok, prompts, completions, batch = setup()
+    policy, tok, prompts, completions, batch = rows_setup()
     # a reference that differs from the policy: same architecture, other init
     ref, _ = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=1)
@@ -95,9 +94,9 @@ def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
     texts = ["Compute 1+1."] * 2 + ["Compute 22+1."] * 2
     ctx = build_contexts(texts, completions, correct, torch.tensor([0, 0, 1, 1]), tok, BiccCfg(min_attempt_tokens=4),
                          64, prompts)
-    numerator = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(min_attempt_tokens=4),
-                                     tok.pad_token_id, "cpu")
-    plain = PlainNumerator(batch)
+    numerator = ContextRows(ctx, completions, batch.completion_len, BiccCfg(min_attempt_tokens=4),
+                            tok.pad_token_id, "cpu")
+    plain = QueryRows(batch)
     cfg = compose_cfg(["bicc=on", "rcc=on", "train.micro_batch_size=2"])  # the paper: delta on x^c
     lp = step_logprobs(StepPlan.from_config(cfg, False), policy, ref, plain, numerator, None, cfg, batch.completion_mask)
     delta = sequence_delta(lp.delta, lp.ref, batch.completion_mask)
@@ -105,8 +104,8 @@ def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
     for i, completion in enumerate(completions):
         cond = make_token_batch([ctx.prompt_ids[i]], [completion], tok.pad_token_id)
         on_q = make_token_batch([prompts[i]], [completion], tok.pad_token_id)
-        a = logprobs_no_grad(policy, PlainNumerator(cond), 1, 1, 1.0).sum()
-        b = logprobs_no_grad(ref, PlainNumerator(on_q), 1, 1, 1.0).sum()
+        a = logprobs_no_grad(policy, QueryRows(cond), 1, 1, 1.0).sum()
+        b = logprobs_no_grad(ref, QueryRows(on_q), 1, 1, 1.0).sum()
         assert delta[i].item() == pytest.approx((a - b).item(), abs=1e-4)
     # the plain numerator gives delta on q instead, which differs
     cfg.rcc.delta_context = "q"

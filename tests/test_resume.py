@@ -6,14 +6,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from bicc.checkpoint import CorruptCheckpoint, save_checkpoint, verify_checkpoint
-from tests.test_train_smoke import ROOT, SMALL
+from tests.helpers import ROOT, SMALL, logged_steps
 
 # GRPO + BiCC + RCC (the defaults) with every diagnostic on, a checkpoint every 2 steps
 RUN = [*[a for a in SMALL if not a.startswith("train.steps")], "train.steps=8", "train.save_every=2",
@@ -29,14 +28,6 @@ def train(args, tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
-
-
-def logged_steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip().endswith("}")]
-    return max(steps, default=0)
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
@@ -119,7 +110,7 @@ def test_no_pickle_outside_weights_only_loads():
 def test_resume_restores_the_global_rng(tmp_path):
     """Attention dropout draws from the global RNG in every training forward: a resume that skipped restoring
     the RNG state would train on other dropout masks and end elsewhere."""
-    from tests.test_distributed import RUN as MIXED  # a warm start whose groups hold right and wrong answers
+    from tests.helpers import MIXED_RUN as MIXED  # a warm start whose groups hold right and wrong answers
 
     args = [*[a for a in MIXED if not a.startswith(("train.", "rollout.shards"))], "train.steps=2", "train.save_every=1",
             "train.keep_last=0", "model.tiny.attention_dropout=0.3"]

@@ -23,7 +23,7 @@ from bicc.logprobs import batch_logprobs, make_token_batch  # noqa: E402
 from bicc.models import build_tiny, load_pretrained  # noqa: E402
 from bicc.rollout import SamplingParams, build_engine  # noqa: E402
 from bicc.rollout.vllm import named_parameters_full  # noqa: E402
-from tests.test_train_smoke import ROOT, SMALL  # noqa: E402
+from tests.helpers import ROOT, SMALL  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 VLLM_CFG = ["rollout=vllm", "rollout.gpu_memory_utilization=0.1", "rollout.enforce_eager=true"]
@@ -117,7 +117,7 @@ def test_many_seeded_requests_are_reproducible(engines):
 def test_sigkill_then_resume_with_vllm_rollouts(tmp_path):
     """A run with vLLM rollouts killed after its step-2 checkpoint resumes (a fresh engine built from the
     checkpoint's weights) to the uninterrupted run's weights, step for step."""
-    from tests.test_resume import logged_steps
+    from tests.helpers import logged_steps
 
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}

@@ -1,40 +1,26 @@
-"""BiCC's conditioned numerator: with an empty context it is exactly the base variant's numerator."""
+"""BiCC's conditioned rows (ContextRows): with an empty context they give exactly the base variant's numerator."""
 
 import pytest
 import torch
 
 from bicc.conditioning import ConditionedPrompts, build_contexts
-from bicc.config import TinyArchConfig
-from bicc.data import encode_prompt
-from bicc.logprobs import make_token_batch
 from bicc.losses import LOSSES, StepTotals
-from bicc.models import build_tiny
-from bicc.numerator import ConditionedNumerator, PlainNumerator
-from tests.losses.test_variants import LOSS_OF, VARIANTS
-from tests.test_conditioning import BiccCfg
-
-
-def setup():
-    model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=0)
-    prompts = [encode_prompt(tok, f"Compute {i}+1.") for i in (1, 1, 22, 22)]
-    gen = torch.Generator().manual_seed(0)
-    completions = [torch.randint(4, 100, (n,), generator=gen).tolist() + [tok.eos_token_id] for n in (3, 6, 2, 5)]
-    batch = make_token_batch(prompts, completions, tok.pad_token_id)
-    return model.eval(), tok, prompts, completions, batch
+from bicc.rows import ContextRows, QueryRows
+from tests.losses.helpers import LOSS_OF, VARIANTS
+from tests.helpers import BiccCfg, rows_setup
 
 
 @pytest.mark.parametrize("packing", [(True, "kv"), (True, "mask"), (False, "kv")])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_empty_context_reduces_to_base_variant(packing, variant):
-    model, tok, prompts, completions, batch = setup()
+    model, tok, prompts, completions, batch = rows_setup()
     empty = ConditionedPrompts([list(p) for p in prompts], list(range(4)), torch.zeros(4, dtype=torch.bool))
-    conditioned = ConditionedNumerator(empty, completions, batch.completion_len,
-                                       BiccCfg(packing=packing[0], packing_impl=packing[1]), tok.pad_token_id,
-                                       torch.device("cpu"))
+    conditioned = ContextRows(empty, completions, batch.completion_len,
+                              BiccCfg(packing=packing[0], packing_impl=packing[1]), tok.pad_token_id,
+                              torch.device("cpu"))
     rows = torch.arange(4)
     a, _ = conditioned.logprobs(model, rows, 1.0)
-    b, _ = PlainNumerator(batch).logprobs(model, rows, 1.0)
+    b, _ = QueryRows(batch).logprobs(model, rows, 1.0)
     m = batch.completion_mask.bool()
     torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
     old = b.detach() + 0.05 * torch.randn(b.shape, generator=torch.Generator().manual_seed(3))
@@ -47,33 +33,33 @@ def test_empty_context_reduces_to_base_variant(packing, variant):
 
 @pytest.mark.parametrize("impl", ["kv", "mask"])
 def test_packed_and_unpacked_conditioned_numerators_agree(impl):
-    model, tok, prompts, completions, batch = setup()
+    model, tok, prompts, completions, batch = rows_setup()
     correct = torch.tensor([1.0, 0.0, 1.0, 0.0])
     group_ids = torch.tensor([0, 0, 1, 1])
     texts = ["Compute 1+1."] * 2 + ["Compute 22+1."] * 2
     ctx = build_contexts(texts, completions, correct, group_ids, tok, BiccCfg(min_attempt_tokens=4), 64, prompts)
     assert ctx.conditioned.all()
     rows = torch.arange(4)
-    packed = ConditionedNumerator(ctx, completions, batch.completion_len,
-                                  BiccCfg(packing=True, packing_impl=impl, min_attempt_tokens=4), tok.pad_token_id, "cpu")
-    single = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=False, min_attempt_tokens=4), tok.pad_token_id, "cpu")
+    packed = ContextRows(ctx, completions, batch.completion_len,
+                         BiccCfg(packing=True, packing_impl=impl, min_attempt_tokens=4), tok.pad_token_id, "cpu")
+    single = ContextRows(ctx, completions, batch.completion_len, BiccCfg(packing=False, min_attempt_tokens=4), tok.pad_token_id, "cpu")
     a, _ = packed.logprobs(model, rows, 1.0)
     b, _ = single.logprobs(model, rows, 1.0)
     m = batch.completion_mask.bool()
     torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
-    plain, _ = PlainNumerator(batch).logprobs(model, rows, 1.0)
+    plain, _ = QueryRows(batch).logprobs(model, rows, 1.0)
     assert (a[m] - plain[m]).abs().max() > 1e-3  # the context really changes the numerator
 
 
 def test_mixed_shared_and_single_prefixes_keep_row_order():
-    model, tok, prompts, completions, batch = setup()
+    model, tok, prompts, completions, batch = rows_setup()
     # rows 0 and 2 share a (made-up) prefix, rows 1 and 3 stand alone
     shared_prefix = prompts[0] + [50, 51, 52]
     ctx = ConditionedPrompts([shared_prefix, prompts[1], shared_prefix, prompts[3]], [7, 1, 7, 3],
                              torch.ones(4, dtype=torch.bool))
     rows = torch.tensor([3, 0, 1, 2])  # any order
-    packed = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=True), tok.pad_token_id, "cpu")
-    single = ConditionedNumerator(ctx, completions, batch.completion_len, BiccCfg(packing=False), tok.pad_token_id, "cpu")
+    packed = ContextRows(ctx, completions, batch.completion_len, BiccCfg(packing=True), tok.pad_token_id, "cpu")
+    single = ContextRows(ctx, completions, batch.completion_len, BiccCfg(packing=False), tok.pad_token_id, "cpu")
     a, ea = packed.logprobs(model, rows, 1.0, with_entropy=True)
     b, eb = single.logprobs(model, rows, 1.0, with_entropy=True)
     m = batch.completion_mask[rows].bool()

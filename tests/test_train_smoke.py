@@ -4,23 +4,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["bicc=stable", "rcc=mean", "sft.steps=5", "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
-         "rollout.max_new_tokens=16", "eval.num_problems=8", "eval.samples_per_problem=2", "eval.max_new_tokens=16",
-         "logger.wandb_mode=disabled", "logger.progress=false"]
-
-
-def run_train(args, tmp_path, check=True):
-    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+from tests.helpers import ROOT, SMALL, run_train
 
 
 def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):

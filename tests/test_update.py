@@ -10,32 +10,15 @@ import torch
 from omegaconf import OmegaConf
 
 from bicc.conditioning import ConditionedPrompts
-from bicc.config import TinyArchConfig
 from bicc.logprobs import make_token_batch
 from bicc.losses import LOSSES, StepTotals
 from bicc.models import build_tiny
-from bicc.numerator import ConditionedNumerator, PlainNumerator
-from bicc.optim import build_optimizer, warmup_cosine
+from bicc.optim import build_optimizer
 from bicc.plan import StepPlan, step_logprobs
-from bicc.trainer import RLState, logprobs_no_grad, update_policy
+from bicc.rows import ContextRows, QueryRows
+from bicc.trainer import logprobs_no_grad, update_policy
 from tests.conftest import compose_cfg
-
-ARCH = TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16)
-
-
-def rows(n=12, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(4, 90, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(n)]
-    completions = [torch.randint(4, 90, (int(torch.randint(1, 10, (1,), generator=gen)),), generator=gen).tolist()
-                   for _ in range(n)]
-    return prompts, completions
-
-
-def state_for(model, lr=1e-2):
-    optimizer = build_optimizer(model, lr, (0.9, 0.999), 0.0)
-    return RLState(model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 0, 100, 1.0))
+from tests.helpers import ARCH, rows, state_for
 
 
 def hand_loop(model, batch, old_logp, adv, cfg, step_seed):
@@ -46,7 +29,7 @@ def hand_loop(model, batch, old_logp, adv, cfg, step_seed):
         order = torch.randperm(n, generator=gen)
         for mb in order.tensor_split(cfg.train.minibatches_per_rollout):
             optimizer.zero_grad()
-            logp, _ = PlainNumerator(batch).logprobs(model, mb, 1.0)
+            logp, _ = QueryRows(batch).logprobs(model, mb, 1.0)
             totals = StepTotals.of(batch.completion_mask[mb], cfg.rollout.max_new_tokens)
             loss, _ = LOSSES.get(cfg.algo.loss)(logp, old_logp[mb], None, adv[mb], batch.completion_mask[mb], cfg.algo,
                                                 totals)
@@ -68,10 +51,10 @@ def test_update_equals_hand_sequenced_loop(algo, micro):
     prompts, completions = rows()
     batch = make_token_batch(prompts, completions, 0)
     model, reference = build_tiny(ARCH, seed=0)[0].double(), build_tiny(ARCH, seed=0)[0].double()
-    old_logp = logprobs_no_grad(model, PlainNumerator(batch), 12, 12, 1.0)
+    old_logp = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
     adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
     s = state_for(model)
-    update_policy(s, batch, PlainNumerator(batch), old_logp, None, adv, cfg, step_seed=7)
+    update_policy(s, batch, QueryRows(batch), old_logp, None, adv, cfg, step_seed=7)
     hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
     moved = max((p - q).abs().max().item() for p, q in zip(build_tiny(ARCH, seed=0)[0].double().parameters(),
                                                             model.parameters()))
@@ -85,10 +68,10 @@ def bicc_setup(form):
     prompts, completions = rows(4)
     batch = make_token_batch(prompts, completions, 0)
     contexts = ConditionedPrompts([p + [50, 51, 52] for p in prompts], [10, 10, 11, 11], torch.ones(4, dtype=torch.bool))
-    numerator = ConditionedNumerator(contexts, completions, batch.completion_len,
-                                     OmegaConf.create({"packing": True, "max_packed_len": 64, "packing_impl": "kv"}), 0,
-                                     torch.device("cpu"))
-    return cfg, batch, PlainNumerator(batch), numerator
+    numerator = ContextRows(contexts, completions, batch.completion_len,
+                            OmegaConf.create({"packing": True, "max_packed_len": 64, "packing_impl": "kv"}), 0,
+                            torch.device("cpu"))
+    return cfg, batch, QueryRows(batch), numerator
 
 
 @pytest.mark.parametrize("form", ["stable", "on"])

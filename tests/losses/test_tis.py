@@ -7,8 +7,7 @@ import torch
 
 from bicc.losses import LOSSES, StepTotals
 from bicc.trainer import sampler_importance_weights
-from tests.losses.helpers import random_case
-from tests.losses.test_variants import LOSS_OF, VARIANTS
+from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
 
 
 def test_weights_hand_computed():
@@ -97,15 +96,15 @@ def test_gmpo_weights_each_tokens_share_of_the_sequence_term():
 def test_update_policy_applies_the_weights():
     """Two fresh, identical states: the same step with weights 2 everywhere has twice the loss (the ratio is 1
     on the first pass), and weights 0 on a row leave its advantage without effect."""
-    from bicc.numerator import PlainNumerator
+    from bicc.rows import QueryRows
     from bicc.trainer import logprobs_no_grad, update_policy
-    from tests.test_numeric_guard import setup
+    from tests.helpers import guard_setup
 
     adv = torch.tensor([1.0, -0.5, -0.25, 0.5])
     losses, params = {}, {}
     for name, weight in (("none", None), ("two", torch.full((4, 6), 2.0)), ("row0_off", torch.ones(4, 6))):
-        state, batch, cfg = setup()
-        plain = PlainNumerator(batch)
+        state, batch, cfg = guard_setup()
+        plain = QueryRows(batch)
         old = logprobs_no_grad(state.model, plain, 4, 4, 1.0)
         a = adv.clone()
         if name == "row0_off":
@@ -114,8 +113,8 @@ def test_update_policy_applies_the_weights():
         losses[name] = metrics["train/loss"]
         params[name] = {k: v.detach().clone() for k, v in state.model.state_dict().items()}
     assert losses["two"] == pytest.approx(2 * losses["none"], rel=1e-6) and losses["none"] != 0
-    state, batch, cfg = setup()  # row 0's advantage zeroed instead of its weight: the same update
-    plain = PlainNumerator(batch)
+    state, batch, cfg = guard_setup()  # row 0's advantage zeroed instead of its weight: the same update
+    plain = QueryRows(batch)
     old = logprobs_no_grad(state.model, plain, 4, 4, 1.0)
     update_policy(state, batch, plain, old, None, torch.tensor([0.0, -0.5, -0.25, 0.5]), cfg, 0)
     for k, v in state.model.state_dict().items():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bicc.losses import AGGREGATIONS, LOSSES, StepTotals
-from tests.losses.helpers import cfg, random_case
+from tests.losses.helpers import LOSS_OF, VARIANTS, cfg, random_case
 
 E = math.exp
 
@@ -128,17 +128,6 @@ def test_aspo_flipped_weights_and_soft_dual_clip():
     expected = torch.tensor([[0, -1 / 5, -E(0.3) / 5], [3 / 5, 0, 0]], dtype=torch.float64)
     torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
     assert metrics["train/dual_clip_frac"] == pytest.approx(1 / 5)
-
-
-VARIANTS = {
-    "grpo": cfg(),
-    "dr_grpo": cfg(loss_agg="seq-mean-token-sum-norm", kl_coef=0.01),
-    "dapo": cfg(clip_eps_high=0.28, loss_agg="token-mean"),
-    "gspo": cfg(clip_eps_low=3e-4, clip_eps_high=4e-4),
-    "gmpo": cfg(clip_eps_low=0.4, clip_eps_high=0.4),
-    "aspo": cfg(clip_eps_high=0.28, loss_agg="token-mean", dual_clip_c=3.0),
-}
-LOSS_OF = {"grpo": "grpo", "dr_grpo": "grpo", "dapo": "grpo", "gspo": "gspo", "gmpo": "gmpo", "aspo": "aspo"}
 
 
 def test_aspo_gradient_matches_closed_form():

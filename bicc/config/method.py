@@ -1,0 +1,113 @@
+"""Schemas of the method's groups: the variant (conf/algo), BiCC (conf/bicc) and RCC (conf/rcc), each with
+the range checks of its own fields. Names checked against the registries (losses, advantages) and checks
+across groups are in ``bicc.validation``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from omegaconf import MISSING
+
+from bicc.config.fields import choice, need
+
+
+@dataclass
+class AlgoConfig:
+    """Policy loss and advantage estimator (conf/algo)."""
+
+    name: str = MISSING
+    loss: str = MISSING
+    advantage: str = MISSING
+    loss_agg: str = MISSING
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: float = 0.0
+    ratio_denominator: str = choice(Literal["old", "ref"], "old")
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    adv_eps: float = 1e-6
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    overlong_buffer_share: float = 0.0
+    overlong_penalty: float = 1.0
+
+    @staticmethod
+    def check(a) -> None:
+        need(0 < a.clip_eps_low < 1, "algo.clip_eps_low", f"must be in (0, 1) (ratio floor 1-eps), got {a.clip_eps_low}")
+        need(a.clip_eps_high > 0, "algo.clip_eps_high", f"must be > 0, got {a.clip_eps_high}")
+        need(a.dual_clip_c == 0 or a.dual_clip_c > 1, "algo.dual_clip_c", f"must be 0 (off) or > 1, got {a.dual_clip_c}")
+        need(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
+        need(a.max_sampling_rounds >= 1, "algo.max_sampling_rounds", f"must be >= 1, got {a.max_sampling_rounds}")
+        need(0 <= a.overlong_buffer_share < 1, "algo.overlong_buffer_share",
+             f"must be in [0, 1) (a share of rollout.max_new_tokens), got {a.overlong_buffer_share}")
+        need(a.overlong_penalty >= 0, "algo.overlong_penalty", f"must be >= 0, got {a.overlong_penalty}")
+        need(a.adv_eps >= 0, "algo.adv_eps", f"must be >= 0, got {a.adv_eps}")
+
+
+def overlong_buffer_tokens(algo_cfg, max_new_tokens: int) -> int:
+    """DAPO's L_cache in tokens: ``algo.overlong_buffer_share`` of the response length limit."""
+    return round(algo_cfg.overlong_buffer_share * max_new_tokens)
+
+
+@dataclass
+class BiccExperimentalConfig:
+    """Stabilisers tried on the embedded task that did not help (README, "BiCC: the paper's form and the
+    stabilised form"); kept to reproduce those rows. Off by default and in every preset."""
+
+    log_ratio_clip: float = 0.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class BiccConfig:
+    """Bilateral Context Conditioning (conf/bicc): what the trainable numerator is conditioned on."""
+
+    enabled: bool = MISSING
+    mode: str = choice(Literal["partition", "paired"], "partition")
+    paired_k: int = 1
+    context_ratio: float = 0.4
+    max_tokens: int = MISSING
+    truncate: str = choice(Literal["middle", "head", "tail"], "middle")
+    min_attempt_tokens: int = 12
+    reward_threshold: Optional[float] = None
+    preamble: str = "\n\nOther attempts at this problem:"
+    attempt_header: str = "\nAttempt {i}:\n"
+    elision: str = " ... "
+    packing: bool = True
+    packing_impl: str = choice(Literal["kv", "mask"], "kv")
+    max_packed_len: int = 4096
+    old_on_context: bool = False
+    lr_scale: float = 1.0
+    experimental: BiccExperimentalConfig = field(default_factory=BiccExperimentalConfig)
+
+    @staticmethod
+    def check(b) -> None:
+        need(0 < b.context_ratio < 1, "bicc.context_ratio", f"must be in (0, 1), got {b.context_ratio}")
+        need(b.paired_k >= 1, "bicc.paired_k", f"must be >= 1, got {b.paired_k}")
+        need(b.min_attempt_tokens >= 1, "bicc.min_attempt_tokens", f"must be >= 1, got {b.min_attempt_tokens}")
+        need(b.max_tokens >= 1, "bicc.max_tokens", f"must be >= 1, got {b.max_tokens}")
+        need(0 < b.lr_scale <= 10, "bicc.lr_scale", f"must be in (0, 10], got {b.lr_scale}")
+        need("{i}" in b.attempt_header, "bicc.attempt_header",
+             f"must contain '{{i}}' (the attempt number), got {b.attempt_header!r}")
+        x = b.experimental
+        need(x.log_ratio_clip >= 0, "bicc.experimental.log_ratio_clip", f"must be >= 0 (0 = off), got {x.log_ratio_clip}")
+        need(x.warmup_steps >= 0, "bicc.experimental.warmup_steps", f"must be >= 0 (0 = off), got {x.warmup_steps}")
+
+
+@dataclass
+class RccConfig:
+    """Reward-confidence correction (conf/rcc) and the paper's diagnostics (conf/rcc: diag_*)."""
+
+    enabled: bool = MISSING
+    delta: str = choice(Literal["sum", "mean"], "mean")
+    delta_context: str = choice(Literal["xc", "q"], "xc")
+    diag_every: int = 0
+    diag_splits: int = 4
+    stage_steps: int = 100
+
+    @staticmethod
+    def check(rc) -> None:
+        need(rc.diag_every >= 0, "rcc.diag_every", f"must be >= 0 (0 = off), got {rc.diag_every}")
+        need(rc.diag_splits >= 2, "rcc.diag_splits", f"must be >= 2 (a variance needs 2+ estimates), got {rc.diag_splits}")
+        need(rc.stage_steps >= 1, "rcc.stage_steps", f"must be >= 1, got {rc.stage_steps}")

@@ -1,0 +1,204 @@
+"""Schemas of the run's other groups: model, data, rollout, optimizer, RL and SFT stages, distribution, each
+with the range checks of its own fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
+
+from omegaconf import MISSING
+
+from bicc.config.fields import Dtype, OnBadRow, choice, need
+
+
+@dataclass
+class TinyArchConfig:
+    """Architecture of a model built from a config (random init), used by ``model=tiny``."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 3
+    intermediate_size: int = 256
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = True
+    attention_dropout: float = 0.0
+
+
+@dataclass
+class ModelConfig:
+    """Policy model (conf/model). ``path`` is an HF id or a local dir; ``tiny`` builds one instead."""
+
+    name: str = MISSING
+    path: Optional[str] = None
+    tiny: Optional[TinyArchConfig] = None
+    attn_implementation: str = "sdpa"
+    dtype: str = choice(Dtype, "float32")
+    master_dtype: str = choice(Dtype, "float32")
+    gradient_checkpointing: bool = False
+
+    @staticmethod
+    def check(m) -> None:
+        need((m.path is None) != (m.tiny is None), "model.path",
+             "set exactly one of model.path (HF id or local dir) and model.tiny (build from a config)")
+
+
+@dataclass
+class ArithConfig:
+    """The embedded arithmetic task: integer expressions with worked steps."""
+
+    min_operands: int = 2
+    max_operands: int = 3
+    max_operand: int = 49
+    ops: str = "+-"
+    slip_rate: float = 0.3
+    slip_max: int = 2
+    slip_step: str = choice(Literal["any", "last"], "any")
+    test_size: int = 500
+    test_share: float = 0.1
+
+    @staticmethod
+    def check(ar) -> None:
+        need(2 <= ar.min_operands <= ar.max_operands, "data.arith.min_operands",
+             f"need 2 <= min_operands <= max_operands, got {ar.min_operands}..{ar.max_operands}")
+        need(0 <= ar.slip_rate <= 1, "data.arith.slip_rate", f"must be in [0, 1], got {ar.slip_rate}")
+        need(set(ar.ops) <= set("+-") and ar.ops != "", "data.arith.ops", f"use a non-empty subset of '+-', got '{ar.ops}'")
+        need(0 < ar.test_share < 1, "data.arith.test_share", f"must be in (0, 1), got {ar.test_share}")
+
+
+@dataclass
+class MathDataConfig:
+    """Math problems from files or HF datasets (``data.task=math``)."""
+
+    train_source: str = ""
+    test_source: str = ""
+    dedupe: bool = False
+    shuffle: bool = False
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    id_field: str = "id"
+    extractors: List[str] = field(default_factory=lambda: ["boxed", "answer_is"])
+    instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
+    on_bad_row: str = choice(OnBadRow, "error")
+    test_problem_field: Optional[str] = None
+    test_answer_field: Optional[str] = None
+    test_id_field: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    """Training/eval task (conf/data)."""
+
+    task: str = MISSING
+    seed: int = 0
+    arith: ArithConfig = field(default_factory=ArithConfig)
+    math: MathDataConfig = field(default_factory=MathDataConfig)
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engine and sampling at training time (conf/rollout)."""
+
+    engine: str = MISSING
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 320
+    batch_size: int = 256
+    shards: Optional[int] = None
+    gpu_memory_utilization: float = 0.5
+    sleep: bool = False
+    enforce_eager: bool = False
+    max_model_len: Optional[int] = None
+    tis_cap: float = 0.0
+    old_from_sampler: bool = False
+
+    @staticmethod
+    def check(r) -> None:
+        need(r.group_size >= 2, "rollout.group_size",
+             f"must be >= 2 (a group-relative advantage needs 2+ samples), got {r.group_size}")
+        need(r.prompts_per_step >= 1, "rollout.prompts_per_step", f"must be >= 1, got {r.prompts_per_step}")
+        need(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+        need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+        need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+        need(r.tis_cap >= 0, "rollout.tis_cap", f"must be >= 0 (0 = no correction), got {r.tis_cap}")
+        need(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",
+             f"must be null (one per process) or a divisor of rollout.prompts_per_step={r.prompts_per_step}, "
+             f"got {r.shards}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    clip_grad: float = 1.0
+
+    @staticmethod
+    def check(o) -> None:
+        need(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+        need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+        need(o.clip_grad > 0, "optim.clip_grad", f"must be > 0, got {o.clip_grad}")
+
+
+@dataclass
+class TrainConfig:
+    """The RL stage."""
+
+    steps: int = 250
+    time_budget_s: float = 0.0
+    epochs_per_rollout: int = 1
+    minibatches_per_rollout: int = 1
+    micro_batch_size: int = 128
+    micro_batch_tokens: int = 0
+    logprob_chunk_tokens: int = 1024
+    log_every: int = 1
+    save_every: int = 100
+    keep_last: int = 2
+    max_nonfinite_steps: int = 5
+
+    @staticmethod
+    def check(t) -> None:
+        for name in ("epochs_per_rollout", "minibatches_per_rollout", "micro_batch_size", "logprob_chunk_tokens",
+                     "max_nonfinite_steps"):
+            need(t[name] >= 1, f"train.{name}", f"must be >= 1, got {t[name]}")
+        need(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
+        need(t.micro_batch_tokens >= 0, "train.micro_batch_tokens",
+             f"must be >= 0 (0 = fixed micro-batches), got {t.micro_batch_tokens}")
+
+
+@dataclass
+class DistConfig:
+    """Multi-process training under torchrun (bicc/distributed.py); one process ignores it."""
+
+    strategy: str = choice(Literal["fsdp2", "ddp"], "fsdp2")
+    backend: str = choice(Literal["auto", "nccl", "gloo"], "auto")
+    param_dtype: Optional[str] = choice(Optional[Dtype], None)
+    reduce_dtype: str = choice(Dtype, "float32")
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start on demonstrations (some with deliberate slips); it runs whenever the model is a
+    tiny one built from ``model.tiny`` (a pretrained model needs none)."""
+
+    steps: int = 900
+    time_budget_s: float = 0.0
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    context_share: float = 0.0
+    context_attempts: str = choice(Literal["independent", "informative"], "independent")
+    seed: Optional[int] = None
+    cache_dir: str = MISSING
+
+    @staticmethod
+    def check(s) -> None:
+        need(0 <= s.context_share <= 1, "sft.context_share", f"must be in [0, 1], got {s.context_share}")

@@ -1,0 +1,162 @@
+"""Inputs shared by several test modules (test modules import from here, never from each other)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from bicc.config import BiccConfig, TinyArchConfig
+from bicc.data import encode_prompt
+from bicc.logprobs import make_token_batch, token_logprobs
+from bicc.models import build_tiny
+from bicc.optim import build_optimizer, warmup_cosine
+from bicc.tokenizer import build_char_tokenizer
+from bicc.trainer import RLState
+from tests.conftest import compose_cfg
+
+
+# ---- Paths and runs of train.py ------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = ["bicc=stable", "rcc=mean", "sft.steps=5", "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
+         "rollout.max_new_tokens=16", "eval.num_problems=8", "eval.samples_per_problem=2", "eval.max_new_tokens=16",
+         "logger.wandb_mode=disabled", "logger.progress=false"]
+
+# GRPO + BiCC + RCC; short sums and a warm start good enough that some groups hold both right and wrong
+# answers (else every advantage is 0 and any two runs agree trivially); two prompt shards, so one process
+# samples exactly what two processes sample.
+MIXED_RUN = ["bicc=stable", "rcc=mean", "optim.lr=3e-4", "data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50",
+             "sft.steps=300", "sft.batch_size=16", "train.steps=2", "train.save_every=1", "train.keep_last=0",
+             "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=64", "rollout.shards=2",
+             "rcc.diag_every=0", "optim.warmup_steps=0", "eval.num_problems=4", "eval.samples_per_problem=1", "eval.greedy=false",
+             "eval.max_new_tokens=64", "logger.wandb_mode=disabled", "logger.progress=false", "threads=1", "sft.seed=0"]
+
+
+def run_train(args, tmp_path, check=True):
+    """``train.py <args>`` in a subprocess with its own cache under ``tmp_path``; asserts success unless ``check`` is off."""
+    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def logged_steps(run_dir: Path) -> int:
+    """The last step a run dir's metrics.jsonl holds (0 when none)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return max(steps, default=0)
+
+
+
+# ---- Tiny models and random rows -----------------------------------------------------------------
+
+ARCH = TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16)
+
+def rows(n=12, seed=0):
+    """n random prompts (3-7 tokens) and outputs (1-9 tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 90, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(n)]
+    completions = [torch.randint(4, 90, (int(torch.randint(1, 10, (1,), generator=gen)),), generator=gen).tolist()
+                   for _ in range(n)]
+    return prompts, completions
+
+
+def state_for(model, lr=1e-2):
+    optimizer = build_optimizer(model, lr, (0.9, 0.999), 0.0)
+    return RLState(model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 0, 100, 1.0))
+
+
+def rows_setup():
+    """A tiny model in eval mode, four plain prompts (two problems twice) and ragged outputs ending in EOS."""
+    model, tok = build_tiny(ARCH, seed=0)
+    prompts = [encode_prompt(tok, f"Compute {i}+1.") for i in (1, 1, 22, 22)]
+    gen = torch.Generator().manual_seed(0)
+    completions = [torch.randint(4, 100, (n,), generator=gen).tolist() + [tok.eos_token_id] for n in (3, 6, 2, 5)]
+    batch = make_token_batch(prompts, completions, tok.pad_token_id)
+    return model.eval(), tok, prompts, completions, batch
+
+
+def guard_setup():
+    """An RLState on a one-layer model, four rows of six output tokens, GRPO's config."""
+    model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=0)
+    opt = build_optimizer(model, 1e-2, (0.9, 0.999), 0.0)
+    state = RLState(model, tokenizer=tok, optimizer=opt, scheduler=warmup_cosine(opt, 0, 10, 0.1))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 60, (5,), generator=gen).tolist() for _ in range(4)]
+    completions = [torch.randint(4, 60, (6,), generator=gen).tolist() for _ in range(4)]
+    batch = make_token_batch(prompts, completions, tok.pad_token_id)
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", "bicc=off", "rcc=off", "rollout.max_new_tokens=8"])
+    return state, batch, cfg
+
+
+
+# ---- Shared-prefix packing -----------------------------------------------------------------------
+
+def tiny(attn="sdpa"):
+    """A 2-layer model of hidden size 64 with the given attention implementation."""
+    model, tok = build_tiny(TinyArchConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16), seed=0)
+    model.config._attn_implementation = attn
+    return model, tok
+
+
+def packing_case():
+    """Five outputs behind two shared prefixes (12 and 7 tokens): prefixes, their keys, completions."""
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(4, 100, (n,), generator=gen).tolist()  # noqa: E731
+    prefix_a, prefix_b = rand(12), rand(7)
+    completions = [rand(5), rand(9), rand(1), rand(6), rand(4)]
+    prefixes = [prefix_a, prefix_b, prefix_a, prefix_b, prefix_a]
+    keys = [0, 1, 0, 1, 0]
+    return prefixes, keys, completions
+
+
+def unpacked(model, tok, prefixes, completions):
+    """The reference: one padded row per output, [prefix; completion]; (log-probs, batch)."""
+    batch = make_token_batch(prefixes, completions, tok.pad_token_id)
+    return token_logprobs(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_len)[0], batch
+
+
+def prefix_cache_case():
+    """``packing_case`` as KV reuse takes it: prefixes, the distinct ones, each output's prefix index, completions."""
+    prefixes, keys, completions = packing_case()
+    distinct = {k: p for k, p in zip(keys, prefixes)}
+    order = sorted(distinct)
+    return prefixes, [distinct[k] for k in order], [order.index(k) for k in keys], completions
+
+
+
+# ---- BiCC contexts on the character tokenizer ----------------------------------------------------
+
+TOK = build_char_tokenizer()
+
+def BiccCfg(**overrides) -> BiccConfig:
+    """A BiCC config with short template pieces, easy to read back in assertions."""
+    fields = dict(enabled=True, max_tokens=64, min_attempt_tokens=12, preamble="\nOther attempts:",
+                  attempt_header="\n({i}) ", elision="...")
+    return BiccConfig(**{**fields, **overrides})
+
+
+def enc(text):
+    """Token ids of ``text`` under the character tokenizer, no special tokens."""
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+def group(texts, correct, prompt="Compute 1+2."):
+    """The arguments of ``build_contexts`` for one group of outputs ``texts`` with rewards ``correct``."""
+    completions = [enc(t) + [TOK.eos_token_id] for t in texts]
+    n = len(texts)
+    return dict(prompts=[prompt] * n, completion_ids=completions, correct=torch.tensor(correct, dtype=torch.float),
+                group_ids=torch.zeros(n, dtype=torch.long), tokenizer=TOK,
+                plain_prompt_ids=[encode_prompt(TOK, prompt)] * n)
