@@ -94,7 +94,7 @@ def micro_batches(rows: torch.Tensor, inputs, size: int, tokens: int, model, d: 
 def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temperature: float, d: Dist = Dist(),
                      micro_batch_tokens: int = 0) -> torch.Tensor:
     """Per-token log-probs [N, L] in micro-batches (``micro_batches``), no graph kept (old and reference
-    policies). ``inputs`` is a numerator (``bicc.rows``): plain rows, or conditioned ones."""
+    policies). ``inputs``: the rows to score (``bicc.rows``), on q or on x^c."""
     was_training = model.training
     model.eval()
     out = None
