@@ -64,3 +64,28 @@ def test_update_weights_copies_from_another_module(engine):
 
 def test_engine_registry_names():
     assert "hf" in ENGINES
+
+
+def test_sampling_at_top_p_1_draws_from_the_whole_vocabulary():
+    """T = 1, top-p 1 (the paper's training sampling) samples from the full softmax: no top-k cut (HF's global
+    default is top_k = 50). A random-init model is close to uniform over the character vocabulary, so 4,000
+    first tokens of one prompt show more than 50 distinct ids, and their frequencies follow the softmax; with
+    top-p 0.5 they keep to the smallest set holding half the mass."""
+    from bicc.models import build_tiny
+
+    model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=0)
+    engine = build_engine("hf", model, tok, type("Cfg", (), {"batch_size": 4000}))
+    prompt = encode_prompt(tok, "Compute 1+2.")
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    assert int((probs > 1e-4).sum()) > 60  # the premise: a spread-out distribution
+    first = lambda top_p: torch.tensor([ids[0] for ids in engine.generate(  # noqa: E731
+        [prompt], SamplingParams(n=4000, temperature=1.0, top_p=top_p, max_new_tokens=1, seed=0)).completion_ids])
+    full = first(1.0)
+    assert len(set(full.tolist())) > 50
+    freq = torch.bincount(full, minlength=probs.numel()).float() / full.numel()
+    assert 0.5 * (freq - probs).abs().sum() < 0.12  # total variation; ~0.06 expected from 4,000 draws
+    nucleus = torch.sort(probs, descending=True)
+    keep = set(nucleus.indices[: int((nucleus.values.cumsum(0) < 0.5).sum()) + 1].tolist())
+    assert set(first(0.5).tolist()) <= keep

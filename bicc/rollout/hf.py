@@ -62,7 +62,7 @@ class HFEngine:
                         do_sample=not greedy,
                         temperature=sampling.temperature if not greedy else None,
                         top_p=sampling.top_p if not greedy else None,
-                        top_k=None,
+                        top_k=0 if not greedy else None,  # 0 = no top-k cut (None may mean HF's default, 50)
                         num_return_sequences=n,
                         max_new_tokens=sampling.max_new_tokens,
                         pad_token_id=pad_id,
