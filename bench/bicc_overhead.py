@@ -94,7 +94,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     from bicc.models import num_parameters
     from bicc.optim import build_optimizer, warmup_cosine
     from bicc.plan import StepPlan, step_logprobs
-    from bicc.rows import ContextRows, QueryRows
+    from bicc.rows import ContextRows, query_rows
     from bicc.trainer import RLState, update_policy
 
     spec = dict(CONFIGS[config_name])
@@ -133,7 +133,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     adv = (correct - 0.5) * 2
 
     batch = make_token_batch(prompt_ids, completions, tok.pad_token_id).to(device)
-    plain = QueryRows(batch)
+    plain = query_rows(batch, prompt_ids, completions, cfg.train.share_prompts, tok.pad_token_id, device)
     numerator = plain
     if cfg.bicc.enabled:
         contexts = build_contexts(prompts, completions, correct, group_ids, tok, cfg.bicc, cfg.bicc.max_tokens, prompt_ids)

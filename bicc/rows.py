@@ -1,10 +1,10 @@
-"""The rows a log-prob pass is evaluated on: the plain prompt q (``QueryRows``) or the conditioned prompt x^c
-(``ContextRows``).
+"""The rows a log-prob pass is evaluated on: the plain prompt q or the conditioned prompt x^c.
 
-The trainable numerator pi_theta(o_i | .) of a base variant reads ``QueryRows``; BiCC's reads ``ContextRows``,
-either one row per output or packed behind shared prefixes (``bicc.packing``). The no-grad passes take their
-rows from the same two classes (``bicc.plan``): pi_old and pi_ref on q from ``QueryRows``, pi_old on x^c
-(``bicc.old_on_context``) and RCC's delta on x^c from ``ContextRows``.
+``query_rows`` gives the rows on q: ``QueryRows`` (one padded row per output) or, with ``train.share_prompts``,
+``ContextRows`` over q, each prompt computed once for its G outputs. ``ContextRows`` on x^c gives BiCC's rows,
+one row per output or packed behind shared prefixes (``bicc.packing``). The trainable numerator of a base
+variant reads the rows on q, BiCC's the rows on x^c; the no-grad passes take theirs from the same places
+(``bicc.plan``): pi_old and pi_ref on q, pi_old on x^c (``bicc.old_on_context``) and RCC's delta on x^c.
 
 Both offer ``logprobs(model, rows, temperature, with_entropy)`` returning [len(rows), L] log-probs (and
 entropies) aligned with the plain batch's completion grid, zero past each output; ``contexts_once(model,
@@ -17,6 +17,7 @@ micro-batches plan on (``bicc.batching``; 0 for a context that ``contexts_once``
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +47,31 @@ def trimmed_logprobs(model, batch: TokenBatch, temperature: float, with_entropy:
     logp, entropy = batch_logprobs(model, part, temperature, with_entropy)
     length = batch.completion_len
     return to_grid(logp, part.completion_mask, length), to_grid(entropy, part.completion_mask, length)
+
+
+def query_rows(batch: TokenBatch, prompt_ids: list[list[int]], completion_ids: list[list[int]], share: bool,
+               pad_id: int, device: torch.device):
+    """The rows on q. ``share`` (``train.share_prompts``): each distinct prompt is computed once per step and its
+    G outputs read its keys/values (``ContextRows`` under KV reuse, every row's "context" being its own q), so
+    the prompt's tokens cost one forward and one backward per step instead of G; else ``QueryRows``."""
+    if not share:
+        return QueryRows(batch)
+    keys: dict[tuple, int] = {}
+    key = [keys.setdefault(tuple(p), len(keys)) for p in prompt_ids]
+    on_q = ConditionedPrompts([list(p) for p in prompt_ids], key, torch.zeros(len(key), dtype=torch.bool))
+    return ContextRows(on_q, completion_ids, batch.completion_len, KV_REUSE, pad_id, device)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """What ``ContextRows`` reads of ``bicc_cfg``: whether and how rows behind one prefix share it."""
+
+    packing: bool
+    packing_impl: str
+    max_packed_len: int
+
+
+KV_REUSE = Packing(packing=True, packing_impl="kv", max_packed_len=0)  # max_packed_len: mask packing only
 
 
 class ContextRows:

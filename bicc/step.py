@@ -19,7 +19,7 @@ from bicc.models import DTYPES, compute_copy, end_token_ids, frozen_copy, load_p
 from bicc.optim import build_optimizer, warmup_cosine
 from bicc.plan import StepPlan, step_logprobs
 from bicc.rollout import EngineOptions, build_engine
-from bicc.rows import ContextRows, QueryRows
+from bicc.rows import ContextRows, query_rows
 from bicc.trainer import (RLState, collect_rollout, loss_of_rows_fn, needs_reference, sampler_grid,
                           sampler_importance_weights, sampler_logprob_diff, update_policy)
 
@@ -87,10 +87,11 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
 
 def step_inputs(s: RLState, cfg, ro, device):
-    """The rollout as rows on q (``QueryRows``) and, under BiCC, on x^c (``ContextRows``):
+    """The rollout as rows on q (``query_rows``) and, under BiCC, on x^c (``ContextRows``):
     (batch, plain, numerator, contexts or None, ``bicc/`` metrics)."""
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
-    plain = QueryRows(batch)
+    plain = query_rows(batch, ro.out.prompt_ids, ro.out.completion_ids, cfg.train.share_prompts,
+                       s.tokenizer.pad_token_id, device)
     if not cfg.bicc.enabled:
         return batch, plain, plain, None, {}
     contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,

@@ -108,3 +108,29 @@ def test_rcc_delta_context(form, context):
                         batch.completion_mask).delta
     expected = logprobs_no_grad(policy, plain if context == "q" else numerator, 4, 4, 1.0)
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("micro", ["5", "12", "12 tokens=40"])
+def test_shared_prompts_update_equals_one_row_per_output(micro):
+    """train.share_prompts: three prompts, each behind four outputs, computed once per minibatch (KV reuse) give
+    the update of one padded row per output, in fp64 over 2 epochs x 2 minibatches (so a minibatch holds some
+    of a prompt's outputs and the prompt is shared only within it)."""
+    from bicc.rows import query_rows
+
+    size, _, tokens = micro.partition(" tokens=")
+    cfg = compose_cfg(["train.minibatches_per_rollout=2", "train.epochs_per_rollout=2", f"train.micro_batch_size={size}",
+                       f"train.micro_batch_tokens={tokens or 0}", "rollout.max_new_tokens=9", "optim.clip_grad=1e9"])
+    prompts, completions = rows()
+    prompts = [prompts[i // 4] for i in range(12)]  # 3 prompts x 4 outputs
+    batch = make_token_batch(prompts, completions, 0)
+    shared = query_rows(batch, prompts, completions, True, 0, torch.device("cpu"))
+    assert isinstance(shared, ContextRows) and shared.tokens == sum(map(len, prompts[::4])) + sum(map(len, completions))
+    assert isinstance(query_rows(batch, prompts, completions, False, 0, torch.device("cpu")), QueryRows)
+    model, reference = build_tiny(ARCH, seed=0)[0].double(), build_tiny(ARCH, seed=0)[0].double()
+    old_logp = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
+    torch.testing.assert_close(logprobs_no_grad(model, shared, 12, int(size), 1.0), old_logp, atol=1e-10, rtol=0)
+    adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
+    update_policy(state_for(model), batch, shared, old_logp, None, adv, cfg, step_seed=7)
+    hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)

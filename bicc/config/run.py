@@ -155,6 +155,7 @@ class TrainConfig:
     minibatches_per_rollout: int = 1
     micro_batch_size: int = 128
     micro_batch_tokens: int = 0
+    share_prompts: bool = True
     logprob_chunk_tokens: int = 1024
     log_every: int = 1
     save_every: int = 100
