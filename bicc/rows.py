@@ -8,8 +8,8 @@ variant reads the rows on q, BiCC's the rows on x^c; the no-grad passes take the
 
 Both offer ``logprobs(model, rows, temperature, with_entropy)`` returning [len(rows), L] log-probs (and
 entropies) aligned with the plain batch's completion grid, zero past each output; ``contexts_once(model,
-rows)``: a context manager inside which what rows share is computed once (BiCC's contexts under KV reuse;
-nothing for plain rows); ``tokens``: how many tokens one forward over all rows processes; and ``lengths``
+rows)``: a context manager inside which what rows share is computed once (contexts or shared prompts under KV reuse;
+nothing for ``QueryRows``); ``tokens``: how many tokens one forward over all rows processes; and ``lengths``
 [N, 2]: the prompt (or context) and output tokens each row adds to its micro-batch, which length-aware
 micro-batches plan on (``bicc.batching``; 0 for a context that ``contexts_once`` computes apart).
 """

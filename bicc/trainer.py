@@ -285,7 +285,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             state.optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             start = time.perf_counter()
-            with numerator.contexts_once(model, mb_rows):  # BiCC's contexts: once per minibatch (KV reuse)
+            with numerator.contexts_once(model, mb_rows):  # shared contexts or prompts: once per minibatch (KV reuse)
                 timers["forward"] += time.perf_counter() - start
                 for rows in micro_batches(mb_rows, numerator, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens,
                                           model, state.dist):
