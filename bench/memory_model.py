@@ -19,6 +19,9 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
 - the chunked log-prob head: about four chunk x V fp32 buffers (logits, their log-softmax / exp for the
   entropy, the gradient), plus the chunk's compute-dtype logits when b < 4; in its backward, the head's
   V x H weight gradient and each chunk's contribution to it;
+- ``rcc.delta_from_update`` (false in the presets): the update's forwards all run before its backwards, so at
+  the first backward every other micro-batch's checkpointed layer inputs, gathered context K/V and final
+  hidden states are still held;
 - BiCC's KV-reuse packing: the step's distinct contexts (two per group, this GPU's share) computed once per
   minibatch and held through all of its micro-batches: their checkpointed layer inputs, their keys/values
   in every layer and the gradient that the micro-batches leave on those; each completion's gathered copy of
@@ -92,6 +95,8 @@ class Run:
     vllm_utilization: float = 0.4  # rollout.gpu_memory_utilization
     gpu_gib: float = 80.0
     compute_bytes: int = 2  # bf16
+    rows: int = 64  # this GPU's sequences per step: rollout.prompts_per_step x G / world
+    delta_from_update: bool = False  # rcc.delta_from_update: every micro-batch's graph held until the advantages
     master_bytes: int = 4  # fp32
     sharded: bool = True
     vllm: bool = True
@@ -141,12 +146,18 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     # the backward's worst layer: gradients of the layers above it done, inputs of the layers below it kept
     inputs_per_layer, grads_per_layer = tokens * arch.hidden * b, 4 * arch.layer_params() / w
     head_grads = 4 * arch.root_params() / w
+    # rcc.delta_from_update: at the first backward every other micro-batch's graph is still held
+    held = {}
+    if run.delta_from_update:
+        others = -(-run.rows // run.micro_batch) - 1
+        held["other micro-batches' graphs (rcc.delta_from_update)"] = others * (
+            arch.layers * inputs_per_layer + prefix_kv + tokens * arch.hidden * b)
     worst = max(range(arch.layers), key=lambda l: (l + 1) * inputs_per_layer + (arch.layers - 1 - l) * grads_per_layer)
     update = {**static, **gathered,
               "gradients so far (fp32, sharded)": head_grads + (arch.layers - 1 - worst) * grads_per_layer,
               "checkpointed layer inputs": (worst + 1) * inputs_per_layer,
               "one layer's recomputed activations": layer_act,
-              "BiCC prefix keys/values": prefix_kv, **contexts}
+              "BiCC prefix keys/values": prefix_kv, **contexts, **held}
     if run.sharded:
         update["unsharded layer gradient (compute dtype)"] = b * arch.layer_params()
     # the head's weight gradient (unsharded, in the compute dtype, until FSDP2 reduce-scatters it at the end of the
@@ -154,7 +165,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     head_grad_bytes = (b if run.sharded else 4) * arch.vocab * arch.hidden
     head_phase = {**static, **gathered, "head weight gradient + one chunk's": 2 * head_grad_bytes,
                   "checkpointed layer inputs": arch.layers * inputs_per_layer,
-                  "log-prob head chunk": head, "BiCC prefix keys/values": prefix_kv, **contexts}
+                  "log-prob head chunk": head, "BiCC prefix keys/values": prefix_kv, **contexts, **held}
     # the contexts' own backward, after the last micro-batch: one recomputed layer over all context tokens
     context_phase = {**static, **gathered, "gradients so far (fp32, sharded)": grads,
                      "BiCC contexts (inputs, K/V, K/V gradient)": contexts and sum(contexts.values()),
@@ -309,6 +320,9 @@ def main() -> None:
         return
     qwen = print_table("paper_qwen3_4b (rollout=vllm, bicc=on rcc=on)", QWEN3_4B, Run())
     phi = print_table("paper_phi4_mini (rollout=vllm, bicc=on rcc=on)", PHI4_MINI, Run())
+    for name, arch in (("paper_qwen3_4b", QWEN3_4B), ("paper_phi4_mini", PHI4_MINI)):
+        phase, value = peak(arch, Run(delta_from_update=True))
+        print(f"{name} with rcc.delta_from_update=true (the presets keep false): peak {value / GIB:.2f} GiB ({phase})")
     for mean_output in (1000, 2048):
         times = step_seconds(QWEN3_4B, Run(), mean_output)
         print(f"\npaper_qwen3_4b step estimate, outputs of {mean_output} tokens on average (arithmetic, H100, 40% MFU):")

@@ -12,7 +12,8 @@ The step is one GPU's share of the paper preset (``conf/experiment/paper_qwen3_4
 G = 8 = 64 outputs, prompts of 300 tokens, output lengths from the labelled completions scaled so that the
 99th percentile is 2,048 tokens, the BiCC context budget 0.4 x 2,048 with KV-reuse packing (two distinct
 prefixes per group, each token costing what a plain token costs), activation checkpointing (one more forward
-in the update), and the passes each configuration makes (``bicc.plan.StepPlan``). On a GPU the weight sync
+in the update), and the passes each configuration makes (``bicc.plan.StepPlan``; the preset reads RCC's delta
+from a pass of its own, ``rcc.delta_from_update=true`` from the update's forward). On a GPU the weight sync
 is added: the bf16 weights at an assumed 100 GB/s. On a CPU the rollout is HF decoding, which costs ~10x a
 forward per token here; vLLM on a GPU changes that share, so read the CPU shares with that in mind.
 Ends with ``RESULT model_step_ratio_bicc_rcc=<BiCC+RCC / GRPO> target<=1.15``.
@@ -140,6 +141,7 @@ def main() -> None:
           f"per GPU {GROUPS} queries x G = {G}, prompts {PROMPT} tokens, context budget {int(0.4 * MAX_TOKENS)}")
     totals = {}
     for name, overrides in (("GRPO", ["bicc=off", "rcc=off"]), ("BiCC+RCC (paper)", ["bicc=on", "rcc=on"]),
+                            ("BiCC+RCC, delta from the update", ["bicc=on", "rcc=on", "rcc.delta_from_update=true"]),
                             ("BiCC+RCC, pi_old from the sampler", ["bicc=on", "rcc=on", "rollout.old_from_sampler=true"])):
         cfg = compose_cfg(["experiment=paper_qwen3_4b", "rcc.diag_every=0", *overrides])
         plan = StepPlan.from_config(cfg, cfg.rollout.old_from_sampler)
@@ -149,6 +151,8 @@ def main() -> None:
         print(f"\n{name}: {total:.1f}s per step, dominated by {top} ({phases[top] / total:.0%})")
         for phase, seconds in phases.items():
             print(f"  {phase:48s} {seconds:8.2f}s {seconds / total:6.1%}")
+    for name in list(totals)[2:]:
+        print(f"{name}: {totals[name] / totals['GRPO']:.3f} x GRPO")
     ratio = totals["BiCC+RCC (paper)"] / totals["GRPO"]
     print(f"\nRESULT model_step_ratio_bicc_rcc={ratio:.3f} target<=1.15")
 

@@ -13,9 +13,11 @@ Every no-grad forward has to earn its place:
   KL(pi_theta(.|x^c) || pi_ref(.|x^c)), which costs pi_ref on x^c too: against pi_ref(.|q) the k3 estimator
   grows as exp(log pi_ref(o|q) - log pi_theta(o|x^c)) and swamps the update (BiCC-Dr.GRPO collapsed).
 - RCC's delta needs log pi_theta_old(o | x^c) (Algorithm 1) or (o | q) (Section 4.2) before the
-  advantages, so before the update: on q it is pi_old on q; on x^c under the paper's form it is one more
-  no-grad forward on x^c (the advantages depend on every row's delta, so the update's own forward cannot
-  supply it without keeping every micro-batch's graph).
+  advantages. When its context is the numerator's and there is one update per rollout, the update's own
+  first forward computes exactly it (``delta_from_update``, ``rcc.delta_from_update``): the update runs
+  every micro-batch's forward, then the advantages, then the backwards, holding the minibatch's graphs in
+  between. Else it comes before the update: on q it is pi_old on q; on x^c under the paper's form one more
+  no-grad forward on x^c.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class StepPlan:
     delta:        None | "q" | "xc": the context of RCC's delta (None: no delta this step)
     tis:          truncated importance weights against the sampler's log-probs
     diagnostics:  the gradient-variance diagnostic runs this step
+    delta_from_update: the update's first forward supplies delta's log-probs, and the advantages are computed
+                  between its forwards and its backwards (``bicc.trainer.update_policy``)
     """
 
     conditioned: bool
@@ -51,6 +55,7 @@ class StepPlan:
     delta: Optional[str]
     tis: bool
     diagnostics: bool = False
+    delta_from_update: bool = False
 
     @classmethod
     def from_config(cls, cfg, sampler_logprobs: bool, diagnostics: bool = False) -> "StepPlan":
@@ -69,7 +74,10 @@ class StepPlan:
         delta = cfg.rcc.delta_context if (cfg.rcc.enabled or diagnostics) else None
         single_update = cfg.train.epochs_per_rollout == 1 and cfg.train.minibatches_per_rollout == 1
         same_context = (old_context == "xc") == conditioned
-        before_update = delta is not None or tis or diagnostics or sampler_logprobs  # the engine mismatch metric
+        # delta on the numerator's own context (x^c, or q when BiCC is off), at theta_old = the update's weights
+        deferred = (cfg.rcc.delta_from_update and single_update and not diagnostics and delta is not None
+                    and (delta == "xc" or not conditioned))
+        before_update = (delta is not None and not deferred) or tis or diagnostics or sampler_logprobs  # + mismatch metric
         if from_sampler:
             source = "sampler"
         elif single_update and same_context and not before_update:
@@ -79,7 +87,8 @@ class StepPlan:
         need_q = old_context == "xc" and (tis or delta == "q" or diagnostics or sampler_logprobs)
         reference = (cfg.algo.kl_coef > 0 or cfg.algo.ratio_denominator == "ref" or delta is not None)
         kl_ref_xc = old_context == "xc" and cfg.algo.kl_coef > 0
-        return cls(conditioned, old_context, source, need_q, reference, kl_ref_xc, delta, tis, diagnostics)
+        return cls(conditioned, old_context, source, need_q, reference, kl_ref_xc, delta, tis, diagnostics,
+                   delta_from_update=deferred)
 
     def at_step(self, cfg, step: int, sampler_logprobs: bool, sharded: bool) -> "StepPlan":
         """This plan, or the diagnostics' plan on the steps ``rcc.diag_every`` picks (not under FSDP2:
@@ -91,8 +100,9 @@ class StepPlan:
 
     @property
     def delta_pass(self) -> bool:
-        """RCC's delta needs its own no-grad forward on x^c (the paper's form, delta on x^c)."""
-        return self.delta == "xc" and self.conditioned and self.old_context != "xc"
+        """RCC's delta needs its own no-grad forward on x^c (the paper's form, delta on x^c, not read from the
+        update)."""
+        return self.delta == "xc" and self.conditioned and self.old_context != "xc" and not self.delta_from_update
 
     def passes(self) -> list[str]:
         """The forwards a step makes, in order, for the start-up summary and the profile."""
@@ -109,7 +119,9 @@ class StepPlan:
         if self.delta_pass:
             out.append("pi_theta_old on x^c for RCC's delta (no grad)")
         numerator = "x^c" if self.conditioned else "q"
-        out.append(f"update on {numerator} (forward + backward" + (", supplies pi_old)" if self.old_source == "update" else ")"))
+        supplies = [name for name, yes in (("pi_old", self.old_source == "update"),
+                                           ("RCC's delta", self.delta_from_update)) if yes]
+        out.append(f"update on {numerator} (forward + backward" + (f", supplies {' and '.join(supplies)})" if supplies else ")"))
         return out
 
     def no_grad_passes(self) -> int:
@@ -127,7 +139,8 @@ class StepLogProbs:
     on_q:    pi_old on q (``old`` itself when pi_old is on q)
     ref:     pi_ref on q (RCC's delta, the paper's KL)
     kl_ref:  the KL term's reference: ``ref``, or pi_ref on x^c under ``bicc.old_on_context``
-    delta:   log pi_theta_old(o | delta context), for RCC's delta and the diagnostics
+    delta:   log pi_theta_old(o | delta context), for RCC's delta and the diagnostics; None when the update's
+             forward supplies it (``StepPlan.delta_from_update``)
     log_w:   [N] log conditioning weight per sequence when known before the update (pi_old on x^c minus on
              q); else None, and the update's first pass measures it
     """
@@ -155,7 +168,7 @@ def step_logprobs(plan: StepPlan, model, ref_model, plain, numerator, sampled: O
     on_q = old if plan.old_context == "q" else (run(model, plain) if plan.need_q else None)
     ref = run(ref_model, plain) if plan.reference and ref_model is not None else None
     kl_ref = run(ref_model, numerator) if plan.kl_ref_xc and ref_model is not None else ref
-    if plan.delta is None:
+    if plan.delta is None or plan.delta_from_update:
         delta = None
     elif plan.delta == "q":
         delta = on_q

@@ -51,21 +51,30 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     is_weight, sampler_metrics = sampler_correction(ro, plan, lp, batch, cfg, device)
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
-    delta, diag_record = None, {}
-    if plan.delta is not None:  # delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), theta = theta_old here
-        delta = sequence_delta(lp.delta, lp.ref, batch.completion_mask, cfg.rcc.delta).cpu()
-    adv, adv_metrics = ADVANTAGES.get("rcc" if cfg.rcc.enabled else cfg.algo.advantage)(ro.rewards, ro.group_ids, delta,
-                                                                                         cfg.algo)  # [N]
-    adv = adv.to(device)
+    estimator = ADVANTAGES.get("rcc" if cfg.rcc.enabled else cfg.algo.advantage)
+    found: dict = {}
+
+    def advantages(delta_logp):
+        """[N] advantages from delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step):
+        delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), theta = theta_old here."""
+        delta = None if delta_logp is None else sequence_delta(delta_logp, lp.ref, batch.completion_mask, cfg.rcc.delta).cpu()
+        adv, found["metrics"] = estimator(ro.rewards, ro.group_ids, delta, cfg.algo)
+        found["delta"] = delta
+        return adv.to(device)
+
+    # under plan.delta_from_update the update computes them between its forwards and its backwards
+    adv = advantages if plan.delta_from_update else advantages(lp.delta if plan.delta is not None else None)
+    diag_record, diag_metrics = {}, {}
     t_diagnostics = time.perf_counter()
     if plan.diagnostics:
-        diag_metrics, diag_record = step_diagnostics(s, cfg, batch, numerator, ro, lp, adv, delta, is_weight, step_seed)
-        adv_metrics.update(diag_metrics)
+        diag_metrics, diag_record = step_diagnostics(s, cfg, batch, numerator, ro, lp, adv, found["delta"], is_weight,
+                                                     step_seed)
     diagnostics_s = time.perf_counter() - t_diagnostics
 
     # ---- 6. loss and optimizer step(s) ---------------------------------------------------------
     update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, lp.old, lp.kl_ref, adv, cfg,
                                                          step_seed, is_weight)
+    adv_metrics = {**found["metrics"], **diag_metrics}
     t_update = time.perf_counter()
     if contexts is not None:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass
         log_w = first_pass_log_ratio if plan.old_context == "q" else lp.log_w

@@ -75,20 +75,19 @@ def needs_reference(cfg) -> bool:
             or cfg.rcc.diag_every > 0)
 
 
-def micro_batch_loss(model, numerator, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=None,
-                     with_entropy: bool = False):
-    """The update's loss on ``rows`` (one micro-batch; ``mask`` [n, L] their completion mask), normalised by
-    ``totals``: (differentiable loss, the loss's metrics, the rows' log-probs [n, L] detached and before any
-    log-ratio clip, their entropies or None, pi_old [n, L]). ``old_logp`` None: pi_old is this forward
-    (``bicc.plan.StepPlan`` old_source "update"), detached. Shared by the update and the diagnostics."""
-    logp, entropy = numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=with_entropy)
+def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=None):
+    """The update's loss on ``rows`` (one micro-batch; ``mask`` [n, L] their completion mask) from their
+    log-probs ``logp`` [n, L] (with their graph), normalised by ``totals``: (differentiable loss, the loss's
+    metrics, ``logp`` detached and before any log-ratio clip, pi_old [n, L]). ``old_logp`` None: pi_old is
+    this forward (``bicc.plan.StepPlan`` old_source "update"), detached."""
     old = logp.detach() if old_logp is None else old_logp[rows]
     raw = logp.detach()
     if cfg.bicc.enabled and cfg.bicc.experimental.log_ratio_clip > 0:
         logp = clip_log_ratio_value(logp, old, cfg.bicc.experimental.log_ratio_clip)
     loss, metrics = LOSSES.get(cfg.algo.loss)(logp, old, None if ref_logp is None else ref_logp[rows], adv[rows], mask,
                                               cfg.algo, totals, is_weight=None if is_weight is None else is_weight[rows])
-    return loss, metrics, raw, entropy, old
+    return loss, metrics, raw, old
+
 
 
 def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg, is_weight=None):
@@ -97,8 +96,8 @@ def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv
 
     def loss(rows, norm_rows):
         totals = StepTotals.of(batch.completion_mask[norm_rows], cfg.rollout.max_new_tokens)
-        return micro_batch_loss(model, numerator, rows, batch.completion_mask[rows], old_logp, ref_logp, adv, cfg,
-                                totals, is_weight)[0]
+        logp, _ = numerator.logprobs(model, rows, cfg.rollout.temperature)
+        return rows_loss(logp, rows, batch.completion_mask[rows], old_logp, ref_logp, adv, cfg, totals, is_weight)[0]
 
     return loss
 
@@ -261,7 +260,16 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     ``first_pass_log_ratio`` [N]): each sequence's summed log pi_theta - log pi_old before any update
     (under BiCC: the log conditioning weight log w_i). ``is_weight`` [N, L]: the sampler correction
     (``sampler_importance_weights``), or None. ``old_logp`` None: pi_old is the policy this update's first
-    forward runs (one update per rollout, ``bicc.plan.StepPlan``), taken from that forward, detached."""
+    forward runs (one update per rollout, ``bicc.plan.StepPlan``), taken from that forward, detached.
+
+    ``adv``: [N] advantages, or a function of the update's own first-forward log-probs [N, L] (detached, zeros
+    past each output) returning them (RCC's delta read from the update, ``StepPlan.delta_from_update``; one
+    update per rollout only): then every micro-batch runs its forward, the advantages are computed, and
+    only then the losses and backwards, the graphs held in between."""
+    deferred = callable(adv)
+    if deferred and (cfg.train.epochs_per_rollout > 1 or cfg.train.minibatches_per_rollout > 1):
+        raise ValueError("advantages from the update's own forward need one update per rollout "
+                         "(train.epochs_per_rollout = train.minibatches_per_rollout = 1); set rcc.delta_from_update=false")
     model = state.model
     n = batch.input_ids.shape[0]
     generator = torch.Generator().manual_seed(step_seed)
@@ -276,6 +284,28 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     seen = torch.zeros(n, dtype=torch.bool)
     timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for perf/ (not synchronised on CUDA)
     scale = loss_scale(state.dist)
+
+    def finish(rows, logp, entropy, totals) -> float:
+        """Loss and backward of one micro-batch's forward; its loss (0 for a no-op forward, ``rows`` None)."""
+        start = time.perf_counter()
+        if rows is None:  # no rows here, but the other ranks' forward/backward are collectives
+            (logp.sum() * 0.0).backward()
+            timers["backward"] += time.perf_counter() - start
+            return 0.0
+        mask = batch.completion_mask[rows]
+        loss, metrics, raw, old = rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight)
+        new = ~seen[rows]
+        first_pass[rows[new]] = ((raw - old) * mask).sum(-1)[new].cpu().float()
+        seen[rows] = True
+        timers["forward"] += time.perf_counter() - start
+        start = time.perf_counter()
+        (loss * scale).backward()
+        timers["backward"] += time.perf_counter() - start
+        for name, value in metrics.items():
+            add(name, value)
+        add("train/entropy", masked_mean(entropy, mask).item())
+        return loss.item()
+
     model.train()
     for _ in range(cfg.train.epochs_per_rollout):
         order = torch.randperm(n, generator=generator) if cfg.train.minibatches_per_rollout > 1 else torch.arange(n)
@@ -287,28 +317,28 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             start = time.perf_counter()
             with numerator.contexts_once(model, mb_rows):  # shared contexts or prompts: once per minibatch (KV reuse)
                 timers["forward"] += time.perf_counter() - start
+                held = []  # (rows or None, log-probs with their graph, entropies) awaiting loss and backward
                 for rows in micro_batches(mb_rows, numerator, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens,
                                           model, state.dist):
-                    if len(rows) == 0:  # no rows left here, but the other ranks' forward/backward are collectives
+                    start = time.perf_counter()
+                    if len(rows) == 0:
                         logp, _ = numerator.logprobs(model, mb_rows[:1] if len(mb_rows) else torch.arange(0, 1),
                                                      cfg.rollout.temperature)
-                        (logp.sum() * 0.0).backward()
-                        continue
-                    mask = batch.completion_mask[rows]
-                    start = time.perf_counter()
-                    loss, metrics, logp, entropy, old = micro_batch_loss(
-                        model, numerator, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight, with_entropy=True)
+                        held.append((None, logp, None))
+                    else:
+                        held.append((rows, *numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)))
                     timers["forward"] += time.perf_counter() - start
-                    new = ~seen[rows]
-                    first_pass[rows[new]] = ((logp - old) * mask).sum(-1)[new].cpu().float()
-                    seen[rows] = True
-                    start = time.perf_counter()
-                    (loss * scale).backward()
-                    timers["backward"] += time.perf_counter() - start
-                    step_loss += loss.item()
-                    for name, value in metrics.items():
-                        add(name, value)
-                    add("train/entropy", masked_mean(entropy, mask).item())
+                    if not deferred:
+                        step_loss += finish(*held.pop(), totals)
+                if deferred:  # every row's first-forward log-probs are known: the advantages, then the backwards
+                    dtype = next((logp.dtype for rows, logp, _ in held if rows is not None), torch.float32)
+                    grid = batch.completion_mask.new_zeros(batch.completion_mask.shape, dtype=dtype)
+                    for rows, logp, _ in held:
+                        if rows is not None:
+                            grid[rows] = logp.detach()
+                    adv = adv(grid)
+                    while held:
+                        step_loss += finish(*held.pop(0), totals)
                 start = time.perf_counter()
             timers["backward"] += time.perf_counter() - start  # the contexts' own backward, on leaving
             sync_gradients(model, state.dist)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -160,3 +161,17 @@ def group(texts, correct, prompt="Compute 1+2."):
     return dict(prompts=[prompt] * n, completion_ids=completions, correct=torch.tensor(correct, dtype=torch.float),
                 group_ids=torch.zeros(n, dtype=torch.long), tokenizer=TOK,
                 plain_prompt_ids=[encode_prompt(TOK, prompt)] * n)
+
+
+class CoinTask:
+    """The configured task with a deterministic coin for a reward (never a function of the answer): a tiny
+    random model cannot solve a sum, and a coin still gives mixed groups and non-zero advantages."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def reward(self, completion: str, problem) -> float:
+        return float(zlib.crc32(completion.encode()) % 2)

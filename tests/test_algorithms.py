@@ -4,7 +4,6 @@ a coin decides each output's reward (a hash of its text): groups are mixed, adva
 update must move the weights."""
 
 import math
-import zlib
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from bicc.models import build_tiny
 from bicc.step import build_rl_state, rl_step
 from tests.conftest import CONF, compose_cfg
-from tests.helpers import ARCH
+from tests.helpers import ARCH, CoinTask
 
 ALGOS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml"))
 # what only some presets do, seen in their metrics: ASPO's dual clip, Dr.GRPO's KL term, GMPO's geometric
@@ -20,19 +19,6 @@ ALGOS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml"))
 OWN = {"aspo": lambda m: "train/dual_clip_frac" in m, "dr_grpo": lambda m: "train/kl_ref" in m,
        "gmpo": lambda m: "train/seq_ratio_mean" in m,
        "dapo": lambda m: m["reward/mean"] < m["reward/accuracy"] and m["train/adv_zero_group_share"] == 0}
-
-
-class CoinTask:
-    """The configured task with a deterministic coin for a reward (never a function of the answer)."""
-
-    def __init__(self, task):
-        self.task = task
-
-    def __getattr__(self, name):
-        return getattr(self.task, name)
-
-    def reward(self, completion: str, problem) -> float:
-        return float(zlib.crc32(completion.encode()) % 2)
 
 
 def test_every_algo_preset_is_listed():

@@ -39,9 +39,12 @@ def test_step_model_phases_follow_the_plan():
 
     cost = {"forward": 1.0, "forward_backward": 3.0, "decode": 10.0}
     grpo = step_phases(StepPlan.from_config(compose_cfg(["bicc=off", "rcc=off"]), False), cost, 100.0, 2048)
-    paper = step_phases(StepPlan.from_config(compose_cfg(["bicc=on", "rcc=on"]), False), cost, 100.0, 2048)
+    paper = step_phases(StepPlan.from_config(compose_cfg(["bicc=on", "rcc=on", "rcc.delta_from_update=false"]), False),
+                        cost, 100.0, 2048)
+    read = step_phases(StepPlan.from_config(compose_cfg(["bicc=on", "rcc=on"]), False), cost, 100.0, 2048)
     assert list(grpo) == ["rollout", "update"]
     assert len(paper) == 5  # rollout, three no-grad passes, update
+    assert list(read) == [k for k in paper if "delta" not in k]  # delta read from the update's forward
     # 64 rows of 300 + 100 tokens on q; update = (3 + 1) per token (checkpointing replays the forward)
     assert grpo["update"] == 64 * 400 * 4.0
     assert paper["pi_ref on q"] == 64 * 400 * 1.0

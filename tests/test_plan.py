@@ -11,9 +11,10 @@ from bicc.models import build_tiny
 from bicc.plan import StepPlan
 from bicc.rollout import EngineOptions, SamplingParams, build_engine
 from bicc.rows import QueryRows
+from bicc.step import build_rl_state, rl_step
 from bicc.trainer import logprobs_no_grad, update_policy
 from tests.conftest import compose_cfg
-from tests.helpers import ARCH, rows, state_for
+from tests.helpers import ARCH, CoinTask, rows, state_for
 
 
 def passes(overrides, sampler=False, diagnostics=False):
@@ -26,18 +27,27 @@ def test_passes_per_configuration():
     assert passes(["bicc=off", "rcc=off"]) == ["update on q (forward + backward, supplies pi_old)"]
     # several updates per rollout: pi_old must be frozen before the first
     assert passes(["bicc=off", "rcc=off", "train.epochs_per_rollout=2"])[0] == "pi_old on q (no grad)"
-    # the paper's BiCC + RCC (delta on x^c, Algorithm 1): pi_old on q, pi_ref on q, theta_old on x^c
-    paper = ["pi_old on q (no grad)", "pi_ref on q (no grad)", "pi_theta_old on x^c for RCC's delta (no grad)",
-             "update on x^c (forward + backward)"]
+    # the paper's BiCC + RCC (delta on x^c, Algorithm 1): pi_old on q, pi_ref on q; theta_old on x^c is the
+    # update's own first forward (one update per rollout), or a pass of its own
+    update, update_delta = "update on x^c (forward + backward)", "update on x^c (forward + backward, supplies RCC's delta)"
+    paper = ["pi_old on q (no grad)", "pi_ref on q (no grad)", update_delta]
     assert passes(["bicc=on", "rcc=on"]) == paper
+    own_pass = [*paper[:2], "pi_theta_old on x^c for RCC's delta (no grad)", update]
+    assert passes(["bicc=on", "rcc=on", "rcc.delta_from_update=false"]) == own_pass
+    assert passes(["bicc=on", "rcc=on", "train.minibatches_per_rollout=2"]) == own_pass
     # delta on q (Section 4.2) reuses pi_old on q; the sampler's log-probs replace pi_old on q
-    assert passes(["bicc=on", "rcc=on", "rcc.delta_context=q"]) == [paper[0], paper[1], paper[3]]
+    assert passes(["bicc=on", "rcc=on", "rcc.delta_context=q"]) == [*paper[:2], update]
     assert passes(["bicc=on", "rcc=on", "rollout.old_from_sampler=true"], sampler=True) == paper[1:]
     assert passes(["bicc=on", "rcc=on", "rcc.delta_context=q", "rollout.old_from_sampler=true"],
-                  sampler=True) == [paper[1], paper[3]]
-    # the stabilised form: pi_old on x^c is the update's forward too, unless RCC needs it first
+                  sampler=True) == [paper[1], update]
+    # the stabilised form: pi_old on x^c is the update's forward too, and so is RCC's delta
     assert passes(["bicc=stable", "rcc=off"]) == ["update on x^c (forward + backward, supplies pi_old)"]
-    assert passes(["bicc=stable", "rcc=on"]) == ["pi_old on x^c (no grad)", "pi_ref on q (no grad)", paper[3]]
+    assert passes(["bicc=stable", "rcc=on"]) == ["pi_ref on q (no grad)",
+                                                 "update on x^c (forward + backward, supplies pi_old and RCC's delta)"]
+    assert passes(["bicc=stable", "rcc=on", "rcc.delta_from_update=false"]) == ["pi_old on x^c (no grad)", paper[1], update]
+    # a base variant with RCC: pi_old and delta (both on q) from the update
+    assert passes(["bicc=off", "rcc=on"]) == ["pi_ref on q (no grad)",
+                                              "update on q (forward + backward, supplies pi_old and RCC's delta)"]
     # a diagnostics step needs delta, so pi_old and pi_ref before the update
     assert passes(["bicc=off", "rcc=off"], diagnostics=True) == ["pi_old on q (no grad)", "pi_ref on q (no grad)",
                                                                  "update on q (forward + backward)"]
@@ -68,6 +78,44 @@ def test_pi_old_from_the_update_forward_gives_the_same_update():
         torch.testing.assert_close(p, q, atol=1e-7, rtol=0)
     assert metrics_b["train/ratio_mean"] == 1.0
     assert metrics_a["train/loss"] == pytest.approx(metrics_b["train/loss"], abs=1e-7)
+
+
+@pytest.mark.parametrize("form", ["on", "stable", "off"])
+def test_delta_from_the_update_gives_the_same_steps(form, tmp_path):
+    """rcc.delta_from_update: RCC's delta read from the update's own first forward (every micro-batch's
+    forward, then the advantages, then the backwards) makes one no-grad pass fewer and the same steps as
+    its own pass: the same correction and the same weights after two ``rl_step`` calls of 4 micro-batches."""
+    model, tok = build_tiny(ARCH, seed=0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    base = [f"bicc={form}", "rcc=on", "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=2", "train.micro_batch_size=5", "rcc.diag_every=0",
+            "optim.warmup_steps=0", "optim.lr=1e-3"]
+    runs = {}
+    for deferred in (True, False):
+        cfg = compose_cfg([*base, f"rcc.delta_from_update={str(deferred).lower()}"])
+        s = build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"))
+        s.task = CoinTask(s.task)
+        assert s.plan.delta_from_update == deferred
+        records = [rl_step(s, cfg)[0] for _ in range(2)]
+        runs[deferred] = records, [p.detach().clone() for p in s.model.parameters()]
+    (read, weights_read), (own, weights_own) = runs[True], runs[False]
+    for a, b in zip(read, own):
+        assert a["perf/no_grad_passes"] == b["perf/no_grad_passes"] - 1
+        assert a["reward/mean"] == b["reward/mean"] and a["bicc/samples_conditioned_share" if form != "off" else "reward/mean"] > 0
+        assert a["rcc/cov"] == pytest.approx(b["rcc/cov"], abs=1e-6)
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
+    assert max(r["rcc/abs_cov"] for r in own) > 1e-3  # the correction acts: delta matters to the update
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), weights_own))
+    assert moved > 1e-4
+    for p, q in zip(weights_read, weights_own):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+def test_delta_from_the_update_needs_one_update_per_rollout():
+    cfg = compose_cfg(["train.epochs_per_rollout=2"])
+    with pytest.raises(ValueError, match="rcc.delta_from_update=false"):
+        update_policy(state_for(build_tiny(ARCH, seed=0)[0]), None, None, None, None, lambda logp: logp, cfg, 0)
 
 
 class SamplerCfg:

@@ -103,6 +103,7 @@ def test_rcc_delta_context(form, context):
     """The paper evaluates delta's policy term on x^c (Algorithm 1) and on q (Section 4.2, Appendices B/C)."""
     cfg, batch, plain, numerator = bicc_setup(form)
     cfg.rcc.delta_context = context
+    cfg.rcc.delta_from_update = False  # its own no-grad pass here (tests/test_plan.py: from the update's forward)
     policy, _ = build_tiny(ARCH, seed=0)
     got = step_logprobs(StepPlan.from_config(cfg, False), policy, None, plain, numerator, None, cfg,
                         batch.completion_mask).delta
