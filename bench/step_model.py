@@ -113,10 +113,12 @@ def measured_costs() -> dict[str, float]:
     return out
 
 
-def step_phases(plan: StepPlan, cost: dict[str, float], mean_len: float, max_len: int) -> dict[str, float]:
-    """Seconds per phase of one GPU's step under ``plan``."""
+def step_phases(plan: StepPlan, cost: dict[str, float], mean_len: float, max_len: int,
+                share_prompts: bool = True) -> dict[str, float]:
+    """Seconds per phase of one GPU's step under ``plan``; ``share_prompts`` (``train.share_prompts``): each
+    prompt computed once for its G outputs in the passes on q, else once per output."""
     n = GROUPS * G
-    q_tokens = n * (PROMPT + mean_len)
+    q_tokens = (GROUPS if share_prompts else n) * PROMPT + n * mean_len
     prefix = PROMPT + int(0.4 * MAX_TOKENS)
     xc_tokens = GROUPS * 2 * prefix + n * mean_len  # KV-reuse packing: each group's two prefixes once
     update_tokens = xc_tokens if plan.conditioned else q_tokens
@@ -145,7 +147,7 @@ def main() -> None:
                             ("BiCC+RCC, pi_old from the sampler", ["bicc=on", "rcc=on", "rollout.old_from_sampler=true"])):
         cfg = compose_cfg(["experiment=paper_qwen3_4b", "rcc.diag_every=0", *overrides])
         plan = StepPlan.from_config(cfg, cfg.rollout.old_from_sampler)
-        phases = step_phases(plan, cost, mean_len, MAX_TOKENS)
+        phases = step_phases(plan, cost, mean_len, MAX_TOKENS, cfg.train.share_prompts)
         total = totals[name] = sum(phases.values())
         top = max(phases, key=phases.get)
         print(f"\n{name}: {total:.1f}s per step, dominated by {top} ({phases[top] / total:.0%})")

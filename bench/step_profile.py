@@ -19,8 +19,8 @@ correct, so every BiCC group is conditioned. Three measurements:
   forward), alternating: ``RESULT padding_share=<padded tokens computed / real tokens - 1> target<=0.10``
   and ``RESULT step_speedup_vs_padded=<before / now> target>=1.4``, with the weights after each update
   compared (same rows, same gradient);
-- full steps (rollout included) of GRPO, of the paper's BiCC + RCC and of BiCC + RCC with delta on q
-  (Section 4.2's reading) and pi_old from the sampler (two no-grad passes fewer), alternating:
+- full steps (rollout included) of GRPO, of the paper's BiCC + RCC and of BiCC + RCC with pi_old on q from
+  the sampler (one no-grad pass fewer), alternating:
   ``RESULT full_step_ratio_bicc_rcc=<BiCC+RCC step / GRPO step> target<=1.15``;
 - ``RESULT passes_per_step_bicc_rcc=<n>`` for ``bicc=on rcc=on`` (and with ``rollout.old_from_sampler``).
 
@@ -62,7 +62,7 @@ LARGE = dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1152, num_a
 REALISTIC = ["rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=256",
              "rollout.batch_size=64", "train.micro_batch_size=64", "optim.lr=1e-5", "rcc.diag_every=0"]
 PAPER = ["bicc=on", "rcc=on"]
-LEAN = ["rcc.delta_context=q", "rollout.old_from_sampler=true"]  # the paper's method with two passes fewer
+LEAN = ["rollout.old_from_sampler=true"]  # the paper's method, pi_old on q from the sampler: one pass fewer
 
 
 def compose_cfg(overrides: list[str]):

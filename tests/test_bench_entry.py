@@ -45,6 +45,9 @@ def test_step_model_phases_follow_the_plan():
     assert list(grpo) == ["rollout", "update"]
     assert len(paper) == 5  # rollout, three no-grad passes, update
     assert list(read) == [k for k in paper if "delta" not in k]  # delta read from the update's forward
-    # 64 rows of 300 + 100 tokens on q; update = (3 + 1) per token (checkpointing replays the forward)
-    assert grpo["update"] == 64 * 400 * 4.0
-    assert paper["pi_ref on q"] == 64 * 400 * 1.0
+    # 8 prompts of 300 tokens, each computed once for its 64 / 8 outputs of 100 tokens (train.share_prompts), or
+    # once per output; update = (3 + 1) per token (checkpointing replays the forward)
+    assert grpo["update"] == (8 * 300 + 64 * 100) * 4.0
+    assert paper["pi_ref on q"] == (8 * 300 + 64 * 100) * 1.0
+    plan = StepPlan.from_config(compose_cfg(["bicc=off", "rcc=off"]), False)
+    assert step_phases(plan, cost, 100.0, 2048, share_prompts=False)["update"] == 64 * 400 * 4.0
