@@ -89,7 +89,6 @@ def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=
     return loss, metrics, raw, old
 
 
-
 def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg, is_weight=None):
     """``loss(rows, norm_rows)``: the update's loss on ``rows`` normalised over ``norm_rows`` (a whole
     minibatch or a diagnostic split), as a differentiable scalar."""
@@ -266,7 +265,8 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     past each output) returning them (RCC's delta read from the update, ``StepPlan.delta_from_update``; one
     update per rollout only): then every micro-batch runs its forward, the advantages are computed, and
     only then the losses and backwards, the graphs held in between."""
-    deferred = callable(adv)
+    advantages_of = adv if callable(adv) else None  # called once the first forwards are done; adv is then its result
+    deferred = advantages_of is not None
     if deferred and (cfg.train.epochs_per_rollout > 1 or cfg.train.minibatches_per_rollout > 1):
         raise ValueError("advantages from the update's own forward need one update per rollout "
                          "(train.epochs_per_rollout = train.minibatches_per_rollout = 1); set rcc.delta_from_update=false")
@@ -336,7 +336,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                     for rows, logp, _ in held:
                         if rows is not None:
                             grid[rows] = logp.detach()
-                    adv = adv(grid)
+                    adv = advantages_of(grid)  # what finish() reads
                     while held:
                         step_loss += finish(*held.pop(0), totals)
                 start = time.perf_counter()
