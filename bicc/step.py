@@ -63,7 +63,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         return adv.to(device)
 
     # under plan.delta_from_update the update computes them between its forwards and its backwards
-    adv = advantages if plan.delta_from_update else advantages(lp.delta if plan.delta is not None else None)
+    adv = advantages if plan.delta_from_update else advantages(lp.delta)  # lp.delta: None when the plan has no delta
     diag_record, diag_metrics = {}, {}
     t_diagnostics = time.perf_counter()
     if plan.diagnostics:
