@@ -8,6 +8,10 @@ Two plans (``plan_micro_batches``):
   real tokens. Rows of similar length then share a micro-batch and little is spent on padding; the long
   tail of a reasoning-length batch goes in small micro-batches.
 
+Padding-free forwards (``bicc.packing.padding_free``: the prefix-cache rows under a varlen kernel) compute a
+micro-batch's real tokens only; their plan (``ragged``) counts those against ``micro_batch_tokens`` and has no
+padding cap.
+
 Either way a micro-batch is computed on its own columns only (``trim_rows``): the prompt columns that are
 padding in all of its rows and the output columns past its longest output are cut before the forward, and
 the log-probs come back on the step's [n, L] grid with zeros past each output. The loss normalisers are the
@@ -20,15 +24,18 @@ import torch
 
 from bicc.distributed import Dist, global_max, is_sharded
 from bicc.logprobs import TokenBatch
+from bicc.packing import padding_free
 
 MAX_PADDING = 0.1  # length-aware micro-batches: padded tokens at most 10% above the real ones
 
 
-def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, tokens: int = 0) -> list[torch.Tensor]:
+def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, tokens: int = 0,
+                       ragged: bool = False) -> list[torch.Tensor]:
     """``rows`` [n] (indices into the step) cut into micro-batches. ``lengths``: every step row's real length,
     [N] tokens, or [N, 2] (prompt, output) tokens, since a micro-batch is as wide as its longest prompt plus
     its longest output (``trim_rows``). ``tokens = 0``: fixed slices of
-    ``size`` rows; else the length-aware cut above (a row longer than ``tokens`` gets a micro-batch alone)."""
+    ``size`` rows; else the length-aware cut above (a row longer than ``tokens`` gets a micro-batch alone).
+    ``ragged``: the forwards are padding-free, a micro-batch costs its real tokens."""
     if size < 1:
         raise ValueError(f"train.micro_batch_size must be >= 1, got {size}")
     if tokens <= 0:
@@ -39,6 +46,7 @@ def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, tok
     for r in order:
         if current:
             padded, real = _size(current + [r], parts)
+            padded = real if ragged else padded
             if len(current) == size or padded > tokens or padded > (1 + MAX_PADDING) * real:
                 plan.append(torch.tensor(current, dtype=torch.long))
                 current = []
@@ -81,10 +89,11 @@ def to_grid(x: torch.Tensor | None, mask: torch.Tensor, length: int) -> torch.Te
 
 def micro_batches(rows: torch.Tensor, inputs, size: int, tokens: int, model, d: Dist) -> list[torch.Tensor]:
     """``rows`` cut into micro-batches (``bicc.batching``: fixed, or by length under
-    ``train.micro_batch_tokens``). A sharded (FSDP2) model all-gathers in every forward and reduce-scatters
+    ``train.micro_batch_tokens``; by real tokens where ``inputs`` go padding-free). A sharded (FSDP2) model all-gathers in every forward and reduce-scatters
     in every backward, so every rank runs the largest count of any rank (ranks hold different numbers of
     rows after DAPO's dynamic sampling); the extra ones are empty (no-op forwards)."""
-    plan = plan_micro_batches(rows, inputs.lengths, size, tokens)
+    ragged = getattr(inputs, "kv", False) and padding_free(model)
+    plan = plan_micro_batches(rows, inputs.lengths, size, tokens, ragged)
     if d.enabled and is_sharded(model):
         plan += [rows[:0]] * (global_max(len(plan), d) - len(plan))
     return plan

@@ -60,6 +60,7 @@ def load_pretrained(path: str, model_cfg, device: torch.device, dtype: torch.dty
         path, dtype=dtype or DTYPES[model_cfg.dtype],
         attn_implementation=resolve_attn_implementation(model_cfg.attn_implementation)
     ).to(device)
+    model.bicc_padding_free = model_cfg.padding_free  # read by bicc.packing.padding_free
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer

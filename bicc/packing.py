@@ -8,13 +8,20 @@ predicted from the prefix's last position, the rest from o_j's own previous posi
 
 The mask goes to SDPA as a bool mask (True = attend); eager attention gets the additive float form.
 flash-attn has no 4-D mask (it would read one as padding and attend across outputs), so packed rows
-refuse it: under flash_attention_2 BiCC uses ``prefix_cache_logprobs`` (``bicc.packing_impl=kv``),
-whose forwards need only 2-D padding masks.
+refuse it: under flash_attention_2 BiCC uses ``prefix_cache_logprobs`` (``bicc.packing_impl=kv``).
+
+Padding-free forwards. Under a kernel that takes ragged sequences (``VARLEN_ATTENTION``: flash-attn's
+varlen path, through transformers' ``cu_seq_lens_*`` kwargs) and ``model.padding_free`` (``padding_free``),
+the prefix-cache forwards compute no padding at all: the distinct prefixes go as one sequence of all their
+tokens with restarting positions, and the completions as another, each completion's queries attending to
+its prefix's keys/values and its own (``cu_seq_lens_k`` counts prefix + completion). Elsewhere (SDPA,
+eager, any CPU) each forward pads its rows to its longest, and length-aware micro-batches keep that small.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +32,21 @@ from bicc.logprobs import at_least_fp32, compute_precision, entropy_from_logits,
 
 
 MASK_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")  # kernels that take ragged sequences (cu_seqlens)
+
+
+def padding_free(model) -> bool:
+    """Whether the prefix-cache forwards of ``model`` go padding-free: its attention kernel takes ragged
+    sequences and ``model.padding_free`` did not turn it off (``bicc_padding_free``, set at load)."""
+    return model.config._attn_implementation in VARLEN_ATTENTION and getattr(model, "bicc_padding_free", True)
+
+
+def _ragged(lengths_q: list[int], lengths_k: list[int], device) -> dict:
+    """transformers' varlen kwargs for sequences of ``lengths_q`` queries over ``lengths_k`` keys, laid end to
+    end (int32 cumulative lengths, as flash-attn takes them)."""
+    cu = lambda xs: torch.tensor([0, *itertools.accumulate(xs)], dtype=torch.int32, device=device)  # noqa: E731
+    return dict(cu_seq_lens_q=cu(lengths_q), cu_seq_lens_k=cu(lengths_k), max_length_q=max(lengths_q),
+                max_length_k=max(lengths_k))
 
 
 @dataclass
@@ -154,6 +176,21 @@ class _RecordLayer(DynamicLayer):
         return key_states, value_states
 
 
+class _GatherLayer(DynamicLayer):
+    """Padding-free completion pass: the keys/values each query sequence attends to, laid end to end:
+    ``index`` picks, from [every prefix's tokens; every completion's tokens], each completion's prefix and
+    then its own tokens. Reads the prefixes and never changes them (replay-safe like ``_ReadLayer``)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self.index = keys, values, index
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        gather = lambda old, new: torch.cat([old, new], dim=-2).index_select(-2, self.index)  # noqa: E731
+        return gather(self.keys, key_states), gather(self.values, value_states)
+
+
 class _ReadLayer(DynamicLayer):
     """Completion pass: attends to the gathered prefix keys/values [n, heads, W, d] and never changes
     them, so a checkpointed layer's replay reads exactly what its forward read."""
@@ -186,8 +223,10 @@ def _cache_through_checkpointing(model):
 class PrefixStates:
     """Distinct prefixes computed once: their keys/values and their last position's logits.
 
-    keys, values:  per layer [U, kv_heads, W, head_dim], the prefixes left-padded to the longest (W)
-    mask:          [U, W] 1 on real prefix tokens
+    keys, values:  per layer [U, kv_heads, W, head_dim], the prefixes left-padded to the longest (W); padding-free:
+                   [1, kv_heads, sum of lengths, head_dim], the prefixes end to end
+    mask:          [U, W] 1 on real prefix tokens; None when padding-free
+    lengths:       [U] each prefix's tokens
     first_logits:  [U, V] the last position's logits: they predict the first token of every completion behind
     roots:         when computed with grad and detached (``encode_prefixes(..., detach=True)``), the tensors the
                    forward produced, in the order of ``leaves()``: ``backward()`` carries the gradient the
@@ -196,7 +235,8 @@ class PrefixStates:
 
     keys: list
     values: list
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    lengths: list[int]
     first_logits: torch.Tensor
     roots: list | None = None
 
@@ -216,29 +256,39 @@ class PrefixStates:
 def encode_prefixes(model, prefixes: list[list[int]], pad_id: int, detach: bool = False) -> PrefixStates:
     """One forward over the distinct ``prefixes`` (left-padded, with a cache, keeping only the last position's
     logits). ``detach``: return detached copies that collect gradients (``PrefixStates.backward``), so that
-    several completion forwards and backwards can share one prefix forward."""
+    several completion forwards and backwards can share one prefix forward. Padding-free (``padding_free``):
+    one sequence of all the prefixes' tokens, positions restarting at each."""
     device = next(model.parameters()).device
-    U, width = len(prefixes), max(len(p) for p in prefixes)
-    ids = torch.full((U, width), pad_id, dtype=torch.long)  # [U, W]
-    mask = torch.zeros((U, width), dtype=torch.long)  # [U, W]
-    for u, p in enumerate(prefixes):
-        ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[u, width - len(p) :] = 1
-    pos = (mask.cumsum(1) - 1).clamp(min=0)  # [U, W]
-    ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
+    lengths = [len(p) for p in prefixes]
+    if padding_free(model):
+        ids = torch.tensor([t for p in prefixes for t in p], dtype=torch.long, device=device)[None]  # [1, sum W]
+        pos = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]  # [1, sum W]
+        last = torch.tensor(lengths, device=device).cumsum(0) - 1  # [U]: each prefix's last token
+        inputs = dict(input_ids=ids, position_ids=pos, logits_to_keep=last, **_ragged(lengths, lengths, device))
+        mask = None
+    else:
+        U, width = len(prefixes), max(lengths)
+        ids = torch.full((U, width), pad_id, dtype=torch.long)  # [U, W]
+        mask = torch.zeros((U, width), dtype=torch.long)  # [U, W]
+        for u, p in enumerate(prefixes):
+            ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[u, width - len(p) :] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)  # [U, W]
+        mask = mask.to(device)
+        inputs = dict(input_ids=ids.to(device), attention_mask=mask, position_ids=pos.to(device), logits_to_keep=1)
     with _cache_through_checkpointing(model):
         cache = DynamicCache()
         cache.layer_class_to_replicate = _RecordLayer
         with compute_precision(model):
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
+            logits = model(**inputs, past_key_values=cache, use_cache=True).logits
+    first_logits = logits[0] if mask is None else logits[:, -1]  # [U, V]
     states = PrefixStates([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask,
-                          out.logits[:, -1])
+                          lengths, first_logits)
     if not (detach and torch.is_grad_enabled()):
         return states
     roots = states.leaves()
     leaf = lambda t: t.detach().requires_grad_(t.requires_grad)  # noqa: E731
-    return PrefixStates([leaf(k) for k in states.keys], [leaf(v) for v in states.values], mask,
+    return PrefixStates([leaf(k) for k in states.keys], [leaf(v) for v in states.values], mask, lengths,
                         leaf(states.first_logits), roots)
 
 
@@ -248,11 +298,27 @@ def completion_logprobs(model, states: PrefixStates, prefix_of: list[int], compl
     (``prefix_of[i]``: its row in ``states``). All completions go in one forward, each attending to its
     prefix's keys/values (gathered per completion, differentiably: the prefix receives the gradient of
     every completion behind it) and causally to itself; completions never meet in one attention matrix, so
-    the cost is linear in the number of completions per prefix."""
-    device = states.mask.device
-    n = len(completions)
-    grid, length = length, max(1, min(length, max(len(c) for c in completions)))  # computed to the longest here
+    the cost is linear in the number of completions per prefix. Padding-free when ``states`` is."""
+    device = states.first_logits.device
     index = torch.tensor(prefix_of, dtype=torch.long, device=device)  # [n]
+    first = torch.tensor([c[0] if c else pad_id for c in completions], dtype=torch.long, device=device)  # [n]
+    first_logits = states.first_logits.index_select(0, index)  # [n, V]: predicts each completion's first token
+    if temperature != 1.0:
+        first_logits = at_least_fp32(first_logits) / temperature
+    first_logp = logprobs_from_logits(first_logits, first)  # [n]
+    first_entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            first_entropy = entropy_from_logits(first_logits)
+    rest = _ragged_rest if states.mask is None else _padded_rest
+    return rest(model, states, index, completions, length, pad_id, temperature, with_entropy, first_logp, first_entropy)
+
+
+def _padded_rest(model, states, index, completions, grid, pad_id, temperature, with_entropy, first_logp, first_entropy):
+    """``completion_logprobs`` on left-padded prefixes: the completions right-padded to their longest, each
+    reading a copy of its prefix's keys/values."""
+    device, n = index.device, len(completions)
+    length = max(1, min(grid, max(len(c) for c in completions)))  # computed to the longest here
     c_ids = torch.full((n, length), pad_id, dtype=torch.long)  # [n, L]
     c_mask = torch.zeros((n, length), dtype=torch.long)  # [n, L]
     for i, c in enumerate(completions):
@@ -262,14 +328,6 @@ def completion_logprobs(model, states: PrefixStates, prefix_of: list[int], compl
     c_ids, c_mask = c_ids.to(device), c_mask.to(device)
     p_mask = states.mask[index]  # [n, W]
     c_pos = p_mask.sum(1)[:, None] + torch.arange(length, device=device)[None]  # [n, L]: after the real prefix
-    first_logits = states.first_logits.index_select(0, index)  # [n, V]: predicts each completion's first token
-    if temperature != 1.0:
-        first_logits = at_least_fp32(first_logits) / temperature
-    first_logp = logprobs_from_logits(first_logits, c_ids[:, 0])  # [n]
-    first_entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            first_entropy = entropy_from_logits(first_logits)
     if length > 1:
         with _cache_through_checkpointing(model):
             # one (shared, differentiable) copy of its prefix's keys/values per completion: [U, ...] -> [n, ...]
@@ -287,6 +345,44 @@ def completion_logprobs(model, states: PrefixStates, prefix_of: list[int], compl
     logp = torch.nn.functional.pad(logp * c_mask, (0, grid - length))  # [n, grid]
     if entropy is not None:
         entropy = torch.nn.functional.pad(entropy.detach() * c_mask, (0, grid - length))
+    return logp, entropy
+
+
+def _ragged_rest(model, states, index, completions, grid, pad_id, temperature, with_entropy, first_logp, first_entropy):
+    """``completion_logprobs`` on prefixes laid end to end: every completion's tokens after its first as one
+    sequence of their real tokens (queries), each completion's keys its prefix's and then its own."""
+    device, n = index.device, len(completions)
+    prefix_of = index.tolist()
+    seqs = [i for i, c in enumerate(completions) if len(c) > 1]  # completions with a token after their first
+    q_len = [len(completions[i]) - 1 for i in seqs]
+    values = [first_logp[[i for i, c in enumerate(completions) if c]]]
+    entropies = [first_entropy[[i for i, c in enumerate(completions) if c]]] if with_entropy else []
+    rows = [i for i, c in enumerate(completions) if c]
+    cols = [0] * len(rows)
+    if seqs:
+        p_start = [0, *itertools.accumulate(states.lengths)]  # each prefix's first token among all of theirs
+        q_start = [0, *itertools.accumulate(q_len)]
+        index_k = torch.cat([torch.cat([torch.arange(p_start[prefix_of[i]], p_start[prefix_of[i] + 1]),
+                                        p_start[-1] + torch.arange(q_start[j], q_start[j + 1])])
+                             for j, i in enumerate(seqs)]).to(device)  # [sum(W_i + q_i)]
+        as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)[None]  # noqa: E731
+        ids = as_row([t for i in seqs for t in completions[i][:-1]])  # [1, sum q]
+        targets = as_row([t for i in seqs for t in completions[i][1:]])  # [1, sum q]
+        pos = as_row([states.lengths[prefix_of[i]] + t for i in seqs for t in range(len(completions[i]) - 1)])
+        k_len = [states.lengths[prefix_of[i]] + q for i, q in zip(seqs, q_len)]
+        with _cache_through_checkpointing(model):
+            cache = DynamicCache()
+            cache.layers = [_GatherLayer(k, v, index_k) for k, v in zip(states.keys, states.values)]
+            rest_logp, rest_entropy = forward_logprobs(
+                model, targets, temperature, with_entropy, input_ids=ids, position_ids=pos, past_key_values=cache,
+                logits_to_keep=0, **_ragged(q_len, k_len, device))  # [1, sum q]
+        values.append(rest_logp[0])
+        entropies += [rest_entropy[0]] if with_entropy else []
+        rows += [i for i, q in zip(seqs, q_len) for _ in range(q)]
+        cols += [t for q in q_len for t in range(1, q + 1)]
+    at = (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cols, dtype=torch.long, device=device))
+    logp = first_logp.new_zeros(n, grid).index_put(at, torch.cat(values))  # [n, grid]
+    entropy = first_logp.new_zeros(n, grid).index_put(at, torch.cat(entropies).detach()) if with_entropy else None
     return logp, entropy
 
 

@@ -138,6 +138,22 @@ def prefix_cache_case():
 
 
 
+def kv_case(seed=5):
+    """Three contexts, eight ragged outputs behind them, as a KV-reuse numerator."""
+    from omegaconf import OmegaConf
+
+    from bicc.conditioning import ConditionedPrompts
+    from bicc.rows import ContextRows
+
+    gen = torch.Generator().manual_seed(seed)
+    contexts = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (12, 9, 7)]
+    keys = [0, 1, 2, 0, 1, 2, 0, 0]  # which context each output follows
+    outputs = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (11, 2, 7, 3, 9, 1, 7, 3)]
+    prompts = ConditionedPrompts([contexts[k] for k in keys], keys, torch.ones(8, dtype=torch.bool))
+    bicc_cfg = OmegaConf.create({"packing": True, "max_packed_len": 256, "packing_impl": "kv"})
+    return ContextRows(prompts, outputs, 11, bicc_cfg, 0, torch.device("cpu")), contexts, outputs
+
+
 # ---- BiCC contexts on the character tokenizer ----------------------------------------------------
 
 TOK = build_char_tokenizer()

@@ -13,7 +13,7 @@ from bicc.models import build_tiny
 from bicc.rows import QueryRows
 from bicc.trainer import logprobs_no_grad, micro_batches
 from tests.conftest import compose_cfg
-from tests.helpers import ARCH
+from tests.helpers import ARCH, kv_case
 
 
 def test_plan_by_hand():
@@ -28,6 +28,8 @@ def test_plan_by_hand():
     fixed = plan_micro_batches(torch.arange(6), lengths, size=4)
     assert [mb.tolist() for mb in fixed] == [[0, 1, 2, 3], [4, 5]]
     assert padded_tokens(fixed, lengths) == 4 * 10 + 2 * 20
+    # padding-free forwards (ragged): a micro-batch costs its real tokens, no padding cap: 20 + 10 | 10 + 9 + 4 + 4
+    assert [mb.tolist() for mb in plan_micro_batches(torch.arange(6), lengths, size=4, tokens=30, ragged=True)] == [[5, 0], [1, 2, 3, 4]]
     # the row cap; a subset of rows is planned on its own
     assert [mb.tolist() for mb in plan_micro_batches(torch.tensor([2, 1, 0]), lengths, size=2, tokens=1000)] == [[1, 0], [2]]
     with pytest.raises(ValueError, match="micro_batch_size"):
@@ -113,22 +115,6 @@ def test_conditioned_logprobs_do_not_depend_on_the_plan(impl):
     assert len(plan) > 1
     torch.testing.assert_close(logprobs_no_grad(model, numerator, 8, 8, 1.0, micro_batch_tokens=40), whole,
                                atol=1e-5, rtol=0)
-
-
-def kv_case(seed=5):
-    """Three contexts, eight ragged outputs behind them, as a KV-reuse numerator."""
-    from omegaconf import OmegaConf
-
-    from bicc.conditioning import ConditionedPrompts
-    from bicc.rows import ContextRows
-
-    gen = torch.Generator().manual_seed(seed)
-    contexts = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (12, 9, 7)]
-    keys = [0, 1, 2, 0, 1, 2, 0, 0]  # which context each output follows
-    outputs = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (11, 2, 7, 3, 9, 1, 7, 3)]
-    prompts = ConditionedPrompts([contexts[k] for k in keys], keys, torch.ones(8, dtype=torch.bool))
-    bicc_cfg = OmegaConf.create({"packing": True, "max_packed_len": 256, "packing_impl": "kv"})
-    return ContextRows(prompts, outputs, 11, bicc_cfg, 0, torch.device("cpu")), contexts, outputs
 
 
 def test_kv_contexts_are_computed_once_per_step():

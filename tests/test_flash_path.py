@@ -6,8 +6,9 @@ there are fewer queries than keys). Everything else is transformers' own flash-a
 2-D mask, unpadding, the query slice under a cache, the no-padding shortcut. That plumbing is where
 packed rows could go silently wrong (a 4-D mask is not a padding mask), so these tests check that the
 prefix-cache packing (``bicc.packing_impl=kv``) gives the one-row-per-output log-probs and gradients
-under it, and that mask packing refuses to run. ``tests/test_gpu.py`` repeats the check with the real
-kernel on CUDA.
+under it, and that mask packing refuses to run. The padding-free layout (``bicc.packing.padding_free``: prefixes
+and completions laid end to end, ``cu_seq_lens_*`` kwargs) is checked the same way, and that it embeds exactly
+the real tokens. ``tests/test_gpu.py`` repeats the check with the real kernel on CUDA.
 """
 
 import pytest
@@ -26,6 +27,9 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     cu[b]:cu[b+1]. Causal: query i of a sequence with sq queries and sk keys sees keys j <= i + sk - sq."""
     CALLS["varlen"] += 1
     assert dropout_p == 0.0
+    # flash-attn's contract: int32 cumulative lengths, one more than the sequences, ending at the token count
+    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+    assert int(cu_seqlens_q[-1]) == q.shape[0] and int(cu_seqlens_k[-1]) == k.shape[0]
     out = []
     for b in range(len(cu_seqlens_q) - 1):
         qs = q[cu_seqlens_q[b] : cu_seqlens_q[b + 1]]  # [sq, H, D]
@@ -45,8 +49,9 @@ def reference_dense(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
     """flash_attn_func: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], no padding."""
     CALLS["dense"] += 1
     B, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    out = reference_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), torch.arange(B + 1) * sq,
-                           torch.arange(B + 1) * sk, sq, sk, dropout_p, softmax_scale, causal)
+    cu = lambda n: torch.arange(B + 1, dtype=torch.int32) * n  # noqa: E731
+    out = reference_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu(sq), cu(sk), sq, sk, dropout_p,
+                           softmax_scale, causal)
     CALLS["varlen"] -= 1
     return out.view(B, sq, *q.shape[2:])
 
@@ -78,8 +83,10 @@ def test_plain_rows_match_sdpa(flash_model):
     assert CALLS["varlen"] > 0  # the flash path really ran
 
 
-def test_prefix_cache_packing_matches_unpacked_sdpa(flash_model):
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_prefix_cache_packing_matches_unpacked_sdpa(flash_model, padding_free):
     flash, sdpa, tok = flash_model
+    flash.bicc_padding_free = padding_free
     prefixes, distinct, prefix_of, completions = prefix_cache_case()
     a, _ = prefix_cache_logprobs(flash, distinct, prefix_of, completions, 9, tok.pad_token_id)
     b, batch = unpacked(sdpa, tok, prefixes, completions)
@@ -100,9 +107,10 @@ def assert_gradients_match_pair(model_a, model_b, a, b, mask):
 
 
 def test_prefix_cache_packing_without_padding(flash_model):
-    """One prefix, one full-length output: transformers drops the all-ones mask and FA's causal
-    alignment alone must place the output's queries after the cached prefix."""
+    """Padded layout, one prefix, one full-length output: transformers drops the all-ones mask and FA's
+    causal alignment alone must place the output's queries after the cached prefix."""
     flash, sdpa, tok = flash_model
+    flash.bicc_padding_free = False
     prefix, completion = list(range(5, 17)), list(range(20, 29))
     with torch.no_grad():
         a, _ = prefix_cache_logprobs(flash, [prefix], [0], [completion], 9, tok.pad_token_id)
@@ -131,3 +139,63 @@ def test_config_rejects_mask_packing_where_flash_runs(monkeypatch):
         validate(compose_cfg([*flash, "bicc.packing_impl=mask"]))
     validate(compose_cfg([*flash, "bicc.packing_impl=kv"]))
     validate(compose_cfg(["bicc=on", "bicc.packing_impl=mask", "sft.cache_dir=/tmp/x"]))  # SDPA: fine
+
+
+def embedded_tokens(model):
+    """A list that collects the token count of every forward of ``model``, and the hook's handle."""
+    seen = []
+    return seen, model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+
+
+def test_padding_free_embeds_only_real_tokens(flash_model):
+    """Two prefixes (12 and 7 tokens), five outputs of 5, 9, 1, 6 and 4 tokens. Padded: the prefixes
+    left-padded to 12 (2 x 12 = 24), the outputs less their last token right-padded to 8 (5 x 8 = 40).
+    Padding-free: 12 + 7 = 19, then 4 + 8 + 0 + 5 + 3 = 20, the same log-probs."""
+    flash, _, tok = flash_model
+    _, distinct, prefix_of, completions = prefix_cache_case()
+    out = {}
+    for padding_free in (False, True):
+        flash.bicc_padding_free = padding_free
+        seen, hook = embedded_tokens(flash)
+        with torch.no_grad():
+            out[padding_free], _ = prefix_cache_logprobs(flash, distinct, prefix_of, completions, 9, tok.pad_token_id)
+        hook.remove()
+        assert seen == ([19, 20] if padding_free else [24, 40])
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=0)
+
+
+def test_padding_free_micro_batches_by_real_tokens(flash_model):
+    """The update's path on a padding-free model: contexts once, length-aware micro-batches planned on real
+    tokens (no padding cap), each micro-batch one varlen forward, a backward per micro-batch and one through
+    the contexts, in train mode under activation checkpointing: the log-probs and gradient of one SDPA
+    forward over every [context; output] row. Outputs of 11, 2, 7, 3, 9, 1, 7 and 3 tokens under a
+    16-token budget: 11 | 9 + 7 | 7 + 3 + 3 + 2 + 1 (a padded plan cuts six micro-batches,
+    tests/test_batching.py); embedded: the contexts 12 + 9 + 7, then 10 | 8 + 6 | 6 + 2 + 2 + 1 + 0."""
+    from bicc.distributed import Dist
+    from bicc.logprobs import batch_logprobs, make_token_batch
+    from bicc.trainer import micro_batches
+    from tests.helpers import kv_case
+
+    flash, sdpa, _ = flash_model
+    numerator, _, outputs = kv_case()
+    flash.gradient_checkpointing_enable()
+    flash.train()
+    plan = micro_batches(torch.arange(8), numerator, 8, 16, flash, Dist())
+    assert [mb.tolist() for mb in plan] == [[0], [4, 2], [6, 3, 7, 1, 5]]
+    weights = torch.randn(8, 11, generator=torch.Generator().manual_seed(2))
+    seen, hook = embedded_tokens(flash)
+    got = torch.zeros(8, 11)
+    with numerator.contexts_once(flash, torch.arange(8)):
+        for rows in plan:
+            logp, _ = numerator.logprobs(flash, rows, 1.0)
+            got[rows] = logp.detach()
+            (logp * weights[rows]).sum().backward()
+    hook.remove()
+    assert seen[:4] == [28, 10, 14, 11]  # then the checkpointed layers' replays, which do not embed
+    batch = make_token_batch(numerator.contexts.prompt_ids, outputs, 0)
+    logp, _ = batch_logprobs(sdpa, batch, 1.0)
+    torch.testing.assert_close(got, (logp * batch.completion_mask).detach(), atol=1e-5, rtol=0)
+    (logp * batch.completion_mask * weights).sum().backward()
+    for p, q in zip(flash.parameters(), sdpa.parameters()):
+        assert q.grad.abs().max() > 0
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=0)

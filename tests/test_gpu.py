@@ -46,15 +46,17 @@ def test_flash_attention_matches_sdpa(tmp_path):
 
 
 
-def test_flash_attention_prefix_cache_packing_matches_sdpa_rows():
-    """BiCC's packing under the real flash-attn kernel (``tests/test_flash_path.py`` checks the same with a
-    reference kernel on CPU)."""
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_flash_attention_prefix_cache_packing_matches_sdpa_rows(padding_free):
+    """BiCC's packing under the real flash-attn kernel, padded and padding-free (``tests/test_flash_path.py``
+    checks the same with a reference kernel on CPU)."""
     pytest.importorskip("flash_attn")
     from bicc.packing import prefix_cache_logprobs
     from tests.helpers import prefix_cache_case
 
     model, tokenizer = build_tiny(TinyArchConfig(), seed=0)
     model = model.to("cuda", torch.bfloat16).eval()
+    model.bicc_padding_free = padding_free
     prefixes, distinct, prefix_of, completions = prefix_cache_case()
     batch = make_token_batch(prefixes, completions, tokenizer.pad_token_id).to("cuda")
     with torch.no_grad():

@@ -32,9 +32,10 @@ def test_model_round_trip(tmp_path):
     tok.save_pretrained(tmp_path)
 
     class ModelCfg:
-        dtype, attn_implementation, gradient_checkpointing = "float32", "sdpa", False
+        dtype, attn_implementation, gradient_checkpointing, padding_free = "float32", "sdpa", False, False
 
     loaded, loaded_tok = load_pretrained(str(tmp_path), ModelCfg, torch.device("cpu"))
+    assert loaded.bicc_padding_free is False  # model.padding_free reaches the model bicc.packing reads
     ids = torch.tensor([tok("Compute 1+2.")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)

@@ -34,6 +34,7 @@ class ModelConfig:
     path: Optional[str] = None
     tiny: Optional[TinyArchConfig] = None
     attn_implementation: str = "sdpa"
+    padding_free: bool = True
     dtype: str = choice(Dtype, "float32")
     master_dtype: str = choice(Dtype, "float32")
     gradient_checkpointing: bool = False
