@@ -24,6 +24,12 @@ Ends with ``RESULT bicc_step_ratio=... target<=1.15`` and ``RESULT bicc_mem_rati
 (packed BiCC over GRPO on the last config), and for ``gpu`` also ``RESULT gpu_grpo_mfu=...`` and
 ``RESULT gpu_bicc_mfu=...``.
 
+Beside the times, each variant's arithmetic: model FLOPs of its step counted from the rows it computes
+(``work_flops``: the linear layers per token, the output projection per predicted token, and attention per
+query-key pair, as ``bicc.packing`` lays the rows out), and the ratio of packed BiCC's to GRPO's: the step
+ratio no implementation of the conditioned numerator can go below on a machine where every FLOP costs the
+same.
+
 MFU counts 2 x parameters FLOPs per token for the no-grad forward of pi_old (when the step plan makes one) and
 6 x parameters per token for the numerator's forward and backward (attention's own FLOPs left out, as is usual), over the step time,
 against the GPU's dense bf16 peak (``--peak-tflops``; default 989 for H100/H200).
@@ -81,6 +87,39 @@ def build_model(spec: dict, seed: int = 0):
             model = Qwen3ForCausalLM(config)
     model.config._attn_implementation = resolve_attn_implementation(spec.get("attn", "sdpa"))
     return model.to(getattr(torch, spec.get("dtype", "float32"))), tok
+
+
+def forward_work(rows) -> tuple[int, int, int]:
+    """(tokens embedded, tokens predicted, attention query-key pairs) of one forward over every row of ``rows``
+    (``bicc.rows``): a shared prefix of W tokens once (W(W+1)/2 pairs), then each output of n tokens behind it
+    less its last (n - 1 queries, the t-th attending to W + t keys); unshared prefixes once per row."""
+    if not hasattr(rows, "contexts"):  # one padded row per output: prompt and output both per row
+        lengths = rows.lengths.tolist()
+        return (sum(w + n for w, n in lengths), sum(n for _, n in lengths),
+                sum((w + n) * (w + n + 1) // 2 for w, n in lengths))
+    seen, embedded, pairs = set(), 0, 0
+    for prefix, key, out in zip(rows.contexts.prompt_ids, rows.contexts.context_key, rows.completion_ids):
+        W, n = len(prefix), len(out)
+        if not rows.packing or key not in seen:
+            seen.add(key)
+            embedded, pairs = embedded + W, pairs + W * (W + 1) // 2
+        embedded += max(n - 1, 0)
+        pairs += max(n - 1, 0) * W + (n - 1) * n // 2
+    return embedded, sum(map(len, rows.completion_ids)), pairs
+
+
+def work_flops(model, rows, passes: float) -> float:
+    """Model FLOPs of ``passes`` forwards over ``rows`` (a forward + backward counts 3): 2 per
+    non-embedding parameter per embedded token, 2 x hidden x vocab per predicted token (the output
+    projection) and 4 x layers x attention width per query-key pair (scores and the weighted sum)."""
+    config = model.config
+    body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    if not config.tie_word_embeddings:
+        body -= model.get_output_embeddings().weight.numel()
+    embedded, predicted, pairs = forward_work(rows)
+    width = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    return passes * (2 * body * embedded + 2 * config.hidden_size * config.vocab_size * predicted
+                     + 4 * config.num_hidden_layers * width * pairs)
 
 
 def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
@@ -159,10 +198,13 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     old_tokens = {"update": 0, "forward": numerator.tokens if plan.old_context == "xc" else plain.tokens}[plan.old_source]
+    old_rows = numerator if plan.old_context == "xc" else plain
+    work = work_flops(model, numerator, 3) + (work_flops(model, old_rows, 1) if plan.old_source == "forward" else 0)
     params = num_parameters(model)
     return {"config": config_name, "variant": variant, "params_m": params / 1e6,
             "step_s": statistics.median(times), "times": times, "peak_mb": peak / 2**20, "tokens": numerator.tokens,
             "plain_tokens": plain.tokens, "flops": 2 * params * old_tokens + 6 * params * numerator.tokens,
+            "work_flops": work,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "attn": model.config._attn_implementation}
 
@@ -198,6 +240,7 @@ def main() -> None:
             r["mfu"] = r["flops"] / r["step_s"] / (args.peak_tflops * 1e12)
             print(f"{config_name:9s} {variant:17s} {r['params_m']:7.2f}M params  step {r['step_s']:7.3f}s  "
                   f"peak {r['peak_mb']:8.0f} MB  numerator tokens {r['tokens']} (plain {r['plain_tokens']})  "
+                  f"{r['work_flops'] / 1e9:7.1f} GFLOP  "
                   f"{r['tokens_per_s']:9.0f} tok/s  MFU {r['mfu'] if r['device'] != 'cpu' else float('nan'):.3f}  "
                   f"[{r['device']}, {r['attn']}]", flush=True)
     last = args.configs.split(",")[-1]
@@ -208,6 +251,8 @@ def main() -> None:
               f"memory {unpacked['peak_mb'] / base['peak_mb']:.3f}")
     if not (base and packed):
         return  # the headline ratios need both grpo and bicc_packed
+    print(f"[{last}] packed BiCC / GRPO model FLOPs (the step ratio's floor at this config): "
+          f"{packed['work_flops'] / base['work_flops']:.3f}")
     print(f"RESULT bicc_step_ratio={packed['step_s'] / base['step_s']:.3f} target<=1.15")
     print(f"RESULT bicc_mem_ratio={packed['peak_mb'] / base['peak_mb']:.3f} target<=1.20")
     if last == "gpu":

@@ -51,3 +51,26 @@ def test_step_model_phases_follow_the_plan():
     assert paper["pi_ref on q"] == (8 * 300 + 64 * 100) * 1.0
     plan = StepPlan.from_config(compose_cfg(["bicc=off", "rcc=off"]), False)
     assert step_phases(plan, cost, 100.0, 2048, share_prompts=False)["update"] == 64 * 400 * 4.0
+
+
+def test_bicc_overhead_counts_the_work_of_the_rows_it_computes():
+    """``bench.bicc_overhead.forward_work`` on the KV-reuse case of tests/test_batching.py: contexts of 12, 9 and 7
+    tokens once (78 + 45 + 28 pairs), eight outputs of 11, 2, 7, 3, 9, 1, 7, 3 tokens behind contexts 0, 1, 2,
+    0, 1, 2, 0, 0, each less its last token (10 + 1 + 6 + 2 + 8 + 0 + 6 + 2 = 35 embedded), query t attending
+    to W + t keys: (n - 1) W + (n - 1) n / 2 = 175 + 10 + 63 + 27 + 108 + 0 + 93 + 27 = 503 pairs. One padded
+    row per output instead: every context again for each of its outputs."""
+    from bench.bicc_overhead import forward_work, work_flops
+    from bicc.models import build_tiny
+    from tests.helpers import ARCH, kv_case
+
+    numerator, _, _ = kv_case()
+    assert forward_work(numerator) == (28 + 35, 43, 151 + 503)
+    numerator.packing = False
+    assert forward_work(numerator) == (4 * 12 + 2 * 9 + 2 * 7 + 35, 43, 4 * 78 + 2 * 45 + 2 * 28 + 503)
+    numerator.packing = True
+    model, _ = build_tiny(ARCH, seed=0)
+    c = model.config
+    body = sum(p.numel() for p in model.parameters()) - c.vocab_size * c.hidden_size  # tied output projection
+    width = c.num_attention_heads * c.head_dim
+    expected = 2 * body * 63 + 2 * c.hidden_size * c.vocab_size * 43 + 4 * c.num_hidden_layers * width * 654
+    assert work_flops(model, numerator, 3) == 3 * expected
