@@ -20,6 +20,7 @@ from bicc.checkpoint import (CorruptCheckpoint, incomplete_checkpoints, list_che
 from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
 from bicc.models import DTYPES, num_parameters, tokenizer_and_positions
+from bicc.packing import padding_free
 from bicc.progress import progress
 from bicc.rollout import EngineOptions, build_engine, eval_engine_config
 from bicc.sft import config_hash, warm_start
@@ -132,12 +133,27 @@ def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
     return s
 
 
+def forward_layout(model, cfg) -> str:
+    """How the trainer's forwards lay out their rows (``bicc.packing.padding_free``), for the start-up line."""
+    impl = model.config._attn_implementation
+    if not padding_free(model):
+        return (f"each micro-batch padded to its longest row (attn_implementation={impl}; padding-free needs "
+                "flash_attention_2 and model.padding_free)")
+    bicc_kv = not cfg.bicc.enabled or (cfg.bicc.packing and cfg.bicc.packing_impl == "kv")
+    padded = [name for name, kv in (("the rows on q", cfg.train.share_prompts), ("BiCC's rows", bicc_kv)) if not kv]
+    if not padded:
+        return f"padding-free ({impl})"
+    return (f"padding-free ({impl}) but {' and '.join(padded)}, padded to each micro-batch's longest row "
+            "(padding-free needs KV reuse: train.share_prompts, bicc.packing_impl=kv)")
+
+
 def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
     if s.dist.is_main:
         print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples on {s.dist.world} process(es)")
         extra = f"; every {cfg.rcc.diag_every} steps the diagnostics add their own" if cfg.rcc.diag_every else ""
         print(f"[rl] passes per step: {' -> '.join(s.plan.passes())}{extra}")
+        print(f"[rl] forwards: {forward_layout(s.model, cfg)}")
     start = time.perf_counter()
     bar = progress(cfg.train.steps, "rl", cfg.logger.progress and s.dist.is_main, initial=s.step)
     while s.step < cfg.train.steps:

@@ -258,3 +258,21 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
     # AdamW divides by sqrt(v): a weight whose gradient is near zero moves by float noise scaled up towards lr
     # (the padded flash path is as far from SDPA: 1.6e-5 of a 2.0e-3 move)
     assert moved > 1e-3 and apart < 1e-2 * moved
+
+
+def test_start_up_line_says_how_forwards_are_laid_out():
+    """``[rl] forwards: ...``: a run that asked for flash-attn and fell back to SDPA (flash-attn not installed)
+    says so at start-up, as does one whose rows cannot go padding-free."""
+    from bicc.loop import forward_layout
+    from tests.conftest import compose_cfg
+
+    flash, _ = tiny("flash_attention_2")
+    sdpa, _ = tiny("sdpa")
+    paper = compose_cfg(["bicc=on", "rcc=on", "sft.cache_dir=/tmp/x"])
+    assert forward_layout(flash, paper) == "padding-free (flash_attention_2)"
+    assert forward_layout(sdpa, paper).startswith("each micro-batch padded to its longest row (attn_implementation=sdpa")
+    unshared = forward_layout(flash, compose_cfg(["bicc=off", "train.share_prompts=false", "sft.cache_dir=/tmp/x"]))
+    assert unshared.startswith("padding-free (flash_attention_2) but the rows on q, padded")
+    assert "but BiCC's rows, padded" in forward_layout(flash, compose_cfg(["bicc=on", "bicc.packing=false", "sft.cache_dir=/tmp/x"]))
+    flash.bicc_padding_free = False  # model.padding_free=false
+    assert forward_layout(flash, paper).startswith("each micro-batch padded")
