@@ -89,9 +89,10 @@ def to_grid(x: torch.Tensor | None, mask: torch.Tensor, length: int) -> torch.Te
 
 def micro_batches(rows: torch.Tensor, inputs, size: int, tokens: int, model, d: Dist) -> list[torch.Tensor]:
     """``rows`` cut into micro-batches (``bicc.batching``: fixed, or by length under
-    ``train.micro_batch_tokens``; by real tokens where ``inputs`` go padding-free). A sharded (FSDP2) model all-gathers in every forward and reduce-scatters
-    in every backward, so every rank runs the largest count of any rank (ranks hold different numbers of
-    rows after DAPO's dynamic sampling); the extra ones are empty (no-op forwards)."""
+    ``train.micro_batch_tokens``, on real tokens where ``inputs`` go padding-free). A sharded (FSDP2) model
+    all-gathers in every forward and reduce-scatters in every backward, so every rank runs the largest count
+    of any rank (ranks hold different numbers of rows after DAPO's dynamic sampling); the extra ones are
+    empty (no-op forwards)."""
     ragged = getattr(inputs, "kv", False) and padding_free(model)
     plan = plan_micro_batches(rows, inputs.lengths, size, tokens, ragged)
     if d.enabled and is_sharded(model):

@@ -353,12 +353,12 @@ def _ragged_rest(model, states, index, completions, grid, pad_id, temperature, w
     sequence of their real tokens (queries), each completion's keys its prefix's and then its own."""
     device, n = index.device, len(completions)
     prefix_of = index.tolist()
+    rows = [i for i, c in enumerate(completions) if c]  # where each value goes: its completion and token
+    cols = [0] * len(rows)
+    values = [first_logp[rows]]
+    entropies = [first_entropy[rows]] if with_entropy else []
     seqs = [i for i, c in enumerate(completions) if len(c) > 1]  # completions with a token after their first
     q_len = [len(completions[i]) - 1 for i in seqs]
-    values = [first_logp[[i for i, c in enumerate(completions) if c]]]
-    entropies = [first_entropy[[i for i, c in enumerate(completions) if c]]] if with_entropy else []
-    rows = [i for i, c in enumerate(completions) if c]
-    cols = [0] * len(rows)
     if seqs:
         p_start = [0, *itertools.accumulate(states.lengths)]  # each prefix's first token among all of theirs
         q_start = [0, *itertools.accumulate(q_len)]

@@ -276,3 +276,21 @@ def test_start_up_line_says_how_forwards_are_laid_out():
     assert "but BiCC's rows, padded" in forward_layout(flash, compose_cfg(["bicc=on", "bicc.packing=false", "sft.cache_dir=/tmp/x"]))
     flash.bicc_padding_free = False  # model.padding_free=false
     assert forward_layout(flash, paper).startswith("each micro-batch padded")
+
+
+@pytest.mark.parametrize("completions", [[[5], [], [9]], [[5, 6, 7], [], [9], [8, 4]]])
+def test_padding_free_short_and_empty_outputs(flash_model, completions):
+    """A 1-token output is predicted by its prefix's last position alone, an empty one has nothing to
+    predict: with only those there is no completion forward at all (one forward embeds 12 + 7 tokens)."""
+    flash, sdpa, tok = flash_model
+    distinct = prefix_cache_case()[1]
+    prefix_of = [0, 1, 0, 1][: len(completions)]
+    seen, hook = embedded_tokens(flash)
+    with torch.no_grad():
+        a, _ = prefix_cache_logprobs(flash, distinct, prefix_of, completions, 4, tok.pad_token_id)
+        b, batch = unpacked(sdpa, tok, [distinct[k] for k in prefix_of], completions)
+    hook.remove()
+    assert seen[0] == 19 and len(seen) == (1 if max(map(len, completions)) == 1 else 2)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(a[:, : m.shape[1]][m], b[m], atol=1e-5, rtol=0)
+    assert (a[:, : m.shape[1]][~m] == 0).all() and (a[:, m.shape[1]:] == 0).all()
