@@ -25,7 +25,7 @@ Ends with ``RESULT bicc_step_ratio=... target<=1.15`` and ``RESULT bicc_mem_rati
 ``RESULT gpu_bicc_mfu=...``.
 
 Beside the times, each variant's arithmetic: model FLOPs of its step counted from the rows it computes
-(``work_flops``: the linear layers per token, the output projection per predicted token, and attention per
+(``bench.flops``: the linear layers per token, the output projection per predicted token, and attention per
 query-key pair, as ``bicc.packing`` lays the rows out), and the ratio of packed BiCC's to GRPO's: the step
 ratio no implementation of the conditioned numerator can go below on a machine where every FLOP costs the
 same.
@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.flops import work_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,39 +89,6 @@ def build_model(spec: dict, seed: int = 0):
             model = Qwen3ForCausalLM(config)
     model.config._attn_implementation = resolve_attn_implementation(spec.get("attn", "sdpa"))
     return model.to(getattr(torch, spec.get("dtype", "float32"))), tok
-
-
-def forward_work(rows) -> tuple[int, int, int]:
-    """(tokens embedded, tokens predicted, attention query-key pairs) of one forward over every row of ``rows``
-    (``bicc.rows``): a shared prefix of W tokens once (W(W+1)/2 pairs), then each output of n tokens behind it
-    less its last (n - 1 queries, the t-th attending to W + t keys); unshared prefixes once per row."""
-    if not hasattr(rows, "contexts"):  # one padded row per output: prompt and output both per row
-        lengths = rows.lengths.tolist()
-        return (sum(w + n for w, n in lengths), sum(n for _, n in lengths),
-                sum((w + n) * (w + n + 1) // 2 for w, n in lengths))
-    seen, embedded, pairs = set(), 0, 0
-    for prefix, key, out in zip(rows.contexts.prompt_ids, rows.contexts.context_key, rows.completion_ids):
-        W, n = len(prefix), len(out)
-        if not rows.packing or key not in seen:
-            seen.add(key)
-            embedded, pairs = embedded + W, pairs + W * (W + 1) // 2
-        embedded += max(n - 1, 0)
-        pairs += max(n - 1, 0) * W + (n - 1) * n // 2
-    return embedded, sum(map(len, rows.completion_ids)), pairs
-
-
-def work_flops(model, rows, passes: float) -> float:
-    """Model FLOPs of ``passes`` forwards over ``rows`` (a forward + backward counts 3): 2 per
-    non-embedding parameter per embedded token, 2 x hidden x vocab per predicted token (the output
-    projection) and 4 x layers x attention width per query-key pair (scores and the weighted sum)."""
-    config = model.config
-    body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
-    if not config.tie_word_embeddings:
-        body -= model.get_output_embeddings().weight.numel()
-    embedded, predicted, pairs = forward_work(rows)
-    width = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-    return passes * (2 * body * embedded + 2 * config.hidden_size * config.vocab_size * predicted
-                     + 4 * config.num_hidden_layers * width * pairs)
 
 
 def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:

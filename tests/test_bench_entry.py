@@ -54,12 +54,12 @@ def test_step_model_phases_follow_the_plan():
 
 
 def test_bicc_overhead_counts_the_work_of_the_rows_it_computes():
-    """``bench.bicc_overhead.forward_work`` on the KV-reuse case of tests/test_batching.py: contexts of 12, 9 and 7
+    """``bench.flops.forward_work`` on the KV-reuse case of tests/test_batching.py: contexts of 12, 9 and 7
     tokens once (78 + 45 + 28 pairs), eight outputs of 11, 2, 7, 3, 9, 1, 7, 3 tokens behind contexts 0, 1, 2,
     0, 1, 2, 0, 0, each less its last token (10 + 1 + 6 + 2 + 8 + 0 + 6 + 2 = 35 embedded), query t attending
     to W + t keys: (n - 1) W + (n - 1) n / 2 = 175 + 10 + 63 + 27 + 108 + 0 + 93 + 27 = 503 pairs. One padded
     row per output instead: every context again for each of its outputs."""
-    from bench.bicc_overhead import forward_work, work_flops
+    from bench.flops import forward_work, work_flops
     from bicc.models import build_tiny
     from tests.helpers import ARCH, kv_case
 
@@ -74,3 +74,25 @@ def test_bicc_overhead_counts_the_work_of_the_rows_it_computes():
     width = c.num_attention_heads * c.head_dim
     expected = 2 * body * 63 + 2 * c.hidden_size * c.vocab_size * 43 + 4 * c.num_hidden_layers * width * 654
     assert work_flops(model, numerator, 3) == 3 * expected
+
+
+def test_plan_flops_count_each_pass_of_the_plan():
+    """A step's FLOPs follow its plan: GRPO, the update on q (3 forwards' worth); the paper's BiCC + RCC,
+    pi_old and pi_ref on q, then the update on x^c; with delta's own pass, one more forward on x^c."""
+    from bench.flops import plan_flops, work_flops
+    from bench.step_profile import compose_cfg
+    from bicc.models import build_tiny
+    from bicc.plan import StepPlan
+    from tests.helpers import ARCH, kv_case
+
+    on_xc, _, _ = kv_case()
+    on_q, _, _ = kv_case()
+    on_q.packing = False  # other rows: one per output
+    model, _ = build_tiny(ARCH, seed=0)
+    q, xc = work_flops(model, on_q, 1), work_flops(model, on_xc, 1)
+    assert q != xc
+    plan = lambda *o: StepPlan.from_config(compose_cfg(list(o)), False)  # noqa: E731
+    assert plan_flops(plan("bicc=off", "rcc=off"), model, on_q, on_xc) == 3 * q
+    assert plan_flops(plan("bicc=on", "rcc=on"), model, on_q, on_xc) == 2 * q + 3 * xc
+    own = plan("bicc=on", "rcc=on", "rcc.delta_from_update=false")
+    assert plan_flops(own, model, on_q, on_xc) == 2 * q + 4 * xc
