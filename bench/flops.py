@@ -1,9 +1,9 @@
 """Model FLOPs of the forwards a step makes, counted from the rows it computes (``bicc.rows``) as
 ``bicc.packing`` lays them out: 2 per non-embedding parameter per embedded token, 2 x hidden x vocab per
 predicted token (the output projection) and 4 x layers x attention width per query-key pair (scores and
-the weighted sum); a forward + backward counts 3 forwards. The ratio of two steps' counts is the floor of
-their time ratio on a machine where every FLOP costs the same (``bench.bicc_overhead``,
-``bench.step_profile``)."""
+the weighted sum); a forward + backward counts 3 forwards. The ratio of two steps' counts is their time
+ratio where every FLOP costs the same in both (``bench.bicc_overhead``, ``bench.step_profile``); larger
+forwards often run at a better FLOP rate, so a measured ratio can come out somewhat below it."""
 
 from __future__ import annotations
 

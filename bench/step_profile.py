@@ -22,7 +22,7 @@ correct, so every BiCC group is conditioned. Three measurements:
 - full steps (rollout included) of GRPO, of the paper's BiCC + RCC and of BiCC + RCC with pi_old on q from
   the sampler (one no-grad pass fewer), alternating:
   ``RESULT full_step_ratio_bicc_rcc=<BiCC+RCC step / GRPO step> target<=1.15``, beside the ratio that
-  the model FLOPs of the two steps' passes and updates allow (``bench.flops``, ``full_step_floor``);
+  the model FLOPs of the two steps' passes and updates allow (``bench.flops``, ``full_step_at_equal_flop_cost``);
 - ``RESULT passes_per_step_bicc_rcc=<n>`` for ``bicc=on rcc=on`` (and with ``rollout.old_from_sampler``).
 
 Timings are only meaningful on a quiet machine (nothing else running on its cores).
@@ -201,7 +201,7 @@ def training_part(state, cfg, batch, adv, padded: bool, micro: int, seed: int):
     return seconds, computed_tokens(numerator, rows, trimmed=not padded) * passes
 
 
-def full_step_floor(states, cfgs, ro, grpo_split: dict[str, float]) -> float:
+def full_step_at_equal_flop_cost(states, cfgs, ro, grpo_split: dict[str, float]) -> float:
     """The full-step ratio BiCC+RCC / GRPO if every FLOP cost the same: GRPO's measured step with the time of
     its update's forward and backward scaled by the model FLOPs of BiCC+RCC's passes and update over
     GRPO's (``bench.flops``), on the rows of rollout ``ro``; generation and everything else as GRPO's."""
@@ -273,7 +273,8 @@ def realistic_profile(overrides: list[str], micro: int, repeats: int, steps: int
         median = {name: statistics.median(r["perf/step_s"] for r in records[name]) for name in states}
         print(f"median full step: GRPO {median['grpo']:.2f}s, BiCC+RCC {median['bicc_rcc']:.2f}s, BiCC+RCC with "
               f"{' '.join(LEAN)} {median['bicc_rcc_lean']:.2f}s ({median['bicc_rcc_lean'] / median['grpo']:.3f} x GRPO)")
-        print(f"full-step floor from FLOPs: {full_step_floor(states, cfgs, ro, phase_split(records['grpo'])):.3f} "
+        equal = full_step_at_equal_flop_cost(states, cfgs, ro, phase_split(records["grpo"]))
+        print(f"full-step ratio at equal cost per FLOP: {equal:.3f} "
               "(GRPO's step with its update's forward and backward scaled by BiCC+RCC's model FLOPs over GRPO's)")
         print(f"RESULT full_step_ratio_bicc_rcc={median['bicc_rcc'] / median['grpo']:.3f} target<=1.15")
     sampler = StepPlan.from_config(compose_cfg([*PAPER, "rollout.old_from_sampler=true"]), True)

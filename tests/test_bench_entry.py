@@ -53,7 +53,7 @@ def test_step_model_phases_follow_the_plan():
     assert step_phases(plan, cost, 100.0, 2048, share_prompts=False)["update"] == 64 * 400 * 4.0
 
 
-def test_bicc_overhead_counts_the_work_of_the_rows_it_computes():
+def test_flops_count_the_work_of_the_rows_computed():
     """``bench.flops.forward_work`` on the KV-reuse case of tests/test_batching.py: contexts of 12, 9 and 7
     tokens once (78 + 45 + 28 pairs), eight outputs of 11, 2, 7, 3, 9, 1, 7, 3 tokens behind contexts 0, 1, 2,
     0, 1, 2, 0, 0, each less its last token (10 + 1 + 6 + 2 + 8 + 0 + 6 + 2 = 35 embedded), query t attending
