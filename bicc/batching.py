@@ -93,8 +93,7 @@ def micro_batches(rows: torch.Tensor, inputs, size: int, tokens: int, model, d: 
     all-gathers in every forward and reduce-scatters in every backward, so every rank runs the largest count
     of any rank (ranks hold different numbers of rows after DAPO's dynamic sampling); the extra ones are
     empty (no-op forwards)."""
-    ragged = getattr(inputs, "kv", False) and padding_free(model)
-    plan = plan_micro_batches(rows, inputs.lengths, size, tokens, ragged)
+    plan = plan_micro_batches(rows, inputs.lengths, size, tokens, ragged=inputs.kv and padding_free(model))
     if d.enabled and is_sharded(model):
         plan += [rows[:0]] * (global_max(len(plan), d) - len(plan))
     return plan

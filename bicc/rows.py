@@ -11,7 +11,8 @@ entropies) aligned with the plain batch's completion grid, zero past each output
 rows)``: a context manager inside which what rows share is computed once (contexts or shared prompts under KV reuse;
 nothing for ``QueryRows``); ``tokens``: how many tokens one forward over all rows processes; and ``lengths``
 [N, 2]: the prompt (or context) and output tokens each row adds to its micro-batch, which length-aware
-micro-batches plan on (``bicc.batching``; 0 for a context that ``contexts_once`` computes apart).
+micro-batches plan on (``bicc.batching``; 0 for a context that ``contexts_once`` computes apart); ``kv``:
+whether the rows go through KV reuse (``bicc.packing.encode_prefixes``), the forwards that can be padding-free.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from bicc.packing import completion_logprobs, encode_prefixes, pack, packed_logp
 
 
 class QueryRows:
+    kv = False  # one padded row per output
+
     def __init__(self, batch: TokenBatch):
         self.batch = batch
         out = batch.completion_mask.sum(-1)
