@@ -45,6 +45,8 @@ class TaskBenchmark:
         return encode_prompt(tokenizer, problem.prompt)
 
     def score_many(self, texts: list[str], problems: list[Problem]) -> list[float]:
+        if hasattr(self.task, "reward_many"):
+            return self.task.reward_many(texts, problems)
         return [self.task.reward(t, p) for t, p in zip(texts, problems)]
 
     def close(self) -> None:

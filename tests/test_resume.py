@@ -110,7 +110,7 @@ def test_no_pickle_outside_weights_only_loads():
 def test_resume_restores_the_global_rng(tmp_path):
     """Attention dropout draws from the global RNG in every training forward: a resume that skipped restoring
     the RNG state would train on other dropout masks and end elsewhere."""
-    from tests.helpers import MIXED_RUN as MIXED  # a warm start whose groups hold right and wrong answers
+    from tests.helpers import MIXED_RUN as MIXED  # groups that hold right and wrong answers by construction
 
     args = [*[a for a in MIXED if not a.startswith(("train.", "rollout.shards"))], "train.steps=2", "train.save_every=1",
             "train.keep_last=0", "model.tiny.attention_dropout=0.3"]

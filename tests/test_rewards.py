@@ -49,3 +49,58 @@ def test_adversarial_inputs_are_fast_and_safe():
         reward = exact_match_reward(text, "1")
         assert reward in (0.0, 1.0)
         assert time.perf_counter() - start < 2.0
+
+
+# ---- a reward named by dotted path (data.reward) ------------------------------------------------------------
+
+def task_with(reward, batched=False):
+    from bicc.data import build_task
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["sft.cache_dir=/tmp/unused", f"data.reward={reward}", f"data.reward_batched={batched}"])
+    return build_task(cfg.data)
+
+
+def test_a_reward_by_path_replaces_the_tasks_in_rollouts_and_evaluation():
+    from bicc.evaluation import TaskBenchmark
+
+    task = task_with("tests.rewards:length_parity")
+    problem = task.train_problem(3)
+    assert problem.prompt.startswith("Compute ")  # problems stay the task's
+    assert task.reward_many(["ab", "abc", ""], [problem] * 3) == [1.0, 0.0, 1.0]
+    right = rf"\boxed{{{problem.answer}}}x"  # 11 characters: the task's reward 1, the named one 0
+    assert task.task.reward(right, problem) == 1.0 and task.reward(right, problem) == 0.0
+    bench = TaskBenchmark(None, task, type("E", (), {"limit": 2, "num_problems": 2})())
+    assert bench.score_many(["ab", "a"], bench.problems()) == [1.0, 0.0]
+
+
+def test_a_batched_reward_sees_a_groups_rows_together():
+    task = task_with("tests.rewards:first_of_group", batched=True)
+    kept = [task.train_problem(i) for i in range(12)]
+    a, b = [p for p in kept if not __import__("tests.rewards").rewards.degenerate(p)][:2]
+    # G = 3 rows of a, then 2 of b: the first row of each group is right
+    assert task.reward_many(["x"] * 5, [a, a, a, b, b]) == [1.0, 0.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("path, batched, says", [
+    ("tests.rewards", False, "not of the form"),
+    ("tests.no_such_module:score", False, "cannot import"),
+    ("tests.rewards:no_such_function", False, "cannot import"),
+    ("tests.rewards:takes_one", False, "must take (completion, problem)"),
+    ("tests.rewards:length_parity", True, "must return a list of finite numbers"),
+    ("tests.rewards:returns_text", False, "returned '1'"),
+    ("tests.rewards:returns_nan", False, "returned nan"),
+])
+def test_a_bad_reward_path_is_an_error_naming_the_field(path, batched, says):
+    with pytest.raises(ValueError, match="data.reward") as err:
+        task_with(path, batched)
+    assert says in str(err.value)
+
+
+def test_a_bad_value_at_run_time_names_the_problem():
+    from tests import rewards
+
+    task = task_with("tests.rewards:length_parity")
+    task.fn = rewards.returns_text  # passed the start-up check, then returned text
+    with pytest.raises(ValueError, match="arith-train-0"):
+        task.reward_many(["a"], [task.train_problem(0)])

@@ -93,6 +93,8 @@ class DataConfig:
 
     task: str = MISSING
     seed: int = 0
+    reward: Optional[str] = None
+    reward_batched: bool = False
     arith: ArithConfig = field(default_factory=ArithConfig)
     math: MathDataConfig = field(default_factory=MathDataConfig)
 

@@ -23,7 +23,13 @@ class Problem:
 
 
 def build_task(data_cfg):
-    return TASKS.get(data_cfg.task)(data_cfg)
+    """The task ``data.task`` names; its reward replaced by ``data.reward`` (a dotted path) when that is set."""
+    task = TASKS.get(data_cfg.task)(data_cfg)
+    if data_cfg.get("reward"):
+        from bicc.rewards import CustomReward
+
+        task = CustomReward(task, data_cfg.reward, bool(data_cfg.get("reward_batched", False)))
+    return task
 
 
 

@@ -1,0 +1,34 @@
+"""Rewards that subprocess runs name by dotted path (``data.reward=tests.rewards:first_of_group``,
+``data.reward_batched=true``): they build the groups a test needs whatever the model samples, so no test's
+precondition depends on what a trained model happens to sample on a given CPU."""
+
+import zlib
+
+
+def degenerate(problem) -> bool:
+    """A third of the problems, by a stable hash of their text: every sample of theirs scores 0, so DAPO's dynamic
+    sampling drops their groups."""
+    return zlib.crc32(problem.prompt.encode()) % 3 == 0
+
+
+def first_of_group(completions, problems):
+    """1 for the first row of each group (a run of rows with one problem), 0 for the others: every group is mixed
+    (one right answer in G) unless its problem is ``degenerate``."""
+    return [float(not degenerate(p) and (i == 0 or p != problems[i - 1])) for i, p in enumerate(problems)]
+
+
+def length_parity(completion, problem):
+    """A per-sample reward: 1 when the completion has an even number of characters."""
+    return float(len(completion) % 2 == 0)
+
+
+def takes_one(completion):
+    return 0.0
+
+
+def returns_text(completion, problem):
+    return "1"
+
+
+def returns_nan(completion, problem):
+    return float("nan")
