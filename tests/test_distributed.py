@@ -124,6 +124,24 @@ def test_ddp_checkpoint_resumes_in_two_processes(runs):
     assert max_diff(weights(resumed, 2), weights(out["ddp"], 2)) <= 1e-6
 
 
+def test_ranks_started_apart_write_one_run_dir(runs):
+    """No hydra.run.dir: the run dir names the launch time. Ranks that start 1.5 s apart must still write into
+    one dir, or rank 0 marks a checkpoint complete that holds only its own optimizer shard and resume fails."""
+    tmp, _ = runs
+    cwd = tmp / "launch"
+    cwd.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "launch_apart.py"), *RUN, "dist.strategy=fsdp2", "train.steps=1"]
+    proc = subprocess.run(cmd, cwd=cwd, env=env(tmp), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    dirs = sorted(p.parent for p in (cwd / "outputs").glob("*/*/*/.hydra"))
+    assert len(dirs) == 1, dirs
+    shards = sorted(f.name for f in (dirs[0] / "checkpoints" / "step_1" / "optim_dcp").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
+    resumed = tmp / "resumed_apart"
+    assert "resumed from" in one_process([f"hydra.run.dir={resumed}", f"resume={dirs[0]}", "train.steps=2"], tmp).stdout
+
+
 def free_port() -> int:
     import socket
 

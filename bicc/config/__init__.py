@@ -17,10 +17,11 @@ the registries and the checks across groups, before any model is loaded, naming 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from bicc.config.evaluation import BenchmarkConfig, EvalConfig, LoggerConfig
 from bicc.config.fields import choice
@@ -64,8 +65,18 @@ class RunConfig:
     ckpt: Optional[str] = None
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
 def register_configs() -> None:
-    """Register the schemas with Hydra; YAML files pick them up through their defaults list."""
+    """Register the schemas with Hydra (YAML files pick them up through their defaults list) and the resolvers
+    the YAML uses: ``${launch_time:PATTERN}``, the run's start time as rank 0 read it (one run dir for every
+    rank under torchrun, where Hydra's ``${now:}`` is read by each process); ``${repo:}``, this repository's
+    root (the data files' home, whatever the working directory)."""
+    from bicc.distributed import launch_time
+
+    OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("repo", lambda: str(REPO), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="algo", name="algo_schema", node=AlgoConfig)
