@@ -25,7 +25,7 @@ import numpy as np
 
 from bicc.checking import MathChecker
 from bicc.data import Problem, encode_prompt
-from bicc.data.benchmarks import FieldNames, load_problems
+from bicc.data.benchmarks import FieldNames, is_absent_file, load_problems
 from bicc.distributed import Dist, all_gather_objects
 from bicc.progress import progress as progress_bar
 from bicc.rollout import SamplingParams
@@ -62,9 +62,13 @@ class FileBenchmark:
         self.checker = None
 
     def problems(self) -> list[Problem]:
+        """From ``source``; from the benchmark's HF fallback (``hub.id``, its own fields) when that file is absent."""
         b = self.bench
-        fields = FieldNames(b.problem_field, b.answer_field, b.id_field)
-        return load_problems(b.source, fields, b.split, self.eval_cfg.on_bad_row, self.eval_cfg.limit)[0]
+        source, fields, split = b.source, FieldNames(b.problem_field, b.answer_field, b.id_field), b.split
+        if b.hub.id and is_absent_file(b.source):
+            print(f"[data] {b.name}: {b.source} is absent; loading the HF dataset {b.hub.id}[{b.hub.split}] instead")
+            source, fields, split = b.hub.id, FieldNames(b.hub.problem_field, b.hub.answer_field, b.hub.id_field), b.hub.split
+        return load_problems(source, fields, split, self.eval_cfg.on_bad_row, self.eval_cfg.limit)[0]
 
     def prompt(self, tokenizer, problem: Problem) -> list[int]:
         instruction = self.eval_cfg.instruction

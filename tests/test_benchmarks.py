@@ -1,21 +1,82 @@
-"""Benchmark files: the shared sets load with their sizes; bad rows name file and line or are skipped."""
+"""Benchmark files: the sets shipped in data/ load with their sizes and checksums, every default path points
+inside the repo, an absent file falls back to the benchmark's HF dataset; bad rows name file and line or are
+skipped."""
+
+import hashlib
+import re
+from pathlib import Path
 
 import pytest
 
 from bicc.data.benchmarks import BadRowError, load_problems
+from tests.helpers import ROOT
+
+DATA = ROOT / "data"
 
 
 @pytest.mark.parametrize("name,count", [("math500", 500), ("amc23", 40), ("aime24", 30), ("aime25", 30),
-                                        ("gsm8k_test", 1319)])
-def test_shared_benchmarks_load_with_their_counts(shared_data, name, count):
-    problems, skipped = load_problems(str(shared_data / f"{name}.jsonl"))
+                                        ("gsm8k_test", 1319), ("math_train", 7470)])
+def test_shipped_benchmarks_load_with_their_counts(name, count):
+    problems, skipped = load_problems(str(DATA / f"{name}.jsonl"))
     assert len(problems) == count and skipped == {}
     assert all(p.prompt and p.answer for p in problems)
     assert len({p.id for p in problems}) == count
 
 
-def test_limit(shared_data):
-    problems, _ = load_problems(str(shared_data / "math500.jsonl"), limit=20)
+def test_shipped_files_match_their_provenance():
+    """Every data file is listed in data/SOURCES.md with its row count and sha256, and matches it."""
+    table = {m.group(1): (int(m.group(2)), m.group(3))
+             for m in re.finditer(r"^\| (\S+\.jsonl) \| (\d+) \| ([0-9a-f]{64}) \|", (DATA / "SOURCES.md").read_text(), re.M)}
+    shipped = sorted(p.name for p in DATA.glob("*.jsonl"))
+    assert shipped and sorted(table) == shipped
+    for name, (rows, sha) in table.items():
+        raw = (DATA / name).read_bytes()
+        assert hashlib.sha256(raw).hexdigest() == sha and raw.count(b"\n") == rows, name
+
+
+def test_no_default_path_leaves_the_repo(monkeypatch):
+    from tests.conftest import compose_cfg
+
+    monkeypatch.delenv("BICC_DATA_DIR", raising=False)
+    monkeypatch.delenv("BICC_DAPO_MATH", raising=False)
+    for path in (ROOT / "conf").rglob("*.yaml"):
+        assert "../shared" not in path.read_text(), path
+    sources = []
+    for eval_name in ("paper", "math500", "amc23", "aime24", "aime25", "gsm8k"):
+        sources += [b.source for b in compose_cfg([f"eval={eval_name}"]).eval.benchmarks]
+    for data in ("math_train", "dapo_math17k"):
+        math = compose_cfg([f"data={data}"]).data.math
+        sources += [math.test_source] + ([math.train_source] if data == "math_train" else [])
+    for source in sources:
+        assert Path(source).parent == DATA and Path(source).exists(), source
+
+
+def test_an_absent_file_falls_back_to_the_benchmarks_hub_dataset(monkeypatch, tmp_path, capsys):
+    """eval.data_dir without the file: the benchmark's ``hub`` dataset, read with its own field names."""
+    from bicc.data import benchmarks
+    from bicc.evaluation import FileBenchmark
+    from tests.conftest import compose_cfg
+
+    asked = []
+
+    def hub(dataset_id, split):  # a stand-in for datasets.load_dataset: AMC23's hub layout
+        asked.append((dataset_id, split))
+        yield from enumerate([{"question": "What is 1+1?", "answer": 2.0, "id": 7},
+                              {"question": "What is 2+2?", "answer": 4.0, "id": 8}], 1)
+
+    monkeypatch.setattr(benchmarks, "_rows_hub", hub)
+    cfg = compose_cfg(["eval=amc23", f"eval.data_dir={tmp_path}"])
+    problems = FileBenchmark(cfg.eval.benchmarks[0], None, cfg.eval).problems()
+    assert asked == [("math-ai/amc23", "test")]
+    assert [(p.id, p.prompt, p.answer) for p in problems] == [("7", "What is 1+1?", "2.0"), ("8", "What is 2+2?", "4.0")]
+    assert "amc23.jsonl is absent" in capsys.readouterr().out
+    cfg = compose_cfg(["eval=gsm8k", f"eval.data_dir={tmp_path}"])  # no hub fallback: the absent file is named
+    with pytest.raises(FileNotFoundError, match="gsm8k_test.jsonl"):
+        FileBenchmark(cfg.eval.benchmarks[0], None, cfg.eval).problems()
+
+
+def test_limit():
+    problems, _ = load_problems(str(DATA / "math500.jsonl"), limit=20)
     assert len(problems) == 20
 
 

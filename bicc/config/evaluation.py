@@ -11,6 +11,18 @@ from bicc.config.fields import OnBadRow, choice, need
 
 
 @dataclass
+class HubFallback:
+    """The HF dataset a benchmark loads when its ``source`` file is absent (its own field names); ``id`` null:
+    none, an absent file is an error."""
+
+    id: Optional[str] = None
+    split: str = "test"
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    id_field: str = "id"
+
+
+@dataclass
 class BenchmarkConfig:
     """One evaluation set: the training task's test split, or a file / HF dataset of math problems."""
 
@@ -21,6 +33,7 @@ class BenchmarkConfig:
     answer_field: str = "answer"
     id_field: str = "id"
     extractors: List[str] = field(default_factory=lambda: ["boxed", "answer_is"])
+    hub: HubFallback = field(default_factory=HubFallback)
 
 
 @dataclass

@@ -25,10 +25,10 @@ class Problem:
 def build_task(data_cfg):
     """The task ``data.task`` names; its reward replaced by ``data.reward`` (a dotted path) when that is set."""
     task = TASKS.get(data_cfg.task)(data_cfg)
-    if data_cfg.get("reward"):
+    if getattr(data_cfg, "reward", None):
         from bicc.rewards import CustomReward
 
-        task = CustomReward(task, data_cfg.reward, bool(data_cfg.get("reward_batched", False)))
+        task = CustomReward(task, data_cfg.reward, bool(getattr(data_cfg, "reward_batched", False)))
     return task
 
 

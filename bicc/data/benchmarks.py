@@ -78,8 +78,9 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
         rows, where = _rows_jsonl(path), str(path)
     elif path.suffix == ".parquet" and path.exists():
         rows, where = _rows_parquet(path), str(path)
-    elif path.suffix in (".jsonl", ".parquet") or path.is_absolute() or source.startswith("."):
-        raise FileNotFoundError(f"benchmark file {source} does not exist")
+    elif is_absent_file(source):
+        raise FileNotFoundError(f"data file {source} does not exist (the benchmarks ship in the repo's data/; "
+                                "BICC_DATA_DIR or eval.data_dir points elsewhere)")
     else:
         rows, where = _rows_hub(source, split), f"{source}[{split}]"
     problems, skipped, seen, texts = [], Counter(), {}, {}
@@ -113,6 +114,13 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
     if skipped:
         print(f"[data] {where}: kept {len(problems)} rows; skipped or renamed: {', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))}")
     return problems, dict(skipped)
+
+
+def is_absent_file(source: str) -> bool:
+    """``source`` names a local file (a .jsonl / .parquet suffix, or an absolute or relative path) that does not
+    exist; anything else is taken for an HF dataset id."""
+    path = Path(source)
+    return not path.exists() and (path.suffix in (".jsonl", ".parquet") or path.is_absolute() or source.startswith("."))
 
 
 def field_value(row: dict, path: str):
