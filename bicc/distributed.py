@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ class Dist:
     local_rank: int = 0
     strategy: str = "none"
     device: str = "cpu"
+    cpu_group: object = None  # a gloo group over the same ranks, for Python objects (None: the default group)
 
     @property
     def enabled(self) -> bool:
@@ -67,17 +69,20 @@ def init(dist_cfg) -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # on this node; RANK is over all nodes
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
+    timeout = timedelta(minutes=dist_cfg.timeout_minutes)
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist_cfg.strategy, device)
+    # objects (evaluation scores, metrics) travel over gloo: pickled on the CPU, never staged through CUDA
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist_cfg.strategy, device, cpu_group)
 
 
 def launch_time(pattern: str) -> str:
     """Now, formatted by ``pattern``, as rank 0 read it: under torchrun every rank takes rank 0's value from the
     launcher's store, so that ranks started seconds apart (other nodes, slow imports) name one run dir.
     One process: its own clock."""
-    from datetime import datetime, timedelta
+    from datetime import datetime
 
     now = datetime.now().strftime(pattern)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "MASTER_ADDR" not in os.environ:
@@ -106,9 +111,13 @@ def num_shards(rollout_cfg, d: Dist) -> int:
 
 
 def local_shards(rollout_cfg, d: Dist) -> range:
-    shards = num_shards(rollout_cfg, d)
+    return shards_of_rank(num_shards(rollout_cfg, d), d, "rollout.shards")
+
+
+def shards_of_rank(shards: int, d: Dist, field_name: str = "eval.shards") -> range:
+    """The shards rank ``d.rank`` takes of ``shards``: a contiguous run of shards / world."""
     if shards % d.world:
-        raise ValueError(f"config field 'rollout.shards': {shards} shards cannot be split over {d.world} processes")
+        raise ValueError(f"config field '{field_name}': {shards} shards cannot be split over {d.world} processes")
     per_rank = shards // d.world
     return range(d.rank * per_rank, (d.rank + 1) * per_rank)
 
@@ -211,7 +220,7 @@ def broadcast_object(obj, d: Dist):
     if not d.enabled:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=d.cpu_group)
     return box[0]
 
 
@@ -220,7 +229,7 @@ def all_gather_objects(obj, d: Dist) -> list:
     if not d.enabled:
         return [obj]
     gathered: list = [None] * d.world
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=d.cpu_group)
     return gathered
 
 

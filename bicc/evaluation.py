@@ -9,16 +9,18 @@ greedy accuracy when asked. A benchmark's problems come from the training task's
 Metric names: ``eval/<benchmark>/<metric>``; the first benchmark's metrics are also given without the
 benchmark name (``eval/pass@1`` ...), which is what training logs and run tables read.
 
-Several processes (``dist``): problems are cut into the same chunks as in one process, each seeded by its
-position, and chunk c is generated and scored by rank c mod W; the scores are gathered, so every rank
-returns the metrics one process would compute (same engine numerics), and no rank idles in a collective
-while another evaluates alone.
+Several processes (``dist``): the (problem, sample) rows are cut into ``eval.shards`` runs of equal size (one
+per process by default), each generated and scored by its rank in calls seeded by their place in the grid, then
+gathered over the CPU group, so ranks finish together and one process with ``eval.shards=W`` computes what W
+processes compute. A call holds at most ``eval.batch_size`` rows and, under ``eval.batch_tokens``, at most
+that many tokens of prompt plus new tokens (what HF generate's KV cache grows to).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,8 @@ import numpy as np
 from bicc.checking import MathChecker
 from bicc.data import Problem, encode_prompt
 from bicc.data.benchmarks import FieldNames, is_absent_file, load_problems
-from bicc.distributed import Dist, all_gather_objects
+from bicc import distributed
+from bicc.distributed import Dist
 from bicc.progress import progress as progress_bar
 from bicc.rollout import SamplingParams
 from bicc.stats import bootstrap_ci, pass_at_k_table
@@ -93,42 +96,80 @@ def benchmark_source(bench, task, eval_cfg):
     return (TaskBenchmark if bench.source == "task" else FileBenchmark)(bench, task, eval_cfg)
 
 
-def _generate(engine, prompts, sampling: SamplingParams, chunk: int, desc: str, progress: bool, d: Dist = Dist()):
-    """Generate in chunks of prompts (progress bar; each chunk seeded from the call's seed and its
-    position, so the result does not depend on how chunks are shared out). Returns this rank's chunks as
-    {chunk start: (texts, lengths)}: chunk k goes to rank k mod W."""
-    starts = list(range(0, len(prompts), chunk))[d.rank :: d.world]
-    done = {}
-    bar = progress_bar(len(starts), desc, progress, leave=False)
-    for start in starts:
-        part = SamplingParams(sampling.n, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
-                              sampling.seed * 1_000_003 + start)
-        out = engine.generate(prompts[start : start + chunk], part)
-        done[start] = (out.texts, [len(c) for c in out.completion_ids])
+@dataclass(frozen=True)
+class EvalCall:
+    """One generate call: problems ``first .. first + problems - 1``, samples ``sample .. sample + n - 1`` of each."""
+
+    first: int
+    problems: int
+    sample: int
+    n: int
+
+    def seed(self, seed: int) -> int:
+        """A function of the call's place in the (problem, sample) grid, never of the rank that makes it."""
+        return seed * 1_000_003 + self.first + 1_000_033 * self.sample
+
+
+def plan_calls(num_problems: int, n: int, rows_per_call: int, shards: int) -> list[list[EvalCall]]:
+    """The generate calls of each of ``shards`` shards. The num_problems x n (problem, sample) rows, problem-major,
+    are cut into ``shards`` runs whose sizes differ by at most one row; each run into calls of at most
+    ``rows_per_call`` rows, whole problems where they fit (a problem split by a shard's edge, or with more
+    samples than a call holds, goes in calls of its own)."""
+    total, plan = num_problems * n, []
+    for s in range(shards):
+        row, end, calls = s * total // shards, (s + 1) * total // shards, []
+        while row < end:
+            p, j = divmod(row, n)
+            if j == 0 and n <= rows_per_call and end - row >= n:
+                k = min((end - row) // n, rows_per_call // n)
+                calls.append(EvalCall(p, k, 0, n))
+                row += k * n
+            else:
+                count = min(n - j, end - row, rows_per_call)
+                calls.append(EvalCall(p, 1, j, count))
+                row += count
+        plan.append(calls)
+    return plan
+
+
+def rows_per_call(eval_cfg, longest_prompt: int) -> int:
+    """eval.batch_size rows, fewer when eval.batch_tokens caps rows x (longest prompt + eval.max_new_tokens)."""
+    rows = eval_cfg.batch_size
+    if eval_cfg.batch_tokens:
+        rows = min(rows, eval_cfg.batch_tokens // (longest_prompt + eval_cfg.max_new_tokens))
+    return max(1, rows)
+
+
+def _sampled_rewards(engine, prompts, problems, source, sampling: SamplingParams, rows: int, desc: str,
+                     progress: bool, d: Dist, shards: int | None = None):
+    """One sampled pass over every problem: this rank's shards of (problem, sample) rows generated and scored
+    here, then gathered. Returns rewards [P, n], the completion lengths (problem-major) and the first sample's
+    text of each problem, the same on every rank."""
+    n, P = sampling.n, len(problems)
+    shards = shards or d.world
+    plan = plan_calls(P, n, rows, shards)
+    mine_calls = [c for s in distributed.shards_of_rank(shards, d) for c in plan[s]]
+    bar = progress_bar(len(mine_calls), desc, progress, leave=False)
+    mine = []
+    for call in mine_calls:
+        part = SamplingParams(call.n, sampling.temperature, sampling.top_p, sampling.max_new_tokens, call.seed(sampling.seed))
+        out = engine.generate(prompts[call.first : call.first + call.problems], part)
+        owners = [problems[call.first + i // call.n] for i in range(len(out.texts))]
+        mine.append((call, source.score_many(out.texts, owners), [len(c) for c in out.completion_ids], out.texts))
         bar.update(1)
     bar.close()
-    return done
-
-
-def _score(source, problems, texts, n) -> np.ndarray:
-    """Rewards as a [num_problems, n] array; rows follow ``problems``."""
-    scores = source.score_many(texts, [problems[i // n] for i in range(len(texts))])
-    return np.asarray(scores, dtype=float).reshape(len(problems), n)
-
-
-def _sampled_rewards(engine, prompts, problems, source, sampling: SamplingParams, chunk: int, desc: str,
-                     progress: bool, d: Dist):
-    """One sampled pass over every problem, scored where generated and gathered: rewards [P, n], the
-    completion lengths and the first sample's text of each problem (the same on every rank)."""
-    n = sampling.n
-    mine = {start: (_score(source, problems[start : start + chunk], texts, n).tolist(), lengths, texts[::n])
-            for start, (texts, lengths) in _generate(engine, prompts, sampling, chunk, desc, progress, d).items()}
-    parts = {}
-    for theirs in all_gather_objects(mine, d):  # every chunk's scores, on every rank
-        parts.update(theirs)
-    order = sorted(parts)
-    rewards = np.concatenate([np.asarray(parts[k][0], dtype=float).reshape(-1, n) for k in order])
-    return rewards, [x for k in order for x in parts[k][1]], [t for k in order for t in parts[k][2]]
+    rewards, lengths = np.full((P, n), np.nan), np.zeros((P, n), dtype=int)
+    first_texts = [""] * P
+    for theirs in distributed.all_gather_objects(mine, d):  # every rank's calls, placed by (problem, sample)
+        for call, scores, lens, texts in theirs:
+            for i, (score, length, text) in enumerate(zip(scores, lens, texts)):
+                p, j = call.first + i // call.n, call.sample + i % call.n
+                rewards[p, j], lengths[p, j] = score, length
+                if j == 0:
+                    first_texts[p] = text
+    if np.isnan(rewards).any():
+        raise RuntimeError(f"{desc}: {int(np.isnan(rewards).sum())} (problem, sample) rows were not evaluated")
+    return rewards, lengths.flatten().tolist(), first_texts
 
 
 def temperature_key(temperature: float) -> str:
@@ -145,19 +186,17 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
         raise ValueError(f"benchmark {bench.name}: no problems loaded from {bench.source}")
     prompts = [source.prompt(tokenizer, p) for p in problems]
     n = eval_cfg.samples_per_problem
-    chunk = max(1, eval_cfg.batch_size // n)
+    rows = rows_per_call(eval_cfg, max(len(p) for p in prompts))
     try:
-        score = lambda sampling, size, desc: _sampled_rewards(  # noqa: E731
-            engine, prompts, problems, source, sampling, size, desc, progress, d)
+        score = lambda sampling, desc: _sampled_rewards(  # noqa: E731
+            engine, prompts, problems, source, sampling, rows, desc, progress, d, eval_cfg.shards)
         rewards, lengths, first_texts = score(
-            SamplingParams(n, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.max_new_tokens, seed), chunk,
-            f"eval {bench.name}")
-        extra = {t: score(SamplingParams(n, t, 1.0, eval_cfg.max_new_tokens, seed), chunk, f"eval {bench.name} T={t:g}")[0]
+            SamplingParams(n, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.max_new_tokens, seed), f"eval {bench.name}")
+        extra = {t: score(SamplingParams(n, t, 1.0, eval_cfg.max_new_tokens, seed), f"eval {bench.name} T={t:g}")[0]
                  for t in eval_cfg.also_temperatures}
         greedy_rewards = None
         if eval_cfg.greedy:
-            greedy_rewards = score(SamplingParams(1, 0.0, 1.0, eval_cfg.max_new_tokens, seed), chunk * n,
-                                   f"greedy {bench.name}")[0][:, 0]
+            greedy_rewards = score(SamplingParams(1, 0.0, 1.0, eval_cfg.max_new_tokens, seed), f"greedy {bench.name}")[0][:, 0]
     finally:
         source.close()
     correct = (rewards > 0.5).sum(axis=1).astype(int)

@@ -6,6 +6,8 @@ DAPO-Math."""
 import json
 from pathlib import Path
 
+from datetime import timedelta
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -130,14 +132,25 @@ def test_collectives_take_tensors_on_the_groups_device(monkeypatch, helper):
 
 
 def test_dist_device_follows_the_backend(monkeypatch):
+    """NCCL: collectives on cuda:<LOCAL_RANK>, an explicit timeout (torch's 10-minute default killed jobs whose
+    ranks waited out another's evaluation), and Python objects gathered over a gloo group of their own."""
+    from bicc.config import DistConfig
+
+    made = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend, timeout: made.update(init=(backend, timeout)))
+    monkeypatch.setattr(distributed.dist, "new_group", lambda backend, timeout: made.update(group=(backend, timeout)) or "cpu")
     monkeypatch.setattr(distributed.dist, "get_rank", lambda: 5)
     monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 8)
-    d = distributed.init(OmegaConf.create({"backend": "nccl", "strategy": "fsdp2"}))
-    assert (d.rank, d.local_rank, d.device) == (5, 1, "cuda:1")  # RANK over all nodes, LOCAL_RANK on this one
-    assert distributed.init(OmegaConf.create({"backend": "gloo", "strategy": "fsdp2"})).device == "cpu"
+    cfg = OmegaConf.structured(DistConfig(backend="nccl", timeout_minutes=90))
+    d = distributed.init(cfg)
+    assert (d.rank, d.local_rank, d.device, d.cpu_group) == (5, 1, "cuda:1", "cpu")  # RANK over all nodes, LOCAL_RANK here
+    assert made == {"init": ("nccl", timedelta(minutes=90)), "group": ("gloo", timedelta(minutes=90))}
+    made.clear()
+    d = distributed.init(OmegaConf.structured(DistConfig(backend="gloo")))
+    assert d.device == "cpu" and d.cpu_group is None and made == {"init": ("gloo", timedelta(minutes=60))}
 
 
 def test_every_end_token_stops_and_is_stripped(monkeypatch):
@@ -209,27 +222,36 @@ def test_dapo_math_is_deduplicated_and_shuffled_by_seed(tmp_path):
     assert a.train_problem(30) == a.train_problem(0)  # the next epoch walks the same order
 
 
-def test_evaluation_is_shared_out_by_chunks():
-    """With eval=paper (600 problems x 32 samples x 4,096 tokens) rank 0 evaluated alone while the others sat
-    in their first collective until the NCCL watchdog killed the job. Chunk k goes to rank k mod W, seeded by
-    its position as in one process (test_distributed checks the metrics equal one process's)."""
-    from bicc.evaluation import _generate
-    from bicc.rollout import RolloutOutput, SamplingParams
+def test_evaluation_deals_problem_sample_rows_evenly():
+    """AIME (30 problems) x n = 32 over 4 ranks: chunks of 16 problems dealt rank k mod W gave ranks 2-3 nothing,
+    and they sat in a collective while ranks 0-1 decoded ~2M tokens each until the NCCL watchdog killed the job.
+    The 960 (problem, sample) rows now go 240 to each shard, every row exactly once, in calls of <= 64 rows."""
+    from bicc.evaluation import EvalCall, plan_calls
 
-    class Recorder:
-        def __init__(self):
-            self.seeds = []
+    plan = plan_calls(30, 32, 64, 4)
+    rows = [[(c.first + i, c.sample + j) for c in calls for i in range(c.problems) for j in range(c.n)] for calls in plan]
+    assert [len(r) for r in rows] == [240] * 4
+    assert sorted(x for r in rows for x in r) == [(p, j) for p in range(30) for j in range(32)]
+    assert all(c.problems * c.n <= 64 for calls in plan for c in calls)
+    # by hand: 5 problems x 4 samples, calls of <= 8 rows, 3 shards of rows 0-5, 6-12, 13-19
+    assert plan_calls(5, 4, 8, 3) == [[EvalCall(0, 1, 0, 4), EvalCall(1, 1, 0, 2)],
+                                      [EvalCall(1, 1, 2, 2), EvalCall(2, 1, 0, 4), EvalCall(3, 1, 0, 1)],
+                                      [EvalCall(3, 1, 1, 3), EvalCall(4, 1, 0, 4)]]
+    # one shard: whole problems per call, as many as fit; more samples than a call holds: a problem split
+    assert plan_calls(5, 4, 8, 1) == [[EvalCall(0, 2, 0, 4), EvalCall(2, 2, 0, 4), EvalCall(4, 1, 0, 4)]]
+    assert plan_calls(1, 32, 12, 1) == [[EvalCall(0, 1, 0, 12), EvalCall(0, 1, 12, 12), EvalCall(0, 1, 24, 8)]]
+    # a call's seed follows its place in the grid, not the shard that makes it
+    assert EvalCall(3, 1, 1, 3).seed(5) == 5 * 1_000_003 + 3 + 1_000_033
 
-        def generate(self, prompts, sampling):
-            self.seeds.append(sampling.seed)
-            return RolloutOutput([p for p in prompts for _ in range(sampling.n)], [[1]] * len(prompts) * sampling.n,
-                                 ["x"] * len(prompts) * sampling.n, [True] * len(prompts) * sampling.n)
 
-    prompts, sampling = [[i] for i in range(10)], SamplingParams(2, 1.0, 1.0, 4, seed=5)
-    shares = {}
-    for rank in (0, 1):
-        engine = Recorder()
-        shares[rank] = _generate(engine, prompts, sampling, chunk=3, desc="", progress=False, d=Dist(rank, 2))
-        assert engine.seeds == [5 * 1_000_003 + start for start in shares[rank]]
-    assert sorted(shares[0]) == [0, 6] and sorted(shares[1]) == [3, 9]
-    assert len(shares[1][9][0]) == 2  # the last chunk holds the one remaining problem's 2 samples
+def test_evaluation_batches_are_sized_by_tokens():
+    """eval=paper under HF generate: 512 rows x 4,096 new tokens ran out of memory at 4B; eval.batch_tokens caps
+    rows x (longest prompt + new tokens)."""
+    from types import SimpleNamespace
+
+    from bicc.evaluation import rows_per_call
+
+    cfg = SimpleNamespace(batch_size=512, batch_tokens=131_072, max_new_tokens=4096)
+    assert rows_per_call(cfg, 300) == 131_072 // 4396 == 29
+    assert rows_per_call(SimpleNamespace(batch_size=512, batch_tokens=0, max_new_tokens=4096), 300) == 512
+    assert rows_per_call(SimpleNamespace(batch_size=512, batch_tokens=1000, max_new_tokens=4096), 300) == 1

@@ -51,6 +51,8 @@ class EvalConfig:
     max_new_tokens: int = 64
     greedy: bool = True
     batch_size: int = 512
+    batch_tokens: int = 0
+    shards: Optional[int] = None
     instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
     ks: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     bootstrap_samples: int = 2000
@@ -71,6 +73,9 @@ class EvalConfig:
         for i, t in enumerate(e.also_temperatures):
             need(t > 0, f"eval.also_temperatures[{i}]", f"must be > 0 (greedy is eval.greedy), got {t}")
         need(all(k >= 1 for k in e.ks), "eval.ks", f"every k must be >= 1, got {list(e.ks)}")
+        need(e.batch_size >= 1, "eval.batch_size", f"must be >= 1, got {e.batch_size}")
+        need(e.batch_tokens >= 0, "eval.batch_tokens", f"must be >= 0 (0 = rows alone decide), got {e.batch_tokens}")
+        need(e.shards is None or e.shards >= 1, "eval.shards", f"must be null (one per process) or >= 1, got {e.shards}")
         need(e.checker_deadline_s > 0, "eval.checker_deadline_s", f"must be > 0, got {e.checker_deadline_s}")
 
 

@@ -184,6 +184,11 @@ class DistConfig:
     param_dtype: Optional[str] = choice(Optional[Dtype], None)
     reduce_dtype: str = choice(Dtype, "float32")
     reshard_after_forward: bool = True
+    timeout_minutes: float = 60.0
+
+    @staticmethod
+    def check(d) -> None:
+        need(d.timeout_minutes > 0, "dist.timeout_minutes", f"must be > 0, got {d.timeout_minutes}")
 
 
 @dataclass
