@@ -39,9 +39,9 @@ def score_main() -> None:
     from bicc.config import register_configs
     from bicc.data import build_task
     from bicc.evaluation import evaluate, format_eval, markdown_table
-    from bicc.models import end_token_ids, load_pretrained
+    from bicc.models import end_token_ids, load_pretrained, tokenizer_and_positions
     from bicc.rollout import EngineOptions, build_engine, eval_engine_config
-    from bicc.validation import validate
+    from bicc.validation import validate, validate_lengths
 
     register_configs()
     hf_logging.disable_progress_bar()
@@ -54,13 +54,16 @@ def score_main() -> None:
         torch.set_num_threads(cfg.threads or os.cpu_count())
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
         path = resolve_checkpoint(cfg.ckpt)
+        task = build_task(cfg.data)
+        # the longest evaluation prompt + eval.max_new_tokens, checked against the model before its weights load:
+        # vLLM's max_model_len (else it takes the model's own, 262,144 for Qwen3-4B-2507, and refuses to start)
+        max_model_len = validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model, str(path)), train=False)
         model, tokenizer = load_pretrained(str(path), cfg.model, device)
         out_dir = Path(HydraConfig.get().runtime.output_dir)
-        options = EngineOptions(end_ids=tuple(end_token_ids(tokenizer, model)), dtype=cfg.model.dtype)
+        options = EngineOptions(end_ids=tuple(end_token_ids(tokenizer, model)), dtype=cfg.model.dtype,
+                                max_model_len=max_model_len)
         engine = build_engine(cfg.rollout.engine, model, tokenizer, eval_engine_config(cfg.rollout, cfg.eval), options)
-        metrics = evaluate(engine, tokenizer,
-                           build_task(cfg.data),
-                           cfg.eval, cfg.seed, out_dir=out_dir, progress=cfg.logger.progress)
+        metrics = evaluate(engine, tokenizer, task, cfg.eval, cfg.seed, out_dir=out_dir, progress=cfg.logger.progress)
         table = markdown_table(metrics, cfg.eval.ks)
         (out_dir / "summary.json").write_text(json.dumps({"ckpt": str(path), "eval": cfg.eval.name, **metrics}, indent=1))
         (out_dir / "results.md").write_text(table + "\n")

@@ -132,10 +132,11 @@ def plan_calls(num_problems: int, n: int, rows_per_call: int, shards: int) -> li
     return plan
 
 
-def rows_per_call(eval_cfg, longest_prompt: int) -> int:
-    """eval.batch_size rows, fewer when eval.batch_tokens caps rows x (longest prompt + eval.max_new_tokens)."""
+def rows_per_call(eval_cfg, longest_prompt: int, paged: bool = False) -> int:
+    """eval.batch_size rows, fewer when eval.batch_tokens caps rows x (longest prompt + eval.max_new_tokens);
+    ``paged`` (vLLM, which sizes its own KV cache): the rows alone."""
     rows = eval_cfg.batch_size
-    if eval_cfg.batch_tokens:
+    if eval_cfg.batch_tokens and not paged:
         rows = min(rows, eval_cfg.batch_tokens // (longest_prompt + eval_cfg.max_new_tokens))
     return max(1, rows)
 
@@ -186,7 +187,7 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
         raise ValueError(f"benchmark {bench.name}: no problems loaded from {bench.source}")
     prompts = [source.prompt(tokenizer, p) for p in problems]
     n = eval_cfg.samples_per_problem
-    rows = rows_per_call(eval_cfg, max(len(p) for p in prompts))
+    rows = rows_per_call(eval_cfg, max(len(p) for p in prompts), paged=getattr(engine, "model", None) is None)
     try:
         score = lambda sampling, desc: _sampled_rewards(  # noqa: E731
             engine, prompts, problems, source, sampling, rows, desc, progress, d, eval_cfg.shards)

@@ -98,15 +98,29 @@ def end_token_ids(tokenizer, model_or_config=None) -> list[int]:
     return ids
 
 
-def tokenizer_and_positions(model_cfg) -> tuple:
-    """The tokenizer and the longest sequence the model takes, read without loading any weights, and
-    the config field that sets that length."""
-    if model_cfg.tiny is not None:
-        return build_char_tokenizer(), model_cfg.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
+def tokenizer_and_positions(model_cfg, path: str | None = None) -> tuple:
+    """The tokenizer and the longest sequence the model takes, read without loading any weights, the config
+    field that sets that length, and the LongRoPE short-factor range (``longrope_limit``; None for other
+    models). ``path``: another dir of the same model (a checkpoint) instead of ``model.path``."""
+    if model_cfg.tiny is not None and path is None:
+        return build_char_tokenizer(), model_cfg.tiny.max_position_embeddings, "model.tiny.max_position_embeddings", None
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_cfg.path)
-    return AutoTokenizer.from_pretrained(model_cfg.path), config.max_position_embeddings, f"{model_cfg.path} config.json"
+    path = path or model_cfg.path
+    config = AutoConfig.from_pretrained(path)
+    return (AutoTokenizer.from_pretrained(path), config.max_position_embeddings, f"{path} config.json",
+            longrope_limit(config))
+
+
+def longrope_limit(config) -> int | None:
+    """``original_max_position_embeddings`` of a LongRoPE model (Phi-3/4): transformers rotates positions below it
+    with the short factors and only longer sequences with the long ones, while vLLM uses the long factors for
+    every position once its ``max_model_len`` exceeds it. None for any other model."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    original = original or getattr(config, "original_max_position_embeddings", None)
+    return int(original) if kind == "longrope" and original else None
 
 
 def resolve_attn_implementation(name: str) -> str:

@@ -46,11 +46,21 @@ def validate(cfg: Any) -> None:
              f"'mask' needs a 4-D attention mask, which model.attn_implementation={impl} ignores; use kv")
 
 
-def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field: str, sample: int = 256) -> int:
+def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field: str, longrope: int | None = None,
+                     sample: int = 256, train: bool = True) -> int:
     """Before any weights load: the longest prompt (of the first ``sample`` training problems) plus the BiCC
     context budget plus the output budget must fit the model's positions, and so must the longest
     evaluation prompt plus ``eval.max_new_tokens``. Returns the longer of the two: the longest sequence
-    the run needs (vLLM's ``max_model_len``)."""
+    the run needs (vLLM's ``max_model_len``). ``train`` False: evaluation only (eval.py).
+
+    Under vLLM a LongRoPE model (``longrope``: its original_max_position_embeddings) must fit that range: past it
+    vLLM rotates every position with the long factors, transformers only positions beyond it, so the engine
+    would sample from another policy than the trainer scores."""
+    if cfg.rollout.engine == "vllm" and longrope:
+        max_positions, limit_field = min(max_positions, longrope), (
+            f"LongRoPE: vLLM uses the long RoPE factors for every position once max_model_len exceeds "
+            f"original_max_position_embeddings={longrope}, transformers only past it; evaluate longer outputs "
+            f"with rollout=hf")
     from bicc.data import encode_prompt
     from bicc.evaluation import benchmark_source
 
@@ -58,14 +68,14 @@ def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field:
         lengths = [(len(encode(p)), p.id) for p in problems]
         return max(lengths) if lengths else (0, None)
 
-    train_len, train_id = longest([task.train_problem(i) for i in range(sample)],
+    train_len, train_id = longest([task.train_problem(i) for i in range(sample)] if train else [],
                                   lambda p: encode_prompt(tokenizer, p.prompt))
     budget = int(cfg.bicc.context_ratio * cfg.bicc.max_tokens) if cfg.bicc.enabled else 0
     template, shown = 0, cfg.rollout.group_size - 1  # a context shows at most G - 1 attempts
     if cfg.bicc.enabled:
         enc = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
         template = enc(cfg.bicc.preamble) + sum(enc(cfg.bicc.attempt_header.format(i=i + 1)) for i in range(shown))
-    need_train = train_len + budget + template + cfg.rollout.max_new_tokens
+    need_train = train_len + budget + template + cfg.rollout.max_new_tokens if train else 0
     need(need_train <= max_positions, "rollout.max_new_tokens",
          f"longest training prompt ({train_len} tokens, problem {train_id}) + BiCC context budget ({budget} = "
          f"bicc.context_ratio x bicc.max_tokens) + BiCC template ({template} = preamble + {shown} attempt headers) + "

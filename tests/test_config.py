@@ -204,3 +204,43 @@ def test_closed_choices_come_from_literal_types_at_any_depth():
         check_schema(OmegaConf.structured(Outer(spare=Inner("a", "y"))), Outer)
     with pytest.raises(ValueError, match="'b' needs a dtype"):  # the schema's own check runs too
         check_schema(OmegaConf.structured(Outer(inner=Inner("b"))), Outer)
+
+
+def longrope_dir(tmp_path):
+    """A Phi-4-mini-shaped config (LongRoPE, original_max_position_embeddings 4096 of 131,072) with a local tokenizer."""
+    from transformers import Phi3Config
+
+    from bicc.tokenizer import build_char_tokenizer
+
+    Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+               vocab_size=128, max_position_embeddings=131_072, original_max_position_embeddings=4096,
+               rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}).save_pretrained(tmp_path)
+    build_char_tokenizer().save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_longrope_model_under_vllm_stays_in_its_short_factor_range(tmp_path, engine):
+    """vLLM 0.32 rotates every position with the long factors once max_model_len exceeds 4,096, transformers only
+    positions past it: a Phi-4-mini engine sized for 4,096-token evaluations sampled every rollout from another
+    policy. Under vLLM the lengths must fit 4,096 (the field is named); HF generate follows transformers."""
+    from bicc.data import build_task
+    from bicc.models import tokenizer_and_positions
+    from bicc.validation import validate_lengths
+
+    path = longrope_dir(tmp_path)
+    assert tokenizer_and_positions(OmegaConf.create({"tiny": None, "path": str(path)}))[3] == 4096
+
+    def lengths(*overrides):
+        cfg = compose_cfg(["sft.cache_dir=/tmp/x", "model=phi4_mini", f"model.path={path}", f"rollout={engine}",
+                           "data=arith", "eval=math500", "eval.limit=3", "rollout.max_new_tokens=64", *overrides])
+        return validate_lengths(cfg, build_task(cfg.data), *tokenizer_and_positions(cfg.model))
+
+    if engine == "hf":
+        assert lengths() > 4096  # the paper's 4,096 new tokens after a prompt
+        return
+    with pytest.raises(ValueError, match=r"config field 'eval.max_new_tokens'.*LongRoPE.*4096"):
+        lengths()
+    with pytest.raises(ValueError, match=r"config field 'rollout.max_new_tokens'.*LongRoPE"):
+        lengths("eval.max_new_tokens=64", "rollout.max_new_tokens=4090")
+    assert lengths("eval.max_new_tokens=3000") <= 4096

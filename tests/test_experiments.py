@@ -37,7 +37,9 @@ def test_paper_experiment_has_table_3_values(experiment):
         cfg.data.math.train_source)
     assert [b.name for b in cfg.eval.benchmarks] == ["math500", "amc23", "aime24", "aime25"]
     assert cfg.eval.samples_per_problem == 32 and cfg.eval.temperature == 0.6 and cfg.eval.top_p == 0.95
-    assert cfg.eval.max_new_tokens == 4096
+    # Phi-4-mini's LongRoPE under vLLM: prompt + output within its 4,096-position short-factor range
+    assert cfg.eval.max_new_tokens == (3328 if experiment == "paper_phi4_mini" else 4096)
+    assert cfg.rollout.engine == "vllm" and cfg.eval.batch_tokens == 131_072  # HF evaluation sized by tokens
     assert cfg.dist.strategy == "fsdp2" and cfg.dist.param_dtype == "bfloat16" and cfg.dist.reduce_dtype == "float32"
     assert cfg.model.tiny is None  # a pretrained model: no warm start
 
