@@ -153,13 +153,20 @@ def test_sigkill_then_resume_with_vllm_rollouts(tmp_path):
 @pytest.mark.slow
 def test_eval_entry_point_with_vllm(tmp_path):
     """``eval.py rollout=vllm`` builds its engine from the run's rollout settings plus evaluation's (it used to
-    hand the eval config to the engine, which has no ``sleep``, and raise)."""
-    model, tokenizer = build_tiny(TinyArchConfig(), seed=0)
+    hand the eval config to the engine, which has no ``sleep``, and raise), sized to the evaluation's longest
+    sequence, not the model's positions (262,144 for Qwen3-4B-2507, which vLLM refused to start with)."""
+    from bicc.config import ArithConfig, DataConfig
+    from bicc.data import build_task, encode_prompt
+
+    model, tokenizer = build_tiny(TinyArchConfig(max_position_embeddings=262_144), seed=0)
+    task = build_task(OmegaConf.structured(DataConfig(task="arith", arith=ArithConfig())))
+    longest = max(len(encode_prompt(tokenizer, p.prompt)) for p in task.test_problems(4)) + 64  # eval.max_new_tokens
     save_hf(model, tokenizer, tmp_path / "policy")
     env = {**os.environ, "WANDB_MODE": "disabled", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([sys.executable, "eval.py", f"ckpt={tmp_path / 'policy'}", *VLLM_CFG, "eval.num_problems=4",
                            "eval.samples_per_problem=2", "eval.also_temperatures=[]", f"hydra.run.dir={tmp_path / 'eval'}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"longest sequence {longest} tokens" in proc.stdout and f"max_seq_len={longest}," in proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["eval/arith/num_problems"] == 4 and 0.0 <= summary["eval/arith/pass@1"] <= 1.0
