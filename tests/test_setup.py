@@ -1,0 +1,21 @@
+"""The install targets a user runs: `make setup-gpu` puts vLLM (pinned to the release built for the project's torch),
+datasets and flash-attn into the same .venv the make targets use."""
+
+import re
+import subprocess
+
+from tests.helpers import ROOT
+
+
+def test_setup_gpu_installs_the_gpu_extras_into_the_make_venv():
+    proc = subprocess.run(["make", "-n", "-B", "setup-gpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    gpu = next(line for line in lines if "requirements-gpu.txt" in line)
+    flash = next(line for line in lines if "requirements-flash.txt" in line)
+    assert gpu.startswith(".venv/bin/python -m pip install") and "-r requirements.txt" in gpu
+    assert flash.startswith(".venv/bin/python -m pip install") and "--no-build-isolation" in flash
+    assert lines.index(gpu) < lines.index(flash)  # flash-attn's build imports the torch installed before it
+    pins = dict(re.findall(r"^([\w-]+)==(\S+)", (ROOT / "requirements-gpu.txt").read_text(), re.M))
+    torch_pin = re.search(r"^torch==(\S+)", (ROOT / "requirements.txt").read_text(), re.M).group(1)
+    assert pins.get("vllm") == "0.32.0" and torch_pin == "2.13.0"  # vLLM 0.32 is built for torch 2.13
