@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from bicc.checking import MathChecker
-from bicc.data import Problem, encode_prompt
+from bicc.data import Problem, encode_prompt, task_rewards
 from bicc.data.benchmarks import FieldNames, is_absent_file, load_problems
 from bicc import distributed
 from bicc.distributed import Dist
@@ -48,9 +48,7 @@ class TaskBenchmark:
         return encode_prompt(tokenizer, problem.prompt)
 
     def score_many(self, texts: list[str], problems: list[Problem]) -> list[float]:
-        if hasattr(self.task, "reward_many"):
-            return self.task.reward_many(texts, problems)
-        return [self.task.reward(t, p) for t, p in zip(texts, problems)]
+        return task_rewards(self.task, texts, problems)
 
     def close(self) -> None:
         pass

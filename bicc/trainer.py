@@ -14,7 +14,7 @@ import torch
 
 from bicc.batching import logprobs_no_grad, micro_batches  # noqa: F401 (logprobs_no_grad: re-exported)
 from bicc.config import overlong_buffer_tokens
-from bicc.data import encode_prompt
+from bicc.data import encode_prompt, task_rewards
 from bicc.distributed import (Dist, all_reduce_sum, full_tensor, global_totals, loss_scale,
                               sync_gradients)
 from bicc.logprobs import TokenBatch
@@ -186,8 +186,7 @@ def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) 
         generate_s += time.perf_counter() - start
         rounds += 1
         golds = [problems[i // G] for i in range(len(out.texts))]
-        scores = (state.task.reward_many(out.texts, golds) if hasattr(state.task, "reward_many")
-                  else [state.task.reward(t, p) for t, p in zip(out.texts, golds)])
+        scores = task_rewards(state.task, out.texts, golds)
         correct = torch.tensor(scores).view(want, G)
         lengths = torch.tensor([len(c) for c in out.completion_ids]).view(want, G)
         buffer = overlong_buffer_tokens(algo, cfg.rollout.max_new_tokens)

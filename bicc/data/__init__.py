@@ -33,6 +33,13 @@ def build_task(data_cfg):
 
 
 
+def task_rewards(task, completions: list[str], problems: list[Problem]) -> list[float]:
+    """The task's reward of each completion: in one call where the task scores lists (``reward_many``)."""
+    if hasattr(task, "reward_many"):
+        return task.reward_many(completions, problems)
+    return [task.reward(c, p) for c, p in zip(completions, problems)]
+
+
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """Token ids of the chat-formatted user turn, with the assistant turn opened."""
     return tokenizer.apply_chat_template(
