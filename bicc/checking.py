@@ -8,7 +8,8 @@ Model outputs are untrusted text. Here that means:
   (``__``, ``import``, ``lambda`` ...), or whose braces do not balance, scores 0 without being parsed;
 - math-verify's expression parser ends in sympy's ``parse_expr`` and thereby ``eval``: text that could
   be code never reaches it (the filter above runs in the parent and again in the worker), and it runs
-  only on math-verify's own regex-extracted math spans, inside a memory-capped worker process;
+  only on math-verify's own regex-extracted math spans, inside a worker process capped at 4 GiB over what it
+  maps when it starts;
 - parsing and comparison run in worker processes, each item under a wall-clock deadline: a worker
   past its deadline is killed and replaced and the item scores 0. math-verify's own timeouts use
   ``signal.alarm``, which does nothing outside the main thread (Math-Verify issue 50), so they are
@@ -49,13 +50,28 @@ def _verify_in_worker(gold: str, pred: str, match_types: tuple[str, ...], precis
     return bool(verify(g, p, float_rounding=precision, allow_set_relation_comp=set_rel, timeout_seconds=None))
 
 
+def _mapped_bytes() -> int:
+    """This process's address space now (VmSize), 0 where ``/proc`` is absent."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _worker_loop(conn, memory_bytes: int) -> None:
+    """Serve ``_verify_in_worker`` calls. ``memory_bytes`` is headroom over what the worker maps when its loop
+    starts: a spawned worker has already imported the parent's ``__main__`` (``train.py``: torch and its CUDA
+    libraries, gigabytes of mappings), and an absolute cap would leave math-verify no room at all."""
     import logging
     import resource
     import warnings
 
     if memory_bytes > 0:  # a pathological expression fails with MemoryError instead of taking the machine
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        limit = _mapped_bytes() + memory_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     logging.disable(logging.CRITICAL)  # math-verify warns on every disabled timeout
     warnings.filterwarnings("ignore")

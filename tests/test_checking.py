@@ -118,3 +118,36 @@ def test_items_after_deadline_kills_do_not_wait_for_imports():
         assert time.perf_counter() - start < 0.4
     finally:
         pool.close()
+
+
+BIG_MAIN = '''
+import mmap
+import sys
+
+_RESERVED = mmap.mmap(-1, 6 << 30)  # like CUDA torch at import: gigabytes mapped, little touched
+
+from bicc.checking import MathChecker
+
+if __name__ == "__main__":
+    checker = MathChecker(workers=1, deadline_s=20.0)
+    try:
+        print(checker.score("so \\\\boxed{(x+1)^2}", "x^2+2x+1"), checker.stats["verify"])
+    finally:
+        checker.close()
+'''
+
+
+def test_workers_under_a_main_module_that_maps_gigabytes_still_verify(tmp_path):
+    """Spawned workers import the parent's ``__main__`` (``train.py``: torch and CUDA libraries) before their
+    loop starts. Their memory cap is headroom over what they already map, so math-verify still has room:
+    an answer only math-verify can decide scores 1, not a silent 0 from a MemoryError."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "big_main.py"
+    script.write_text(BIG_MAIN)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1.0", "1"], out.stdout
