@@ -3,6 +3,7 @@ inside the repo, an absent file falls back to the benchmark's HF dataset; bad ro
 skipped."""
 
 import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -110,6 +111,19 @@ def test_skip_mode_counts_and_keeps_good_rows(tmp_path, capsys):
     assert [p.id for p in problems] == ["a", "z"]
     assert sum(skipped.values()) == 8 and skipped["duplicate id 'a'"] == 3
     assert "skipped" in capsys.readouterr().out
+
+
+def test_a_repeated_problem_with_another_answer_follows_on_bad_row(tmp_path):
+    """DAPO-Math-17k's HF copy repeats each prompt; one repeated with another answer stopped the run even under
+    on_bad_row=skip. Now: an error naming both lines, or under skip the later row is skipped and counted."""
+    rows = [("p1", "1"), ("p2", "2"), ("p1", "1"), ("p1", "7"), ("p3", "3")]
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("".join(json.dumps({"problem": t, "answer": a, "id": f"x{i}"}) + "\n" for i, (t, a) in enumerate(rows)))
+    with pytest.raises(BadRowError, match=r"dapo.jsonl:4: problem repeats line 1 with answer '7' instead of '1'"):
+        load_problems(str(path), dedupe=True)
+    problems, skipped = load_problems(str(path), dedupe=True, on_bad_row="skip")
+    assert [(p.prompt, p.answer) for p in problems] == [("p1", "1"), ("p2", "2"), ("p3", "3")]
+    assert skipped == {"repeated problem": 1, "repeated problem with another answer": 1}
 
 
 def test_missing_file_is_named(tmp_path):

@@ -69,7 +69,8 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
     """Problems from ``source`` (a .jsonl / .parquet path, or an HF dataset id when no such file
     exists) and the counts of skipped rows by reason. ``dedupe``: a row whose problem text and answer
     repeat an earlier row's is skipped and counted ("repeated problem"), whatever its id (the HF copy of
-    DAPO-Math-17k holds each prompt about 100 times); a repeated text with another answer is an error."""
+    DAPO-Math-17k holds each prompt about 100 times); a repeated text with another answer is a bad row (under
+    ``skip`` the first row's answer is kept)."""
     if on_bad_row not in BAD_ROW_POLICIES:
         raise ValueError(f"on_bad_row={on_bad_row!r}: choose from {', '.join(BAD_ROW_POLICIES)}")
     fields = fields or FieldNames()
@@ -90,8 +91,11 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
             if text in texts:
                 first, first_answer = texts[text]
                 if first_answer != answer:
-                    raise BadRowError(f"{where}:{number}: problem repeats line {first} with answer {answer!r} "
-                                      f"instead of {first_answer!r}")
+                    reason = f"problem repeats line {first} with answer {answer!r} instead of {first_answer!r}"
+                    if on_bad_row == "error":
+                        raise BadRowError(f"{where}:{number}: {reason} (set on_bad_row=skip to keep the first)")
+                    skipped["repeated problem with another answer"] += 1
+                    continue
                 skipped["repeated problem"] += 1
                 continue
             texts[text] = (number, answer)
