@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from bicc.distributed import is_sharded
 from bicc.logprobs import at_least_fp32, compute_precision, entropy_from_logits, forward_logprobs, logprobs_from_logits
 
 
@@ -318,7 +319,9 @@ def _padded_rest(model, states, index, completions, grid, pad_id, temperature, w
     """``completion_logprobs`` on left-padded prefixes: the completions right-padded to their longest, each
     reading a copy of its prefix's keys/values."""
     device, n = index.device, len(completions)
-    length = max(1, min(grid, max(len(c) for c in completions)))  # computed to the longest here
+    # computed to the longest here; sharded, at least two wide: the model runs even when every output is one
+    # token, so FSDP2 ranks gather (and reduce-scatter) every layer in step
+    length = max(2 if is_sharded(model) else 1, min(grid, max(len(c) for c in completions)))
     c_ids = torch.full((n, length), pad_id, dtype=torch.long)  # [n, L]
     c_mask = torch.zeros((n, length), dtype=torch.long)  # [n, L]
     for i, c in enumerate(completions):
@@ -358,32 +361,46 @@ def _ragged_rest(model, states, index, completions, grid, pad_id, temperature, w
     values = [first_logp[rows]]
     entropies = [first_entropy[rows]] if with_entropy else []
     seqs = [i for i, c in enumerate(completions) if len(c) > 1]  # completions with a token after their first
-    q_len = [len(completions[i]) - 1 for i in seqs]
+    queries = [completions[i] for i in seqs]
+    stand_in = not seqs and is_sharded(model)  # every output one token, sharded: the model still runs, on a pad
+    if stand_in:  # token after the first prefix, so FSDP2 ranks gather every layer in step
+        seqs, queries = [0], [[pad_id, pad_id]]
     if seqs:
-        p_start = [0, *itertools.accumulate(states.lengths)]  # each prefix's first token among all of theirs
-        q_start = [0, *itertools.accumulate(q_len)]
-        index_k = torch.cat([torch.cat([torch.arange(p_start[prefix_of[i]], p_start[prefix_of[i] + 1]),
-                                        p_start[-1] + torch.arange(q_start[j], q_start[j + 1])])
-                             for j, i in enumerate(seqs)]).to(device)  # [sum(W_i + q_i)]
-        as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)[None]  # noqa: E731
-        ids = as_row([t for i in seqs for t in completions[i][:-1]])  # [1, sum q]
-        targets = as_row([t for i in seqs for t in completions[i][1:]])  # [1, sum q]
-        pos = as_row([states.lengths[prefix_of[i]] + t for i in seqs for t in range(len(completions[i]) - 1)])
-        k_len = [states.lengths[prefix_of[i]] + q for i, q in zip(seqs, q_len)]
-        with _cache_through_checkpointing(model):
-            cache = DynamicCache()
-            cache.layers = [_GatherLayer(k, v, index_k) for k, v in zip(states.keys, states.values)]
-            rest_logp, rest_entropy = forward_logprobs(
-                model, targets, temperature, with_entropy, input_ids=ids, position_ids=pos, past_key_values=cache,
-                logits_to_keep=0, **_ragged(q_len, k_len, device))  # [1, sum q]
-        values.append(rest_logp[0])
-        entropies += [rest_entropy[0]] if with_entropy else []
-        rows += [i for i, q in zip(seqs, q_len) for _ in range(q)]
-        cols += [t for q in q_len for t in range(1, q + 1)]
+        rest_logp, rest_entropy = _ragged_forward(model, states, [prefix_of[i] for i in seqs], queries, temperature,
+                                                  with_entropy, device)
+        if stand_in:  # in the graph times zero: the backward reaches every layer too
+            values[0] = values[0] + 0.0 * rest_logp.sum()
+        else:
+            values.append(rest_logp)
+            entropies += [rest_entropy] if with_entropy else []
+            rows += [i for i, q in zip(seqs, queries) for _ in range(len(q) - 1)]
+            cols += [t for q in queries for t in range(1, len(q))]
     at = (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cols, dtype=torch.long, device=device))
     logp = first_logp.new_zeros(n, grid).index_put(at, torch.cat(values))  # [n, grid]
     entropy = first_logp.new_zeros(n, grid).index_put(at, torch.cat(entropies).detach()) if with_entropy else None
     return logp, entropy
+
+
+def _ragged_forward(model, states, prefix_of, queries, temperature, with_entropy, device):
+    """Log-probs [sum q] of each query's tokens after its first, every query one ragged sequence reading its
+    prefix's keys (``prefix_of``) and then its own."""
+    q_len = [len(q) - 1 for q in queries]
+    p_start = [0, *itertools.accumulate(states.lengths)]  # each prefix's first token among all of theirs
+    q_start = [0, *itertools.accumulate(q_len)]
+    index_k = torch.cat([torch.cat([torch.arange(p_start[p], p_start[p + 1]),
+                                    p_start[-1] + torch.arange(q_start[j], q_start[j + 1])])
+                         for j, p in enumerate(prefix_of)]).to(device)  # [sum(W_i + q_i)]
+    as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)[None]  # noqa: E731
+    ids = as_row([t for q in queries for t in q[:-1]])  # [1, sum q]
+    targets = as_row([t for q in queries for t in q[1:]])  # [1, sum q]
+    pos = as_row([states.lengths[p] + t for p, q in zip(prefix_of, q_len) for t in range(q)])
+    k_len = [states.lengths[p] + q for p, q in zip(prefix_of, q_len)]
+    with _cache_through_checkpointing(model):
+        cache = DynamicCache()
+        cache.layers = [_GatherLayer(k, v, index_k) for k, v in zip(states.keys, states.values)]
+        logp, entropy = forward_logprobs(model, targets, temperature, with_entropy, input_ids=ids, position_ids=pos,
+                                         past_key_values=cache, logits_to_keep=0, **_ragged(q_len, k_len, device))
+    return logp[0], (entropy[0] if with_entropy else None)
 
 
 def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int], completions: list[list[int]],

@@ -184,3 +184,26 @@ def test_two_nodes_match_one_process_and_resume(runs):
     outs = two_nodes([f"hydra.run.dir={resumed}", "dist.strategy=fsdp2", f"resume={ckpt}"], tmp)
     assert "resumed from" in outs[0]
     assert max_diff(weights(resumed, 2), weights(multi, 2)) <= 1e-6
+
+
+@pytest.mark.parametrize("layout", ["padded", "padding_free"])
+def test_fsdp2_rank_with_one_token_outputs_stays_in_step(tmp_path, layout):
+    """Rank 0's micro-batch holds only one-token outputs (predicted by the prefixes' last logits alone), rank 1's
+    longer ones. Rank 0 skipped the outputs' forward, so its layer all-gathers fell out of step with rank 1's:
+    the job hung until the process group's timeout. Now both finish, and rank 0's log-probs are those of one
+    unsharded process."""
+    from bicc.packing import prefix_cache_logprobs
+    from tests.helpers import prefix_cache_case, tiny
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/fsdp_one_token.py",
+           "30", layout]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env(tmp_path), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = {int(line.split()[1]): line.split() for line in proc.stdout.splitlines() if line.startswith("rank ")}
+    assert sorted(lines) == [0, 1]
+    model, tok = tiny()
+    _, distinct, prefix_of, completions = prefix_cache_case()
+    with torch.no_grad():
+        one = prefix_cache_logprobs(model, distinct, prefix_of, [c[:1] for c in completions], 9, tok.pad_token_id)[0]
+    assert abs(float(lines[0][3]) - one.sum().item()) < 1e-4

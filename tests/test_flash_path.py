@@ -294,3 +294,32 @@ def test_padding_free_short_and_empty_outputs(flash_model, completions):
     m = batch.completion_mask.bool()
     torch.testing.assert_close(a[:, : m.shape[1]][m], b[m], atol=1e-5, rtol=0)
     assert (a[:, : m.shape[1]][~m] == 0).all() and (a[:, m.shape[1]:] == 0).all()
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_one_token_outputs_of_a_sharded_model_still_run_every_layer(flash_model, padding_free, monkeypatch):
+    """A micro-batch whose outputs are all one token needs only the prefixes' last logits; it skipped the model
+    forward, so under FSDP2 that rank gathered (and reduce-scattered) no layer while the others did: collectives
+    out of step. A sharded model now runs every layer forward and backward, and the log-probs are unchanged.
+    (Unsharded, the forward is still skipped: ``test_padding_free_short_and_empty_outputs``.)"""
+    import bicc.packing
+
+    monkeypatch.setattr(bicc.packing, "is_sharded", lambda model: True)
+    flash, sdpa, tok = flash_model
+    flash.bicc_padding_free = padding_free
+    layers = flash.model.layers
+    calls = []
+    hooks = [layer.register_forward_hook(lambda *_: calls.append(1)) for layer in layers]
+    prefixes, distinct, prefix_of, completions = prefix_cache_case()
+    ones = [c[:1] for c in completions]
+    try:
+        a, _ = prefix_cache_logprobs(flash, distinct, prefix_of, ones, 9, tok.pad_token_id)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(calls) == 2 * len(layers)  # the prefixes' forward, then the outputs' (a stand-in token)
+    a.sum().backward()
+    assert all(p.grad is not None for p in layers[-1].parameters())
+    b, _ = unpacked(sdpa, tok, prefixes, ones)
+    torch.testing.assert_close(a[:, 0].detach(), b[:, 0].detach(), atol=1e-5, rtol=0)
+    assert (a[:, 1:] == 0).all()
