@@ -114,6 +114,33 @@ def test_many_seeded_requests_are_reproducible(engines):
     assert other.completion_ids != a.completion_ids
 
 
+def test_every_sample_of_a_call_has_its_own_seed(engines):
+    """vLLM fans a request of n samples out into children seeded seed + j. Requests seeded seed + i gave sample j
+    of prompt i and sample j-1 of prompt i+1 one seed: on one prompt sent twice, the same outputs, shifted."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams as VSampling
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    from bicc.rollout.vllm import request_seed
+
+    sampling = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3)
+    seeds = []
+    for i in range(64):  # through vLLM's own fan-out
+        parent = ParentRequest(SimpleNamespace(external_req_id=str(i), request_id=str(i),
+                                               params=VSampling(n=8, seed=request_seed(sampling, i))))
+        seeds += [parent._get_child_sampling_params(j).seed for j in range(8)]
+    assert len(set(seeds)) == 64 * 8
+    next_call = request_seed(SamplingParams(8, 1.0, 1.0, 8, seed=4), 0)
+    assert next_call > max(seeds)  # and no sample of the next step's call repeats one of these
+
+    _, tokenizer, vllm_engine, _, prompts = engines
+    out = vllm_engine.generate([prompts[0], prompts[0]], SamplingParams(n=4, temperature=1.0, top_p=1.0,
+                                                                        max_new_tokens=8, seed=3)).completion_ids
+    shifted = [out[j] == out[4 + j - 1] for j in range(1, 4)]  # sample j of prompt 0, sample j-1 of prompt 1
+    assert sum(shifted) < 3, out
+
+
 def test_sigkill_then_resume_with_vllm_rollouts(tmp_path):
     """A run with vLLM rollouts killed after its step-2 checkpoint resumes (a fresh engine built from the
     checkpoint's weights) to the uninterrupted run's weights, step for step."""

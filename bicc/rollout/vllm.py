@@ -53,6 +53,13 @@ def named_parameters_full(model, dtype: torch.dtype | None = None):
         yield "lm_head.weight", weight.to(dtype or weight.dtype)
 
 
+def request_seed(sampling: SamplingParams, i: int) -> int:
+    """The seed of prompt ``i``'s request in a call. vLLM 0.32 fans a request out into ``n`` children seeded
+    ``seed + j`` (``v1/engine/parallel_sampling.py``), so requests are spaced ``n`` apart: every sample of a call
+    has its own seed (with ``seed + i``, sample j of prompt i and sample j-1 of prompt i+1 shared their draws)."""
+    return sampling.seed * 1_000_003 + i * sampling.n
+
+
 def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions, cuda: bool) -> dict:
     """Arguments of ``vllm.LLM`` for this run (a pure function, so the GPU-only ones are testable here)."""
     kwargs = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=0,
@@ -122,7 +129,7 @@ class VLLMEngine:
             requests.append({"prompt_token_ids": list(ids)})
             params.append(VSampling(n=1 if greedy else sampling.n, temperature=0.0 if greedy else sampling.temperature,
                                     top_p=1.0 if greedy else sampling.top_p,
-                                    max_tokens=sampling.max_new_tokens, seed=sampling.seed * 1_000_003 + i, logprobs=0,
+                                    max_tokens=sampling.max_new_tokens, seed=request_seed(sampling, i), logprobs=0,
                                     stop_token_ids=list(end_ids), skip_special_tokens=True, detokenize=False))
         results = self.llm.generate(requests, params, use_tqdm=False)
         out = RolloutOutput([], [], [], [], logprobs=[])
