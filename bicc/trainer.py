@@ -358,6 +358,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             add("train/nonfinite_skip", 0.0)
             start = time.perf_counter()
             state.optimizer.step()
+            state.optimizer.zero_grad(set_to_none=True)  # not held through the next rollout beside vLLM
             state.scheduler.step()
             timers["optimizer"] += time.perf_counter() - start
     metrics = {name: sums[name] / counts[name] for name in sums}
