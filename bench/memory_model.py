@@ -11,7 +11,14 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   at a time (the current one and the prefetched one), and one layer's unsharded gradient in backward;
 - the frozen reference: a full copy in the compute dtype on every rank (RCC's delta needs it);
 - vLLM: awake during the rollout at ``gpu_memory_utilization`` x the GPU's memory, asleep (level 2:
-  weights and KV cache dropped) during the update;
+  weights and KV cache dropped) during the update; the gradients are freed after the optimizer step, but
+  FSDP2 leaves the root (embeddings, head) gathered after the last no-grad forward, through the rollout;
+- FSDP2's fp32 reduce-scatter (``dist.reduce_dtype``): each layer's unsharded gradient cast to fp32 before it
+  is reduced, and the root's at the end of the backward (a V x H fp32 copy);
+- evaluation: through vLLM as in the rollout, or through HF generate in calls of ``eval.batch_tokens`` rows x
+  (prompt + new tokens): their KV cache, the sampling logits and a layer's prefill;
+- a runtime of 2.5 GiB (CUDA context, cuBLAS workspaces, NCCL buffers) and 10% allocator fragmentation on
+  the tensors counted;
 - activations of a micro-batch under activation checkpointing: every layer's input kept for the backward
   (tokens x H x b per layer), one layer's recomputed activations at a time (per token: 3H + 6Hq + 6Hkv + 4I
   values, plus fp32 copies in the RMSNorms when b < 4), counted at the backward's worst layer, where the
@@ -100,7 +107,11 @@ class Run:
     master_bytes: int = 4  # fp32
     sharded: bool = True
     vllm: bool = True
-    runtime_gib: float = 1.0  # CUDA context, kernels, allocator slack: measured on no CPU, a usual figure
+    runtime_gib: float = 2.5  # CUDA context, cuBLAS workspaces, NCCL buffers: 2-3 GiB on H100 (not measured here)
+    fragmentation: float = 0.10  # the caching allocator's reserved-over-allocated, on the tensors counted
+    eval_vllm: bool = True  # evaluation through vLLM (the presets), else HF generate under eval.batch_tokens
+    eval_batch_tokens: int = 131_072  # eval.batch_tokens (conf/eval/paper.yaml): rows x (prompt + new tokens)
+    eval_new_tokens: int = 4096  # eval.max_new_tokens
 
 
 def _layer_bytes_per_token(arch: Arch, b: int) -> int:
@@ -172,13 +183,44 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
                      "one context layer's recomputed activations": context_tokens * _layer_bytes_per_token(arch, b)}
     logprob = {**static, **gathered, "one layer's activations (no grad)": layer_act / 2, "log-prob head chunk": head / 2,
                "BiCC contexts' K/V (no grad)": context_kv}
+    if run.sharded:  # reduce_dtype fp32: the unsharded gradient is cast before the reduce-scatter
+        update["fp32 reduce-scatter staging (one layer)"] = 4 * arch.layer_params()
+    # the root's reduce-scatter, at the end of the backward: its compute-dtype gradient and the fp32 staging copy
+    root_phase = {**static, **gathered, "gradients so far (fp32, sharded)": grads - head_grads,
+                  "root gradient (compute dtype, unsharded)": b * arch.root_params(),
+                  "fp32 reduce-scatter staging (root)": 4 * arch.root_params(), **contexts}
     optimizer = {**static, "gradients (fp32, sharded)": grads, "AdamW step temporaries": 2 * 4 * n / w}
-    rollout = dict(static)
+    # FSDP2 keeps the root unsharded after a forward with no backward (the last no-grad pass) until the next one
+    awake = {**static, **({"FSDP2 root left gathered": b * arch.root_params()} if run.sharded else {})}
+    rollout = dict(awake)
     if run.vllm:
         rollout["vLLM (awake: weights + KV cache)"] = run.vllm_utilization * run.gpu_gib * GIB
     out = {"rollout": rollout, "no-grad log-probs": logprob, "update: head backward": head_phase,
-           "update: layers backward": update, "update: contexts backward": context_phase, "optimizer step": optimizer}
-    return out if run.bicc else {k: v for k, v in out.items() if k != "update: contexts backward"}
+           "update: layers backward": update, "update: contexts backward": context_phase}
+    if run.sharded:
+        out["update: root reduce-scatter"] = root_phase
+    out["optimizer step"] = optimizer
+    out["evaluation"] = _evaluation(arch, run, awake, gathered)
+    if not run.bicc:
+        del out["update: contexts backward"]
+    for parts in out.values():  # the caching allocator's slack on what the phase allocates
+        tensors = sum(v for k, v in parts.items() if k not in ("runtime", "vLLM (awake: weights + KV cache)"))
+        parts["allocator fragmentation"] = run.fragmentation * tensors
+    return out
+
+
+def _evaluation(arch: Arch, run: Run, awake: dict, gathered: dict) -> dict[str, float]:
+    """The initial and final evaluation: vLLM's share as in the rollout, or HF generate with calls of at most
+    ``eval_batch_tokens`` rows x (prompt + new tokens): their KV cache, the last position's fp32 logits
+    (sampling keeps two copies) and one layer's prefill activations."""
+    if run.eval_vllm:
+        return {**awake, "vLLM (awake: weights + KV cache)": run.vllm_utilization * run.gpu_gib * GIB}
+    b = run.compute_bytes
+    rows = max(1, run.eval_batch_tokens // (run.prompt_tokens + run.eval_new_tokens))
+    kv = rows * (run.prompt_tokens + run.eval_new_tokens) * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
+    return {**awake, **gathered, "HF generate KV cache (eval.batch_tokens)": kv,
+            "sampling logits (fp32, two copies)": 2 * 4 * rows * arch.vocab,
+            "one layer's prefill activations": rows * run.prompt_tokens * _layer_bytes_per_token(arch, b) / 2}
 
 
 def peak(arch: Arch, run: Run) -> tuple[str, float]:
@@ -191,7 +233,7 @@ def print_table(title: str, arch: Arch, run: Run) -> float:
     print(f"\n{title}: {arch.params() / 1e9:.2f}B parameters, {run.world} GPUs x {run.gpu_gib:.0f} GiB, "
           f"micro-batch {run.micro_batch} x {run.output_tokens} output tokens, BiCC {'on' if run.bicc else 'off'}")
     for name, parts in phases(arch, run).items():
-        print(f"  {name:<24} {sum(parts.values()) / GIB:7.2f} GiB")
+        print(f"  {name:<30} {sum(parts.values()) / GIB:7.2f} GiB")
         for part, value in parts.items():
             if value:
                 print(f"      {part:<46} {value / GIB:7.2f}")
@@ -284,7 +326,7 @@ def measure(arch: Arch, micro_batch: int, tokens: int, chunk: int) -> dict[str, 
 
 def predict(arch: Arch, micro_batch: int, tokens: int, chunk: int) -> dict[str, float]:
     run = Run(world=1, micro_batch=micro_batch, output_tokens=tokens, prompt_tokens=0, bicc=False, reference=False,
-              chunk_tokens=chunk, compute_bytes=4, sharded=False, vllm=False, runtime_gib=0.0)
+              chunk_tokens=chunk, compute_bytes=4, sharded=False, vllm=False, runtime_gib=0.0, fragmentation=0.0)
     table = {name: sum(parts.values()) for name, parts in phases(arch, run).items()}
     return {"update": max(table["update: head backward"], table["update: layers backward"]),
             "optimizer step": table["optimizer step"]}
@@ -323,6 +365,10 @@ def main() -> None:
     for name, arch in (("paper_qwen3_4b", QWEN3_4B), ("paper_phi4_mini", PHI4_MINI)):
         phase, value = peak(arch, Run(delta_from_update=True))
         print(f"{name} with rcc.delta_from_update=true (the presets keep false): peak {value / GIB:.2f} GiB ({phase})")
+        hf = Run(vllm=False, eval_vllm=False)
+        evaluation = sum(phases(arch, hf)["evaluation"].values())
+        print(f"{name} with rollout=hf: evaluation {evaluation / GIB:.2f} GiB (HF generate, eval.batch_tokens="
+              f"{hf.eval_batch_tokens}), peak {peak(arch, hf)[1] / GIB:.2f} GiB ({peak(arch, hf)[0]})")
     for mean_output in (1000, 2048):
         times = step_seconds(QWEN3_4B, Run(), mean_output)
         print(f"\npaper_qwen3_4b step estimate, outputs of {mean_output} tokens on average (arithmetic, H100, 40% MFU):")

@@ -96,3 +96,32 @@ def test_plan_flops_count_each_pass_of_the_plan():
     assert plan_flops(plan("bicc=on", "rcc=on"), model, on_q, on_xc) == 2 * q + 3 * xc
     own = plan("bicc=on", "rcc=on", "rcc.delta_from_update=false")
     assert plan_flops(own, model, on_q, on_xc) == 2 * q + 4 * xc
+
+
+def test_memory_model_counts_every_phase_by_hand():
+    """The terms a GPU run holds: the evaluation (HF generate under eval.batch_tokens, or vLLM's share), the root
+    FSDP2 leaves gathered through the rollout, the fp32 reduce-scatter staging, the runtime, fragmentation; and
+    no gradients through the rollout (freed after the optimizer step)."""
+    from bench.memory_model import GIB, QWEN3_4B, Run, phases
+
+    gib = lambda parts: sum(parts.values()) / GIB  # noqa: E731
+    hf = phases(QWEN3_4B, Run(vllm=False, eval_vllm=False))["evaluation"]
+    rows = 131_072 // (300 + 4096)  # 29 rows of a 300-token prompt and 4,096 new tokens
+    assert rows == 29
+    assert hf["HF generate KV cache (eval.batch_tokens)"] == 29 * 4396 * 36 * 2 * 8 * 128 * 2  # tokens x layers x K,V x kv x d x bf16
+    assert hf["sampling logits (fp32, two copies)"] == 2 * 4 * 29 * 151_936
+    assert hf["FSDP2 gathered root (embeddings, head)"] == 2 * (151_936 * 2560 + 2560)
+    run = Run()
+    table = phases(QWEN3_4B, run)
+    assert table["evaluation"]["vLLM (awake: weights + KV cache)"] == 0.4 * 80 * GIB
+    rollout = table["rollout"]
+    assert rollout["FSDP2 root left gathered"] == 2 * (151_936 * 2560 + 2560)
+    assert not any("gradient" in name for name in rollout)
+    assert rollout["runtime"] == 2.5 * GIB
+    tensors = sum(v for k, v in rollout.items() if k not in ("runtime", "vLLM (awake: weights + KV cache)",
+                                                            "allocator fragmentation"))
+    assert abs(rollout["allocator fragmentation"] - 0.1 * tensors) < 1
+    root = table["update: root reduce-scatter"]
+    assert root["fp32 reduce-scatter staging (root)"] == 4 * (151_936 * 2560 + 2560)
+    assert table["update: layers backward"]["fp32 reduce-scatter staging (one layer)"] == 4 * QWEN3_4B.layer_params()
+    assert 50 < gib(rollout) < 72  # the preset's peak fits an 80 GiB GPU with room
