@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-gpu train train-dist test test-all bench results clean
+.PHONY: setup setup-gpu gpu-check train train-dist test test-all bench results clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ $(GPU_STAMP): $(STAMP) requirements-gpu.txt requirements-flash.txt
 	touch $(GPU_STAMP)
 
 setup-gpu: $(GPU_STAMP)
+
+# The first thing to run on a CUDA machine (about 10 min on one H100; no hub, vLLM or flash-attn needed): the
+# GPU tests, a one-GPU rehearsal of the headline command, RESULT lines (bench/gpu_check.py). It runs in .venv when
+# there is one, else in the machine's python3 (a CUDA torch already installed); PY=... picks another.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) -m bench.gpu_check $(ARGS)
 
 # The main job on the embedded default: SFT warm start (cached), GRPO, final evaluation (what it trains is
 # printed first).

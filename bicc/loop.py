@@ -201,6 +201,9 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
         print(f"[run] {describe_choices(choices, cfg)}")
     task = build_task(cfg.data)
     max_model_len = validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model))
+    if d.is_main:  # the engine that samples the rollouts and both evaluations, sized to what they need
+        print(f"[rollout] {cfg.rollout.engine} engine; longest sequence {max_model_len} tokens (prompt + context + "
+              "new tokens, training or evaluation)")
 
     # ---- warm start: tiny models are fine-tuned first (cached by settings; rank 0 builds it) --------
     init_path = cfg.model.path
@@ -243,6 +246,9 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     tracker.log(final, step=s.step)
     tracker.finish()
     results = {"initial": baseline, "final": final, "steps": s.step, "init_path": init_path}
+    if device.type == "cuda":  # the run's peak, evaluations included (make gpu-check sets it beside the memory model)
+        results["cuda_max_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        results["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     (run_dir / "results.json").write_text(json.dumps(results, indent=1))
     print(f"[eval] final policy:   {format_eval(final)}")
     print(f"[done] outputs in {run_dir}")

@@ -90,7 +90,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     # ---- 8. metrics ----------------------------------------------------------------------------
     perf = {"perf/rollout_s": t_rollout - t0, "perf/generate_s": ro.generate_s, "perf/logprob_s": t_logprobs - t_contexts,
             "perf/no_grad_passes": plan.no_grad_passes(), "perf/diagnostics_s": diagnostics_s,
-            "perf/update_s": t_update - t_logprobs}
+            "perf/update_s": t_update - t_logprobs, "perf/update_tokens": float(numerator.tokens)}
     metrics = {**rollout_metrics(ro, batch, cfg), **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics, **perf}
     return distributed.mean_metrics(step_timing(metrics, batch, t0), s.dist), diag_record
 

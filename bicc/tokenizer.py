@@ -26,10 +26,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """Specials first (ids 0-3), then newline and printable ASCII 32..126."""
+def build_char_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """Specials first (ids 0-3), then newline and printable ASCII 32..126; ``vocab_size``: filled to that many
+    ids with ``<|extra_i|>`` tokens (a real model's vocabulary size: what a random model samples decodes)."""
     chars = ["\n"] + [chr(c) for c in range(32, 127)]
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    base = SPECIAL_TOKENS + chars
+    if vocab_size is not None and vocab_size < len(base):
+        raise ValueError(f"vocab_size={vocab_size}: the character tokenizer needs at least {len(base)} ids")
+    extra = [f"<|extra_{i}|>" for i in range((vocab_size or len(base)) - len(base))]
+    vocab = {tok: i for i, tok in enumerate(base + extra)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # One token per character, newlines included ([\s\S] matches any character).
     core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")

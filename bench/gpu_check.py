@@ -1,0 +1,209 @@
+"""``make gpu-check``: what a person with one CUDA GPU runs first (about 10 minutes on one H100; no hub access,
+no vLLM, no flash-attn needed).
+
+    make gpu-check                              # .venv's python, else python3
+    .venv/bin/python -m bench.gpu_check --skip-tests
+
+1. The GPU-marked tests (``pytest -m gpu``: a bf16 run on CUDA; flash-attn against SDPA where it is installed).
+2. A one-GPU rehearsal of the headline command::
+
+       torchrun --nproc_per_node=1 train.py experiment=paper_qwen3_4b algo=dapo bicc=on rcc=on rollout=hf
+
+   on a Qwen3-0.6B-shaped model with random weights and a tokenizer built locally (the character tokenizer,
+   its vocabulary filled to Qwen3's 151,936 ids), bf16 compute over fp32 master weights, activation
+   checkpointing, 3 steps with outputs of up to 1,024 tokens (a random model rarely ends one early, so nearly
+   every output is that long), a checkpoint, and the initial and final evaluation on the shipped benchmarks
+   (``eval.limit``). The training reward is constructed (``tests/rewards.py``: mixed groups and all-wrong ones,
+   whatever a random model samples), so dynamic sampling and BiCC's contexts are exercised.
+3. The measured peak (``torch.cuda.max_memory_reserved`` over the run, evaluations included) beside
+   ``bench.memory_model``'s prediction for this configuration, and the trainer's throughput.
+
+Ends with ``RESULT gpu_train_tokens_per_s=`` (tokens the update computes, contexts once, per second of the
+update phase, steps 2-3), ``RESULT gpu_train_mfu=`` (6 FLOPs per parameter per such token plus the output
+projection's, over the GPU's dense bf16 peak; target >= 0.40) and ``RESULT gpu_peak_vs_model=`` lines.
+Without CUDA it says so and exits 2 at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1024**3
+# dense bf16 peak TFLOP/s by device name (the SXM parts; a PCIe card is slower: --peak-tflops)
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
+QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=3072, vocab_size=151_936, tie_word_embeddings=True, max_position_embeddings=40_960,
+                 rope_theta=1_000_000.0)
+PROMPTS, STEPS, OUTPUT_TOKENS = 8, 3, 1024
+NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
+
+
+def rehearsal_overrides(model_dir: Path, run_dir: Path, prompts: int = PROMPTS, steps: int = STEPS,
+                        output_tokens: int = OUTPUT_TOKENS, eval_tokens: int = 512) -> list[str]:
+    """The headline command's overrides for one GPU: the model, the sizes, the constructed reward."""
+    return ["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on", "rollout=hf", f"model.path={model_dir}",
+            "model.name=qwen3_0.6b_shape_random", f"rollout.prompts_per_step={prompts}",
+            f"rollout.max_new_tokens={output_tokens}", f"bicc.max_tokens={output_tokens}", f"train.steps={steps}",
+            f"train.save_every={steps}", "optim.warmup_steps=1", "rcc.diag_every=0", "eval.limit=2",
+            "eval.samples_per_problem=4", f"eval.max_new_tokens={eval_tokens}", "eval.checker_workers=1",
+            "data.reward=tests.rewards:first_of_group", "data.reward_batched=true", "logger.wandb_mode=disabled",
+            "logger.progress=false", f"hydra.run.dir={run_dir}"]
+
+
+def build_model_dir(path: Path, arch: dict, device: str) -> Path:
+    """A random-weight Qwen3 of shape ``arch`` (fp32) and the character tokenizer filled to its vocabulary."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from bicc.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(vocab_size=arch["vocab_size"])
+    config = Qwen3Config(**arch, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def dapo_file(path: Path, rows: int = 400) -> Path:
+    """Arithmetic problems in DAPO-Math-17k's nested layout (what ``data=dapo_math17k`` reads)."""
+    from omegaconf import OmegaConf
+
+    from bicc.config import DataConfig
+    from bicc.data import build_task
+
+    task = build_task(OmegaConf.structured(DataConfig(task="arith")))
+    with open(path, "w") as f:
+        for i in range(rows):
+            p = task.train_problem(i)
+            f.write(json.dumps({"prompt": [{"role": "user", "content": p.prompt}],
+                                "reward_model": {"ground_truth": p.answer}, "extra_info": {"index": i}}) + "\n")
+    return path
+
+
+def rehearse(out: Path, arch: dict, env: dict, device: str = "cuda", extra: tuple = (), **sizes) -> tuple[list, dict]:
+    """Build the model dir and the data file under ``out``, run the headline command under torchrun with one
+    process; (its metrics rows, its results). ``sizes``: ``rehearsal_overrides``' keyword arguments."""
+    model_dir = build_model_dir(out / "model", arch, device)
+    env = {**env, "BICC_DAPO_MATH": str(dapo_file(out / "dapo_math.jsonl"))}
+    run_dir = out / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py",
+           *rehearsal_overrides(model_dir, run_dir, **sizes), *extra]
+    print("[gpu-check] " + " ".join(cmd[1:]), flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"the rehearsal exited {proc.returncode}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, json.loads((run_dir / "results.json").read_text())
+
+
+def model_flops_per_token(arch: dict) -> float:
+    """Training FLOPs per token the update embeds: 6 per non-embedding parameter, plus the output projection's
+    6 x hidden x vocab (attention's score FLOPs left out: a lower bound on what the GPU did)."""
+    h, i, hq, hkv = arch["hidden_size"], arch["intermediate_size"], arch["num_attention_heads"] * arch["head_dim"], \
+        arch["num_key_value_heads"] * arch["head_dim"]
+    layer = h * hq + 2 * h * hkv + hq * h + 3 * h * i
+    return 6.0 * (arch["num_hidden_layers"] * layer + h * arch["vocab_size"])
+
+
+def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, predicted_gib: float) -> dict:
+    """Throughput, MFU and the peak against the model's prediction, from the run's metrics (steps after the first,
+    whose update pays for kernel selection and the allocator's growth)."""
+    steps = [r for r in rows if "perf/update_s" in r]
+    timed = steps[1:] or steps
+    if not timed:
+        raise RuntimeError("the run logged no training step")
+    tokens = sum(r["perf/update_tokens"] for r in timed)
+    seconds = sum(r["perf/update_s"] - r.get("perf/diagnostics_s", 0.0) for r in timed)
+    rate = tokens / seconds
+    peak = results.get("cuda_max_reserved_gib")
+    return {"gpu_train_tokens_per_s": rate, "gpu_train_mfu": rate * model_flops_per_token(arch) / (peak_tflops * 1e12),
+            "gpu_peak_gib": peak, "gpu_model_gib": predicted_gib,
+            "gpu_peak_vs_model": None if peak is None else peak / predicted_gib}
+
+
+def predicted_peak_gib(arch: dict, prompts: int, output_tokens: int, eval_tokens: int, gpu_gib: float) -> tuple[str, float]:
+    """``bench.memory_model`` for this configuration: one process (no sharding), the HF engine for the rollout and
+    the evaluation, SDPA (counted as flash: no T x T scores kept)."""
+    from bench.memory_model import Arch, Run, peak
+
+    shape = Arch(hidden=arch["hidden_size"], layers=arch["num_hidden_layers"], heads=arch["num_attention_heads"],
+                 kv_heads=arch["num_key_value_heads"], head_dim=arch["head_dim"], intermediate=arch["intermediate_size"],
+                 vocab=arch["vocab_size"], tied=arch["tie_word_embeddings"])
+    run = Run(world=1, sharded=False, vllm=False, eval_vllm=False, output_tokens=output_tokens, prompt_tokens=60,
+              contexts=2 * prompts, rows=prompts * 8, eval_new_tokens=eval_tokens, gpu_gib=gpu_gib)
+    name, value = peak(shape, run)
+    return name, value / GIB
+
+
+def no_cuda_message() -> str | None:
+    if not any(Path(p).exists() for p in NVIDIA_NODES):  # said before torch is imported: at once
+        return "[gpu-check] no NVIDIA GPU on this machine (no /dev/nvidia*): make gpu-check needs one"
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return ("[gpu-check] no CUDA device is visible (torch.cuda.is_available() is False, torch "
+            f"{torch.__version__}): make gpu-check needs one NVIDIA GPU and a CUDA build of torch")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--skip-tests", action="store_true", help="only the rehearsal")
+    parser.add_argument("--out", default=None, help="where the model, data and run go (default: a fresh dir under outputs/)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
+    args = parser.parse_args()
+    message = no_cuda_message()
+    if message:
+        print(message, file=sys.stderr)
+        return 2
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    peak_tflops = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    print(f"[gpu-check] {name}, {gpu_gib:.0f} GiB, torch {torch.__version__}, peak bf16 "
+          f"{peak_tflops or 'unknown (pass --peak-tflops)'} TFLOP/s")
+    out = Path(args.out or ROOT / "outputs" / "gpu-check" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "BICC_CACHE": str(out / "cache")}
+    failed = []
+    if not args.skip_tests:
+        start = time.perf_counter()
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"], cwd=ROOT, env=env)
+        print(f"[gpu-check] GPU tests: exit {tests.returncode} in {time.perf_counter() - start:.0f} s")
+        if tests.returncode:
+            failed.append("GPU tests")
+    start = time.perf_counter()
+    try:
+        rows, results = rehearse(out, QWEN3_06B, env)
+    except RuntimeError as err:
+        print(f"[gpu-check] {err}", file=sys.stderr)
+        failed.append("rehearsal")
+    print(f"[gpu-check] rehearsal: {time.perf_counter() - start:.0f} s")
+    if "rehearsal" not in failed:
+        phase, predicted = predicted_peak_gib(QWEN3_06B, PROMPTS, OUTPUT_TOKENS, 512, gpu_gib)
+        summary = summarise(rows, results, QWEN3_06B, peak_tflops or float("nan"), predicted)
+        print(f"[gpu-check] peak {summary['gpu_peak_gib']:.1f} GiB reserved; memory model {predicted:.1f} GiB ({phase})")
+        print(f"RESULT gpu_train_tokens_per_s={summary['gpu_train_tokens_per_s']:.0f}")
+        print(f"RESULT gpu_train_mfu={summary['gpu_train_mfu']:.3f} target>=0.40")
+        print(f"RESULT gpu_peak_vs_model={summary['gpu_peak_vs_model']:.3f} target<=1.15")
+    if failed:
+        print(f"[gpu-check] FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

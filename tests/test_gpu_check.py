@@ -1,0 +1,60 @@
+"""``make gpu-check``'s CPU side: it refuses at once without a GPU, its arithmetic by hand, and its rehearsal
+command run end to end on CPU at a small shape (the same overrides, model dir, data file and metrics it reads)."""
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from bench import gpu_check
+from tests.helpers import ROOT
+
+
+def test_without_a_gpu_it_says_so_and_exits_nonzero_at_once(monkeypatch):
+    monkeypatch.setattr(gpu_check, "NVIDIA_NODES", ("/nonexistent/nvidiactl",))
+    assert "no NVIDIA GPU" in gpu_check.no_cuda_message()
+    if any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")):
+        pytest.skip("this machine has an NVIDIA device")
+    start = time.perf_counter()
+    proc = subprocess.run(["make", "gpu-check"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert time.perf_counter() - start < 10
+    assert proc.returncode != 0 and "no NVIDIA GPU" in proc.stderr
+
+
+def test_flops_and_summary_by_hand():
+    # Qwen3-0.6B: a layer is 1024 x 2048 (q) + 2 x 1024 x 1024 (k, v) + 2048 x 1024 (o) + 3 x 1024 x 3072 (MLP)
+    layer = 1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072
+    assert layer == 15_728_640
+    per_token = gpu_check.model_flops_per_token(gpu_check.QWEN3_06B)
+    assert per_token == 6 * (28 * layer + 1024 * 151_936) == 3_575_906_304
+    rows = [{"step": 1, "perf/update_s": 9.0, "perf/update_tokens": 1000.0},  # the first step is not timed
+            {"step": 2, "perf/update_s": 2.0, "perf/update_tokens": 30_000.0, "perf/diagnostics_s": 0.5},
+            {"step": 3, "perf/update_s": 1.5, "perf/update_tokens": 40_000.0}, {"eval/x": 1.0}]
+    out = gpu_check.summarise(rows, {"cuda_max_reserved_gib": 30.0}, gpu_check.QWEN3_06B, 989.0, 25.0)
+    assert out["gpu_train_tokens_per_s"] == 70_000 / 3.0  # (30k + 40k) tokens over (2.0 - 0.5) + 1.5 s
+    assert out["gpu_train_mfu"] == pytest.approx(70_000 / 3.0 * 3_575_906_304 / 989e12)
+    assert out["gpu_peak_vs_model"] == 30.0 / 25.0
+    with pytest.raises(RuntimeError, match="no training step"):
+        gpu_check.summarise([{"eval/x": 1.0}], {}, gpu_check.QWEN3_06B, 989.0, 25.0)
+
+
+def test_the_memory_model_prediction_for_the_check():
+    phase, gib = gpu_check.predicted_peak_gib(gpu_check.QWEN3_06B, 8, 1024, 512, 80.0)
+    # one process: fp32 master 4N + AdamW 8N + (update) fp32 gradients 4N of N = 596M, a bf16 reference 2N
+    assert 596e6 * 16 / 2**30 < gib < 40, (phase, gib)
+
+
+def test_the_rehearsal_runs_on_cpu_at_a_small_shape(tmp_path):
+    """The check's own pipeline, shrunk: a 2-layer model with Qwen3's 151,936-id vocabulary and the filled
+    character tokenizer, the headline overrides, the DAPO-layout file, the constructed reward, 2 steps."""
+    arch = {**gpu_check.QWEN3_06B, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 1024}
+    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    rows, results = gpu_check.rehearse(tmp_path, arch, env, device="cpu", extra=("device=cpu", "threads=2"),
+                                       prompts=4, steps=2, output_tokens=16, eval_tokens=8)
+    assert [r["step"] for r in rows if "perf/update_s" in r] == [1, 2]
+    assert (tmp_path / "run" / "checkpoints" / "step_2").is_dir()
+    assert results["final"]["eval/math500/num_problems"] == 2 and "cuda_max_reserved_gib" not in results
+    out = gpu_check.summarise(rows, results, arch, 1.0, 1.0)
+    assert out["gpu_train_tokens_per_s"] > 0 and out["gpu_peak_vs_model"] is None
