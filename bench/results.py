@@ -37,7 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # The warm start that has learnt to read attempts: a quarter of its SFT prompts show informative attempts (right
 # or slipped, under a correct target) in the BiCC template, with 1,200 SFT steps instead of 900 so that its plain
 # accuracy matches the plain warm start's (README: the gradient-alignment probe).
-READING = ["sft.context_share=0.25", "sft.context_attempts=informative", "sft.steps=1800"]
+# Both warm starts keep the SFT batch these results were measured with (64 a step; the default is now 32).
+PLAIN = ["sft.steps=900", "sft.batch_size=64", "sft.warmup_steps=50"]
+READING = ["sft.context_share=0.25", "sft.context_attempts=informative", "sft.steps=1800", "sft.batch_size=64",
+           "sft.warmup_steps=50"]
 CONFIGS = {  # name -> (overrides, baseline name or None)
     "GRPO": (["algo=grpo", "bicc=off", "rcc=off"], None),
     "BiCC-GRPO": (["algo=grpo", "bicc=stable", "rcc=off"], "GRPO"),
@@ -47,6 +50,9 @@ CONFIGS = {  # name -> (overrides, baseline name or None)
     "GRPO (reading warm start)": (["algo=grpo", "bicc=off", "rcc=off", *READING], None),
     "BiCC-GRPO (reading warm start)": (["algo=grpo", "bicc=stable", "rcc=off", *READING], "GRPO (reading warm start)"),
 }
+for _overrides, _ in CONFIGS.values():
+    if not any(o.startswith("sft.") for o in _overrides):
+        _overrides += PLAIN
 # The context-ratio ablation (one seed each): BiCC-GRPO with the share of max tokens the attempts may fill.
 RATIOS = (0.2, 0.4, 0.6)
 
@@ -55,7 +61,7 @@ DEFAULT_RATIO = 0.4  # the BiCC-GRPO row's own ratio: its seed-0 run is that abl
 
 
 def ablation_configs(ratios) -> dict:
-    return {f"BiCC-GRPO ratio={r}": (["algo=grpo", "bicc=stable", "rcc=off", f"bicc.context_ratio={r}"], None)
+    return {f"BiCC-GRPO ratio={r}": (["algo=grpo", "bicc=stable", "rcc=off", f"bicc.context_ratio={r}", *PLAIN], None)
             for r in ratios if r != DEFAULT_RATIO}
 
 
