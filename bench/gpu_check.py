@@ -39,8 +39,7 @@ GIB = 1024**3
 # dense bf16 peak TFLOP/s by device name (the SXM parts; a PCIe card is slower: --peak-tflops)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                 intermediate_size=3072, vocab_size=151_936, tie_word_embeddings=True, max_position_embeddings=40_960,
-                 rope_theta=1_000_000.0)
+                 intermediate_size=3072, vocab_size=151_936, tie_word_embeddings=True, max_position_embeddings=40_960)
 PROMPTS, STEPS, OUTPUT_TOKENS = 8, 3, 1024
 NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
 

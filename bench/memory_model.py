@@ -145,6 +145,8 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
         static["reference (full, compute dtype)"] = b * n
     static["runtime"] = run.runtime_gib * GIB
     gathered = {}
+    if not run.sharded and b < run.master_bytes:  # one process, autocast: compute-dtype copies of the weights
+        gathered = {"autocast weight copies (compute dtype)": b * n}
     if run.sharded:
         gathered = {"FSDP2 gathered root (embeddings, head)": b * arch.root_params(),
                     "FSDP2 gathered layers (current + prefetch)": 2 * b * arch.layer_params()}
