@@ -135,14 +135,14 @@ def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, p
 
 def predicted_peak_gib(arch: dict, prompts: int, output_tokens: int, eval_tokens: int, gpu_gib: float) -> tuple[str, float]:
     """``bench.memory_model`` for this configuration: one process (no sharding), the HF engine for the rollout and
-    the evaluation, SDPA (counted as flash: no T x T scores kept)."""
+    the evaluation (``eval.limit=2`` x 4 samples a call), SDPA (counted as flash: no T x T scores kept)."""
     from bench.memory_model import Arch, Run, peak
 
     shape = Arch(hidden=arch["hidden_size"], layers=arch["num_hidden_layers"], heads=arch["num_attention_heads"],
                  kv_heads=arch["num_key_value_heads"], head_dim=arch["head_dim"], intermediate=arch["intermediate_size"],
                  vocab=arch["vocab_size"], tied=arch["tie_word_embeddings"])
     run = Run(world=1, sharded=False, vllm=False, eval_vllm=False, output_tokens=output_tokens, prompt_tokens=60,
-              contexts=2 * prompts, rows=prompts * 8, eval_new_tokens=eval_tokens, gpu_gib=gpu_gib)
+              contexts=2 * prompts, rows=prompts * 8, eval_new_tokens=eval_tokens, eval_rows=2 * 4, gpu_gib=gpu_gib)
     name, value = peak(shape, run)
     return name, value / GIB
 

@@ -112,6 +112,7 @@ class Run:
     eval_vllm: bool = True  # evaluation through vLLM (the presets), else HF generate under eval.batch_tokens
     eval_batch_tokens: int = 131_072  # eval.batch_tokens (conf/eval/paper.yaml): rows x (prompt + new tokens)
     eval_new_tokens: int = 4096  # eval.max_new_tokens
+    eval_rows: int = 0  # rows there are to evaluate at most (eval.limit x samples per problem); 0 = no fewer than fit
 
 
 def _layer_bytes_per_token(arch: Arch, b: int) -> int:
@@ -219,6 +220,7 @@ def _evaluation(arch: Arch, run: Run, awake: dict, gathered: dict) -> dict[str, 
         return {**awake, "vLLM (awake: weights + KV cache)": run.vllm_utilization * run.gpu_gib * GIB}
     b = run.compute_bytes
     rows = max(1, run.eval_batch_tokens // (run.prompt_tokens + run.eval_new_tokens))
+    rows = min(rows, run.eval_rows) if run.eval_rows else rows
     kv = rows * (run.prompt_tokens + run.eval_new_tokens) * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
     return {**awake, **gathered, "HF generate KV cache (eval.batch_tokens)": kv,
             "sampling logits (fp32, two copies)": 2 * 4 * rows * arch.vocab,
