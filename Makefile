@@ -65,6 +65,6 @@ clean:
 
 # The paper's comparison on the embedded task (7 configurations on two warm starts, plus a context-ratio
 # ablation; one seed, 100 RL steps each, so that it fits in an hour on 2 CPU cores); writes docs/results/ and
-# README's results section.
+# docs/results.md's table.
 results: $(STAMP)
 	$(PY) -m bench.results $(ARGS)

@@ -10,7 +10,7 @@ T 1, greedy accuracy) and writes:
 - ``docs/results/results.md``: the table in the paper's format (mean over seeds, spread, delta against
   the matching baseline) and the gradient-variance ratio measured during training;
 - ``docs/results/*.png``: ``bicc.plots`` figures of all runs;
-- README's results section, between ``<!-- results:start -->`` and ``<!-- results:end -->``.
+- ``docs/results.md``'s table, between ``<!-- results:start -->`` and ``<!-- results:end -->``.
 
 Runs whose ``results.json`` exists are reused, so an interrupted ``make results`` continues where it
 stopped. Jobs run two at a time with one CPU thread each (faster than one at a time with two threads
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The warm start that has learnt to read attempts: a quarter of its SFT prompts show informative attempts (right
 # or slipped, under a correct target) in the BiCC template, with 1,200 SFT steps instead of 900 so that its plain
-# accuracy matches the plain warm start's (README: the gradient-alignment probe).
+# accuracy matches the plain warm start's (docs/method.md: the gradient-alignment probe).
 # Both warm starts keep the SFT batch these results were measured with (64 a step; the default is now 32).
 PLAIN = ["sft.steps=900", "sft.batch_size=64", "sft.warmup_steps=50"]
 READING = ["sft.context_share=0.25", "sft.context_attempts=informative", "sft.steps=1800", "sft.batch_size=64",
@@ -127,7 +127,7 @@ def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], step
              f"several seeds); "
              f"CI = mean of the per-run 95% CIs over problems. Δ against the matching baseline. BiCC rows use the "
              f"embedded task's named form bicc=stable (pi_old on x^c, lr / 3), RCC rows rcc=mean (delta averaged "
-             f"per token); neither is the paper's exact form (README).", ""]
+             f"per token); neither is the paper's exact form (docs/method.md).", ""]
     for kind, init in starts.items():
         lines.append(f"- {kind} warm start: pass@1 {100 * init['eval/pass@1']:.1f}, T = 1 "
                      f"{100 * init.get('eval/pass@1_T1', float('nan')):.1f}, greedy {100 * init['eval/greedy_acc']:.1f}")
@@ -166,8 +166,8 @@ def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], step
     return "\n".join(lines)
 
 
-def update_readme(table: str) -> None:
-    readme = ROOT / "README.md"
+def update_page(table: str) -> None:
+    readme = ROOT / "docs" / "results.md"
     text = readme.read_text()
     start, end = "<!-- results:start -->", "<!-- results:end -->"
     if start not in text or end not in text:
@@ -230,7 +230,7 @@ def main() -> None:
     for path in make_plots([d for ds in runs.values() for d in ds], out_docs):
         print(path)
     if not args.no_readme:
-        update_readme(table)
+        update_page(table)
     print(table)
 
 

@@ -171,7 +171,7 @@ def step_diagnostics(s: RLState, cfg, batch, numerator, ro, lp, adv, delta, is_w
 
 def peak_lr(cfg) -> float:
     """optim.lr, times bicc.lr_scale while BiCC is on (the conditioned gradient is noisier for the
-    policy on q; see README, "BiCC: the default and the paper's equation")."""
+    policy on q; see docs/method.md, "BiCC: the default and the paper's equation")."""
     return cfg.optim.lr * (cfg.bicc.lr_scale if cfg.bicc.enabled else 1.0)
 
 

@@ -52,7 +52,7 @@ def overlong_buffer_tokens(algo_cfg, max_new_tokens: int) -> int:
 
 @dataclass
 class BiccExperimentalConfig:
-    """Stabilisers tried on the embedded task that did not help (README, "BiCC: the paper's form and the
+    """Stabilisers tried on the embedded task that did not help (docs/method.md, "BiCC: the paper's form and the
     stabilised form"); kept to reproduce those rows. Off by default and in every preset."""
 
     log_ratio_clip: float = 0.0
