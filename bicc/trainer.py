@@ -1,5 +1,5 @@
-"""Pieces of the RL step that train.py calls in order: chunked no-grad log-probs, the policy update
-over minibatches and micro-batches, and the state a checkpoint must carry.
+"""Pieces of the RL step that ``bicc.step.rl_step`` calls: rollout collection (dynamic sampling, shaping), TIS
+weights, the policy update over minibatches and micro-batches, and the state a checkpoint must carry.
 """
 
 from __future__ import annotations

@@ -244,3 +244,12 @@ def test_a_longrope_model_under_vllm_stays_in_its_short_factor_range(tmp_path, e
     with pytest.raises(ValueError, match=r"config field 'rollout.max_new_tokens'.*LongRoPE"):
         lengths("eval.max_new_tokens=64", "rollout.max_new_tokens=4090")
     assert lengths("eval.max_new_tokens=3000") <= 4096
+
+
+def test_wandb_mode_in_the_environment_is_kept(monkeypatch):
+    """WANDB_MODE=disabled in the environment was overridden by logger.wandb_mode's offline default."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert compose_cfg(["sft.cache_dir=/tmp/x"]).logger.wandb_mode == "disabled"
+    monkeypatch.delenv("WANDB_MODE")
+    assert compose_cfg(["sft.cache_dir=/tmp/x"]).logger.wandb_mode == "offline"
+    assert compose_cfg(["sft.cache_dir=/tmp/x", "logger.wandb_mode=online"]).logger.wandb_mode == "online"

@@ -1,6 +1,6 @@
 """ASPO: Asymmetric Importance Sampling Policy Optimization (Wang et al. 2025, arXiv 2510.06062).
 
-The formula follows this project's specification of ASPO (issue text summarising the paper), per token:
+The formula, per token, as the paper states it:
 
 - A > 0: the importance weight is flipped. With r_p = min(rho, 1 + eps_high) the term is
   -A * (r_p / sg(r_p)) / sg(r_p): its value is -A / r_p and its gradient -A * (1/r_p) * grad log pi

@@ -4,9 +4,12 @@ An engine is built by name (``ENGINES.get(cfg.rollout.engine)(model, tokenizer, 
 
 - ``generate(prompts, sampling) -> RolloutOutput``: ``prompts`` are token-id lists; each is sampled
   ``sampling.n`` times; output rows are grouped by prompt (rows ``i*n .. i*n+n-1`` belong to prompt ``i``).
-- ``update_weights(model)``: make the engine sample from ``model``'s current parameters.
+- ``update_weights(model)``: make the engine sample from ``model``'s current parameters;
+- optionally ``sleep()``: free what it holds on the GPU while the trainer updates (vLLM), and ``close()``: shut
+  it down while the process group still exists (vLLM);
+- ``model`` (HF engine): its sampling model, which the evaluation's HF engine reuses.
 
-The trainer never reaches into an engine beyond these two calls, so HF ``generate`` (``hf.py``) and vLLM
+The trainer never reaches into an engine beyond these five, so HF ``generate`` (``hf.py``) and vLLM
 (``vllm.py``) are interchangeable. ``EngineOptions`` carries what an engine needs beyond its config: the
 tokens that end an output, the process layout, the longest sequence it must hold.
 """
