@@ -12,7 +12,7 @@ rows)``: a context manager inside which what rows share is computed once (contex
 nothing for ``QueryRows``); ``tokens``: how many tokens one forward over all rows processes; and ``lengths``
 [N, 2]: the prompt (or context) and output tokens each row adds to its micro-batch, which length-aware
 micro-batches plan on (``bicc.batching``; 0 for a context that ``contexts_once`` computes apart); ``kv``:
-whether the rows go through KV reuse (``bicc.packing.encode_prefixes``), the forwards that can be padding-free.
+whether the rows go through KV reuse (``bicc.prefix_cache.encode_prefixes``), the forwards that can be padding-free.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 from bicc.batching import to_grid, trim_rows
 from bicc.conditioning import ConditionedPrompts
 from bicc.logprobs import TokenBatch, batch_logprobs, make_token_batch
-from bicc.packing import completion_logprobs, encode_prefixes, pack, packed_logprobs
+from bicc.packing import pack, packed_logprobs
+from bicc.prefix_cache import completion_logprobs, encode_prefixes
 
 
 class QueryRows:

@@ -5,12 +5,11 @@ shards. Used by ``tests/test_distributed.py``."""
 import sys
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from bicc.config import DistConfig
 from bicc.distributed import Dist, wrap
-from bicc.packing import prefix_cache_logprobs
+from bicc.prefix_cache import prefix_cache_logprobs
 from tests.helpers import prefix_cache_case, tiny
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bicc.packing import pack, packed_logprobs, prefix_cache_logprobs
+from bicc.packing import pack, packed_logprobs
+from bicc.prefix_cache import prefix_cache_logprobs
 from tests.helpers import prefix_cache_case, tiny, unpacked
 
 CALLS = {"varlen": 0, "dense": 0}
@@ -211,7 +212,7 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
     pi_ref on q, delta from the update) with micro-batches planned by tokens, activation checkpointing in
     train mode, the policy and the reference padding-free; the same rewards, correction, loss and weights
     as the same steps under SDPA (the rollout stays on SDPA in both, so the samples are the same)."""
-    import bicc.packing
+    import bicc.prefix_cache
     from bicc.models import build_tiny
     from bicc.step import build_rl_state, rl_step
     from tests.conftest import compose_cfg
@@ -225,7 +226,7 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
                        "train.micro_batch_tokens=48", "train.micro_batch_size=8", "rcc.diag_every=0",
                        "model.gradient_checkpointing=true", "optim.warmup_steps=0", "optim.lr=1e-3"])
     ragged = []  # every padding-free forward builds its cu_seq_lens here
-    monkeypatch.setattr(bicc.packing, "_ragged", lambda *a, _f=bicc.packing._ragged: ragged.append(1) or _f(*a))
+    monkeypatch.setattr(bicc.prefix_cache, "_ragged", lambda *a, _f=bicc.prefix_cache._ragged: ragged.append(1) or _f(*a))
     runs = {}
     for impl in ("sdpa", "flash_attention_2"):
         s = build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"))
@@ -302,9 +303,9 @@ def test_one_token_outputs_of_a_sharded_model_still_run_every_layer(flash_model,
     forward, so under FSDP2 that rank gathered (and reduce-scattered) no layer while the others did: collectives
     out of step. A sharded model now runs every layer forward and backward, and the log-probs are unchanged.
     (Unsharded, the forward is still skipped: ``test_padding_free_short_and_empty_outputs``.)"""
-    import bicc.packing
+    import bicc.prefix_cache
 
-    monkeypatch.setattr(bicc.packing, "is_sharded", lambda model: True)
+    monkeypatch.setattr(bicc.prefix_cache, "is_sharded", lambda model: True)
     flash, sdpa, tok = flash_model
     flash.bicc_padding_free = padding_free
     layers = flash.model.layers

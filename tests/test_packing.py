@@ -68,7 +68,7 @@ def test_entropy_is_returned_where_asked():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_prefix_cache_equals_unpacked(attn):
-    from bicc.packing import prefix_cache_logprobs
+    from bicc.prefix_cache import prefix_cache_logprobs
 
     model, tok = tiny(attn)
     prefixes, distinct, prefix_of, completions = prefix_cache_case()
@@ -81,7 +81,7 @@ def test_prefix_cache_equals_unpacked(attn):
 
 
 def test_prefix_cache_gradients_equal_unpacked():
-    from bicc.packing import prefix_cache_logprobs
+    from bicc.prefix_cache import prefix_cache_logprobs
 
     model, tok = tiny()
     prefixes, distinct, prefix_of, completions = prefix_cache_case()
@@ -94,7 +94,7 @@ def test_prefix_cache_under_activation_checkpointing_in_train_mode():
     """The presets' combination: KV-reuse packing, activation checkpointing, train mode. transformers drops a
     layer's cache under checkpointing (it crashed with 'NoneType' has no attribute 'batch_select_indices');
     here values and gradients equal one row per output without checkpointing."""
-    from bicc.packing import prefix_cache_logprobs
+    from bicc.prefix_cache import prefix_cache_logprobs
 
     model, tok = tiny()
     reference, _ = tiny()

@@ -1,0 +1,268 @@
+"""KV reuse: each distinct prefix (a prompt q, or a BiCC context x^c) computed once, its keys and values
+read by every completion behind it (``bicc.packing.padding_free``: padding-free under a varlen kernel).
+
+``encode_prefixes`` runs one forward over the distinct prefixes; ``completion_logprobs`` runs one forward over
+the completions, each attending to its prefix's keys/values (gathered per completion, differentiably) and
+causally to itself. Detached prefix states (``PrefixStates.backward``) let several micro-batches share one
+prefix forward and send their gradients back through it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from bicc.distributed import is_sharded
+from bicc.logprobs import at_least_fp32, compute_precision, entropy_from_logits, forward_logprobs, logprobs_from_logits
+from bicc.packing import _ragged, padding_free
+
+class _RecordLayer(DynamicLayer):
+    """Prefix pass: keeps this layer's keys/values, overwriting rather than appending, so that the
+    backward replay of a checkpointed layer stores the same states again instead of growing the cache."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class _GatherLayer(DynamicLayer):
+    """Padding-free completion pass: the keys/values each query sequence attends to, laid end to end:
+    ``index`` picks, from [every prefix's tokens; every completion's tokens], each completion's prefix and
+    then its own tokens. Reads the prefixes and never changes them (replay-safe like ``_ReadLayer``)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self.index = keys, values, index
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        gather = lambda old, new: torch.cat([old, new], dim=-2).index_select(-2, self.index)  # noqa: E731
+        return gather(self.keys, key_states), gather(self.values, value_states)
+
+
+class _ReadLayer(DynamicLayer):
+    """Completion pass: attends to the gathered prefix keys/values [n, heads, W, d] and never changes
+    them, so a checkpointed layer's replay reads exactly what its forward read."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+@contextlib.contextmanager
+def _cache_through_checkpointing(model):
+    """Under activation checkpointing transformers drops a layer's cache (a writer would be updated twice
+    by the replay); ours are replay-safe (``_RecordLayer`` overwrites, ``_ReadLayer`` only reads), so the
+    decoder layers are told to keep it for the duration."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+
+
+@dataclass
+class PrefixStates:
+    """Distinct prefixes computed once: their keys/values and their last position's logits.
+
+    keys, values:  per layer [U, kv_heads, W, head_dim], the prefixes left-padded to the longest (W); padding-free:
+                   [1, kv_heads, sum of lengths, head_dim], the prefixes end to end
+    mask:          [U, W] 1 on real prefix tokens; None when padding-free
+    lengths:       [U] each prefix's tokens
+    first_logits:  [U, V] the last position's logits: they predict the first token of every completion behind
+    roots:         when computed with grad and detached (``encode_prefixes(..., detach=True)``), the tensors the
+                   forward produced, in the order of ``leaves()``: ``backward()`` carries the gradient the
+                   completions left on the detached copies back through the prefix forward
+    """
+
+    keys: list
+    values: list
+    mask: torch.Tensor | None
+    lengths: list[int]
+    first_logits: torch.Tensor
+    roots: list | None = None
+
+    def leaves(self) -> list:
+        return [*self.keys, *self.values, self.first_logits]
+
+    def backward(self) -> None:
+        """One backward through the prefix forward, with the gradients accumulated on the detached copies."""
+        if self.roots is None:
+            return
+        pairs = [(root, leaf.grad) for root, leaf in zip(self.roots, self.leaves()) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        self.roots = None
+
+
+def encode_prefixes(model, prefixes: list[list[int]], pad_id: int, detach: bool = False) -> PrefixStates:
+    """One forward over the distinct ``prefixes`` (left-padded, with a cache, keeping only the last position's
+    logits). ``detach``: return detached copies that collect gradients (``PrefixStates.backward``), so that
+    several completion forwards and backwards can share one prefix forward. Padding-free (``padding_free``):
+    one sequence of all the prefixes' tokens, positions restarting at each."""
+    device = next(model.parameters()).device
+    lengths = [len(p) for p in prefixes]
+    if padding_free(model):
+        ids = torch.tensor([t for p in prefixes for t in p], dtype=torch.long, device=device)[None]  # [1, sum W]
+        pos = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]  # [1, sum W]
+        last = torch.tensor(lengths, device=device).cumsum(0) - 1  # [U]: each prefix's last token
+        inputs = dict(input_ids=ids, position_ids=pos, logits_to_keep=last, **_ragged(lengths, lengths, device))
+        mask = None
+    else:
+        U, width = len(prefixes), max(lengths)
+        ids = torch.full((U, width), pad_id, dtype=torch.long)  # [U, W]
+        mask = torch.zeros((U, width), dtype=torch.long)  # [U, W]
+        for u, p in enumerate(prefixes):
+            ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[u, width - len(p) :] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)  # [U, W]
+        mask = mask.to(device)
+        inputs = dict(input_ids=ids.to(device), attention_mask=mask, position_ids=pos.to(device), logits_to_keep=1)
+    with _cache_through_checkpointing(model):
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = _RecordLayer
+        with compute_precision(model):
+            logits = model(**inputs, past_key_values=cache, use_cache=True).logits
+    first_logits = logits[0] if mask is None else logits[:, -1]  # [U, V]
+    states = PrefixStates([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask,
+                          lengths, first_logits)
+    if not (detach and torch.is_grad_enabled()):
+        return states
+    roots = states.leaves()
+    leaf = lambda t: t.detach().requires_grad_(t.requires_grad)  # noqa: E731
+    return PrefixStates([leaf(k) for k in states.keys], [leaf(v) for v in states.values], mask, lengths,
+                        leaf(states.first_logits), roots)
+
+
+def completion_logprobs(model, states: PrefixStates, prefix_of: list[int], completions: list[list[int]], length: int,
+                        pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
+    """Per-token log-probs [n, length] (zeros past each output's end) of each completion after its prefix
+    (``prefix_of[i]``: its row in ``states``). All completions go in one forward, each attending to its
+    prefix's keys/values (gathered per completion, differentiably: the prefix receives the gradient of
+    every completion behind it) and causally to itself; completions never meet in one attention matrix, so
+    the cost is linear in the number of completions per prefix. Padding-free when ``states`` is."""
+    device = states.first_logits.device
+    index = torch.tensor(prefix_of, dtype=torch.long, device=device)  # [n]
+    first = torch.tensor([c[0] if c else pad_id for c in completions], dtype=torch.long, device=device)  # [n]
+    first_logits = states.first_logits.index_select(0, index)  # [n, V]: predicts each completion's first token
+    if temperature != 1.0:
+        first_logits = at_least_fp32(first_logits) / temperature
+    first_logp = logprobs_from_logits(first_logits, first)  # [n]
+    first_entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            first_entropy = entropy_from_logits(first_logits)
+    rest = _ragged_rest if states.mask is None else _padded_rest
+    return rest(model, states, index, completions, length, pad_id, temperature, with_entropy, first_logp, first_entropy)
+
+
+def _padded_rest(model, states, index, completions, grid, pad_id, temperature, with_entropy, first_logp, first_entropy):
+    """``completion_logprobs`` on left-padded prefixes: the completions right-padded to their longest, each
+    reading a copy of its prefix's keys/values."""
+    device, n = index.device, len(completions)
+    # computed to the longest here; sharded, at least two wide: the model runs even when every output is one
+    # token, so FSDP2 ranks gather (and reduce-scatter) every layer in step
+    length = max(2 if is_sharded(model) else 1, min(grid, max(len(c) for c in completions)))
+    c_ids = torch.full((n, length), pad_id, dtype=torch.long)  # [n, L]
+    c_mask = torch.zeros((n, length), dtype=torch.long)  # [n, L]
+    for i, c in enumerate(completions):
+        if c:
+            c_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+            c_mask[i, : len(c)] = 1
+    c_ids, c_mask = c_ids.to(device), c_mask.to(device)
+    p_mask = states.mask[index]  # [n, W]
+    c_pos = p_mask.sum(1)[:, None] + torch.arange(length, device=device)[None]  # [n, L]: after the real prefix
+    if length > 1:
+        with _cache_through_checkpointing(model):
+            # one (shared, differentiable) copy of its prefix's keys/values per completion: [U, ...] -> [n, ...]
+            cache = DynamicCache()
+            cache.layers = [_ReadLayer(k.index_select(0, index), v.index_select(0, index))
+                            for k, v in zip(states.keys, states.values)]
+            mask = torch.cat([p_mask, c_mask], dim=1)  # [n, W + L]
+            rest_logp, rest_entropy = forward_logprobs(
+                model, c_ids[:, 1:], temperature, with_entropy, input_ids=c_ids[:, :-1], attention_mask=mask[:, :-1],
+                position_ids=c_pos[:, :-1], past_key_values=cache, logits_to_keep=0)  # [n, L-1]
+        logp = torch.cat([first_logp[:, None], rest_logp], dim=1)
+        entropy = torch.cat([first_entropy[:, None], rest_entropy], dim=1) if with_entropy else None
+    else:
+        logp, entropy = first_logp[:, None], (first_entropy[:, None] if with_entropy else None)
+    logp = torch.nn.functional.pad(logp * c_mask, (0, grid - length))  # [n, grid]
+    if entropy is not None:
+        entropy = torch.nn.functional.pad(entropy.detach() * c_mask, (0, grid - length))
+    return logp, entropy
+
+
+def _ragged_rest(model, states, index, completions, grid, pad_id, temperature, with_entropy, first_logp, first_entropy):
+    """``completion_logprobs`` on prefixes laid end to end: every completion's tokens after its first as one
+    sequence of their real tokens (queries), each completion's keys its prefix's and then its own."""
+    device, n = index.device, len(completions)
+    prefix_of = index.tolist()
+    rows = [i for i, c in enumerate(completions) if c]  # where each value goes: its completion and token
+    cols = [0] * len(rows)
+    values = [first_logp[rows]]
+    entropies = [first_entropy[rows]] if with_entropy else []
+    seqs = [i for i, c in enumerate(completions) if len(c) > 1]  # completions with a token after their first
+    queries = [completions[i] for i in seqs]
+    stand_in = not seqs and is_sharded(model)  # every output one token, sharded: the model still runs, on a pad
+    if stand_in:  # token after the first prefix, so FSDP2 ranks gather every layer in step
+        seqs, queries = [0], [[pad_id, pad_id]]
+    if seqs:
+        rest_logp, rest_entropy = _ragged_forward(model, states, [prefix_of[i] for i in seqs], queries, temperature,
+                                                  with_entropy, device)
+        if stand_in:  # in the graph times zero: the backward reaches every layer too
+            values[0] = values[0] + 0.0 * rest_logp.sum()
+        else:
+            values.append(rest_logp)
+            entropies += [rest_entropy] if with_entropy else []
+            rows += [i for i, q in zip(seqs, queries) for _ in range(len(q) - 1)]
+            cols += [t for q in queries for t in range(1, len(q))]
+    at = (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cols, dtype=torch.long, device=device))
+    logp = first_logp.new_zeros(n, grid).index_put(at, torch.cat(values))  # [n, grid]
+    entropy = first_logp.new_zeros(n, grid).index_put(at, torch.cat(entropies).detach()) if with_entropy else None
+    return logp, entropy
+
+
+def _ragged_forward(model, states, prefix_of, queries, temperature, with_entropy, device):
+    """Log-probs [sum q] of each query's tokens after its first, every query one ragged sequence reading its
+    prefix's keys (``prefix_of``) and then its own."""
+    q_len = [len(q) - 1 for q in queries]
+    p_start = [0, *itertools.accumulate(states.lengths)]  # each prefix's first token among all of theirs
+    q_start = [0, *itertools.accumulate(q_len)]
+    index_k = torch.cat([torch.cat([torch.arange(p_start[p], p_start[p + 1]),
+                                    p_start[-1] + torch.arange(q_start[j], q_start[j + 1])])
+                         for j, p in enumerate(prefix_of)]).to(device)  # [sum(W_i + q_i)]
+    as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)[None]  # noqa: E731
+    ids = as_row([t for q in queries for t in q[:-1]])  # [1, sum q]
+    targets = as_row([t for q in queries for t in q[1:]])  # [1, sum q]
+    pos = as_row([states.lengths[p] + t for p, q in zip(prefix_of, q_len) for t in range(q)])
+    k_len = [states.lengths[p] + q for p, q in zip(prefix_of, q_len)]
+    with _cache_through_checkpointing(model):
+        cache = DynamicCache()
+        cache.layers = [_GatherLayer(k, v, index_k) for k, v in zip(states.keys, states.values)]
+        logp, entropy = forward_logprobs(model, targets, temperature, with_entropy, input_ids=ids, position_ids=pos,
+                                         past_key_values=cache, logits_to_keep=0, **_ragged(q_len, k_len, device))
+    return logp[0], (entropy[0] if with_entropy else None)
+
+
+def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int], completions: list[list[int]],
+                          length: int, pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
+    """Per-token log-probs [n, length] of each completion after its prefix, computing every distinct
+    prefix ONCE and reusing its keys/values for all of its completions: ``encode_prefixes`` then
+    ``completion_logprobs``. ``prefixes``: the distinct prefixes; ``prefix_of[i]``: which one completion i
+    follows."""
+    states = encode_prefixes(model, prefixes, pad_id)
+    return completion_logprobs(model, states, prefix_of, completions, length, pad_id, temperature, with_entropy)
