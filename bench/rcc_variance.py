@@ -52,6 +52,8 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     from bicc.advantages import ADVANTAGES
+    from bicc.batching import logprobs_no_grad
+    from bicc.collect import collect_rollout
     from bicc.conditioning import build_contexts
     from bicc.config import register_configs
     from bicc.data import build_task
@@ -61,7 +63,7 @@ def main() -> None:
     from bicc.rollout import build_engine
     from bicc.rows import ContextRows, QueryRows
     from bicc.sft import warm_start
-    from bicc.trainer import RLState, collect_rollout, logprobs_no_grad, loss_of_rows_fn
+    from bicc.trainer import RLState, loss_of_rows_fn
     from bicc.validation import validate
 
     register_configs()

@@ -44,6 +44,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bicc.batching import trim_rows
+from bicc.collect import collect_rollout
 from bicc.config import TinyArchConfig, register_configs
 from bicc.data import build_task
 from bicc.logprobs import batch_logprobs, make_token_batch
@@ -53,7 +54,7 @@ from bicc.rollout.hf import HFEngine
 from bicc.rows import QueryRows
 from bicc.sft import warm_start
 from bicc.step import build_rl_state, rl_step
-from bicc.trainer import collect_rollout, update_policy
+from bicc.trainer import update_policy
 from bicc.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,7 +183,7 @@ def computed_tokens(numerator, plan_rows: list[torch.Tensor], trimmed: bool) -> 
 
 def training_part(state, cfg, batch, adv, padded: bool, micro: int, seed: int):
     """The no-grad passes and the update on one rollout batch: before (padded) or now; returns seconds."""
-    from bicc.trainer import micro_batches
+    from bicc.batching import micro_batches
 
     numerator = PaddedNumerator(batch) if padded else QueryRows(batch)
     run_cfg = copy.deepcopy(cfg)

@@ -30,11 +30,11 @@ import time
 
 import torch
 
+from bicc.batching import logprobs_no_grad
 from bicc.conditioning import ConditionedPrompts, build_contexts, render_context, template_prompt
 from bicc.logprobs import make_token_batch
 from bicc.losses import LOSSES, StepTotals
 from bicc.rows import ContextRows, QueryRows
-from bicc.trainer import logprobs_no_grad
 
 FORMS = ("g_q", "g_0", "g_1", "g_P", "g_perm", "g_tmpl")
 
@@ -172,12 +172,13 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     from bicc.advantages import ADVANTAGES
+    from bicc.collect import collect_rollout
     from bicc.config import register_configs
     from bicc.data import build_task
     from bicc.models import end_token_ids, load_policy
     from bicc.rollout import EngineOptions, build_engine
     from bicc.sft import warm_start
-    from bicc.trainer import RLState, collect_rollout
+    from bicc.trainer import RLState
     from bicc.validation import validate
 
     root = Path(__file__).resolve().parents[1]

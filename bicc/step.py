@@ -11,6 +11,7 @@ import torch
 
 from bicc import distributed
 from bicc.advantages import ADVANTAGES
+from bicc.collect import collect_rollout, sampler_grid, sampler_importance_weights, sampler_logprob_diff
 from bicc.conditioning import build_contexts, warm_up
 from bicc.data import build_task
 from bicc.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
@@ -20,8 +21,7 @@ from bicc.optim import build_optimizer, warmup_cosine
 from bicc.plan import StepPlan, step_logprobs
 from bicc.rollout import EngineOptions, build_engine
 from bicc.rows import ContextRows, query_rows
-from bicc.trainer import (RLState, collect_rollout, loss_of_rows_fn, needs_reference, sampler_grid,
-                          sampler_importance_weights, sampler_logprob_diff, update_policy)
+from bicc.trainer import RLState, loss_of_rows_fn, needs_reference, update_policy
 
 
 def rl_step(s: RLState, cfg) -> tuple[dict, dict]:

@@ -5,13 +5,12 @@ before micro-batches were cut by length)."""
 import pytest
 import torch
 
-from bicc.batching import padded_tokens, plan_micro_batches, trim_rows
+from bicc.batching import logprobs_no_grad, micro_batches, padded_tokens, plan_micro_batches, trim_rows
 from bicc.distributed import Dist
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.losses import LOSSES, StepTotals
 from bicc.models import build_tiny
 from bicc.rows import QueryRows
-from bicc.trainer import logprobs_no_grad, micro_batches
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, kv_case
 

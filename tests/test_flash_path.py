@@ -177,9 +177,9 @@ def test_padding_free_micro_batches_by_real_tokens(flash_model):
     forward over every [context; output] row. Outputs of 11, 2, 7, 3, 9, 1, 7 and 3 tokens under a
     16-token budget: 11 | 9 + 7 | 7 + 3 + 3 + 2 + 1 (a padded plan cuts six micro-batches,
     tests/test_batching.py); embedded: the contexts 12 + 9 + 7, then 10 | 8 + 6 | 6 + 2 + 2 + 1 + 0."""
+    from bicc.batching import micro_batches
     from bicc.distributed import Dist
     from bicc.logprobs import batch_logprobs, make_token_batch
-    from bicc.trainer import micro_batches
     from tests.helpers import kv_case
 
     flash, sdpa, _ = flash_model

@@ -3,8 +3,9 @@ untouched; a finite step resets the streak."""
 
 import torch
 
+from bicc.batching import logprobs_no_grad
 from bicc.rows import QueryRows
-from bicc.trainer import logprobs_no_grad, update_policy
+from bicc.trainer import update_policy
 from tests.helpers import guard_setup
 
 

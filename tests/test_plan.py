@@ -4,6 +4,7 @@ skips is replaced by the same numbers, and the HF engine's sampling log-probs.""
 import pytest
 import torch
 
+from bicc.batching import logprobs_no_grad
 from bicc.config import TinyArchConfig
 from bicc.data import encode_prompt
 from bicc.logprobs import make_token_batch
@@ -12,7 +13,7 @@ from bicc.plan import StepPlan
 from bicc.rollout import EngineOptions, SamplingParams, build_engine
 from bicc.rows import QueryRows
 from bicc.step import build_rl_state, rl_step
-from bicc.trainer import logprobs_no_grad, update_policy
+from bicc.trainer import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, CoinTask, rows, state_for
 

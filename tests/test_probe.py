@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from bicc.advantages import ADVANTAGES
+from bicc.collect import Rollout
 from bicc.config import TinyArchConfig
 from bicc.models import build_tiny
 from bicc.probe import alignment, probe_batch
 from bicc.rollout import RolloutOutput
 from bicc.tokenizer import build_char_tokenizer
-from bicc.trainer import Rollout
 from tests.conftest import compose_cfg
 
 

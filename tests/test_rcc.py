@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from bicc.advantages import ADVANTAGES
+from bicc.batching import logprobs_no_grad
 from bicc.conditioning import build_contexts
 from bicc.config import TinyArchConfig
 from bicc.diagnostics import GradientMoments, delta_by_reward, gradient_variance, sequence_delta
@@ -11,7 +12,6 @@ from bicc.logprobs import make_token_batch
 from bicc.models import build_tiny
 from bicc.plan import StepPlan, step_logprobs
 from bicc.rows import ContextRows, QueryRows
-from bicc.trainer import logprobs_no_grad
 from tests.conftest import compose_cfg
 from tests.helpers import BiccCfg, rows_setup
 

@@ -5,11 +5,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from bicc.collect import collect_rollout
 from bicc.data import Problem
 from bicc.rewards import overlong_penalty
 from bicc.rollout import RolloutOutput
 from bicc.tokenizer import build_char_tokenizer
-from bicc.trainer import collect_rollout
 
 
 class ScriptedTask:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from bicc.batching import logprobs_no_grad
 from bicc.conditioning import ConditionedPrompts
 from bicc.logprobs import make_token_batch
 from bicc.losses import LOSSES, StepTotals
@@ -16,7 +17,7 @@ from bicc.models import build_tiny
 from bicc.optim import build_optimizer
 from bicc.plan import StepPlan, step_logprobs
 from bicc.rows import ContextRows, QueryRows
-from bicc.trainer import logprobs_no_grad, update_policy
+from bicc.trainer import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, rows, state_for
 
@@ -140,8 +141,9 @@ def test_shared_prompts_update_equals_one_row_per_output(micro):
 def test_gradients_are_freed_after_the_optimizer_step():
     """The fp32 gradients (4N/W bytes: 3.75 GiB a GPU for the Qwen3-4B preset) lived on through the next rollout,
     beside vLLM's share, until the next update's zero_grad."""
+    from bicc.batching import logprobs_no_grad
     from bicc.rows import QueryRows
-    from bicc.trainer import logprobs_no_grad, update_policy
+    from bicc.trainer import update_policy
     from tests.helpers import guard_setup
 
     state, batch, cfg = guard_setup()

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from bicc.collect import sampler_importance_weights
 from bicc.losses import LOSSES, StepTotals
-from bicc.trainer import sampler_importance_weights
 from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
 
 
@@ -96,8 +96,9 @@ def test_gmpo_weights_each_tokens_share_of_the_sequence_term():
 def test_update_policy_applies_the_weights():
     """Two fresh, identical states: the same step with weights 2 everywhere has twice the loss (the ratio is 1
     on the first pass), and weights 0 on a row leave its advantage without effect."""
+    from bicc.batching import logprobs_no_grad
     from bicc.rows import QueryRows
-    from bicc.trainer import logprobs_no_grad, update_policy
+    from bicc.trainer import update_policy
     from tests.helpers import guard_setup
 
     adv = torch.tensor([1.0, -0.5, -0.25, 0.5])

@@ -1,0 +1,160 @@
+"""Rollout collection for one RL step: prompts from this process's shards, G samples each, rewards (with DAPO's
+overlong shaping), dynamic sampling's refills; and the sampler's log-probs against the trainer's (the
+log-prob gap, truncated importance weights)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from bicc.config import overlong_buffer_tokens
+from bicc.data import encode_prompt, task_rewards
+from bicc.rewards import overlong_penalty
+from bicc.rollout import RolloutOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from bicc.trainer import RLState
+
+@dataclass
+class Rollout:
+    """One step's samples, grouped by query (G consecutive rows per query).
+
+    out:       the engine's output, N = num_groups * G rows
+    prompts:   N user-turn texts (each row's query)
+    correct:   [N] binary correctness (what BiCC partitions on)
+    rewards:   [N] training reward: correctness plus any shaping
+    group_ids: [N] query index of each row
+    prompts_drawn / rounds: how many queries and generate calls it took (dynamic sampling draws more)
+    generate_s: seconds spent in those generate calls
+    """
+
+    out: RolloutOutput
+    prompts: list[str]
+    correct: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    prompts_drawn: int
+    rounds: int
+    generate_s: float = 0.0  # seconds inside the engine's generate calls
+
+
+FIELDS = ("prompt_ids", "completion_ids", "texts", "finished")
+
+
+def _concat(outputs: list[RolloutOutput]) -> RolloutOutput:
+    out = RolloutOutput(*(sum((getattr(o, f) for o in outputs), []) for f in FIELDS))
+    if all(o.logprobs is not None for o in outputs):
+        out.logprobs = sum((o.logprobs for o in outputs), [])
+    return out
+
+
+def _select(out: RolloutOutput, rows: list[int]) -> RolloutOutput:
+    part = RolloutOutput(*([getattr(out, f)[r] for r in rows] for f in FIELDS))
+    if out.logprobs is not None:
+        part.logprobs = [out.logprobs[r] for r in rows]
+    return part
+
+
+def collect_rollout(state: RLState, cfg, seed: int, shards=(0,), num_shards: int = 1) -> Rollout:
+    """The rollout of prompt shards ``shards`` out of ``num_shards`` (``bicc.distributed``): each shard is
+    ``prompts_per_step / num_shards`` queries with its own seed and its own position in the data (shard s
+    reads problems s, s + S, s + 2S, ...), so a shard's samples do not depend on which process draws it.
+    One shard (the default) is the whole step. Groups are numbered over the returned shards."""
+    parts = [_collect_shard(state, cfg, seed + 104_729 * shard, shard, num_shards) for shard in shards]
+    if len(parts) == 1:
+        return parts[0]
+    offsets = [0]
+    for p in parts[:-1]:
+        offsets.append(offsets[-1] + len(p.correct) // cfg.rollout.group_size)
+    return Rollout(_concat([p.out for p in parts]), [t for p in parts for t in p.prompts],
+                   torch.cat([p.correct for p in parts]), torch.cat([p.rewards for p in parts]),
+                   torch.cat([p.group_ids + o for p, o in zip(parts, offsets)]),
+                   sum(p.prompts_drawn for p in parts), max(p.rounds for p in parts), sum(p.generate_s for p in parts))
+
+
+def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) -> Rollout:
+    """Sample G outputs for each of the shard's queries and score them. With
+    ``algo.dynamic_sampling`` groups whose accuracy is 0 or 1 are dropped (as in DAPO: on correctness,
+    not on shaped rewards) and more queries drawn, up to ``algo.max_sampling_rounds`` generate calls;
+    a batch still short after that is used as is."""
+    P, G, algo = cfg.rollout.prompts_per_step // num_shards, cfg.rollout.group_size, cfg.algo
+    if num_shards > 1 and len(state.shard_pos) != num_shards:
+        state.shard_pos = [0] * num_shards
+    kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor]] = []
+    num_kept, drawn, rounds, generate_s = 0, 0, 0, 0.0
+    while num_kept < P and rounds < algo.max_sampling_rounds:
+        want = P - num_kept
+        if num_shards == 1:
+            problems = [state.task.train_problem(state.data_pos + i) for i in range(want)]
+            state.data_pos += want
+        else:
+            pos = state.shard_pos[shard]
+            problems = [state.task.train_problem((pos + i) * num_shards + shard) for i in range(want)]
+            state.shard_pos[shard] += want
+        drawn += want
+        prompts = [encode_prompt(state.tokenizer, p.prompt) for p in problems]
+        sampling = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=seed + 7919 * rounds)
+        start = time.perf_counter()
+        out = state.engine.generate(prompts, sampling)
+        generate_s += time.perf_counter() - start
+        rounds += 1
+        golds = [problems[i // G] for i in range(len(out.texts))]
+        scores = task_rewards(state.task, out.texts, golds)
+        correct = torch.tensor(scores).view(want, G)
+        lengths = torch.tensor([len(c) for c in out.completion_ids]).view(want, G)
+        buffer = overlong_buffer_tokens(algo, cfg.rollout.max_new_tokens)
+        shaped = correct.double() + overlong_penalty(lengths, cfg.rollout.max_new_tokens, buffer,
+                                                     algo.overlong_penalty)  # [want, G]
+        queries = [problems[i // G].prompt for i in range(want * G)]  # each row's user-turn text
+        last_draw = (out, queries, correct.flatten(), shaped.flatten())
+        keep = (correct.max(1).values > correct.min(1).values) if algo.dynamic_sampling else torch.ones(want, dtype=torch.bool)
+        rows = (keep.nonzero() * G + torch.arange(G)).flatten().tolist()  # sample rows of the kept groups
+        if rows:
+            part = _select(out, rows)
+            kept.append((part, [queries[r] for r in rows], correct.flatten()[rows], shaped.flatten()[rows]))
+            num_kept += len(rows) // G
+    if not kept:  # every group was degenerate in every round: train on the last draw (zero advantages)
+        kept.append(last_draw)
+    out = _concat([k[0] for k in kept])
+    prompts = [text for k in kept for text in k[1]]
+    correct = torch.cat([k[2] for k in kept])
+    rewards = torch.cat([k[3] for k in kept]).float()
+    group_ids = torch.arange(len(correct) // G).repeat_interleave(G)
+    return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds, generate_s)
+
+
+def sampler_grid(sampler_logprobs: list[list[float]], like: torch.Tensor, mask: torch.Tensor):
+    """The engine's per-token sampling log-probs on the trainer's [N, L] grid, and where they are usable
+    (completion tokens with a finite value)."""
+    sampled = torch.zeros_like(like)
+    for i, lp in enumerate(sampler_logprobs):
+        sampled[i, : len(lp)] = torch.tensor(lp[: like.shape[1]], dtype=like.dtype)
+    valid = mask.bool() & torch.isfinite(sampled)
+    return sampled, valid
+
+
+def sampler_logprob_diff(sampler_logprobs: list[list[float]], old_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean |log-prob of the rollout engine - the trainer's pi_old| over completion tokens: the mismatch
+    between sampling and training numerics (0 for HF rollouts from the same module)."""
+    sampled, valid = sampler_grid(sampler_logprobs, old_logp, mask)
+    return ((sampled - old_logp).abs() * valid).sum().item() / max(1, int(valid.sum()))
+
+
+def sampler_importance_weights(sampler_logprobs: list[list[float]], old_logp: torch.Tensor, mask: torch.Tensor,
+                               cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance sampling (TIS) for a rollout engine whose numerics differ from the trainer's:
+    the tokens were drawn from pi_sampler, not from the trainer's pi_old, so each token's policy-gradient
+    term is weighted by w = min(pi_old / pi_sampler, cap), detached. w = 1 where the engine gave no
+    usable log-prob. Returns w [N, L] and its statistics over completion tokens."""
+    sampled, valid = sampler_grid(sampler_logprobs, old_logp, mask)
+    raw = torch.where(valid, torch.exp(old_logp - sampled), torch.ones_like(old_logp))  # [N, L]
+    weight = raw.clamp(max=cap)
+    m = mask.bool()
+    n = max(1, int(m.sum()))
+    return weight, {"rollout/tis_weight_mean": weight[m].sum().item() / n,
+                    "rollout/tis_weight_min": weight[m].min().item() if m.any() else 1.0,
+                    "rollout/tis_clip_frac": (raw[m] > cap).sum().item() / n}
