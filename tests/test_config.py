@@ -169,6 +169,7 @@ def test_schema_defaults_equal_the_yaml_defaults():
     for group, schema in groups.items():
         mismatches += _default_mismatches(OmegaConf.structured(schema), composed[group], f"{group}.")
     specific = {"sft.cache_dir",  # resolved from the environment or the working directory
+                "logger.wandb_mode",  # the environment's WANDB_MODE, else offline (the schema's default)
                 "model.tiny",  # the default model option builds a tiny model; pretrained options leave it null
                 "eval.benchmarks", "eval.also_temperatures"}  # each eval option names its benchmarks (arith adds T = 1)
     assert not [m for m in mismatches if m[0] not in specific], mismatches
