@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The warm start that has learnt to read attempts: a quarter of its SFT prompts show informative attempts (right
 # or slipped, under a correct target) in the BiCC template, with 1,200 SFT steps instead of 900 so that its plain
 # accuracy matches the plain warm start's (docs/method.md: the gradient-alignment probe).
-# Both warm starts keep the SFT batch these results were measured with (64 a step; the default is now 32).
+# Both warm starts pinned to the SFT settings these results were measured with, whatever the defaults become.
 PLAIN = ["sft.steps=900", "sft.batch_size=64", "sft.warmup_steps=50"]
 READING = ["sft.context_share=0.25", "sft.context_attempts=informative", "sft.steps=1800", "sft.batch_size=64",
            "sft.warmup_steps=50"]

@@ -196,11 +196,11 @@ class SFTConfig:
     """Supervised warm start on demonstrations (some with deliberate slips); it runs whenever the model is a
     tiny one built from ``model.tiny`` (a pretrained model needs none)."""
 
-    steps: int = 1800
+    steps: int = 900
     time_budget_s: float = 0.0
-    batch_size: int = 32
+    batch_size: int = 64
     lr: float = 3e-3
-    warmup_steps: int = 100
+    warmup_steps: int = 50
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.0
     context_share: float = 0.0
