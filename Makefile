@@ -50,7 +50,7 @@ NPROC ?= 2
 train-dist: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
-# The default test set (CPU, 10 to 12 minutes of tests on 2 cores, 12.5 to 14.5 with a fresh install); `make test-all` adds the slow ones.
+# The default test set (CPU, 2 cores; see the note in docs/results.md for the last quiet timing); `make test-all` adds the slow ones.
 test: $(STAMP) $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -m "not slow and not gpu" tests
 
