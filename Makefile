@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-gpu gpu-check train train-dist test test-all bench results clean
+.PHONY: setup setup-gpu gpu-check train train-dist test test-all lint bench results clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ train-dist: $(STAMP)
 # The default test set (CPU, 2 cores; see the note in docs/results.md for the last quiet timing); `make test-all` adds the slow ones.
 test: $(STAMP) $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -m "not slow and not gpu" tests
+
+# Ruff (pyproject.toml): pycodestyle, pyflakes, import order; CI runs it before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 test-all: $(STAMP) $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q tests

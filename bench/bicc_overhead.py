@@ -19,7 +19,8 @@ with and without BiCC, and including it would only dilute the ratio. Outputs and
 
 Each variant runs in its own subprocess so that peak RSS (``ru_maxrss``) is its own (on CUDA the
 allocator's peak is used instead), ``--rounds`` times, the variants alternating; the step time is the median
-over every timed step of its rounds. Run: ``.venv/bin/python -m bench.bicc_overhead [--configs embedded,large]`` (on a GPU: ``--configs gpu``).
+over every timed step of its rounds. Run: ``.venv/bin/python -m bench.bicc_overhead [--configs embedded,large]``
+(on a GPU: ``--configs gpu``).
 Ends with ``RESULT bicc_step_ratio=... target<=1.15`` and ``RESULT bicc_mem_ratio=... target<=1.20``
 (packed BiCC over GRPO on the last config), and for ``gpu`` also ``RESULT gpu_grpo_mfu=...`` and
 ``RESULT gpu_bicc_mfu=...``.
@@ -31,7 +32,8 @@ ratio if every FLOP cost the same in both (larger forwards can run at a better F
 ``embedded`` config BiCC's ratio comes out below it).
 
 MFU counts 2 x parameters FLOPs per token for the no-grad forward of pi_old (when the step plan makes one) and
-6 x parameters per token for the numerator's forward and backward (attention's own FLOPs left out, as is usual), over the step time,
+6 x parameters per token for the numerator's forward and backward (attention's own FLOPs left out, as is usual),
+over the step time,
 against the GPU's dense bf16 peak (``--peak-tflops``; default 989 for H100/H200).
 """
 

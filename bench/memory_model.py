@@ -166,7 +166,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
         others = -(-run.rows // run.micro_batch) - 1
         held["other micro-batches' graphs (rcc.delta_from_update)"] = others * (
             arch.layers * inputs_per_layer + prefix_kv + tokens * arch.hidden * b)
-    worst = max(range(arch.layers), key=lambda l: (l + 1) * inputs_per_layer + (arch.layers - 1 - l) * grads_per_layer)
+    worst = max(range(arch.layers), key=lambda i: (i + 1) * inputs_per_layer + (arch.layers - 1 - i) * grads_per_layer)
     update = {**static, **gathered,
               "gradients so far (fp32, sharded)": head_grads + (arch.layers - 1 - worst) * grads_per_layer,
               "checkpointed layer inputs": (worst + 1) * inputs_per_layer,

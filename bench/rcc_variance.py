@@ -9,7 +9,8 @@ squared distance of their gradients from the mean, over the mean's squared norm)
 - RCC's advantage r - mean - 2 Cov(r, delta),
 - the mean-centred advantage r - mean (RCC without its correction term, to separate the two effects),
 
-on the very same samples and splits. RCC is measured with delta's policy term on x^c (Algorithm 1) and on q (Section 4.2, Appendices B/C;
+on the very same samples and splits. RCC is measured with delta's policy term on x^c (Algorithm 1) and on q
+(Section 4.2, Appendices B/C;
 ``rcc.delta_context``). Both the relative variance (scale-free) and the absolute one are reported: the paper
 does not define its measure, and the absolute variance falls by the std that RCC drops (GRPO divides by
 sigma, RCC does not) even when nothing else changes. Reports per-seed ratios and their mean with a 95%

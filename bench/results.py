@@ -66,7 +66,8 @@ def ablation_configs(ratios) -> dict:
 
 
 def run_dir_of(out_root: Path, name: str, seed: int) -> Path:
-    return out_root / name.replace(" (", "_").replace(")", "").replace(" ", "-").replace("=", "") / f"s{seed}"  # no "=": Hydra paths
+    # no "=" in the dir name: Hydra reads it in paths
+    return out_root / name.replace(" (", "_").replace(")", "").replace(" ", "-").replace("=", "") / f"s{seed}"
 
 
 def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int, out_root: Path, extra: list[str]) -> Path:
@@ -152,7 +153,8 @@ def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], step
         lines += ["", "Context-ratio ablation (BiCC-GRPO, plain warm start, seed 0, same steps), with what the contexts held "
                       "(training means): the share of samples conditioned, attempts shown per context, of them whole "
                       "(not cut), and attempts dropped.", "",
-                  "| context ratio | budget (tokens) | pass@1 | pass@1 T=1 | greedy | conditioned | attempts shown | whole | dropped |",
+                  "| context ratio | budget (tokens) | pass@1 | pass@1 T=1 | greedy | conditioned | attempts shown | whole "
+                  "| dropped |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, dirs in ablation.items():
             r, d = final_metrics(dirs), dirs[0]

@@ -5,7 +5,8 @@ Run: ``.venv/bin/python -m bench.step_profile [--lengths task|realistic] [hydra 
 ``--lengths task`` (default): the embedded default (tiny model, its cached warm start, real rollouts). Times
 ``--steps`` calls of ``bicc.step.rl_step`` after ``--warmup`` and splits them with the step's own timers
 (``perf/``): generate, the plan's no-grad passes, the update's forward, backward and optimizer step, the
-diagnostics (``rcc.diag_every``: their own forwards and backwards); the rest is loop overhead (tokenising, rewards, batching, contexts, advantages, metrics). Ends with
+diagnostics (``rcc.diag_every``: their own forwards and backwards); the rest is loop overhead (tokenising, rewards,
+batching, contexts, advantages, metrics). Ends with
 ``RESULT loop_overhead_share=<share> target<=0.05`` and ``RESULT passes_per_step=<no-grad passes + 1 update>``.
 
 ``--lengths realistic``: a random-init Qwen3 of >= 10M parameters, 8 queries x G = 8, outputs up to 256

@@ -201,8 +201,8 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
 def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, tokenizer, stats,
             anchors=DEFAULT_ANCHORS) -> tuple[list[int] | None, int, int, int]:
     """Context ids for the chosen attempts, the attempt tokens used (elision markers included), and the
-    attempts shown and shown uncut; ids None when no attempt fits. Attempts that would fall below the minimum length are dropped one at a
-    time (latest first) and the budget re-shared among the rest."""
+    attempts shown and shown uncut; ids None when no attempt fits. Attempts that would fall below the minimum length
+    are dropped one at a time (latest first) and the budget re-shared among the rest."""
     starts = [answer_start(a, tokenizer, anchors) if bicc_cfg.truncate == "middle" else len(a) for a in chosen]
     candidates = list(range(len(chosen)))
     stats["attempts"] += len(chosen)

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bicc import distributed
 from bicc.checking import MathChecker
 from bicc.data import Problem, encode_prompt, task_rewards
 from bicc.data.benchmarks import FieldNames, is_absent_file, load_problems
-from bicc import distributed
 from bicc.distributed import Dist
 from bicc.progress import progress as progress_bar
 from bicc.rollout import SamplingParams

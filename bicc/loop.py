@@ -15,8 +15,16 @@ import torch
 from omegaconf import OmegaConf
 
 from bicc import distributed
-from bicc.checkpoint import (CorruptCheckpoint, incomplete_checkpoints, list_checkpoints, load_trainer_state,
-                             save_checkpoint, set_rng_state, tmp_dir, verify_checkpoint)
+from bicc.checkpoint import (
+    CorruptCheckpoint,
+    incomplete_checkpoints,
+    list_checkpoints,
+    load_trainer_state,
+    save_checkpoint,
+    set_rng_state,
+    tmp_dir,
+    verify_checkpoint,
+)
 from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
 from bicc.models import DTYPES, num_parameters, tokenizer_and_positions
@@ -29,8 +37,8 @@ from bicc.tracking import Tracker, rewind_jsonl
 from bicc.trainer import RLState
 from bicc.validation import validate_lengths
 
-
-NAMED_FORMS = {("bicc", "stable"): "stabilised BiCC, not the paper's", ("rcc", "mean"): "RCC with per-token mean delta, not the paper's"}
+NAMED_FORMS = {("bicc", "stable"): "stabilised BiCC, not the paper's",
+               ("rcc", "mean"): "RCC with per-token mean delta, not the paper's"}
 
 
 def describe_choices(choices, cfg) -> str:

@@ -27,7 +27,6 @@ import torch
 
 from bicc.logprobs import at_least_fp32, compute_precision, entropy_from_logits, logprobs_from_logits
 
-
 MASK_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")  # kernels that take ragged sequences (cu_seqlens)
 

@@ -21,6 +21,7 @@ from bicc.distributed import is_sharded
 from bicc.logprobs import at_least_fp32, compute_precision, entropy_from_logits, forward_logprobs, logprobs_from_logits
 from bicc.packing import _ragged, padding_free
 
+
 class _RecordLayer(DynamicLayer):
     """Prefix pass: keeps this layer's keys/values, overwriting rather than appending, so that the
     backward replay of a checkpointed layer stores the same states again instead of growing the cache."""

@@ -41,13 +41,15 @@ FORMS = ("g_q", "g_0", "g_1", "g_P", "g_perm", "g_tmpl")
 
 def identity_contexts(plain_prompt_ids: list[list[int]], group_ids: torch.Tensor) -> ConditionedPrompts:
     """x^c = q for every sample, through the conditioned code path (a group's samples share one prefix)."""
-    return ConditionedPrompts([list(p) for p in plain_prompt_ids], group_ids.tolist(), torch.ones(len(plain_prompt_ids), dtype=torch.bool))
+    everyone = torch.ones(len(plain_prompt_ids), dtype=torch.bool)
+    return ConditionedPrompts([list(p) for p in plain_prompt_ids], group_ids.tolist(), everyone)
 
 
 def template_contexts(prompts: list[str], group_ids: torch.Tensor, tokenizer, bicc_cfg) -> ConditionedPrompts:
     """The BiCC template (preamble, no attempts) around each sample's own query."""
     ids = {g: template_prompt(tokenizer, prompts[i], bicc_cfg) for i, g in enumerate(group_ids.tolist())}
-    return ConditionedPrompts([ids[g] for g in group_ids.tolist()], group_ids.tolist(), torch.ones(len(prompts), dtype=torch.bool))
+    everyone = torch.ones(len(prompts), dtype=torch.bool)
+    return ConditionedPrompts([ids[g] for g in group_ids.tolist()], group_ids.tolist(), everyone)
 
 
 def placebo_contexts(prompts: list[str], completion_ids: list[list[int]], correct: torch.Tensor, group_ids: torch.Tensor,

@@ -60,8 +60,9 @@ def load_reward(path: str, batched: bool, probe):
     out = fn(*args)
     values = out if batched and isinstance(out, (list, tuple)) else [out] if not batched else None
     if values is None or len(values) != 1 or not all(_is_number(v) and math.isfinite(v) for v in values):
+        wanted = "a list of finite numbers, one per completion" if batched else "a finite number"
         raise ValueError(f"config field 'data.reward': {path} returned {out!r} for an empty completion of problem "
-                         f"{probe.id}; it must return {'a list of finite numbers, one per completion' if batched else 'a finite number'}")
+                         f"{probe.id}; it must return {wanted}")
     return fn
 
 

@@ -18,14 +18,13 @@ from bicc.tokenizer import build_char_tokenizer
 from bicc.trainer import RLState
 from tests.conftest import compose_cfg
 
-
 # ---- Paths and runs of train.py ------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SMALL = ["bicc=stable", "rcc=mean", "sft.steps=5", "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
-         "rollout.max_new_tokens=16", "eval.num_problems=8", "eval.samples_per_problem=2", "eval.max_new_tokens=16",
-         "logger.wandb_mode=disabled", "logger.progress=false"]
+SMALL = ["bicc=stable", "rcc=mean", "sft.steps=5", "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4",
+         "rollout.group_size=4", "rollout.max_new_tokens=16", "eval.num_problems=8", "eval.samples_per_problem=2",
+         "eval.max_new_tokens=16", "logger.wandb_mode=disabled", "logger.progress=false"]
 
 # Every group's first sample right and the others wrong, a third of the problems all wrong
 # (tests/rewards.py): mixed and degenerate groups by construction, whatever the model samples.
@@ -34,11 +33,12 @@ CONSTRUCTED_REWARD = ["data.reward=tests.rewards:first_of_group", "data.reward_b
 # GRPO + BiCC + RCC on short sums with the constructed reward (else a group's mix would depend on what the
 # trained model samples on this CPU); two prompt shards and two evaluation shards, so one process samples and
 # evaluates exactly what two processes do.
-MIXED_RUN = [*CONSTRUCTED_REWARD, "bicc=stable", "rcc=mean", "optim.lr=3e-4", "data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50",
-             "sft.steps=300", "sft.batch_size=16", "train.steps=2", "train.save_every=1", "train.keep_last=0",
-             "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=64", "rollout.shards=2", "eval.shards=2",
-             "rcc.diag_every=0", "optim.warmup_steps=0", "eval.num_problems=4", "eval.samples_per_problem=1", "eval.greedy=false",
-             "eval.max_new_tokens=64", "logger.wandb_mode=disabled", "logger.progress=false", "threads=1", "sft.seed=0"]
+MIXED_RUN = [*CONSTRUCTED_REWARD, "bicc=stable", "rcc=mean", "optim.lr=3e-4", "data.arith.max_operands=2",
+             "data.arith.max_operand=19", "data.arith.test_size=50", "sft.steps=300", "sft.batch_size=16", "train.steps=2",
+             "train.save_every=1", "train.keep_last=0", "rollout.prompts_per_step=8", "rollout.group_size=4",
+             "rollout.max_new_tokens=64", "rollout.shards=2", "eval.shards=2", "rcc.diag_every=0", "optim.warmup_steps=0",
+             "eval.num_problems=4", "eval.samples_per_problem=1", "eval.greedy=false", "eval.max_new_tokens=64",
+             "logger.wandb_mode=disabled", "logger.progress=false", "threads=1", "sft.seed=0"]
 
 
 def run_train(args, tmp_path, check=True):

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -108,7 +107,8 @@ def test_memory_model_counts_every_phase_by_hand():
     hf = phases(QWEN3_4B, Run(vllm=False, eval_vllm=False))["evaluation"]
     rows = 131_072 // (300 + 4096)  # 29 rows of a 300-token prompt and 4,096 new tokens
     assert rows == 29
-    assert hf["HF generate KV cache (eval.batch_tokens)"] == 29 * 4396 * 36 * 2 * 8 * 128 * 2  # tokens x layers x K,V x kv x d x bf16
+    # tokens x layers x K,V x kv heads x head dim x bf16
+    assert hf["HF generate KV cache (eval.batch_tokens)"] == 29 * 4396 * 36 * 2 * 8 * 128 * 2
     assert hf["sampling logits (fp32, two copies)"] == 2 * 4 * 29 * 151_936
     assert hf["FSDP2 gathered root (embeddings, head)"] == 2 * (151_936 * 2560 + 2560)
     run = Run()

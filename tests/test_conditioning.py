@@ -111,8 +111,9 @@ def test_budget_is_never_exceeded_on_random_groups(ratio):
     gen = torch.Generator().manual_seed(int(ratio * 10))
     for trial in range(20):
         n = 8
-        texts = ["".join(chr(48 + int(c)) for c in torch.randint(0, 10, (int(torch.randint(1, 60, (1,), generator=gen)),), generator=gen))
-                 + f"\\boxed{{{trial}}}" for _ in range(n)]
+        lengths = [int(torch.randint(1, 60, (1,), generator=gen)) for _ in range(n)]
+        texts = ["".join(chr(48 + int(c)) for c in torch.randint(0, 10, (length,), generator=gen)) + f"\\boxed{{{trial}}}"
+                 for length in lengths]
         correct = torch.randint(0, 2, (n,), generator=gen).tolist()
         out = build_contexts(**group(texts, correct), bicc_cfg=BiccCfg(context_ratio=ratio), max_tokens=128)
         for r in range(n):

@@ -30,7 +30,8 @@ def test_every_yaml_field_has_a_comment():
                 continue
             if stripped.endswith(":") and not lines[i - 1].strip().startswith("#"):
                 # a section header ("optim:") may go without one only when it is a known group block
-                assert stripped[:-1] in {"optim", "train", "sft", "hydra", "run", "sweep", "job", "tiny", "arith", "dist"}, f"{path}:{i + 1}"
+                known = {"optim", "train", "sft", "hydra", "run", "sweep", "job", "tiny", "arith", "dist"}
+                assert stripped[:-1] in known, f"{path}:{i + 1}"
                 continue
             assert lines[i - 1].strip().startswith("#"), f"{path}:{i + 1} '{stripped}' has no comment above it"
 
@@ -87,8 +88,9 @@ def test_algo_presets_match_their_papers():
     c = {name: compose_cfg([f"algo={name}", "sft.cache_dir=/tmp/x"]).algo for name in options("algo")}
     assert set(c) == {"grpo", "dr_grpo", "dapo", "gspo", "gmpo", "aspo"}
     assert (c["grpo"].clip_eps_low, c["grpo"].clip_eps_high, c["grpo"].loss_agg) == (0.2, 0.2, "seq-mean-token-mean")
-    assert (c["dr_grpo"].advantage, c["dr_grpo"].loss_agg, c["dr_grpo"].kl_coef) == ("mean_centered", "seq-mean-token-sum-norm", 0.01)
-    assert (c["dapo"].clip_eps_high, c["dapo"].loss_agg, c["dapo"].dynamic_sampling, c["dapo"].kl_coef) == (0.28, "token-mean", True, 0.0)
+    dr, dapo = c["dr_grpo"], c["dapo"]
+    assert (dr.advantage, dr.loss_agg, dr.kl_coef) == ("mean_centered", "seq-mean-token-sum-norm", 0.01)
+    assert (dapo.clip_eps_high, dapo.loss_agg, dapo.dynamic_sampling, dapo.kl_coef) == (0.28, "token-mean", True, 0.0)
     assert c["dapo"].overlong_buffer_share == 0.2
     assert (c["gspo"].loss, c["gspo"].clip_eps_low, c["gspo"].clip_eps_high) == ("gspo", 3e-4, 4e-4)
     assert (c["gmpo"].loss, c["gmpo"].clip_eps_low, c["gmpo"].clip_eps_high) == ("gmpo", 0.4, 0.4)
@@ -215,7 +217,8 @@ def longrope_dir(tmp_path):
 
     Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                vocab_size=128, max_position_embeddings=131_072, original_max_position_embeddings=4096,
-               rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}).save_pretrained(tmp_path)
+               rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+               ).save_pretrained(tmp_path)
     build_char_tokenizer().save_pretrained(tmp_path)
     return tmp_path
 

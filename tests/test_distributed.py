@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import MIXED_RUN as RUN, ROOT
+from tests.helpers import MIXED_RUN as RUN
+from tests.helpers import ROOT
 
 
 def env(tmp_path):

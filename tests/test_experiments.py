@@ -1,8 +1,8 @@
 """Every experiment and sweep preset composes, validates and carries the paper's values (Table 3)."""
 
 import pytest
-from omegaconf import OmegaConf
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from bicc.validation import validate
 from tests.conftest import CONF, compose_cfg

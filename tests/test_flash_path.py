@@ -274,7 +274,8 @@ def test_start_up_line_says_how_forwards_are_laid_out():
     assert forward_layout(sdpa, paper).startswith("each micro-batch padded to its longest row (attn_implementation=sdpa")
     unshared = forward_layout(flash, compose_cfg(["bicc=off", "train.share_prompts=false", "sft.cache_dir=/tmp/x"]))
     assert unshared.startswith("padding-free (flash_attention_2) but the rows on q, padded")
-    assert "but BiCC's rows, padded" in forward_layout(flash, compose_cfg(["bicc=on", "bicc.packing=false", "sft.cache_dir=/tmp/x"]))
+    unpacked = compose_cfg(["bicc=on", "bicc.packing=false", "sft.cache_dir=/tmp/x"])
+    assert "but BiCC's rows, padded" in forward_layout(flash, unpacked)
     flash.bicc_padding_free = False  # model.padding_free=false
     assert forward_layout(flash, paper).startswith("each micro-batch padded")
 

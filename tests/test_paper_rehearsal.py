@@ -28,9 +28,10 @@ pytest.importorskip("vllm")
 
 from tests.helpers import CONSTRUCTED_REWARD, ROOT  # noqa: E402
 
-ARITH = ["data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50", "model.tiny.max_position_embeddings=1024"]
-WARM = [*ARITH, "eval.num_problems=4", "stage=sft", "sft.steps=300", "sft.batch_size=16", "logger.wandb_mode=disabled", "logger.progress=false",
-        "threads=2"]
+ARITH = ["data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50",
+         "model.tiny.max_position_embeddings=1024"]
+WARM = [*ARITH, "eval.num_problems=4", "stage=sft", "sft.steps=300", "sft.batch_size=16", "logger.wandb_mode=disabled",
+        "logger.progress=false", "threads=2"]
 SHRINK = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "bicc.max_tokens=40",
           "rollout.gpu_memory_utilization=0.15", "rollout.enforce_eager=true", "train.micro_batch_size=3",
           "train.save_every=2", "optim.warmup_steps=1", "eval.limit=2", "eval.samples_per_problem=2",

@@ -4,9 +4,8 @@ level-2 sleep, collectives on the process group's device, every end token, and a
 DAPO-Math."""
 
 import json
-from pathlib import Path
-
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch

@@ -6,8 +6,8 @@ import torch
 from bicc.conditioning import ConditionedPrompts, build_contexts
 from bicc.losses import LOSSES, StepTotals
 from bicc.rows import ContextRows, QueryRows
-from tests.losses.helpers import LOSS_OF, VARIANTS
 from tests.helpers import BiccCfg, rows_setup
+from tests.losses.helpers import LOSS_OF, VARIANTS
 
 
 @pytest.mark.parametrize("packing", [(True, "kv"), (True, "mask"), (False, "kv")])
@@ -42,7 +42,8 @@ def test_packed_and_unpacked_conditioned_numerators_agree(impl):
     rows = torch.arange(4)
     packed = ContextRows(ctx, completions, batch.completion_len,
                          BiccCfg(packing=True, packing_impl=impl, min_attempt_tokens=4), tok.pad_token_id, "cpu")
-    single = ContextRows(ctx, completions, batch.completion_len, BiccCfg(packing=False, min_attempt_tokens=4), tok.pad_token_id, "cpu")
+    unpacked = BiccCfg(packing=False, min_attempt_tokens=4)
+    single = ContextRows(ctx, completions, batch.completion_len, unpacked, tok.pad_token_id, "cpu")
     a, _ = packed.logprobs(model, rows, 1.0)
     b, _ = single.logprobs(model, rows, 1.0)
     m = batch.completion_mask.bool()

@@ -3,6 +3,7 @@ datasets and flash-attn into the same .venv the make targets use."""
 
 import re
 import subprocess
+import sys
 
 from tests.helpers import ROOT
 
@@ -19,3 +20,13 @@ def test_setup_gpu_installs_the_gpu_extras_into_the_make_venv():
     pins = dict(re.findall(r"^([\w-]+)==(\S+)", (ROOT / "requirements-gpu.txt").read_text(), re.M))
     torch_pin = re.search(r"^torch==(\S+)", (ROOT / "requirements.txt").read_text(), re.M).group(1)
     assert pins.get("vllm") == "0.32.0" and torch_pin == "2.13.0"  # vLLM 0.32 is built for torch 2.13
+
+
+def test_make_lint_runs_ruff_with_the_project_settings_and_the_tree_is_clean():
+    proc = subprocess.run(["make", "-n", "-B", "lint"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m ruff check ."
+    assert "make lint" in (ROOT / ".ci" / "run").read_text()
+    lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert lint.returncode == 0, lint.stdout

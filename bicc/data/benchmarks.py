@@ -116,7 +116,8 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
         if limit and len(problems) >= limit:
             break
     if skipped:
-        print(f"[data] {where}: kept {len(problems)} rows; skipped or renamed: {', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))}")
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
+        print(f"[data] {where}: kept {len(problems)} rows; skipped or renamed: {counts}")
     return problems, dict(skipped)
 
 

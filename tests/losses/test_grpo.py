@@ -6,7 +6,6 @@ import torch
 from bicc.losses import AGGREGATIONS, LOSSES, StepTotals
 from tests.losses.helpers import cfg
 
-
 Cfg = cfg()
 
 
@@ -85,7 +84,8 @@ def test_gradient_matches_finite_differences(agg):
 
     gen = torch.Generator().manual_seed(1)
     logp = (torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.3).requires_grad_(True)
-    old, ref = torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.3, torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.3
+    old = torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.3
+    ref = torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.3
     adv = torch.randn(3, generator=gen, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.float64)
     totals = StepTotals.of(mask, max_len=5)
