@@ -28,3 +28,24 @@ def shared_data():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data dir {SHARED_DATA} is absent (set BICC_DATA_DIR)")
     return SHARED_DATA
+
+
+# What a test run may leave in the checkout: interpreter and pytest caches. Anything else a test writes belongs
+# under its tmp_path.
+CACHES = {".venv", ".git", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache"}
+
+
+def repo_files() -> set[str]:
+    found = set()
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in CACHES]
+        found.update(os.path.relpath(os.path.join(dirpath, name), ROOT) for name in [*filenames, *dirnames])
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tests_write_only_under_tmp():
+    before = repo_files()
+    yield
+    added = sorted(repo_files() - before)
+    assert not added, f"tests wrote into the checkout (use tmp_path): {added[:10]}"

@@ -42,10 +42,11 @@ MIXED_RUN = [*CONSTRUCTED_REWARD, "bicc=stable", "rcc=mean", "optim.lr=3e-4", "d
 
 
 def run_train(args, tmp_path, check=True):
-    """``train.py <args>`` in a subprocess with its own cache under ``tmp_path``; asserts success unless ``check`` is off."""
+    """``train.py <args>`` in a subprocess started in ``tmp_path`` (a run without ``hydra.run.dir`` writes there, not
+    into the repo), with its own cache; asserts success unless ``check`` is off."""
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
