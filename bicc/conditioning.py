@@ -238,18 +238,3 @@ def template_prompt(tokenizer, prompt: str, bicc_cfg) -> list[int]:
     """The BiCC template around ``prompt`` with no attempts in it (the probe's template-only placebo)."""
     enc = _encode_template(tokenizer, prompt, bicc_cfg, 0)
     return enc.head + enc.preamble + enc.tail
-
-
-def warm_up(contexts: ConditionedPrompts, group_ids: torch.Tensor, plain_prompt_ids: list[list[int]], step: int,
-            warmup_steps: int) -> ConditionedPrompts:
-    """Condition only a share step/warmup_steps of the groups (the first groups of the batch), so training
-    moves from the base variant to BiCC gradually; the others keep q. No-op when warmup_steps = 0."""
-    if warmup_steps == 0 or step >= warmup_steps:
-        return contexts
-    groups = torch.unique(group_ids)
-    cutoff = int(len(groups) * step / warmup_steps)
-    keep = torch.isin(group_ids, groups[:cutoff])
-    prompt_ids = [p if k else list(q) for p, q, k in zip(contexts.prompt_ids, plain_prompt_ids, keep.tolist())]
-    keys = [key if k else i for i, (key, k) in enumerate(zip(contexts.context_key, keep.tolist()))]
-    metrics = {**contexts.metrics, "bicc/warmup_share": cutoff / len(groups)}
-    return ConditionedPrompts(prompt_ids, keys, contexts.conditioned & keep, metrics)

@@ -12,7 +12,7 @@ import torch
 from bicc import distributed
 from bicc.advantages import ADVANTAGES
 from bicc.collect import collect_rollout, sampler_grid, sampler_importance_weights, sampler_logprob_diff
-from bicc.conditioning import build_contexts, warm_up
+from bicc.conditioning import build_contexts
 from bicc.data import build_task
 from bicc.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
 from bicc.logprobs import make_token_batch
@@ -105,7 +105,6 @@ def step_inputs(s: RLState, cfg, ro, device):
         return batch, plain, plain, None, {}
     contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
                               cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
-    contexts = warm_up(contexts, ro.group_ids, ro.out.prompt_ids, s.step, cfg.bicc.experimental.warmup_steps)
     numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
                             s.tokenizer.pad_token_id, device)
     return batch, plain, numerator, contexts, {**contexts.metrics,

@@ -72,15 +72,12 @@ def needs_reference(cfg) -> bool:
 def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=None):
     """The update's loss on ``rows`` (one micro-batch; ``mask`` [n, L] their completion mask) from their
     log-probs ``logp`` [n, L] (with their graph), normalised by ``totals``: (differentiable loss, the loss's
-    metrics, ``logp`` detached and before any log-ratio clip, pi_old [n, L]). ``old_logp`` None: pi_old is
+    metrics, ``logp`` detached, pi_old [n, L]). ``old_logp`` None: pi_old is
     this forward (``bicc.plan.StepPlan`` old_source "update"), detached."""
     old = logp.detach() if old_logp is None else old_logp[rows]
-    raw = logp.detach()
-    if cfg.bicc.enabled and cfg.bicc.experimental.log_ratio_clip > 0:
-        logp = clip_log_ratio_value(logp, old, cfg.bicc.experimental.log_ratio_clip)
     loss, metrics = LOSSES.get(cfg.algo.loss)(logp, old, None if ref_logp is None else ref_logp[rows], adv[rows], mask,
                                               cfg.algo, totals, is_weight=None if is_weight is None else is_weight[rows])
-    return loss, metrics, raw, old
+    return loss, metrics, logp.detach(), old
 
 
 def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg, is_weight=None):
@@ -93,13 +90,6 @@ def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv
         return rows_loss(logp, rows, batch.completion_mask[rows], old_logp, ref_logp, adv, cfg, totals, is_weight)[0]
 
     return loss
-
-
-def clip_log_ratio_value(logp: torch.Tensor, old_logp: torch.Tensor, bound: float) -> torch.Tensor:
-    """logp shifted so that logp - old_logp lies in [-bound, bound] in value, with logp's gradient intact
-    (a straight-through clip of the importance weight's size, not of its gradient direction)."""
-    delta = (logp - old_logp).detach()
-    return logp - (delta - delta.clamp(-bound, bound))
 
 
 def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, adv, cfg, step_seed: int,

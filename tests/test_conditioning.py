@@ -166,21 +166,3 @@ def test_a_group_with_one_side_dropped_falls_back_whole():
     ctx = build_contexts(["p"] * 8, completions, correct, groups, tok, cfg, 100, plain)
     assert not ctx.conditioned.any() and ctx.prompt_ids == plain
     assert ctx.metrics["bicc/groups_dropped_share"] == 1.0 and ctx.metrics["bicc/samples_conditioned_share"] == 0.0
-
-
-def test_warm_up_conditions_a_growing_share_of_groups():
-    """bicc.experimental.warmup_steps = 4: at step 1, int(4 groups x 1/4) = 1 group keeps x^c, the others get q back (and keys
-    of their own); at step 3, 3 groups; from step 4 on, all of them."""
-    from bicc.conditioning import ConditionedPrompts, warm_up
-
-    group_ids = torch.arange(4).repeat_interleave(2)
-    plain = [[1, 2, i] for i in range(8)]
-    ctx = ConditionedPrompts([[9, 9, i] for i in range(8)], [i // 2 for i in range(8)], torch.ones(8, dtype=torch.bool))
-    early = warm_up(ctx, group_ids, plain, step=1, warmup_steps=4)
-    assert early.prompt_ids == [[9, 9, 0], [9, 9, 1], *plain[2:]]
-    assert early.conditioned.tolist() == [True] * 2 + [False] * 6
-    assert early.context_key[:2] == [0, 0] and len(set(early.context_key[2:])) == 6
-    assert early.metrics["bicc/warmup_share"] == 0.25
-    assert warm_up(ctx, group_ids, plain, step=3, warmup_steps=4).conditioned.sum() == 6
-    assert warm_up(ctx, group_ids, plain, step=4, warmup_steps=4) is ctx
-    assert warm_up(ctx, group_ids, plain, step=0, warmup_steps=0) is ctx

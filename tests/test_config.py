@@ -72,7 +72,6 @@ def test_unknown_key_is_rejected_by_the_schema():
         ("algo.max_sampling_rounds=0", "algo.max_sampling_rounds"),
         ("rollout.tis_cap=-1", "rollout.tis_cap"),
         ("bicc.mode=ring", "bicc.mode"),
-        ("bicc.experimental.warmup_steps=-1", "bicc.experimental.warmup_steps"),
         ("dist.param_dtype=fp8", "dist.param_dtype"),
         ("data.math.on_bad_row=ignore", "data.math.on_bad_row"),
         ("logger.wandb_mode=cloud", "logger.wandb_mode"),

@@ -2,7 +2,6 @@
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from bicc.validation import validate
 from tests.conftest import CONF, compose_cfg
@@ -114,9 +113,7 @@ def test_on_means_the_paper_everywhere(experiment):
     pre = [f"experiment={experiment}"] if experiment else ["sft.cache_dir=/tmp/x"]
     cfg = compose_cfg([*pre, "algo=dapo", "bicc=on", "rcc=on"])
     assert cfg.bicc.enabled and not cfg.bicc.old_on_context and cfg.bicc.lr_scale == 1.0
-    assert cfg.bicc.experimental.log_ratio_clip == 0 and cfg.bicc.experimental.warmup_steps == 0
     assert cfg.rcc.enabled and cfg.rcc.delta == "sum"
-    assert OmegaConf.to_container(compose_cfg([*pre, "bicc=paper"]).bicc) == OmegaConf.to_container(cfg.bicc)
     stable = compose_cfg([*pre, "bicc=stable", "rcc=mean"])
     assert stable.bicc.old_on_context and stable.bicc.lr_scale < 1 and stable.rcc.delta == "mean"
     if experiment:  # the preset alone is the paper's method

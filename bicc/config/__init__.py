@@ -9,7 +9,7 @@ the registries and the checks across groups, before any model is loaded, naming 
 
 | module | groups |
 | --- | --- |
-| ``method.py`` | ``algo``, ``bicc`` (and ``bicc.experimental``), ``rcc`` |
+| ``method.py`` | ``algo``, ``bicc``, ``rcc`` |
 | ``run.py`` | ``model``, ``data``, ``rollout``, ``optim``, ``train``, ``dist``, ``sft`` |
 | ``evaluation.py`` | ``eval``, ``logger`` |
 """
@@ -25,7 +25,7 @@ from omegaconf import MISSING, OmegaConf
 
 from bicc.config.evaluation import BenchmarkConfig, EvalConfig, LoggerConfig
 from bicc.config.fields import choice
-from bicc.config.method import AlgoConfig, BiccConfig, BiccExperimentalConfig, RccConfig, overlong_buffer_tokens
+from bicc.config.method import AlgoConfig, BiccConfig, RccConfig, overlong_buffer_tokens
 from bicc.config.run import (
     ArithConfig,
     DataConfig,
@@ -90,7 +90,7 @@ def register_configs() -> None:
 
 
 __all__ = [
-    "AlgoConfig", "ArithConfig", "BenchmarkConfig", "BiccConfig", "BiccExperimentalConfig", "DataConfig",
+    "AlgoConfig", "ArithConfig", "BenchmarkConfig", "BiccConfig", "DataConfig",
     "DistConfig", "EvalConfig", "LoggerConfig", "MathDataConfig", "ModelConfig", "OptimConfig", "RccConfig",
     "RolloutConfig", "RunConfig", "SFTConfig", "TinyArchConfig", "TrainConfig", "overlong_buffer_tokens",
     "register_configs",

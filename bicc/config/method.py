@@ -4,7 +4,7 @@ across groups are in ``bicc.validation``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 from omegaconf import MISSING
@@ -51,15 +51,6 @@ def overlong_buffer_tokens(algo_cfg, max_new_tokens: int) -> int:
 
 
 @dataclass
-class BiccExperimentalConfig:
-    """Stabilisers tried on the embedded task that did not help (docs/method.md, "BiCC: the paper's form and the
-    stabilised form"); kept to reproduce those rows. Off by default and in every preset."""
-
-    log_ratio_clip: float = 0.0
-    warmup_steps: int = 0
-
-
-@dataclass
 class BiccConfig:
     """Bilateral Context Conditioning (conf/bicc): what the trainable numerator is conditioned on."""
 
@@ -79,7 +70,6 @@ class BiccConfig:
     max_packed_len: int = 4096
     old_on_context: bool = False
     lr_scale: float = 1.0
-    experimental: BiccExperimentalConfig = field(default_factory=BiccExperimentalConfig)
 
     @staticmethod
     def check(b) -> None:
@@ -90,9 +80,6 @@ class BiccConfig:
         need(0 < b.lr_scale <= 10, "bicc.lr_scale", f"must be in (0, 10], got {b.lr_scale}")
         need("{i}" in b.attempt_header, "bicc.attempt_header",
              f"must contain '{{i}}' (the attempt number), got {b.attempt_header!r}")
-        x = b.experimental
-        need(x.log_ratio_clip >= 0, "bicc.experimental.log_ratio_clip", f"must be >= 0 (0 = off), got {x.log_ratio_clip}")
-        need(x.warmup_steps >= 0, "bicc.experimental.warmup_steps", f"must be >= 0 (0 = off), got {x.warmup_steps}")
 
 
 @dataclass
