@@ -131,6 +131,12 @@ def _encode_template(tokenizer, prompt: str, bicc_cfg, max_attempts: int) -> _En
                     [enc(bicc_cfg.attempt_header.format(i=i + 1)) for i in range(max_attempts)])
 
 
+def context_budget(bicc_cfg, max_tokens: int | None = None) -> int:
+    """Tokens the attempts of one context share: floor(context_ratio x max tokens), the max tokens being
+    ``bicc.max_tokens`` unless given."""
+    return int(bicc_cfg.context_ratio * (bicc_cfg.max_tokens if max_tokens is None else max_tokens))
+
+
 def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct: torch.Tensor,
                    group_ids: torch.Tensor, tokenizer, bicc_cfg, max_tokens: int,
                    plain_prompt_ids: list[list[int]], end_ids=None, anchors=DEFAULT_ANCHORS) -> ConditionedPrompts:
@@ -142,7 +148,7 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
     A group is conditioned whole or not at all: when every attempt of one side is dropped (so some of its
     samples would see attempts and others not, ratios w and 1 in one group), the whole group keeps q."""
     positive = partition(correct, bicc_cfg.reward_threshold)
-    budget = int(bicc_cfg.context_ratio * max_tokens)
+    budget = context_budget(bicc_cfg, max_tokens)
     end = set(end_ids or [tokenizer.eos_token_id])
     attempts = [ids[:-1] if ids and ids[-1] in end else list(ids) for ids in completion_ids]
     n = len(completion_ids)

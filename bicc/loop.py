@@ -25,6 +25,7 @@ from bicc.checkpoint import (
     tmp_dir,
     verify_checkpoint,
 )
+from bicc.conditioning import context_budget
 from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
 from bicc.models import DTYPES, num_parameters, tokenizer_and_positions
@@ -55,7 +56,7 @@ def describe_choices(choices, cfg) -> str:
     if cfg.algo.kl_coef > 0:
         text += f", KL {cfg.algo.kl_coef:g} ({cfg.algo.kl_estimator})"
     if cfg.bicc.enabled:
-        text += f", context budget {int(cfg.bicc.context_ratio * cfg.bicc.max_tokens)} tokens"
+        text += f", context budget {context_budget(cfg.bicc)} tokens"
     if cfg.model.tiny is not None and cfg.data.task == "arith":
         text += f", arith slips {cfg.data.arith.slip_rate:g} at {cfg.data.arith.slip_step} step"
     if cfg.model.tiny is not None and cfg.sft.context_share > 0:
@@ -176,7 +177,7 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
             print(f"[bicc] warning: step {s.step}: only {100 * share:.0f}% of samples see an opposite attempt "
                   f"({metrics['bicc/attempts_shown']:.1f} shown on average, "
                   f"{100 * metrics['bicc/dropped_share']:.0f}% of attempts dropped by the budget "
-                  f"bicc.context_ratio x bicc.max_tokens = {int(cfg.bicc.context_ratio * cfg.bicc.max_tokens)} tokens)")
+                  f"bicc.context_ratio x bicc.max_tokens = {context_budget(cfg.bicc)} tokens)")
         if s.step % cfg.train.log_every == 0:
             tracker.log(metrics, step=s.step)
         out_of_time = cfg.train.time_budget_s and time.perf_counter() - start > cfg.train.time_budget_s

@@ -31,6 +31,12 @@ from bicc.batching import logprobs_no_grad
 from bicc.distributed import Dist
 
 
+def reads_reference(cfg, delta: Optional[str]) -> bool:
+    """pi_ref on q is read by a KL term, a ref-denominated ratio, or RCC's delta (``delta``: its context, None
+    when the step computes none)."""
+    return cfg.algo.kl_coef > 0 or cfg.algo.ratio_denominator == "ref" or delta is not None
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """conditioned:  the trainable numerator is on x^c (BiCC on)
@@ -85,7 +91,7 @@ class StepPlan:
         else:
             source = "forward"
         need_q = old_context == "xc" and (tis or delta == "q" or diagnostics or sampler_logprobs)
-        reference = (cfg.algo.kl_coef > 0 or cfg.algo.ratio_denominator == "ref" or delta is not None)
+        reference = reads_reference(cfg, delta)
         kl_ref_xc = old_context == "xc" and cfg.algo.kl_coef > 0
         return cls(conditioned, old_context, source, need_q, reference, kl_ref_xc, delta, tis, diagnostics,
                    delta_from_update=deferred)
@@ -97,6 +103,13 @@ class StepPlan:
         if every > 0 and step % every == 0 and not sharded:
             return StepPlan.from_config(cfg, sampler_logprobs, diagnostics=True)
         return self
+
+    @staticmethod
+    def loads_reference(cfg) -> bool:
+        """Whether the run loads the frozen initial policy: some step's plan reads pi_ref (every step's, or the
+        diagnostics' steps')."""
+        diagnostics = cfg.rcc.diag_every > 0
+        return reads_reference(cfg, cfg.rcc.delta_context if (cfg.rcc.enabled or diagnostics) else None)
 
     @property
     def delta_pass(self) -> bool:

@@ -31,7 +31,7 @@ import time
 import torch
 
 from bicc.batching import logprobs_no_grad
-from bicc.conditioning import ConditionedPrompts, build_contexts, render_context, template_prompt
+from bicc.conditioning import ConditionedPrompts, build_contexts, context_budget, render_context, template_prompt
 from bicc.logprobs import make_token_batch
 from bicc.losses import LOSSES, StepTotals
 from bicc.rows import ContextRows, QueryRows
@@ -117,7 +117,7 @@ def probe_batch(model, tokenizer, ro, cfg, task_anchors, end_ids, device, advant
     mask, N, L = batch.completion_mask, batch.input_ids.shape[0], batch.completion_len
     adv, _ = advantages(ro.rewards, ro.group_ids, None, cfg.algo)
     adv = adv.to(device)
-    budget = int(cfg.bicc.context_ratio * cfg.bicc.max_tokens)
+    budget = context_budget(cfg.bicc)
     real = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, tokenizer, cfg.bicc,
                           cfg.bicc.max_tokens, ro.out.prompt_ids, end_ids, task_anchors)
     contexts = {
@@ -201,7 +201,7 @@ def main() -> None:
     state = RLState(model, tokenizer=tokenizer, engine=engine, task=task, init_path=path)
     print(f"probe: {path}; algo={cfg.algo.name} loss={cfg.algo.loss}, {args.batches} batches of "
           f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size}, context budget "
-          f"{int(cfg.bicc.context_ratio * cfg.bicc.max_tokens)} tokens")
+          f"{context_budget(cfg.bicc)} tokens")
     start = time.perf_counter()
     per_batch, pooled, identity = [], {}, 0.0
     for b in range(args.batches):

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from bicc.checkpoint import COMPLETE, save_hf
-from bicc.conditioning import render_context
+from bicc.conditioning import context_budget, render_context
 from bicc.data import encode_prompt
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.models import build_tiny
@@ -99,8 +99,7 @@ def demonstrations(task, tokenizer, indices: list[int], seed: int, context_share
                                   add_special_tokens=False)["input_ids"] for _ in range(rng.randint(1, 4))]
             if informative:
                 demo = task.demonstration(problem, rng, slip=False)
-            budget = int(bicc_cfg.context_ratio * bicc_cfg.max_tokens)
-            context = render_context(tokenizer, problem.prompt, attempts, bicc_cfg, budget)
+            context = render_context(tokenizer, problem.prompt, attempts, bicc_cfg, context_budget(bicc_cfg))
             prompt_ids = context or prompt_ids
         prompts.append(prompt_ids)
         completions.append(tokenizer(demo, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])

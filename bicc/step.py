@@ -21,7 +21,7 @@ from bicc.optim import build_optimizer, warmup_cosine
 from bicc.plan import StepPlan, step_logprobs
 from bicc.rollout import EngineOptions, build_engine
 from bicc.rows import ContextRows, query_rows
-from bicc.trainer import RLState, loss_of_rows_fn, needs_reference, update_policy
+from bicc.trainer import RLState, loss_of_rows_fn, update_policy
 
 
 def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
@@ -181,7 +181,7 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     (a full copy in the compute dtype on every process). Under FSDP2 the HF rollout engine gets its own
     full copy of the policy in the compute dtype; otherwise it samples from the policy itself."""
     model, tokenizer = load_policy(policy_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
-    ref_model = frozen_copy(init_path, cfg.model, device) if needs_reference(cfg) else None
+    ref_model = frozen_copy(init_path, cfg.model, device) if StepPlan.loads_reference(cfg) else None
     sharded_hf = d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf"
     sampler = compute_copy(model, cfg.model) if sharded_hf else model
     end_ids = tuple(end_token_ids(tokenizer, model))

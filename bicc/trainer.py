@@ -62,13 +62,6 @@ class RLState:
             group["lr"] = base * multiplier(self.scheduler.last_epoch)
 
 
-def needs_reference(cfg) -> bool:
-    """The frozen initial policy is loaded for a KL term, a ref-denominated ratio, RCC's delta, or the
-    delta diagnostics."""
-    return (cfg.algo.kl_coef > 0 or cfg.algo.ratio_denominator == "ref" or cfg.rcc.enabled
-            or cfg.rcc.diag_every > 0)
-
-
 def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=None):
     """The update's loss on ``rows`` (one micro-batch; ``mask`` [n, L] their completion mask) from their
     log-probs ``logp`` [n, L] (with their graph), normalised by ``totals``: (differentiable loss, the loss's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bicc.conditioning import context_budget
 from bicc.config import RunConfig
 from bicc.config.fields import check_schema, need
 
@@ -70,7 +71,7 @@ def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field:
 
     train_len, train_id = longest([task.train_problem(i) for i in range(sample)] if train else [],
                                   lambda p: encode_prompt(tokenizer, p.prompt))
-    budget = int(cfg.bicc.context_ratio * cfg.bicc.max_tokens) if cfg.bicc.enabled else 0
+    budget = context_budget(cfg.bicc) if cfg.bicc.enabled else 0
     template, shown = 0, cfg.rollout.group_size - 1  # a context shows at most G - 1 attempts
     if cfg.bicc.enabled:
         enc = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731

@@ -23,6 +23,21 @@ def passes(overrides, sampler=False, diagnostics=False):
     return StepPlan.from_config(cfg, sampler, diagnostics).passes()
 
 
+@pytest.mark.parametrize("overrides, loads", [
+    (["bicc=off", "rcc=off"], False),  # plain GRPO: nothing reads pi_ref
+    (["bicc=on", "rcc=off"], False),  # the paper's BiCC alone: pi_old on q, no reference
+    (["bicc=off", "rcc=on", "rcc.diag_every=0"], True),  # RCC's delta
+    (["bicc=off", "rcc=off", "rcc.diag_every=5"], True),  # only the diagnostics' steps read it
+    (["algo=dr_grpo", "bicc=off", "rcc=off"], True),  # Dr.GRPO's KL term (kl_coef 0.01)
+    (["bicc=off", "rcc=off", "algo.ratio_denominator=ref"], True),
+])
+def test_the_run_loads_the_reference_exactly_when_a_step_plan_reads_it(overrides, loads):
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", *overrides])
+    assert StepPlan.loads_reference(cfg) is loads
+    plans = [StepPlan.from_config(cfg, False), StepPlan.from_config(cfg, False, diagnostics=True)]
+    assert any(p.reference for p in plans[: 2 if cfg.rcc.diag_every > 0 else 1]) is loads
+
+
 def test_passes_per_configuration():
     # plain GRPO, one update per rollout: pi_old is the update's own first forward; nothing else
     assert passes(["bicc=off", "rcc=off"]) == ["update on q (forward + backward, supplies pi_old)"]
