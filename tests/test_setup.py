@@ -1,6 +1,7 @@
 """The install targets a user runs: `make setup-gpu` puts vLLM (pinned to the release built for the project's torch),
 datasets and flash-attn into the same .venv the make targets use."""
 
+import os
 import re
 import subprocess
 import sys
@@ -8,10 +9,18 @@ import sys
 from tests.helpers import ROOT
 
 
-def test_setup_gpu_installs_the_gpu_extras_into_the_make_venv():
-    proc = subprocess.run(["make", "-n", "-B", "setup-gpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+def make_dry_run(target: str) -> list[str]:
+    """The commands `make <target>` would run, as a user's shell starts it: `make test` under CI is itself run by make,
+    whose MAKELEVEL/MAKEFLAGS would otherwise add "Entering/Leaving directory" lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "-B", target], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    return proc.stdout.splitlines()
+
+
+def test_setup_gpu_installs_the_gpu_extras_into_the_make_venv():
+    lines = make_dry_run("setup-gpu")
     gpu = next(line for line in lines if "requirements-gpu.txt" in line)
     flash = next(line for line in lines if "requirements-flash.txt" in line)
     assert gpu.startswith(".venv/bin/python -m pip install") and "-r requirements.txt" in gpu
@@ -23,9 +32,7 @@ def test_setup_gpu_installs_the_gpu_extras_into_the_make_venv():
 
 
 def test_make_lint_runs_ruff_with_the_project_settings_and_the_tree_is_clean():
-    proc = subprocess.run(["make", "-n", "-B", "lint"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m ruff check ."
+    assert make_dry_run("lint")[-1] == ".venv/bin/python -m ruff check ."
     assert "make lint" in (ROOT / ".ci" / "run").read_text()
     lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
