@@ -97,6 +97,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     """One measurement, in this process: build, warm up once, time ``steps`` updates."""
     from hydra import compose, initialize_config_dir
 
+    from bicc.advantages import Advantages
     from bicc.conditioning import build_contexts
     from bicc.config import register_configs
     from bicc.data import build_task, encode_prompt
@@ -153,7 +154,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
 
     def step():  # phases 4 and 6 of train.rl_step (no diagnostics)
         lp = step_logprobs(plan, model, None, plain, numerator, None, cfg, batch.completion_mask)
-        update_policy(state, batch, numerator, lp.old, None, adv.to(device), cfg, step_seed=0)
+        update_policy(state, batch, numerator, lp.old, None, Advantages.given(adv.to(device)), cfg, step_seed=0)
 
     step()  # warm-up
     if device.type == "cuda":

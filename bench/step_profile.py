@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from bicc.advantages import Advantages
 from bicc.batching import trim_rows
 from bicc.collect import collect_rollout
 from bicc.config import TinyArchConfig, register_configs
@@ -195,7 +196,7 @@ def training_part(state, cfg, batch, adv, padded: bool, micro: int, seed: int):
         plan = plan.with_old_source("forward")
     start = time.perf_counter()
     lp = step_logprobs(plan, state.model, None, numerator, numerator, None, run_cfg, batch.completion_mask)
-    update_policy(state, batch, numerator, lp.old, None, adv, run_cfg, seed)
+    update_policy(state, batch, numerator, lp.old, None, Advantages.given(adv), run_cfg, seed)
     seconds = time.perf_counter() - start
     rows = micro_batches(torch.arange(len(adv)), numerator, run_cfg.train.micro_batch_size,
                          run_cfg.train.micro_batch_tokens, state.model, state.dist)

@@ -10,7 +10,7 @@ import time
 import torch
 
 from bicc import distributed
-from bicc.advantages import ADVANTAGES
+from bicc.advantages import ADVANTAGES, Advantages
 from bicc.collect import collect_rollout, sampler_grid, sampler_importance_weights, sampler_logprob_diff
 from bicc.conditioning import build_contexts
 from bicc.data import build_task
@@ -52,29 +52,27 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
     estimator = ADVANTAGES.get("rcc" if cfg.rcc.enabled else cfg.algo.advantage)
-    found: dict = {}
 
-    def advantages(delta_logp):
-        """[N] advantages from delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step):
+    def advantages(delta_logp) -> Advantages:
+        """The step's advantages from delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step):
         delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), theta = theta_old here."""
         delta = None if delta_logp is None else sequence_delta(delta_logp, lp.ref, batch.completion_mask, cfg.rcc.delta).cpu()
-        adv, found["metrics"] = estimator(ro.rewards, ro.group_ids, delta, cfg.algo)
-        found["delta"] = delta
-        return adv.to(device)
+        values, metrics = estimator(ro.rewards, ro.group_ids, delta, cfg.algo)
+        return Advantages(values.to(device), delta, metrics)
 
-    # under plan.delta_from_update the update computes them between its forwards and its backwards
-    adv = advantages if plan.delta_from_update else advantages(lp.delta)  # lp.delta: None when the plan has no delta
     diag_record, diag_metrics = {}, {}
     t_diagnostics = time.perf_counter()
-    if plan.diagnostics:
-        diag_metrics, diag_record = step_diagnostics(s, cfg, batch, numerator, ro, lp, adv, found["delta"], is_weight,
+    if plan.diagnostics:  # never with delta_from_update: lp.delta is delta's log-probs
+        diag_metrics, diag_record = step_diagnostics(s, cfg, batch, numerator, ro, lp, advantages(lp.delta), is_weight,
                                                      step_seed)
     diagnostics_s = time.perf_counter() - t_diagnostics
 
-    # ---- 6. loss and optimizer step(s) ---------------------------------------------------------
-    update_metrics, first_pass_log_ratio = update_policy(s, batch, numerator, lp.old, lp.kl_ref, adv, cfg,
-                                                         step_seed, is_weight)
-    adv_metrics = {**found["metrics"], **diag_metrics}
+    # ---- 6. loss and optimizer step(s); the advantages are computed inside, on lp.delta or (under
+    # plan.delta_from_update) on the update's own first forward -----------------------------------
+    update_metrics, first_pass_log_ratio, adv = update_policy(s, batch, numerator, lp.old, lp.kl_ref, advantages, cfg,
+                                                              step_seed, is_weight, delta_logp=lp.delta,
+                                                              delta_from_update=plan.delta_from_update)
+    adv_metrics = {**adv.metrics, **diag_metrics}
     t_update = time.perf_counter()
     if contexts is not None:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass
         log_w = first_pass_log_ratio if plan.old_context == "q" else lp.log_w
@@ -152,17 +150,17 @@ def step_timing(metrics: dict, batch, t0: float) -> dict:
     return {**metrics, "perf/step_s": seconds, "perf/tokens_per_s": float(batch.attention_mask.sum()) / seconds}
 
 
-def step_diagnostics(s: RLState, cfg, batch, numerator, ro, lp, adv, delta, is_weight, step_seed: int):
+def step_diagnostics(s: RLState, cfg, batch, numerator, ro, lp, adv: Advantages, is_weight, step_seed: int):
     """RCC's diagnostics on this step's batch (delta by reward, gradient variance over group splits),
     measured without changing the update: gradients are cleared before it. Returns (metrics, the raw
     per-sample record for bicc.plots)."""
-    metrics = {}
+    metrics, delta = {}, adv.delta
     if not cfg.rcc.enabled:
         _, rcc_metrics = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
         metrics.update({k: v for k, v in rcc_metrics.items() if k.startswith("rcc/")})
-    loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, lp.old, lp.kl_ref, adv, cfg, is_weight)
+    loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, lp.old, lp.kl_ref, adv.values, cfg, is_weight)
     s.model.train()
-    grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(adv.device), cfg.rcc.diag_splits,
+    grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(adv.values.device), cfg.rcc.diag_splits,
                                  torch.Generator().manual_seed(step_seed), cfg.train.micro_batch_size)
     metrics.update({**delta_by_reward(delta, ro.correct), "rcc/grad_var": grad_var})
     return metrics, {"step": s.step + 1, "delta": delta.tolist(), "correct": ro.correct.tolist(), "grad_var": grad_var}

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from bicc.advantages import AdvantageFn, Advantages
 from bicc.batching import micro_batches
 from bicc.distributed import Dist, all_reduce_sum, full_tensor, global_totals, loss_scale, sync_gradients
 from bicc.logprobs import TokenBatch
@@ -85,8 +86,9 @@ def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv
     return loss
 
 
-def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, adv, cfg, step_seed: int,
-                  is_weight: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
+def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, advantages: AdvantageFn, cfg,
+                  step_seed: int, is_weight: torch.Tensor | None = None, *, delta_logp: torch.Tensor | None = None,
+                  delta_from_update: bool = False) -> tuple[dict, torch.Tensor, Advantages]:
     """Epochs x minibatches optimizer steps over one rollout batch; gradients accumulate over
     micro-batches, each normalised by its minibatch's global ``StepTotals``. ``numerator`` gives the
     trainable log-probs (plain or BiCC-conditioned); ``batch`` the completion masks. Returns (metrics,
@@ -95,12 +97,13 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     (``sampler_importance_weights``), or None. ``old_logp`` None: pi_old is the policy this update's first
     forward runs (one update per rollout, ``bicc.plan.StepPlan``), taken from that forward, detached.
 
-    ``adv``: [N] advantages, or a function of the update's own first-forward log-probs [N, L] (detached, zeros
-    past each output) returning them (RCC's delta read from the update, ``StepPlan.delta_from_update``; one
-    update per rollout only): then every micro-batch runs its forward, the advantages are computed, and
-    only then the losses and backwards, the graphs held in between."""
-    advantages_of = adv if callable(adv) else None  # called once the first forwards are done; adv is then its result
-    deferred = advantages_of is not None
+    ``advantages`` maps delta's log-probs [N, L] to the step's ``Advantages`` and is called once: on
+    ``delta_logp`` before the first forward, or, under ``delta_from_update`` (RCC's delta read from the update,
+    ``StepPlan.delta_from_update``; one update per rollout only), on the update's own first-forward log-probs
+    (detached, zeros past each output): then every micro-batch runs its forward, the advantages are computed,
+    and only then the losses and backwards, the graphs held in between. Returns (metrics, first-pass log
+    ratios, the ``Advantages`` used)."""
+    deferred = delta_from_update
     if deferred and (cfg.train.epochs_per_rollout > 1 or cfg.train.minibatches_per_rollout > 1):
         raise ValueError("advantages from the update's own forward need one update per rollout "
                          "(train.epochs_per_rollout = train.minibatches_per_rollout = 1); set rcc.delta_from_update=false")
@@ -118,6 +121,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     seen = torch.zeros(n, dtype=torch.bool)
     timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for perf/ (not synchronised on CUDA)
     scale = loss_scale(state.dist)
+    adv = None if deferred else advantages(delta_logp)
 
     def finish(rows, logp, entropy, totals) -> float:
         """Loss and backward of one micro-batch's forward; its loss (0 for a no-op forward, ``rows`` None)."""
@@ -127,7 +131,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             timers["backward"] += time.perf_counter() - start
             return 0.0
         mask = batch.completion_mask[rows]
-        loss, metrics, raw, old = rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight)
+        loss, metrics, raw, old = rows_loss(logp, rows, mask, old_logp, ref_logp, adv.values, cfg, totals, is_weight)
         new = ~seen[rows]
         first_pass[rows[new]] = ((raw - old) * mask).sum(-1)[new].cpu().float()
         seen[rows] = True
@@ -170,7 +174,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                     for rows, logp, _ in held:
                         if rows is not None:
                             grid[rows] = logp.detach()
-                    adv = advantages_of(grid)  # what finish() reads
+                    adv = advantages(grid)  # what finish() reads
                     while held:
                         step_loss += finish(*held.pop(0), totals)
                 start = time.perf_counter()
@@ -199,4 +203,4 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     metrics = {name: sums[name] / counts[name] for name in sums}
     metrics["train/lr"] = state.scheduler.get_last_lr()[0]
     metrics.update({f"perf/update_{name}_s": value for name, value in timers.items()})
-    return metrics, first_pass
+    return metrics, first_pass, adv

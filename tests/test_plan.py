@@ -4,6 +4,7 @@ skips is replaced by the same numbers, and the HF engine's sampling log-probs.""
 import pytest
 import torch
 
+from bicc.advantages import Advantages
 from bicc.batching import logprobs_no_grad
 from bicc.config import TinyArchConfig
 from bicc.data import encode_prompt
@@ -86,8 +87,9 @@ def test_pi_old_from_the_update_forward_gives_the_same_update():
     adv = torch.linspace(-1.5, 1.5, 12)
     a, b = build_tiny(ARCH, seed=0)[0], build_tiny(ARCH, seed=0)[0]
     old = logprobs_no_grad(a, QueryRows(batch), 12, 5, 1.0)
-    metrics_a, _ = update_policy(state_for(a), batch, QueryRows(batch), old, None, adv, cfg, step_seed=1)
-    metrics_b, _ = update_policy(state_for(b), batch, QueryRows(batch), None, None, adv, cfg, step_seed=1)
+    metrics_a, _, _ = update_policy(state_for(a), batch, QueryRows(batch), old, None, Advantages.given(adv), cfg, step_seed=1)
+    metrics_b, _, _ = update_policy(state_for(b), batch, QueryRows(batch), None, None, Advantages.given(adv), cfg,
+                                    step_seed=1)
     moved = max((p - q).abs().max().item() for p, q in zip(build_tiny(ARCH, seed=0)[0].parameters(), a.parameters()))
     assert moved > 1e-3
     for p, q in zip(a.parameters(), b.parameters()):
@@ -132,7 +134,8 @@ def test_delta_from_the_update_gives_the_same_steps(form, tmp_path):
 def test_delta_from_the_update_needs_one_update_per_rollout():
     cfg = compose_cfg(["train.epochs_per_rollout=2"])
     with pytest.raises(ValueError, match="rcc.delta_from_update=false"):
-        update_policy(state_for(build_tiny(ARCH, seed=0)[0]), None, None, None, None, lambda logp: logp, cfg, 0)
+        update_policy(state_for(build_tiny(ARCH, seed=0)[0]), None, None, None, None, Advantages.given(torch.zeros(1)), cfg, 0,
+                      delta_from_update=True)
 
 
 class SamplerCfg:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from bicc.advantages import Advantages
 from bicc.batching import logprobs_no_grad
 from bicc.conditioning import ConditionedPrompts
 from bicc.logprobs import make_token_batch
@@ -55,7 +56,7 @@ def test_update_equals_hand_sequenced_loop(algo, micro):
     old_logp = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
     adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
     s = state_for(model)
-    update_policy(s, batch, QueryRows(batch), old_logp, None, adv, cfg, step_seed=7)
+    update_policy(s, batch, QueryRows(batch), old_logp, None, Advantages.given(adv), cfg, step_seed=7)
     hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
     moved = max((p - q).abs().max().item() for p, q in zip(build_tiny(ARCH, seed=0)[0].double().parameters(),
                                                             model.parameters()))
@@ -132,7 +133,7 @@ def test_shared_prompts_update_equals_one_row_per_output(micro):
     old_logp = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
     torch.testing.assert_close(logprobs_no_grad(model, shared, 12, int(size), 1.0), old_logp, atol=1e-10, rtol=0)
     adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
-    update_policy(state_for(model), batch, shared, old_logp, None, adv, cfg, step_seed=7)
+    update_policy(state_for(model), batch, shared, old_logp, None, Advantages.given(adv), cfg, step_seed=7)
     hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
@@ -150,7 +151,7 @@ def test_gradients_are_freed_after_the_optimizer_step():
     plain = QueryRows(batch)
     old = logprobs_no_grad(state.model, plain, 4, 4, 1.0)
     before = {k: v.clone() for k, v in state.model.state_dict().items()}
-    metrics, _ = update_policy(state, batch, plain, old, None, torch.tensor([1.0, -1.0, -1.0, 1.0]), cfg, 0)
+    metrics, _, _ = update_policy(state, batch, plain, old, None, Advantages.given(torch.tensor([1.0, -1.0, -1.0, 1.0])), cfg, 0)
     assert metrics["train/grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in state.model.state_dict().items())
     assert all(p.grad is None for p in state.model.parameters())
