@@ -106,7 +106,8 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     from bicc.optim import build_optimizer, warmup_cosine
     from bicc.plan import StepPlan, step_logprobs
     from bicc.rows import ContextRows, query_rows
-    from bicc.trainer import RLState, update_policy
+    from bicc.state import RLState
+    from bicc.update import update_policy
 
     spec = dict(CONFIGS[config_name])
     if shrink:

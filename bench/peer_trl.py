@@ -32,7 +32,8 @@ from bicc.evaluation import evaluate, format_eval
 from bicc.models import load_pretrained
 from bicc.rollout import EngineOptions, build_engine
 from bicc.sft import warm_start
-from bicc.step import build_rl_state, rl_step
+from bicc.state import build_rl_state
+from bicc.step import rl_step
 
 WARMUP = 3
 

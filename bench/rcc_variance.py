@@ -54,7 +54,6 @@ def main() -> None:
 
     from bicc.advantages import ADVANTAGES
     from bicc.batching import logprobs_no_grad
-    from bicc.collect import collect_rollout
     from bicc.conditioning import build_contexts
     from bicc.config import register_configs
     from bicc.data import build_task
@@ -62,9 +61,11 @@ def main() -> None:
     from bicc.logprobs import make_token_batch
     from bicc.models import frozen_copy, load_pretrained
     from bicc.rollout import build_engine
+    from bicc.rollout.collect import collect_rollout
     from bicc.rows import ContextRows, QueryRows
     from bicc.sft import warm_start
-    from bicc.trainer import RLState, loss_of_rows_fn
+    from bicc.state import RLState
+    from bicc.update import loss_of_rows_fn
     from bicc.validation import validate
 
     register_configs()

@@ -46,17 +46,18 @@ from hydra import compose, initialize_config_dir
 
 from bicc.advantages import Advantages
 from bicc.batching import trim_rows
-from bicc.collect import collect_rollout
 from bicc.config import TinyArchConfig, register_configs
 from bicc.data import build_task
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.models import build_tiny, num_parameters
 from bicc.plan import StepPlan, step_logprobs
+from bicc.rollout.collect import collect_rollout
 from bicc.rollout.hf import HFEngine
 from bicc.rows import QueryRows
 from bicc.sft import warm_start
-from bicc.step import build_rl_state, rl_step
-from bicc.trainer import update_policy
+from bicc.state import build_rl_state
+from bicc.step import rl_step
+from bicc.update import update_policy
 from bicc.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ One process (no ``WORLD_SIZE`` above 1) leaves everything as it is: ``Dist()`` i
 helper here is then the identity.
 
 How a step is split. The ``rollout.shards`` slices of each step's queries are sampled with their own
-seeds (``bicc.trainer.collect_rollout``); rank r takes shards ``r*S/W .. (r+1)*S/W - 1``. A whole group
+seeds (``bicc.rollout.collect.collect_rollout``); rank r takes shards ``r*S/W .. (r+1)*S/W - 1``. A whole group
 stays on one rank, so advantages, BiCC contexts and RCC's covariance never need another rank. Losses are
 normalised by totals summed over all ranks (``global_totals``), and gradients are summed, so one process
 running the same shards one after another computes the same update (``tests/test_distributed.py``).

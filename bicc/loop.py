@@ -33,9 +33,9 @@ from bicc.packing import padding_free
 from bicc.progress import progress
 from bicc.rollout import EngineOptions, build_engine, eval_engine_config
 from bicc.sft import config_hash, warm_start
-from bicc.step import build_rl_state, peak_lr, rl_step
+from bicc.state import RLState, build_rl_state, peak_lr
+from bicc.step import rl_step
 from bicc.tracking import Tracker, rewind_jsonl
-from bicc.trainer import RLState
 from bicc.validation import validate_lengths
 
 NAMED_FORMS = {("bicc", "stable"): "stabilised BiCC, not the paper's",

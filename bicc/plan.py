@@ -49,7 +49,7 @@ class StepPlan:
     tis:          truncated importance weights against the sampler's log-probs
     diagnostics:  the gradient-variance diagnostic runs this step
     delta_from_update: the update's first forward supplies delta's log-probs, and the advantages are computed
-                  between its forwards and its backwards (``bicc.trainer.update_policy``)
+                  between its forwards and its backwards (``bicc.update.update_policy``)
     """
 
     conditioned: bool

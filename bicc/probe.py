@@ -111,7 +111,7 @@ def clip_gating(on_context, old_on_q, adv, mask, algo_cfg) -> dict[str, float]:
 
 
 def probe_batch(model, tokenizer, ro, cfg, task_anchors, end_ids, device, advantages) -> dict:
-    """Gradients of every form and the diagnostics for one rollout batch ``ro`` (``bicc.trainer.Rollout``)."""
+    """Gradients of every form and the diagnostics for one rollout batch ``ro`` (``bicc.rollout.collect.Rollout``)."""
     T, mb = cfg.rollout.temperature, cfg.train.micro_batch_size
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, tokenizer.pad_token_id).to(device)
     mask, N, L = batch.completion_mask, batch.input_ids.shape[0], batch.completion_len
@@ -174,13 +174,13 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     from bicc.advantages import ADVANTAGES
-    from bicc.collect import collect_rollout
     from bicc.config import register_configs
     from bicc.data import build_task
     from bicc.models import end_token_ids, load_policy
     from bicc.rollout import EngineOptions, build_engine
+    from bicc.rollout.collect import collect_rollout
     from bicc.sft import warm_start
-    from bicc.trainer import RLState
+    from bicc.state import RLState
     from bicc.validation import validate
 
     root = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """One RL step, the paper's Algorithm 1 in marked phases: rollout -> reward -> partition/contexts ->
-log-probs (``bicc.plan``) -> advantages -> loss and optimizer step -> weight sync -> metrics; and the state it
-runs on (``build_rl_state``).
+log-probs (``bicc.plan``) -> advantages -> loss and optimizer step (``bicc.update``) -> weight sync -> metrics, on
+the state ``bicc.state.build_rl_state`` builds.
 """
 
 from __future__ import annotations
@@ -11,17 +11,15 @@ import torch
 
 from bicc import distributed
 from bicc.advantages import ADVANTAGES, Advantages
-from bicc.collect import collect_rollout, sampler_grid, sampler_importance_weights, sampler_logprob_diff
 from bicc.conditioning import build_contexts
-from bicc.data import build_task
 from bicc.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
 from bicc.logprobs import make_token_batch
-from bicc.models import DTYPES, compute_copy, end_token_ids, frozen_copy, load_policy
-from bicc.optim import build_optimizer, warmup_cosine
+from bicc.losses.tis import sampler_grid, sampler_importance_weights, sampler_logprob_diff
 from bicc.plan import StepPlan, step_logprobs
-from bicc.rollout import EngineOptions, build_engine
+from bicc.rollout.collect import collect_rollout
 from bicc.rows import ContextRows, query_rows
-from bicc.trainer import RLState, loss_of_rows_fn, update_policy
+from bicc.state import RLState
+from bicc.update import loss_of_rows_fn, update_policy
 
 
 def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
@@ -164,32 +162,3 @@ def step_diagnostics(s: RLState, cfg, batch, numerator, ro, lp, adv: Advantages,
                                  torch.Generator().manual_seed(step_seed), cfg.train.micro_batch_size)
     metrics.update({**delta_by_reward(delta, ro.correct), "rcc/grad_var": grad_var})
     return metrics, {"step": s.step + 1, "delta": delta.tolist(), "correct": ro.correct.tolist(), "grad_var": grad_var}
-
-
-def peak_lr(cfg) -> float:
-    """optim.lr, times bicc.lr_scale while BiCC is on (the conditioned gradient is noisier for the
-    policy on q; see docs/method.md, "BiCC: the default and the paper's equation")."""
-    return cfg.optim.lr * (cfg.bicc.lr_scale if cfg.bicc.enabled else 1.0)
-
-
-def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
-                   d: distributed.Dist = distributed.Dist(), max_model_len: int | None = None) -> RLState:
-    """Policy from ``policy_path`` (the initial policy, or a checkpoint when resuming) in fp32 master
-    weights computing in ``model.dtype``; the frozen reference is always the initial policy at ``init_path``
-    (a full copy in the compute dtype on every process). Under FSDP2 the HF rollout engine gets its own
-    full copy of the policy in the compute dtype; otherwise it samples from the policy itself."""
-    model, tokenizer = load_policy(policy_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
-    ref_model = frozen_copy(init_path, cfg.model, device) if StepPlan.loads_reference(cfg) else None
-    sharded_hf = d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf"
-    sampler = compute_copy(model, cfg.model) if sharded_hf else model
-    end_ids = tuple(end_token_ids(tokenizer, model))
-    model = distributed.wrap(model, cfg.dist, d, DTYPES[cfg.model.dtype])
-    optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)
-    total = cfg.train.steps * cfg.train.epochs_per_rollout * cfg.train.minibatches_per_rollout
-    scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
-    options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype)
-    engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
-    plan = StepPlan.from_config(cfg, getattr(engine, "returns_logprobs", False))
-    return RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
-                   task=build_task(cfg.data), init_path=init_path, dist=d,
-                   end_ids=end_ids, plan=plan)

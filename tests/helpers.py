@@ -14,8 +14,8 @@ from bicc.data import encode_prompt
 from bicc.logprobs import make_token_batch, token_logprobs
 from bicc.models import build_tiny
 from bicc.optim import build_optimizer, warmup_cosine
+from bicc.state import RLState
 from bicc.tokenizer import build_char_tokenizer
-from bicc.trainer import RLState
 from tests.conftest import compose_cfg
 
 # ---- Paths and runs of train.py ------------------------------------------------------------------

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bicc.models import build_tiny
-from bicc.step import build_rl_state, rl_step
+from bicc.state import build_rl_state
+from bicc.step import rl_step
 from tests.conftest import CONF, compose_cfg
 from tests.helpers import ARCH, CoinTask
 

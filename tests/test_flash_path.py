@@ -214,7 +214,8 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
     as the same steps under SDPA (the rollout stays on SDPA in both, so the samples are the same)."""
     import bicc.prefix_cache
     from bicc.models import build_tiny
-    from bicc.step import build_rl_state, rl_step
+    from bicc.state import build_rl_state
+    from bicc.step import rl_step
     from tests.conftest import compose_cfg
     from tests.helpers import ARCH, CoinTask
 

@@ -6,7 +6,7 @@ import torch
 from bicc.advantages import Advantages
 from bicc.batching import logprobs_no_grad
 from bicc.rows import QueryRows
-from bicc.trainer import update_policy
+from bicc.update import update_policy
 from tests.helpers import guard_setup
 
 

@@ -13,8 +13,9 @@ from bicc.models import build_tiny
 from bicc.plan import StepPlan
 from bicc.rollout import EngineOptions, SamplingParams, build_engine
 from bicc.rows import QueryRows
-from bicc.step import build_rl_state, rl_step
-from bicc.trainer import update_policy
+from bicc.state import build_rl_state
+from bicc.step import rl_step
+from bicc.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, CoinTask, rows, state_for
 

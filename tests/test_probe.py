@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from bicc.advantages import ADVANTAGES
-from bicc.collect import Rollout
 from bicc.config import TinyArchConfig
 from bicc.models import build_tiny
 from bicc.probe import alignment, probe_batch
 from bicc.rollout import RolloutOutput
+from bicc.rollout.collect import Rollout
 from bicc.tokenizer import build_char_tokenizer
 from tests.conftest import compose_cfg
 

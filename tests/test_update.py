@@ -18,7 +18,7 @@ from bicc.models import build_tiny
 from bicc.optim import build_optimizer
 from bicc.plan import StepPlan, step_logprobs
 from bicc.rows import ContextRows, QueryRows
-from bicc.trainer import update_policy
+from bicc.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, rows, state_for
 
@@ -144,7 +144,7 @@ def test_gradients_are_freed_after_the_optimizer_step():
     beside vLLM's share, until the next update's zero_grad."""
     from bicc.batching import logprobs_no_grad
     from bicc.rows import QueryRows
-    from bicc.trainer import update_policy
+    from bicc.update import update_policy
     from tests.helpers import guard_setup
 
     state, batch, cfg = guard_setup()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from bicc.advantages import Advantages
-from bicc.collect import sampler_importance_weights
 from bicc.losses import LOSSES, StepTotals
+from bicc.losses.tis import sampler_importance_weights
 from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
 
 
@@ -99,7 +99,7 @@ def test_update_policy_applies_the_weights():
     on the first pass), and weights 0 on a row leave its advantage without effect."""
     from bicc.batching import logprobs_no_grad
     from bicc.rows import QueryRows
-    from bicc.trainer import update_policy
+    from bicc.update import update_policy
     from tests.helpers import guard_setup
 
     adv = torch.tensor([1.0, -0.5, -0.25, 0.5])

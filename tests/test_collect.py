@@ -5,10 +5,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from bicc.collect import collect_rollout
 from bicc.data import Problem
 from bicc.rewards import overlong_penalty
 from bicc.rollout import RolloutOutput
+from bicc.rollout.collect import collect_rollout
 from bicc.tokenizer import build_char_tokenizer
 
 

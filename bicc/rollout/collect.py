@@ -1,6 +1,6 @@
-"""Rollout collection for one RL step: prompts from this process's shards, G samples each, rewards (with DAPO's
-overlong shaping), dynamic sampling's refills; and the sampler's log-probs against the trainer's (the
-log-prob gap, truncated importance weights)."""
+"""Rollout collection for one RL step: prompts from this process's shards, G samples each from the engine,
+rewards (with DAPO's overlong shaping), dynamic sampling's refills. (The sampler's log-probs against the
+trainer's: ``bicc.losses.tis``.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from bicc.rewards import overlong_penalty
 from bicc.rollout import RolloutOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from bicc.trainer import RLState
+    from bicc.state import RLState
 
 @dataclass
 class Rollout:
@@ -125,36 +125,3 @@ def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) 
     rewards = torch.cat([k[3] for k in kept]).float()
     group_ids = torch.arange(len(correct) // G).repeat_interleave(G)
     return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds, generate_s)
-
-
-def sampler_grid(sampler_logprobs: list[list[float]], like: torch.Tensor, mask: torch.Tensor):
-    """The engine's per-token sampling log-probs on the trainer's [N, L] grid, and where they are usable
-    (completion tokens with a finite value)."""
-    sampled = torch.zeros_like(like)
-    for i, lp in enumerate(sampler_logprobs):
-        sampled[i, : len(lp)] = torch.tensor(lp[: like.shape[1]], dtype=like.dtype)
-    valid = mask.bool() & torch.isfinite(sampled)
-    return sampled, valid
-
-
-def sampler_logprob_diff(sampler_logprobs: list[list[float]], old_logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean |log-prob of the rollout engine - the trainer's pi_old| over completion tokens: the mismatch
-    between sampling and training numerics (0 for HF rollouts from the same module)."""
-    sampled, valid = sampler_grid(sampler_logprobs, old_logp, mask)
-    return ((sampled - old_logp).abs() * valid).sum().item() / max(1, int(valid.sum()))
-
-
-def sampler_importance_weights(sampler_logprobs: list[list[float]], old_logp: torch.Tensor, mask: torch.Tensor,
-                               cap: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated importance sampling (TIS) for a rollout engine whose numerics differ from the trainer's:
-    the tokens were drawn from pi_sampler, not from the trainer's pi_old, so each token's policy-gradient
-    term is weighted by w = min(pi_old / pi_sampler, cap), detached. w = 1 where the engine gave no
-    usable log-prob. Returns w [N, L] and its statistics over completion tokens."""
-    sampled, valid = sampler_grid(sampler_logprobs, old_logp, mask)
-    raw = torch.where(valid, torch.exp(old_logp - sampled), torch.ones_like(old_logp))  # [N, L]
-    weight = raw.clamp(max=cap)
-    m = mask.bool()
-    n = max(1, int(m.sum()))
-    return weight, {"rollout/tis_weight_mean": weight[m].sum().item() / n,
-                    "rollout/tis_weight_min": weight[m].min().item() if m.any() else 1.0,
-                    "rollout/tis_clip_frac": (raw[m] > cap).sum().item() / n}

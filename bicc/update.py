@@ -1,66 +1,20 @@
-"""Pieces of the RL step that ``bicc.step.rl_step`` calls: the state a checkpoint must carry, the loss of a set of
-rows, and the policy update over minibatches and micro-batches. (Rollout collection: ``bicc.collect``.)
+"""The policy update of one RL step (``bicc.step.rl_step``'s phase 6): the loss of a set of rows, and the
+optimizer steps over minibatches and micro-batches, each normalised by its minibatch's global ``StepTotals``.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, Optional
 
 import torch
 
 from bicc.advantages import AdvantageFn, Advantages
 from bicc.batching import micro_batches
-from bicc.distributed import Dist, all_reduce_sum, full_tensor, global_totals, loss_scale, sync_gradients
+from bicc.distributed import all_reduce_sum, full_tensor, global_totals, loss_scale, sync_gradients
 from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
-
-
-@dataclass
-class RLState:
-    """Everything the RL loop mutates; ``step`` and ``data_pos`` go into checkpoints."""
-
-    model: Any
-    _: KW_ONLY  # everything else by name: a state for a part of the step needs only what that part reads
-    ref_model: Optional[Any] = None
-    tokenizer: Any = None
-    engine: Any = None  # the rollout engine
-    optimizer: Optional[torch.optim.Optimizer] = None
-    scheduler: Any = None
-    task: Any = None
-    init_path: str = ""
-    step: int = 0
-    data_pos: int = 0
-    nonfinite_skips: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm, in total
-    nonfinite_streak: int = 0  # ... and in a row, up to now
-    shard_pos: list = field(default_factory=list)  # per prompt shard, when rollout.shards > 1
-    dist: Dist = field(default_factory=Dist)
-    end_ids: tuple = ()  # tokens that end an output (stripped from attempts shown in BiCC contexts)
-    plan: Any = None  # the step's log-prob plan (bicc.plan.StepPlan), resolved once from the config
-
-    def trainer_state(self) -> dict:
-        return {"step": self.step, "data_pos": self.data_pos, "shard_pos": list(self.shard_pos), "init_path": self.init_path,
-                "nonfinite_skips": self.nonfinite_skips, "nonfinite_streak": self.nonfinite_streak,
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_trainer_state(self, state: dict) -> None:
-        self.step, self.data_pos = state["step"], state["data_pos"]
-        self.nonfinite_skips = state.get("nonfinite_skips", 0)
-        self.nonfinite_streak = state.get("nonfinite_streak", 0)
-        self.shard_pos = list(state.get("shard_pos", []))
-        if "optimizer" in state:  # else saved sharded (FSDP2): bicc.distributed.load_sharded_optimizer
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.apply_schedule()
-
-    def apply_schedule(self) -> None:
-        """Each group's lr from this run's schedule at the restored step: the optimizer's saved lr follows the
-        schedule of the run that wrote it (a resume with more train.steps has a longer cosine)."""
-        for group, base, multiplier in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
-                                           self.scheduler.lr_lambdas):
-            group["lr"] = base * multiplier(self.scheduler.last_epoch)
+from bicc.state import RLState
 
 
 def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=None):
