@@ -196,7 +196,7 @@ class SFTConfig:
     """Supervised warm start on demonstrations (some with deliberate slips); it runs whenever the model is a
     tiny one built from ``model.tiny`` (a pretrained model needs none)."""
 
-    steps: int = 900
+    steps: int = 1500
     time_budget_s: float = 0.0
     batch_size: int = 64
     lr: float = 3e-3
