@@ -1,5 +1,6 @@
 """train.py end to end in a subprocess, on a shrunken embedded default."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, SMALL, run_train
+from tests.helpers import ROOT, SMALL, conditioned_steps, run_train
 
 
 def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
@@ -22,6 +23,7 @@ def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(0 <= r["reward/mean"] <= 1 and r["train/lr"] > 0 for r in steps)
+    assert len(conditioned_steps(run_dir)) == 2 and all(share > 0 for share in conditioned_steps(run_dir))
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 2 and 0 <= results["final"]["eval/pass@1"] <= 1
     assert (run_dir / "checkpoints" / "step_2" / "model.safetensors").exists()
@@ -65,12 +67,24 @@ def test_invalid_value_fails_before_loading(tmp_path):
 
 
 def test_multirun_makes_one_dir_per_job(tmp_path):
+    """A job dir is named by its overrides; past 255 characters (here about 400) the name was an OSError before
+    any job ran. A long name is cut and ends in a hash of the whole, so jobs stay apart and findable."""
     sweep = tmp_path / "sweep"
-    # the default groups (bicc/rcc off): job dir names hold every override and must stay under 255 characters
-    small = [a for a in SMALL if not a.startswith(("bicc=", "rcc="))]
-    run_train(["-m", *small, "train.steps=1", "rollout.group_size=2,4", f"hydra.sweep.dir={sweep}"], tmp_path)
+    run_train(["-m", *SMALL, "train.steps=1", "rollout.group_size=2,4", f"hydra.sweep.dir={sweep}"], tmp_path)
     dirs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and (p / "results.json").exists())
-    assert len(dirs) == 2 and "rollout.group_size=2" in dirs[0]
+    assert [d[:2] for d in dirs] == ["0-", "1-"] and all(len(d) <= 255 for d in dirs)
+    assert dirs[0].startswith("0-bicc.min_attempt_tokens=4,bicc=stable") and dirs[0][-8:] != dirs[1][-8:]
+
+
+def test_job_dirname_keeps_short_names_and_cuts_long_ones_apart():
+    from bicc.config import job_dirname
+
+    assert job_dirname("algo=dapo,bicc=on") == "algo=dapo,bicc=on"
+    assert job_dirname("x" * 200) == "x" * 200
+    long_a, long_b = "a=1," + "x" * 300 + ",seed=0", "a=1," + "x" * 300 + ",seed=1"
+    name_a, name_b = job_dirname(long_a), job_dirname(long_b)
+    assert len(name_a) == 200 and name_a.startswith("a=1,xxx") and name_a[:191] == name_b[:191] and name_a != name_b
+    assert name_a[-9:] == "-" + hashlib.sha1(long_a.encode()).hexdigest()[:8]
 
 
 def test_nonfinite_steps_stop_the_run_with_a_checkpoint(tmp_path):

@@ -16,6 +16,7 @@ the registries and the checks across groups, before any model is loaded, naming 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -68,15 +69,26 @@ class RunConfig:
 REPO = Path(__file__).resolve().parents[2]
 
 
+def job_dirname(overrides: str, limit: int = 200) -> str:
+    """A multirun job's dir name from its overrides (Hydra's ``override_dirname``): unchanged up to ``limit``
+    characters, else cut there and ended with 8 hex digits of the whole string's SHA-1, so a long command line
+    stays under the file system's 255 and jobs that differ past the cut stay apart."""
+    if len(overrides) <= limit:
+        return overrides
+    return f"{overrides[:limit - 9]}-{hashlib.sha1(overrides.encode()).hexdigest()[:8]}"
+
+
 def register_configs() -> None:
     """Register the schemas with Hydra (YAML files pick them up through their defaults list) and the resolvers
     the YAML uses: ``${launch_time:PATTERN}``, the run's start time as rank 0 read it (one run dir for every
     rank under torchrun, where Hydra's ``${now:}`` is read by each process); ``${repo:}``, this repository's
-    root (the data files' home, whatever the working directory)."""
+    root (the data files' home, whatever the working directory); ``${job_dirname:OVERRIDES}``, a sweep job's dir
+    name (``job_dirname``)."""
     from bicc.distributed import launch_time
 
     OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("repo", lambda: str(REPO), replace=True)
+    OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="algo", name="algo_schema", node=AlgoConfig)
