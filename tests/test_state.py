@@ -1,0 +1,26 @@
+"""The state ``build_rl_state`` builds for a run: the learning-rate schedule spans every optimizer step."""
+
+import math
+
+import torch
+
+from bicc.models import build_tiny
+from bicc.state import build_rl_state
+from tests.conftest import compose_cfg
+from tests.helpers import ARCH
+
+
+def test_the_cosine_spans_steps_times_epochs_times_minibatches(tmp_path):
+    """4 rollouts x 2 epochs x 3 minibatches = 24 optimizer steps: warmup over 2, the cosine reaches its floor at
+    step 24 and is halfway at step 13."""
+    model, tok = build_tiny(ARCH, seed=0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = compose_cfg(["train.steps=4", "train.epochs_per_rollout=2", "train.minibatches_per_rollout=3",
+                       "optim.warmup_steps=2", "optim.min_lr_ratio=0.1", "optim.lr=1e-4", "rcc=off"])
+    s = build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"))
+    multiplier = s.scheduler.lr_lambdas[0]
+    assert [multiplier(0), multiplier(1)] == [0.5, 1.0]
+    assert math.isclose(multiplier(13), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 11 / 22)))  # = 0.55
+    assert math.isclose(multiplier(24), 0.1) and multiplier(23) > 0.1 + 1e-6
+    assert s.optimizer.param_groups[0]["lr"] == 1e-4 * multiplier(0)
