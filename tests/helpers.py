@@ -22,13 +22,22 @@ from tests.conftest import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SMALL = ["bicc=stable", "rcc=mean", "sft.steps=5", "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4",
-         "rollout.group_size=4", "rollout.max_new_tokens=16", "eval.num_problems=8", "eval.samples_per_problem=2",
-         "eval.max_new_tokens=16", "logger.wandb_mode=disabled", "logger.progress=false"]
-
 # Every group's first sample right and the others wrong, a third of the problems all wrong
 # (tests/rewards.py): mixed and degenerate groups by construction, whatever the model samples.
 CONSTRUCTED_REWARD = ["data.reward=tests.rewards:first_of_group", "data.reward_batched=true"]
+
+# The shrunken embedded default of the end-to-end runs. Mixed groups by construction and attempts of 4 tokens or more
+# in a 6-token budget (0.4 x 16), so that BiCC builds contexts in these runs, not only its fall-back to q.
+SMALL = ["bicc=stable", "rcc=mean", "sft.steps=5", "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4",
+         "rollout.group_size=4", "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=4", *CONSTRUCTED_REWARD,
+         "eval.num_problems=8", "eval.samples_per_problem=2", "eval.max_new_tokens=16", "logger.wandb_mode=disabled",
+         "logger.progress=false"]
+
+
+def conditioned_steps(run_dir: Path) -> list[float]:
+    """``bicc/samples_conditioned_share`` of every RL step a run dir's metrics.jsonl logged."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["bicc/samples_conditioned_share"] for r in rows if "bicc/samples_conditioned_share" in r]
 
 # GRPO + BiCC + RCC on short sums with the constructed reward (else a group's mix would depend on what the
 # trained model samples on this CPU); two prompt shards and two evaluation shards, so one process samples and

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from bicc.checkpoint import CorruptCheckpoint, save_checkpoint, verify_checkpoint
-from tests.helpers import ROOT, SMALL, logged_steps
+from tests.helpers import ROOT, SMALL, conditioned_steps, logged_steps
 
 # GRPO + BiCC + RCC (the defaults) with every diagnostic on, a checkpoint every 2 steps
 RUN = [*[a for a in SMALL if not a.startswith("train.steps")], "train.steps=8", "train.save_every=2",
@@ -61,19 +61,23 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     rb = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in ra] == [r["step"] for r in rb]
     assert [r.get("reward/mean") for r in ra] == [r.get("reward/mean") for r in rb]
+    assert conditioned_steps(reference) == conditioned_steps(killed) and all(s > 0 for s in conditioned_steps(killed))
     da = (reference / "diagnostics.jsonl").read_text().splitlines()
     db = (killed / "diagnostics.jsonl").read_text().splitlines()
     assert da == db
 
 
-def _checkpoint(tmp_path, step):
+def _model():
     from bicc.config import TinyArchConfig
     from bicc.models import build_tiny
 
-    model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=0)
+    return build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=16), seed=0)
+
+
+def _checkpoint(tmp_path, step):
     state = {"step": step, "data_pos": 0, "init_path": "x", "optimizer": {}, "scheduler": {}}
-    return save_checkpoint(tmp_path / "checkpoints" / f"step_{step}", model, tok, state, keep_last=0)
+    return save_checkpoint(tmp_path / "checkpoints" / f"step_{step}", *_model(), state, keep_last=0)
 
 
 def test_corrupt_or_partial_checkpoints_are_named_and_skipped(tmp_path):
@@ -95,6 +99,23 @@ def test_corrupt_or_partial_checkpoints_are_named_and_skipped(tmp_path):
     with pytest.raises(CorruptCheckpoint, match="trainer_state.pt"):
         verify_checkpoint(good)
     assert resume_dir("auto", tmp_path) is None  # nothing sound left: start over
+
+
+def test_the_newest_of_twelve_checkpoints_is_resumed_and_kept(tmp_path):
+    """Checkpoints are ordered by step number, not as text (where step_10 sorts before step_9): resume=auto and
+    train.keep_last pick the newest."""
+    from bicc.checkpoint import list_checkpoints
+    from bicc.loop import resume_dir
+
+    for step in range(1, 13):
+        _checkpoint(tmp_path, step)
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in list_checkpoints(root)] == [f"step_{n}" for n in range(1, 13)]
+    assert resume_dir("auto", tmp_path) == root / "step_12"
+    _checkpoint(tmp_path, 13)
+    save_checkpoint(root / "step_14", *_model(), {"step": 14, "data_pos": 0, "init_path": "x", "optimizer": {},
+                                                  "scheduler": {}}, keep_last=3)
+    assert sorted(p.name for p in root.iterdir()) == ["step_12", "step_13", "step_14"]
 
 
 def test_no_pickle_outside_weights_only_loads():

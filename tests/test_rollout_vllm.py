@@ -23,7 +23,7 @@ from bicc.logprobs import batch_logprobs, make_token_batch  # noqa: E402
 from bicc.models import build_tiny, load_pretrained  # noqa: E402
 from bicc.rollout import SamplingParams, build_engine  # noqa: E402
 from bicc.rollout.vllm import named_parameters_full  # noqa: E402
-from tests.helpers import ROOT, SMALL  # noqa: E402
+from tests.helpers import ROOT, SMALL, conditioned_steps  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 VLLM_CFG = ["rollout=vllm", "rollout.gpu_memory_utilization=0.1", "rollout.enforce_eager=true"]
@@ -100,6 +100,7 @@ def test_two_step_training_run_with_vllm_rollouts(tmp_path):
     # so the truncated importance weights pi_old / pi_sampler are ~1, none at the cap
     assert all(abs(r["rollout/tis_weight_mean"] - 1) < 1e-3 and r["rollout/tis_clip_frac"] == 0 for r in steps)
     assert (run_dir / "results.json").exists()
+    assert len(conditioned_steps(run_dir)) == 2 and all(share > 0 for share in conditioned_steps(run_dir))
 
 
 def test_many_seeded_requests_are_reproducible(engines):
@@ -175,6 +176,7 @@ def test_sigkill_then_resume_with_vllm_rollouts(tmp_path):
     ra = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     rb = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("reward/mean") for r in ra] == [r.get("reward/mean") for r in rb]
+    assert conditioned_steps(killed) == conditioned_steps(reference) and all(s > 0 for s in conditioned_steps(killed))
 
 
 @pytest.mark.slow
