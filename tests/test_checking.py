@@ -29,6 +29,16 @@ def test_extractors_in_order():
     assert extract("nothing here", ("boxed", "answer_is")) is None
 
 
+def test_a_long_output_is_read_at_its_end():
+    """Only the last 20,000 characters are searched (a bound on untrusted text): the final answer, written last,
+    is found past them, and an early draft answer is not."""
+    from bicc.answers import MAX_CHARS
+
+    text = "\\boxed{1} " + "x" * (MAX_CHARS + 5000) + " \\boxed{2}"
+    assert extract(text, ("boxed",)) == "2"
+    assert extract("The answer is 7. " + "y" * (MAX_CHARS + 10), ("answer_is",)) is None
+
+
 def test_canonical_forms():
     assert canonical("\\dfrac{1}{2}") == canonical("\\frac{1}{2}")
     assert canonical("1,000") == "1000" and canonical("025") == "25" and canonical("27.0") == "27"

@@ -5,6 +5,7 @@ import pytest
 
 from bicc.config import BenchmarkConfig
 from bicc.data import build_task, encode_prompt
+from bicc.distributed import Dist
 from bicc.evaluation import evaluate, format_eval, markdown_table
 from bicc.rollout import RolloutOutput
 from bicc.tokenizer import build_char_tokenizer
@@ -128,3 +129,33 @@ def test_a_benchmark_without_problems_is_named(cfg, tmp_path):
     task, tokenizer = build_task(cfg.data), build_char_tokenizer()
     with pytest.raises(ValueError, match="empty"):
         evaluate(ScriptedEngine(tokenizer, {}), tokenizer, task, cfg.eval, seed=0)
+
+
+def test_split_problems_are_placed_by_problem_and_sample():
+    """4 samples of 3 problems over 2 shards in calls of at most 3 rows: problem 1 is split by the shards' edge and
+    every problem by the call size. The engine answers right on the first row of each call for a problem, so the
+    right samples are the first sample of each call, wherever plan_calls puts it."""
+    from bicc.evaluation import _sampled_rewards, plan_calls
+    from bicc.rollout import SamplingParams
+
+    class FirstRowEngine:
+        def generate(self, prompts, sampling):
+            texts = ["right" if j == 0 else "wrong" for _ in prompts for j in range(sampling.n)]
+            rows = len(texts)
+            return RolloutOutput([[1]] * rows, [[2]] * rows, texts, [True] * rows)
+
+    class Source:
+        def score_many(self, texts, owners):
+            return [float(t == "right") for t in texts]
+
+    n, problems = 4, ["p0", "p1", "p2"]
+    rewards, lengths, first = _sampled_rewards(FirstRowEngine(), [[i] for i in range(3)], problems, Source(),
+                                               SamplingParams(n, 0.6, 0.95, 8, 0), 3, "test", False, Dist(), shards=2)
+    expected = [[0.0] * n for _ in problems]
+    for calls in plan_calls(3, n, 3, 2):
+        for call in calls:
+            for p in range(call.first, call.first + call.problems):
+                expected[p][call.sample] = 1.0
+    assert rewards.tolist() == expected
+    assert expected != [[1.0, 0.0, 0.0, 0.0]] * 3  # some calls start past sample 0: placement by sample is exercised
+    assert first == ["right"] * 3 and lengths == [1] * 12

@@ -15,17 +15,27 @@ from bicc.conditioning import ConditionedPrompts
 from bicc.logprobs import make_token_batch
 from bicc.losses import LOSSES, StepTotals
 from bicc.models import build_tiny
-from bicc.optim import build_optimizer
+from bicc.optim import warmup_cosine
 from bicc.plan import StepPlan, step_logprobs
 from bicc.rows import ContextRows, QueryRows
+from bicc.state import RLState
 from bicc.update import update_policy
 from tests.conftest import compose_cfg
-from tests.helpers import ARCH, rows, state_for
+from tests.helpers import ARCH, rows
+
+LR = 0.1
 
 
-def hand_loop(model, batch, old_logp, adv, cfg, step_seed):
+def sgd_state(model):
+    """Plain SGD at a constant LR: the weights after a step are the gradient itself, so an error of scale in a
+    normaliser shows (Adam's steps, about lr x sign(g), would hide it)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    return RLState(model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 0, 100, 1.0))
+
+
+def hand_loop(model, batch, old_logp, adv, cfg, step_seed, ref_logp=None):
     """Epochs x minibatches; each minibatch one forward over all of its rows, normalised by its own totals."""
-    optimizer = build_optimizer(model, 1e-2, (0.9, 0.999), 0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     n, gen = batch.input_ids.shape[0], torch.Generator().manual_seed(step_seed)
     for _ in range(cfg.train.epochs_per_rollout):
         order = torch.randperm(n, generator=gen)
@@ -33,34 +43,38 @@ def hand_loop(model, batch, old_logp, adv, cfg, step_seed):
             optimizer.zero_grad()
             logp, _ = QueryRows(batch).logprobs(model, mb, 1.0)
             totals = StepTotals.of(batch.completion_mask[mb], cfg.rollout.max_new_tokens)
-            loss, _ = LOSSES.get(cfg.algo.loss)(logp, old_logp[mb], None, adv[mb], batch.completion_mask[mb], cfg.algo,
-                                                totals)
+            loss, _ = LOSSES.get(cfg.algo.loss)(logp, old_logp[mb], None if ref_logp is None else ref_logp[mb], adv[mb],
+                                                batch.completion_mask[mb], cfg.algo, totals)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
             optimizer.step()
     return model
 
 
-@pytest.mark.parametrize("algo", ["dapo", "grpo"])  # token-mean and seq-mean-token-mean normalisers
+# DAPO: token-mean; GRPO: seq-mean-token-mean; Dr.GRPO: token sums over (sequences x max_new_tokens) and its KL term
+@pytest.mark.parametrize("algo", ["dapo", "grpo", "dr_grpo"])
 @pytest.mark.parametrize("micro", ["1", "4", "12", "12 tokens=30"])  # the last: length-aware micro-batches
 def test_update_equals_hand_sequenced_loop(algo, micro):
     """In fp64, so that the only differences left are the update's arithmetic, not summation order: each
-    micro-batch is computed on its own columns (bicc.batching.trim_rows), the hand loop on the minibatch's."""
+    micro-batch is computed on its own columns (bicc.batching.trim_rows), the hand loop on the minibatch's.
+    max_new_tokens (12) is above every output (at most 9 tokens), so Dr.GRPO's constant is not any row width."""
     size, _, tokens = micro.partition(" tokens=")
     cfg = compose_cfg([f"algo={algo}", "train.minibatches_per_rollout=2", "train.epochs_per_rollout=2",
                        f"train.micro_batch_size={size}", f"train.micro_batch_tokens={tokens or 0}",
-                       "rollout.max_new_tokens=9", "optim.clip_grad=1e9"])
+                       "rollout.max_new_tokens=12", "optim.clip_grad=1e9"])
     prompts, completions = rows()
     batch = make_token_batch(prompts, completions, 0)
     model, reference = build_tiny(ARCH, seed=0)[0].double(), build_tiny(ARCH, seed=0)[0].double()
     old_logp = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
+    ref_logp = logprobs_no_grad(build_tiny(ARCH, seed=1)[0].double(), QueryRows(batch), 12, 12, 1.0)
     adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
-    s = state_for(model)
-    update_policy(s, batch, QueryRows(batch), old_logp, None, Advantages.given(adv), cfg, step_seed=7)
-    hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
+    s = sgd_state(model)
+    metrics, _, _ = update_policy(s, batch, QueryRows(batch), old_logp, ref_logp, Advantages.given(adv), cfg, step_seed=7)
+    assert ("train/kl_ref" in metrics) == (algo == "dr_grpo")  # the KL term is in the comparison where it is on
+    hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7, ref_logp=ref_logp)
     moved = max((p - q).abs().max().item() for p, q in zip(build_tiny(ARCH, seed=0)[0].double().parameters(),
                                                             model.parameters()))
-    assert moved > 1e-3  # 4 optimizer steps at lr 1e-2: the comparison is not vacuous
+    assert moved > 1e-3  # 4 SGD steps at lr 0.1: the comparison is not vacuous
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
 
@@ -133,7 +147,7 @@ def test_shared_prompts_update_equals_one_row_per_output(micro):
     old_logp = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
     torch.testing.assert_close(logprobs_no_grad(model, shared, 12, int(size), 1.0), old_logp, atol=1e-10, rtol=0)
     adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
-    update_policy(state_for(model), batch, shared, old_logp, None, Advantages.given(adv), cfg, step_seed=7)
+    update_policy(sgd_state(model), batch, shared, old_logp, None, Advantages.given(adv), cfg, step_seed=7)
     hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
