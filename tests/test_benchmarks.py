@@ -149,3 +149,24 @@ def test_math_task_trains_on_files_with_the_checker_as_reward(shared_data):
         assert task.reward_many(["so 48+24 = \\boxed{72}", "#### 71", "A: 72"], [first] * 3) == [1.0, 0.0, 1.0]
     finally:
         task.checker.close()
+
+
+def test_a_local_jsonl_with_its_own_field_names_is_a_task(tmp_path):
+    """docs/extending.md "Your own problems": ``data=math_train`` on a local JSONL with other field names, scored
+    by the checker."""
+    from bicc.data import build_task
+    from tests.conftest import compose_cfg
+
+    rows = [{"uid": f"r{i}", "question": f"What is {i} + {i}?", "solution": str(2 * i)} for i in range(1, 4)]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fields = ["data.math.problem_field=question", "data.math.answer_field=solution", "data.math.id_field=uid"]
+    cfg = compose_cfg(["data=math_train", f"data.math.train_source={tmp_path / 'mine.jsonl'}",
+                       f"data.math.test_source={tmp_path / 'mine.jsonl'}", *fields])
+    task = build_task(cfg.data)
+    try:
+        first = task.train_problem(0)
+        assert (first.id, first.answer) == ("r1", "2") and first.prompt.startswith("What is 1 + 1?")
+        assert [p.id for p in task.test_problems(3)] == ["r1", "r2", "r3"]
+        assert task.reward_many(["so \\boxed{2}", "\\boxed{3}"], [first, first]) == [1.0, 0.0]
+    finally:
+        task.checker.close()
