@@ -78,6 +78,24 @@ def test_kl_estimators_hand_computed(estimator, per_token):
     assert loss.item() == pytest.approx(0.5 * sum(per_token) / 2, abs=1e-12)
 
 
+@pytest.mark.parametrize("agg,expected", [
+    ("token-mean", (1.8 + 0.6) / 5),  # over the 5 real tokens
+    ("seq-mean-token-mean", (1.8 / 3 + 0.6 / 2) / 2),  # each sequence's mean, then over the 2 sequences
+    ("seq-mean-token-sum", (1.8 + 0.6) / 2),  # each sequence's sum, over the 2 sequences
+    ("seq-mean-token-sum-norm", (1.8 + 0.6) / (2 * 4)),  # Dr.GRPO: over sequences x max_len 4, not the width 3
+])
+def test_kl_term_is_aggregated_like_the_policy_loss(agg, expected):
+    """k1 per token = logp - ref = [0.3, 0.6, 0.9] and [0.2, 0.4] (a pad after); A = 0, beta 1: the loss is the KL
+    aggregated by algo.loss_agg, over the step's totals (max_len 4)."""
+    logp = torch.zeros(2, 3, dtype=torch.float64)
+    ref = -torch.tensor([[0.3, 0.6, 0.9], [0.2, 0.4, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float64)
+    loss, metrics = LOSSES.get("grpo")(logp, logp.clone(), ref, torch.zeros(2, dtype=torch.float64), mask,
+                                       cfg(kl_coef=1.0, kl_estimator="k1", loss_agg=agg), StepTotals.of(mask, 4))
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    assert metrics["train/kl_ref"] == pytest.approx(2.4 / 5, abs=1e-12)  # logged as the token mean
+
+
 @pytest.mark.parametrize("agg", AGGREGATIONS.names())
 def test_gradient_matches_finite_differences(agg):
     AggCfg = cfg(loss_agg=agg, kl_coef=0.1)
