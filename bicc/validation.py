@@ -37,6 +37,9 @@ def validate(cfg: Any) -> None:
     need(cfg.rcc.diag_splits <= cfg.rollout.prompts_per_step, "rcc.diag_splits",
          f"must be <= rollout.prompts_per_step={cfg.rollout.prompts_per_step} (splits are disjoint sets of groups), "
          f"got {cfg.rcc.diag_splits}")
+    if cfg.data.task == "math":  # data=jsonl leaves both empty for the user to fill
+        for split in ("train_source", "test_source"):
+            need(bool(cfg.data.math[split]), f"data.math.{split}", "is empty: set a .jsonl/.parquet path or an HF dataset id")
     b = cfg.bicc
     if b.enabled and b.packing and b.packing_impl == "mask":
         from bicc.models import resolve_attn_implementation

@@ -151,16 +151,17 @@ def test_math_task_trains_on_files_with_the_checker_as_reward(shared_data):
         task.checker.close()
 
 
-def test_a_local_jsonl_with_its_own_field_names_is_a_task(tmp_path):
-    """docs/extending.md "Your own problems": ``data=math_train`` on a local JSONL with other field names, scored
-    by the checker."""
+def test_data_jsonl_trains_on_a_local_file_with_its_own_field_names(tmp_path):
+    """``data=jsonl``: a local JSONL with other field names, scored by the checker; without its files the error
+    names the field before any file or model is read."""
     from bicc.data import build_task
+    from bicc.validation import validate
     from tests.conftest import compose_cfg
 
     rows = [{"uid": f"r{i}", "question": f"What is {i} + {i}?", "solution": str(2 * i)} for i in range(1, 4)]
     (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     fields = ["data.math.problem_field=question", "data.math.answer_field=solution", "data.math.id_field=uid"]
-    cfg = compose_cfg(["data=math_train", f"data.math.train_source={tmp_path / 'mine.jsonl'}",
+    cfg = compose_cfg(["data=jsonl", f"data.math.train_source={tmp_path / 'mine.jsonl'}",
                        f"data.math.test_source={tmp_path / 'mine.jsonl'}", *fields])
     task = build_task(cfg.data)
     try:
@@ -170,3 +171,8 @@ def test_a_local_jsonl_with_its_own_field_names_is_a_task(tmp_path):
         assert task.reward_many(["so \\boxed{2}", "\\boxed{3}"], [first, first]) == [1.0, 0.0]
     finally:
         task.checker.close()
+    validate(cfg)
+    with pytest.raises(ValueError, match="'data.math.test_source': is empty"):
+        validate(compose_cfg(["data=jsonl", f"data.math.train_source={tmp_path / 'mine.jsonl'}", *fields]))
+    with pytest.raises(ValueError, match="'data.math.train_source': is empty"):
+        validate(compose_cfg(["data=jsonl", *fields]))
