@@ -17,7 +17,8 @@ def options(group):
 def test_every_option_composes_and_validates(group):
     for option in options(group):
         # data=jsonl leaves its files to the user (tests/test_benchmarks.py: empty is an error naming the field)
-        files = ["data.math.train_source=a.jsonl", "data.math.test_source=b.jsonl"] if (group, option) == ("data", "jsonl") else []
+        jsonl = (group, option) == ("data", "jsonl")
+        files = ["data.math.train_source=a.jsonl", "data.math.test_source=b.jsonl"] if jsonl else []
         cfg = compose_cfg([f"{group}={option}", "sft.cache_dir=/tmp/x", *files])
         validate(cfg)
         assert OmegaConf.to_container(cfg, resolve=False)
