@@ -1,5 +1,7 @@
 """The BiCC context builder: partition, budget, truncation, matching modes, fallbacks."""
 
+import random
+
 import pytest
 import torch
 
@@ -21,6 +23,28 @@ def test_fair_shares():
     assert fair_shares([5, 5], 30) == [5, 5]  # under budget: everything fits
     assert sum(fair_shares([40, 50, 60, 70], 101)) == 101
     assert fair_shares([], 10) == []
+    assert fair_shares([1, 5, 10], 12) == [1, 5, 6]  # what the short ones leave goes to the longest
+
+
+def water_fill(lengths, budget):
+    """The slow reference: one token at a time to the item with the fewest tokens that still wants more (ties: the
+    shorter item, then the earlier one)."""
+    order = sorted(range(len(lengths)), key=lambda j: lengths[j])
+    shares = [0] * len(lengths)
+    for _ in range(budget):
+        wanting = [j for j in order if shares[j] < lengths[j]]
+        if not wanting:
+            break
+        shares[min(wanting, key=lambda j: shares[j])] += 1
+    return shares
+
+
+def test_fair_shares_equal_water_filling_one_token_at_a_time():
+    gen = random.Random(0)
+    for _ in range(300):
+        lengths = [gen.randint(0, 40) for _ in range(gen.randint(1, 7))]
+        budget = gen.randint(0, 120)
+        assert fair_shares(lengths, budget) == water_fill(lengths, budget), (lengths, budget)
 
 
 def test_partition_rejects_non_binary_without_threshold():
