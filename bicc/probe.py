@@ -176,6 +176,7 @@ def main() -> None:
     from bicc.advantages import ADVANTAGES
     from bicc.config import register_configs
     from bicc.data import build_task
+    from bicc.gguf import resolve_model_path
     from bicc.models import end_token_ids, load_policy
     from bicc.rollout import EngineOptions, build_engine
     from bicc.rollout.collect import collect_rollout
@@ -194,6 +195,7 @@ def main() -> None:
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     task = build_task(cfg.data)
+    cfg.model.path = resolve_model_path(cfg.model.path, cfg.sft.cache_dir)
     path = args.ckpt or (str(warm_start(cfg, task, device, progress=True)) if cfg.model.tiny is not None else cfg.model.path)
     model, tokenizer = load_policy(path, cfg.model, device)
     end_ids = end_token_ids(tokenizer, model)
