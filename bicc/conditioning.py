@@ -79,7 +79,8 @@ DEFAULT_ANCHORS = ("\\boxed", "answer is")
 
 def answer_start(ids: list[int], tokenizer, anchors=DEFAULT_ANCHORS) -> int:
     """Index of the first token of the final answer: the shortest suffix whose text contains the last
-    anchor. Binary search over suffixes (O(log n) decodes). ``len(ids)`` when there is no anchor."""
+    anchor, and the line break before it when the anchor starts a line (so an ``Answer:`` line stays a line after
+    the elision marker). Binary search over suffixes (O(log n) decodes). ``len(ids)`` when there is no anchor."""
     text = tokenizer.decode(ids)
     anchor = next((a for a in anchors if a in text), None)
     if anchor is None:
@@ -91,6 +92,8 @@ def answer_start(ids: list[int], tokenizer, anchors=DEFAULT_ANCHORS) -> int:
             lo = mid
         else:
             hi = mid
+    if lo > 0 and "\n" in (before := tokenizer.decode(ids[lo - 1:lo])) and not before.strip():
+        lo -= 1
     return lo
 
 

@@ -1,9 +1,13 @@
 """Inputs shared by several test modules (test modules import from here, never from each other)."""
 
+import functools
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -205,3 +209,37 @@ class CoinTask:
 
     def reward(self, completion: str, problem) -> float:
         return float(zlib.crc32(completion.encode()) % 2)
+
+
+BPE_FIXTURE = ROOT / "tests" / "fixtures" / "smollm2_tokenizer"
+
+
+@functools.cache
+def bpe_tokenizer():
+    """SmolLM2-135M-Instruct's byte-level BPE tokenizer and ChatML template (tests/fixtures/smollm2_tokenizer),
+    unpacked once per session into a temp dir; left padding, as ``bicc.models.load_pretrained`` sets it."""
+    from transformers import AutoTokenizer
+
+    unpacked = Path(tempfile.mkdtemp(prefix="bicc-bpe-"))
+    (unpacked / "tokenizer.json").write_bytes(gzip.decompress((BPE_FIXTURE / "tokenizer.json.gz").read_bytes()))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(BPE_FIXTURE / name, unpacked / name)
+    tokenizer = AutoTokenizer.from_pretrained(unpacked)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def tiny_llama(tokenizer, seed: int = 0):
+    """A random 2-layer Llama over ``tokenizer``'s vocabulary (SmolLM2's architecture at toy width)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model

@@ -56,9 +56,9 @@ def test_partition_rejects_non_binary_without_threshold():
 def test_truncate_middle_keeps_head_and_final_answer():
     ids = enc("12+34=46\n46-5=41\n\\boxed{41}")
     start = answer_start(ids, TOK)
-    assert TOK.decode(ids[start:]) == "\\boxed{41}"
+    assert TOK.decode(ids[start:]) == "\n\\boxed{41}"  # the answer began a line: its line break is kept
     cut = truncate(ids, 16, "middle", enc("..."), start, min_tokens=12)
-    assert len(cut) == 16 and TOK.decode(cut) == "12+...\\boxed{41}"
+    assert len(cut) == 16 and TOK.decode(cut) == "12...\n\\boxed{41}"
     assert truncate(ids, 11, "middle", enc("..."), start, min_tokens=12) is None  # below the minimum: dropped
     assert truncate(ids, 12, "middle", enc("..."), start, min_tokens=12) is None  # answer + marker do not fit
     assert TOK.decode(truncate(ids, 14, "tail", enc("..."), start, 12)) == "...\n\\boxed{41}"
