@@ -34,7 +34,7 @@ def validate(cfg: Any) -> None:
     rollout_size = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     need(rollout_size % cfg.train.minibatches_per_rollout == 0, "train.minibatches_per_rollout",
          f"must divide prompts_per_step * group_size = {rollout_size}, got {cfg.train.minibatches_per_rollout}")
-    need(cfg.rcc.diag_splits <= cfg.rollout.prompts_per_step, "rcc.diag_splits",
+    need(not cfg.rcc.diag_every or cfg.rcc.diag_splits <= cfg.rollout.prompts_per_step, "rcc.diag_splits",
          f"must be <= rollout.prompts_per_step={cfg.rollout.prompts_per_step} (splits are disjoint sets of groups), "
          f"got {cfg.rcc.diag_splits}")
     if cfg.data.task == "math":  # data=jsonl leaves both empty for the user to fill

@@ -259,3 +259,10 @@ def test_wandb_mode_in_the_environment_is_kept(monkeypatch):
     monkeypatch.delenv("WANDB_MODE")
     assert compose_cfg(["sft.cache_dir=/tmp/x"]).logger.wandb_mode == "offline"
     assert compose_cfg(["sft.cache_dir=/tmp/x", "logger.wandb_mode=online"]).logger.wandb_mode == "online"
+
+
+def test_diag_splits_are_checked_only_when_the_diagnostics_run():
+    small = ["rcc=on", "rollout.prompts_per_step=2", "rcc.diag_splits=4", "sft.cache_dir=/tmp/x"]
+    with pytest.raises(ValueError, match="'rcc.diag_splits': must be <= rollout.prompts_per_step=2"):
+        validate(compose_cfg([*small, "rcc.diag_every=10"]))
+    validate(compose_cfg([*small, "rcc.diag_every=0"]))  # no diagnostics: their splits do not matter
