@@ -110,7 +110,7 @@ def test_hf_engine_ends_outputs_at_im_end_although_it_is_also_the_pad():
     prompts = [encode_prompt(tok, PROMPT), encode_prompt(tok, "What is 2 + 2?")]
     with torch.no_grad():  # <|im_end|>'s output row along the mean hidden state: outputs end at many lengths
         hidden = model(torch.tensor([prompts[0]]), output_hidden_states=True).hidden_states[-1][0].mean(0)
-        model.model.embed_tokens.weight[tok.eos_token_id] = 0.5 * hidden
+        model.model.embed_tokens.weight[tok.eos_token_id] = 10 * hidden / hidden.norm() ** 2  # logit 10 there
     engine = build_engine("hf", model, tok, compose_cfg([]).rollout, EngineOptions(end_ids=(tok.eos_token_id,)))
     out = engine.generate(prompts, SamplingParams(n=8, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=0))
     lengths = [len(c) for c in out.completion_ids]

@@ -131,3 +131,19 @@ def test_headline_command_phi4_mini_shape(tmp_path):
     run_dir, _ = headline(tmp_path, data_file, "paper_phi4_mini", model_dir, 2)
     _, results = check_run(run_dir, model_dir, 2)
     assert "lm_head.weight" in load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")  # untied
+
+
+def test_headline_command_with_a_bpe_tokenizer(tmp_path):
+    """The Qwen preset on a random Llama over SmolLM2's byte-level BPE and ChatML template (pad = EOS =
+    <|im_end|>, a system turn in every prompt): BiCC's contexts, vLLM's tokenizer and the evaluation's prompts on
+    a real tokenizer, every rank the same."""
+    from tests.helpers import bpe_tokenizer, tiny_llama
+
+    data_file, _ = dapo_file(tmp_path)
+    tokenizer = bpe_tokenizer()
+    model_dir = tmp_path / "bpe_model"
+    tiny_llama(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    run_dir, _ = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 2)
+    rows, _ = check_run(run_dir, model_dir, 2)
+    assert all(r["bicc/samples_conditioned_share"] > 0 for r in rows if "train/loss" in r)
