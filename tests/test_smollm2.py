@@ -78,7 +78,8 @@ def test_two_rl_steps_of_the_paper_method_on_vllm_and_the_checkpoint_reads_back_
     args = ["model=smollm2_135m", "algo=dapo", "bicc=on", "rcc=on", *ENGINE, *CONSTRUCTED_REWARD, "train.steps=2",
             "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=32", "bicc.max_tokens=32",
             "bicc.min_attempt_tokens=4", "algo.dynamic_sampling=false", "rcc.diag_every=0", "eval.num_problems=2",
-            "eval.samples_per_problem=1", "eval.max_new_tokens=16", "logger.wandb_mode=disabled", "logger.progress=false", f"hydra.run.dir={run_dir}"]
+            "eval.samples_per_problem=1", "eval.max_new_tokens=16", "logger.wandb_mode=disabled", "logger.progress=false",
+            f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "BICC_CACHE": str(cache), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=1200)
