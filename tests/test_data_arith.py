@@ -1,3 +1,4 @@
+import copy
 import random
 
 from bicc.data import build_task, encode_prompt
@@ -64,3 +65,31 @@ def test_too_small_a_problem_space_names_the_field_instead_of_looping():
                        "data.arith.test_size=50"])
     with pytest.raises(ValueError, match="data.arith.test_size"):
         build_task(cfg.data).test_problems(10)
+
+
+def test_instruction_and_worked_example_change_the_prompt_not_the_problems(cfg):
+    plain = build_task(cfg.data)
+    dressed_cfg = copy.deepcopy(cfg.data)
+    dressed_cfg.arith.instruction = "Put your final answer within \\boxed{}."
+    dressed_cfg.arith.worked_example = True
+    dressed = build_task(dressed_cfg)
+    example = dressed.worked_example()
+    for i in range(30):
+        p, q = plain.train_problem(i), dressed.train_problem(i)
+        assert p.prompt.startswith("Compute ") and "\n" not in p.prompt  # the default prompt is unchanged
+        assert (q.id, q.answer) == (p.id, p.answer)
+        assert q.prompt == f"{example}\n\n{p.prompt}\nPut your final answer within \\boxed{{}}."
+        # the SFT demonstration reads the question, not the example
+        assert dressed.demonstration(q, random.Random(i)) == plain.demonstration(p, random.Random(i))
+    assert [(p.id, p.answer) for p in dressed.test_problems(50)] == [(p.id, p.answer) for p in plain.test_problems(50)]
+    # the example: a training expression, each step right, the boxed value left to right
+    header, question, *steps, boxed = example.split("\n")
+    assert header == "Example:" and question.startswith("Compute ") and question.endswith(".")
+    expression = question.removeprefix("Compute ").removesuffix(".")
+    assert not plain._is_test(expression)
+    operands, ops = _parse(expression)
+    assert len(steps) == len(ops)
+    for step in steps:
+        left, right = step.split("=")
+        assert evaluate_left_to_right(left) == int(right)
+    assert boxed == f"\\boxed{{{evaluate_left_to_right(expression)}}}"

@@ -58,6 +58,8 @@ class ArithConfig:
     slip_step: str = choice(Literal["any", "last"], "any")
     test_size: int = 500
     test_share: float = 0.1
+    instruction: str = ""
+    worked_example: bool = False
 
     @staticmethod
     def check(ar) -> None:

@@ -7,6 +7,10 @@ and ends with the boxed answer::
     46-5=41
     \\boxed{41}
 
+For a pretrained model the prompt can carry an instruction (``instruction``, after the question) and a
+worked example (``worked_example``: one fixed training expression solved in the demonstration's format,
+before the question); both default off, and neither changes the problems or the split.
+
 A share of demonstrations (``slip_rate``) carries a deliberate slip: one step is off by 1..slip_max
 and the error is carried to the end. A model fine-tuned on them is an imperfect baseline that RL can
 improve, which is the point of the warm start.
@@ -18,6 +22,7 @@ hash of its text falls below ``test_share``; training draws skip those expressio
 from __future__ import annotations
 
 import random
+import re
 import zlib
 
 from bicc.answers import answer_anchors
@@ -43,6 +48,7 @@ class ArithTask:
         self.cfg = data_cfg.arith
         self.seed = data_cfg.seed
         self._test_cache: list[Problem] = []
+        self._example: str | None = None
 
     # ---- sampling ---------------------------------------------------------------------------
     def _draw(self, rng: random.Random) -> tuple[list[int], list[str]]:
@@ -66,7 +72,26 @@ class ArithTask:
         value = operands[0]
         for op, x in zip(ops, operands[1:]):
             value = value + x if op == "+" else value - x
-        return Problem(id=pid, prompt=f"Compute {expression}.", answer=str(value))
+        return Problem(id=pid, prompt=self._prompt(expression), answer=str(value))
+
+    def _prompt(self, expression: str) -> str:
+        text = f"Compute {expression}."
+        if self.cfg.worked_example:
+            text = f"{self.worked_example()}\n\n{text}"
+        if self.cfg.instruction:
+            text = f"{text}\n{self.cfg.instruction}"
+        return text
+
+    def worked_example(self) -> str:
+        """One training expression (the first of its own stream), solved step by step without a slip."""
+        if self._example is None:
+            rng = _rng(self.seed, "example", 0)
+            operands, ops = self._draw(rng)
+            while self._is_test(self._expression(operands, ops)):
+                operands, ops = self._draw(rng)
+            expression = self._expression(operands, ops)
+            self._example = f"Example:\nCompute {expression}.\n{self._solution(operands, ops, slip_step=-1, rng=rng)}"
+        return self._example
 
     def train_problem(self, index: int) -> Problem:
         rng = _rng(self.seed, "train", index)
@@ -104,13 +129,15 @@ class ArithTask:
     def demonstration(self, problem: Problem, rng: random.Random, slip: bool | None = None) -> str:
         """Worked steps for ``problem``; one step is off and carried with probability slip_rate, or as
         ``slip`` says (True: a slipped demonstration, False: a correct one)."""
-        tokens = problem.prompt.removeprefix("Compute ").removesuffix(".")
-        operands, ops = _parse(tokens)
+        operands, ops = _parse(_COMPUTE.findall(problem.prompt)[-1])
         if slip is None:
             slip = rng.random() < self.cfg.slip_rate
         slip_step = -1
         if slip:
             slip_step = rng.randrange(len(ops)) if self.cfg.slip_step == "any" else len(ops) - 1
+        return self._solution(operands, ops, slip_step, rng)
+
+    def _solution(self, operands: list[int], ops: list[str], slip_step: int, rng: random.Random) -> str:
         lines = []
         value = operands[0]
         for step, (op, x) in enumerate(zip(ops, operands[1:])):
@@ -121,6 +148,9 @@ class ArithTask:
             value = result
         lines.append(f"\\boxed{{{value}}}")
         return "\n".join(lines)
+
+
+_COMPUTE = re.compile(r"Compute ([0-9+-]+)\.")  # the question; a worked example's comes before it
 
 
 def _parse(expression: str) -> tuple[list[int], list[str]]:
