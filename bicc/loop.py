@@ -65,6 +65,16 @@ def describe_choices(choices, cfg) -> str:
     return text
 
 
+def initial_eval_cache(cfg, init_path: str) -> Path | None:
+    """Where the initial policy's score is kept, so that every run from one starting checkpoint shares it: inside
+    a dir this library built and keyed (a warm start, or a GGUF file converted under sft.cache_dir), named by
+    the evaluation, task, seed, engine and dtype. None for any other model (an HF id, a dir that may change)."""
+    init = Path(init_path)
+    if cfg.model.tiny is None and init.resolve().parent != Path(cfg.sft.cache_dir).resolve():
+        return None
+    return init / f"eval-{config_hash(cfg.eval, cfg.data, cfg.seed, cfg.rollout.engine, cfg.model.dtype)}.json"
+
+
 def eval_engine(s: RLState, cfg):
     """vLLM evaluates with the rollout engine itself; HF with an engine over the sampling module (a full
     copy under FSDP2) batched by eval.batch_size."""
@@ -236,8 +246,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
             rewind_jsonl(run_dir / name, s.step)
     baseline = None
     if s.step == 0:  # score the initial policy with the model RL will train (no second load), on every rank
-        # The warm start's own dir caches its score: every run from one SFT checkpoint shares it.
-        cache = Path(init_path) / f"eval-{config_hash(cfg.eval, cfg.seed, cfg.rollout.engine)}.json" if cfg.model.tiny else None
+        cache = initial_eval_cache(cfg, init_path)
         baseline = distributed.broadcast_object(
             json.loads(cache.read_text()) if d.is_main and cache is not None and cache.exists() else None, d)
         if baseline is None:

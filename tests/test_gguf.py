@@ -83,3 +83,28 @@ def test_errors_name_the_field_and_the_fix(package, tmp_path):
         resolve_model_path("gguf:fake_gguf_pkg/other.gguf", cache)
     with pytest.raises(ValueError, match="config field 'model.path': 'gguf:fake_gguf_pkg' is not gguf:<package>/<file>"):
         resolve_model_path("gguf:fake_gguf_pkg", cache)
+
+
+def test_the_initial_score_is_cached_in_the_converted_dir_keyed_by_task_and_seed(package, tmp_path):
+    from omegaconf import OmegaConf
+
+    from bicc.loop import initial_eval_cache
+
+    cache = tmp_path / "cache"
+    converted = resolve_model_path("gguf:fake_gguf_pkg/m.gguf", str(cache), writer([]))
+    cfg = OmegaConf.create({"model": {"tiny": None, "dtype": "float32"}, "sft": {"cache_dir": str(cache)}, "seed": 0,
+                            "eval": {"num_problems": 200}, "data": {"arith": {"instruction": ""}},
+                            "rollout": {"engine": "vllm"}})
+    first = initial_eval_cache(cfg, converted)
+    assert first.parent == cache / converted.split("/")[-1] and first.name.startswith("eval-")
+    assert initial_eval_cache(cfg, converted) == first
+    keys = {first}
+    for field, value in (("seed", 1), ("data.arith.instruction", "Answer."), ("eval.num_problems", 50),
+                         ("rollout.engine", "hf"), ("model.dtype", "bfloat16")):
+        changed = cfg.copy()
+        OmegaConf.update(changed, field, value)
+        keys.add(initial_eval_cache(changed, converted))
+    assert len(keys) == 6  # each of them scores differently, so each has its own file
+    elsewhere = tmp_path / "my_model"  # an HF dir the user may change: never cached
+    elsewhere.mkdir()
+    assert initial_eval_cache(cfg, str(elsewhere)) is None
