@@ -1,6 +1,8 @@
 import copy
 import random
 
+import pytest
+
 from bicc.data import build_task, encode_prompt
 from bicc.data.arith import _parse
 from bicc.rewards import exact_match_reward
@@ -93,3 +95,24 @@ def test_instruction_and_worked_example_change_the_prompt_not_the_problems(cfg):
         left, right = step.split("=")
         assert evaluate_left_to_right(left) == int(right)
     assert boxed == f"\\boxed{{{evaluate_left_to_right(expression)}}}"
+
+
+def test_extractors_choose_how_the_reward_reads_the_answer(cfg):
+    task = build_task(cfg.data)
+    p = task.train_problem(0)
+    ends_on_equals = f"{p.prompt.removeprefix('Compute ').removesuffix('.')} = {p.answer}"
+    boxed_wrong = f"\\boxed{{{int(p.answer) + 1}}} so {p.answer}"
+    assert task.reward(ends_on_equals, p) == 0.0 and task.reward(boxed_wrong, p) == 0.0  # the task's own reading
+    assert task.answer_anchors == ("\\boxed", "answer is")
+    lenient_cfg = copy.deepcopy(cfg.data)
+    lenient_cfg.arith.extractors = ["boxed", "last_number"]
+    lenient = build_task(lenient_cfg)
+    assert lenient.reward(ends_on_equals, p) == 1.0
+    assert lenient.reward(boxed_wrong, p) == 0.0  # the box still wins over the last number
+    assert lenient.reward(f"\\boxed{{{p.answer}}} then 3", p) == 1.0
+    assert lenient.reward("no number", p) == 0.0
+    assert lenient.answer_anchors == ("\\boxed",)  # last_number has no anchor
+    bad_cfg = copy.deepcopy(cfg.data)
+    bad_cfg.arith.extractors = ["boxed", "lastnumber"]
+    with pytest.raises(ValueError, match="data.arith.extractors.*lastnumber"):
+        build_task(bad_cfg)

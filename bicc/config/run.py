@@ -60,6 +60,7 @@ class ArithConfig:
     test_share: float = 0.1
     instruction: str = ""
     worked_example: bool = False
+    extractors: List[str] = field(default_factory=list)
 
     @staticmethod
     def check(ar) -> None:

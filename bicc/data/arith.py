@@ -25,7 +25,7 @@ import random
 import re
 import zlib
 
-from bicc.answers import answer_anchors
+from bicc.answers import EXTRACTORS, answer_anchors, extract, normalize_answer
 from bicc.data import TASKS, Problem
 from bicc.rewards import exact_match_reward
 
@@ -49,6 +49,13 @@ class ArithTask:
         self.seed = data_cfg.seed
         self._test_cache: list[Problem] = []
         self._example: str | None = None
+        self.extractors = tuple(self.cfg.extractors)
+        for name in self.extractors:
+            if name not in EXTRACTORS:
+                raise ValueError(f"config field 'data.arith.extractors': unknown extractor '{name}'; "
+                                 f"registered: {sorted(EXTRACTORS.names())}")
+        if self.extractors:
+            self.answer_anchors = answer_anchors(self.extractors)
 
     # ---- sampling ---------------------------------------------------------------------------
     def _draw(self, rng: random.Random) -> tuple[list[int], list[str]]:
@@ -123,7 +130,10 @@ class ArithTask:
         return self._test_cache[:n]
 
     def reward(self, completion: str, problem: Problem) -> float:
-        return exact_match_reward(completion, problem.answer)
+        if not self.extractors:
+            return exact_match_reward(completion, problem.answer)
+        found = extract(completion, self.extractors)
+        return float(found is not None and normalize_answer(found) == normalize_answer(problem.answer))
 
     # ---- demonstrations ---------------------------------------------------------------------
     def demonstration(self, problem: Problem, rng: random.Random, slip: bool | None = None) -> str:
