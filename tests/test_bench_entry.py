@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 BENCHES = ["bench.step_profile", "bench.peer_trl", "bench.bicc_overhead", "bench.checker_agreement", "bench.memory_model",
-           "bench.rcc_variance", "bench.results", "bench.rollout_throughput", "bench.soak", "bench.step_model"]
+           "bench.rcc_variance", "bench.results", "bench.rollout_throughput", "bench.soak", "bench.step_model",
+           "bench.task_fit"]
 HELP = """
 import runpy, sys
 for module in sys.argv[1:]:
@@ -125,3 +126,24 @@ def test_memory_model_counts_every_phase_by_hand():
     assert root["fp32 reduce-scatter staging (root)"] == 4 * (151_936 * 2560 + 2560)
     assert table["update: layers backward"]["fp32 reduce-scatter staging (one layer)"] == 4 * QWEN3_4B.layer_params()
     assert 50 < gib(rollout) < 72  # the preset's peak fits an 80 GiB GPU with room
+
+
+def test_task_fit_counts_pass_at_1_and_mixed_groups_by_hand():
+    import torch
+
+    from bench.step_profile import compose_cfg
+    from bench.task_fit import VARIANTS, group_stats
+    from bicc.data import build_task
+
+    # groups of 4: half right, all right, all wrong, one right -> pass@1 (0.5 + 1 + 0 + 0.25) / 4, mixed 2 of 4
+    correct = torch.tensor([1, 0, 1, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0])
+    stats = group_stats(correct, 4)
+    assert stats["pass@1"] == 0.4375 and stats["mixed"] == 0.5
+    assert stats["ci_low"] <= 0.4375 <= stats["ci_high"] and stats["ci_low"] < stats["ci_high"]
+    # every variant composes and makes a task whose prompt carries what its name says
+    for name, overrides in VARIANTS.items():
+        if name == "gsm8k":
+            continue
+        prompt = build_task(compose_cfg(overrides).data).train_problem(0).prompt
+        assert ("\\boxed{}" in prompt) == ("boxed" in name), name
+        assert prompt.startswith("Example:\nCompute ") == ("example" in name), name
