@@ -132,3 +132,26 @@ def test_dapo_overlong_buffer_scales_with_the_response_limit():
     cfg = compose_cfg(["experiment=paper_qwen3_4b", "algo=dapo"])
     assert overlong_buffer_tokens(cfg.algo, cfg.rollout.max_new_tokens) == 410
     assert overlong_buffer_tokens(compose_cfg(["algo=grpo"]).algo, 2048) == 0
+
+
+def test_smollm2_preset_is_the_measured_task_with_the_paper_switches():
+    """experiment=smollm2_arith: the task bench/task_fit.py picked, every held-out problem evaluated, and bicc=on /
+    rcc=on the paper's forms over it; the preset itself switches neither on."""
+    from bicc.data import build_task
+
+    cfg = compose_cfg(["experiment=smollm2_arith"])
+    validate(cfg)
+    assert cfg.model.name == "smollm2_135m" and cfg.rollout.engine == "vllm"
+    assert not cfg.bicc.enabled and not cfg.rcc.enabled and cfg.algo.name == "grpo"
+    ar = cfg.data.arith
+    assert (ar.min_operands, ar.max_operands, ar.max_operand, ar.ops) == (2, 2, 9, "+")
+    assert list(ar.extractors) == ["boxed", "last_number"] and "\\boxed{}" in ar.instruction
+    task = build_task(cfg.data)
+    held_out = task.test_problems(cfg.eval.num_problems)
+    assert len({p.prompt for p in held_out}) == cfg.eval.num_problems == ar.test_size
+    every = {f"{a}+{b}" for a in range(1, 10) for b in range(1, 10)}
+    assert sum(task._is_test(e) for e in every) == ar.test_size  # the whole test split
+    assert cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0 and cfg.rollout.group_size == 8
+    assert cfg.eval.temperature == 0.6 and cfg.eval.top_p == 0.95
+    on = compose_cfg(["experiment=smollm2_arith", "bicc=on", "rcc=on"])
+    assert on.bicc.enabled and not on.bicc.old_on_context and on.bicc.lr_scale == 1.0 and on.rcc.delta == "sum"
