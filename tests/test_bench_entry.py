@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BENCHES = ["bench.step_profile", "bench.peer_trl", "bench.bicc_overhead", "bench.checker_agreement", "bench.memory_model",
            "bench.rcc_variance", "bench.results", "bench.rollout_throughput", "bench.soak", "bench.step_model",
-           "bench.task_fit"]
+           "bench.task_fit", "bench.pretrained_compare"]
 HELP = """
 import runpy, sys
 for module in sys.argv[1:]:
@@ -147,3 +147,30 @@ def test_task_fit_counts_pass_at_1_and_mixed_groups_by_hand():
         prompt = build_task(compose_cfg(overrides).data).train_problem(0).prompt
         assert ("\\boxed{}" in prompt) == ("boxed" in name), name
         assert prompt.startswith("Example:\nCompute ") == ("example" in name), name
+
+
+def test_pretrained_compare_pairs_each_bicc_run_with_grpo_of_its_seed(tmp_path):
+    import json
+
+    from bench.pretrained_compare import summarize
+
+    def run(name, seed, accuracy, rewards):
+        d = tmp_path / name / f"s{seed}"
+        (d / "eval" / "arith").mkdir(parents=True)
+        (d / "eval" / "arith" / "per_problem.jsonl").write_text(
+            "".join(json.dumps({"id": f"p{i}", "n": 4, "correct": int(4 * a), "accuracy": a}) + "\n"
+                    for i, a in enumerate(accuracy)))
+        final = {"eval/pass@1": sum(accuracy) / len(accuracy), "eval/pass@1_ci95": 0.1, "eval/pass@1_T1": 0.5,
+                 "eval/greedy_acc": 0.5}
+        (d / "results.json").write_text(json.dumps({"initial": final, "final": final}))
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s + 1, "reward/accuracy": r}) + "\n"
+                                                 for s, r in enumerate(rewards)))
+        return d
+
+    dirs = {"GRPO": [run("GRPO", 0, [1, 0, 0.5, 0.25], [0.2, 0.3]), run("GRPO", 1, [0, 0, 0, 0], [0.1, 0.1])],
+            "BiCC-GRPO": [run("BiCC-GRPO", 0, [1, 0.5, 0.5, 0.25], [0.2, 0.4]),
+                          run("BiCC-GRPO", 1, [0, 0, 0, 1], [0.1, 0.2])]}
+    table, diffs = summarize(dirs, steps=2)
+    # seed 0: +0.5 on one problem of four = +12.5 points; seed 1: +1 on one of four = +25 points (not paired across seeds)
+    assert diffs == [12.5, 25.0]
+    assert "| BiCC-GRPO | 1 |" in table and "+25.0 [" in table and "0.20 → 0.40" in table
