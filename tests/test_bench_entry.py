@@ -174,3 +174,19 @@ def test_pretrained_compare_pairs_each_bicc_run_with_grpo_of_its_seed(tmp_path):
     # seed 0: +0.5 on one problem of four = +12.5 points; seed 1: +1 on one of four = +25 points (not paired across seeds)
     assert diffs == [12.5, 25.0]
     assert "| BiCC-GRPO | 1 |" in table and "+25.0 [" in table and "0.20 → 0.40" in table
+
+
+def test_peer_trl_counts_the_update_flops_of_the_rows_each_step_trained_on(monkeypatch):
+    import bicc.step
+    from bench import peer_trl
+
+    calls = iter([(None, None, "rows A"), (None, None, "rows B")])
+    monkeypatch.setattr(bicc.step, "step_inputs", lambda *a, **k: next(calls))
+    monkeypatch.setattr(peer_trl, "work_flops", lambda m, rows, passes: {"rows A": 10.0, "rows B": 30.0}[rows] * passes)
+    work = peer_trl.UpdateWork(model=None)
+    for seconds in (1.0, 3.0):
+        bicc.step.step_inputs()  # what rl_step calls: the wrapper keeps the numerator's rows
+        work.record({"perf/update_forward_s": seconds / 4, "perf/update_backward_s": 3 * seconds / 4})
+    assert work.flops == [30.0, 90.0]  # forward + backward = 3 forwards
+    assert work.achieved() == 120.0 / 4.0
+    assert peer_trl.matmul_peak_flops(n=64, repeats=2) > 0
