@@ -26,6 +26,7 @@ world size, one process included, can load back.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -96,7 +97,12 @@ def launch_time(pattern: str) -> str:
 
 
 def shutdown(d: Dist) -> None:
+    """Leave the process group. The run's model sits in reference cycles (modules and their FSDP/DDP hooks) that
+    still hold the groups and their pending work; collecting them first frees all of it while the groups and the
+    interpreter are whole. Left to interpreter exit, gloo's teardown now and then aborts a finished run (SIGABRT,
+    "terminate called without an active exception")."""
     if d.enabled and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -7,7 +7,8 @@ few rollout batches it computes the flattened policy gradient of the configured 
 the variant's advantage) with the numerator evaluated on:
 
 - ``g_q``    the plain prompt q (the base variant);
-- ``g_0``    the conditioned code path with x^c = q (must equal g_q: an implementation check);
+- ``g_0``    the conditioned code path with x^c = q (must equal g_q: an implementation check,
+              ``RESULT probe_identity_gap`` = |g_0 - g_q| / |g_q|);
 - ``g_1``    the real contexts with pi_old on x^c (ratio 1: the stabilised form's gradient);
 - ``g_P``    the real contexts with pi_old on q (the paper's ratio, clipped by the loss);
 - ``g_perm`` each group shown another query's attempts (same template, same sides, same budget), ratio 1;
@@ -153,6 +154,14 @@ def probe_batch(model, tokenizer, ro, cfg, task_anchors, end_ids, device, advant
     return out
 
 
+def identity_gap(g_0: torch.Tensor, g_q: torch.Tensor) -> float:
+    """|g_0 - g_q| / |g_q|: how far the conditioned path with x^c = q is from the plain one, relative to the
+    gradient's size, so that one target holds for a 0.46M and a 135M model alike (two float32 sums over
+    differently padded rows differ by rounding that grows with the model). 0 when both are zero."""
+    scale = g_q.norm().item() or g_0.norm().item() or 1.0
+    return (g_0 - g_q).norm().item() / scale
+
+
 def alignment(grads: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
     """cos(g, g_q) and <g_q, g> / |g_q| for every form."""
     gq = grads["g_q"]
@@ -211,7 +220,7 @@ def main() -> None:
         ro = collect_rollout(state, cfg, seed=cfg.seed * 1_000_003 + b)
         result = probe_batch(model, tokenizer, ro, cfg, task.answer_anchors, end_ids, device,
                              ADVANTAGES.get(cfg.algo.advantage))
-        identity = max(identity, (result["grads"]["g_0"] - result["grads"]["g_q"]).abs().max().item())
+        identity = max(identity, identity_gap(result["grads"]["g_0"], result["grads"]["g_q"]))
         per_batch.append(alignment(result["grads"]))
         for key, value in result.items():
             if key != "grads":
@@ -232,7 +241,7 @@ def main() -> None:
                   f"share > 0 {sum(x > 0 for x in v) / len(v):.2f} ({len(v)} outputs)")
     for name in ("gated_share_A_pos", "gated_share_A_neg", "conditioned_share", "attempts_shown", "whole_attempts_shown"):
         print(f"{name}: {statistics.fmean(pooled[name]):.3f}")
-    print(f"RESULT probe_identity_maxdiff={identity:.3g} target<=1e-6")
+    print(f"RESULT probe_identity_gap={identity:.3g} target<=1e-5")
 
 
 if __name__ == "__main__":

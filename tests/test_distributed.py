@@ -127,7 +127,10 @@ def test_ddp_checkpoint_resumes_in_two_processes(runs):
 
 def test_ranks_started_apart_write_one_run_dir(runs):
     """No hydra.run.dir: the run dir names the launch time. Ranks that start 1.5 s apart must still write into
-    one dir, or rank 0 marks a checkpoint complete that holds only its own optimizer shard and resume fails."""
+    one dir, or rank 0 marks a checkpoint complete that holds only its own optimizer shard and resume fails.
+    And when train.py returns, no FSDP module is left alive: the model sits in reference cycles (module <-> hooks),
+    and if only interpreter exit frees it, that is after destroy_process_group, where gloo's teardown now and then
+    aborts a finished run (SIGABRT, "terminate called without an active exception", exit code -6)."""
     tmp, _ = runs
     cwd = tmp / "launch"
     cwd.mkdir()
@@ -137,6 +140,7 @@ def test_ranks_started_apart_write_one_run_dir(runs):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     dirs = sorted(p.parent for p in (cwd / "outputs").glob("*/*/*/.hydra"))
     assert len(dirs) == 1, dirs
+    assert [(cwd / f"alive_rank{r}.txt").read_text() for r in (0, 1)] == ["0", "0"]
     shards = sorted(f.name for f in (dirs[0] / "checkpoints" / "step_1" / "optim_dcp").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]
     resumed = tmp / "resumed_apart"

@@ -9,7 +9,7 @@ import torch
 from bicc.advantages import ADVANTAGES
 from bicc.config import TinyArchConfig
 from bicc.models import build_tiny
-from bicc.probe import alignment, probe_batch
+from bicc.probe import alignment, identity_gap, probe_batch
 from bicc.rollout import RolloutOutput
 from bicc.rollout.collect import Rollout
 from bicc.tokenizer import build_char_tokenizer
@@ -53,11 +53,20 @@ def test_identity_gradient_equals_the_plain_one_and_contexts_change_it():
     g = out["grads"]
     assert g["g_q"].norm() > 1e-3  # mixed groups: a real gradient
     assert (g["g_0"] - g["g_q"]).abs().max().item() <= 1e-8  # the built-in check (fp64; rotary tables are fp32)
+    assert identity_gap(g["g_0"], g["g_q"]) <= 1e-8
     a = alignment(g)
     assert a["g_0"]["cos"] == pytest.approx(1.0, abs=1e-9)
     for form in ("g_1", "g_P", "g_perm", "g_tmpl"):
         assert a[form]["cos"] < 1 - 1e-6  # the contexts change the gradient
     assert out["conditioned_share"] == 1.0 and len(out["log_w_pos"]) == 6 and len(out["log_w_neg"]) == 6
+
+
+def test_identity_gap_is_relative_to_the_plain_gradient():
+    g_q = torch.tensor([3.0, 4.0])  # |g_q| = 5
+    assert identity_gap(torch.tensor([3.0, 4.5]), g_q) == pytest.approx(0.5 / 5)
+    assert identity_gap(1e3 * torch.tensor([3.0, 4.5]), 1e3 * g_q) == pytest.approx(0.5 / 5)  # scale-free
+    assert identity_gap(torch.tensor([0.0, 2.0]), torch.zeros(2)) == pytest.approx(1.0)  # g_q = 0: against |g_0|
+    assert identity_gap(torch.zeros(2), torch.zeros(2)) == 0.0
 
 
 class CopyModel(torch.nn.Module):
