@@ -53,7 +53,7 @@ def test_identity_gradient_equals_the_plain_one_and_contexts_change_it():
     g = out["grads"]
     assert g["g_q"].norm() > 1e-3  # mixed groups: a real gradient
     assert (g["g_0"] - g["g_q"]).abs().max().item() <= 1e-8  # the built-in check (fp64; rotary tables are fp32)
-    assert identity_gap(g["g_0"], g["g_q"]) <= 1e-8
+    assert identity_gap(g["g_0"], g["g_q"]) <= 1e-6  # relative; the fp32 rotary tables leave ~3e-8
     a = alignment(g)
     assert a["g_0"]["cos"] == pytest.approx(1.0, abs=1e-9)
     for form in ("g_1", "g_P", "g_perm", "g_tmpl"):
