@@ -78,6 +78,16 @@ class UpdateWork:
         return sum(self.flops) / sum(self.seconds)
 
 
+def trl_vllm_args(cfg) -> dict:
+    """TRL's colocate mode (a vLLM engine in the trainer's process) when our rollout is vLLM, at the same memory
+    share and length; TRL's importance-sampling correction off, as ours (``rollout.tis_cap=0``)."""
+    r = cfg.rollout
+    if r.engine != "vllm":
+        return {}
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": r.gpu_memory_utilization,
+            "vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": r.tis_cap > 0}
+
+
 def trl_trainer(cfg, init_path: str, task, out_dir: str, total_steps: int):
     """TRL's GRPOTrainer with the embedded default's settings (module docstring)."""
     from datasets import Dataset
@@ -106,7 +116,8 @@ def trl_trainer(cfg, init_path: str, task, out_dir: str, total_steps: int):
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": cfg.optim.min_lr_ratio},
         max_grad_norm=cfg.optim.clip_grad, beta=0.0, epsilon=cfg.algo.clip_eps_low, loss_type="grpo",
         scale_rewards="group", shuffle_dataset=False, use_cpu=True, bf16=False, report_to="none",
-        save_strategy="no", logging_steps=1000, seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0)
+        save_strategy="no", logging_steps=1000, seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0,
+        **trl_vllm_args(cfg))
 
     class StepTimes(TrainerCallback):
         def __init__(self):

@@ -8,7 +8,8 @@ BiCC's KV-reuse packing calls ``forward_logprobs`` on outputs behind cached cont
 Memory: the output projection never materialises [B, T, V] logits. Inside ``head_targets`` the model's
 ``lm_head`` (class-swapped to ``LogprobHead``, same weight, same name) returns per-token log-probs and
 entropies computed over chunks of ``chunk_tokens`` tokens, each chunk recomputed in backward
-(``torch.utils.checkpoint``), so the peak is chunk_tokens x V, not B x T x V. It runs inside the model's
+(``torch.utils.checkpoint``), so the peak is chunk_tokens x V, not B x T x V. A forward of one chunk or less
+keeps its logits for the backward instead: the same peak, one head forward fewer. It runs inside the model's
 own forward, so FSDP2's gathered root parameters and activation checkpointing apply unchanged.
 
 Mixed precision: a policy held in fp32 master weights with a lower compute dtype carries
@@ -130,9 +131,12 @@ class LogprobHead(torch.nn.Linear):
         shape = hidden.shape[:-1]  # [B, T']
         flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         parts = []
+        # one chunk: its logits are kept for the backward (the same peak as recomputing them there, one head
+        # forward fewer); several: each is recomputed in the backward, so the peak stays one chunk's
+        recompute = torch.is_grad_enabled() and flat_h.requires_grad and flat_h.shape[0] > chunk
         for start in range(0, flat_h.shape[0], chunk):
             args = (flat_h[start : start + chunk], self.weight, self.bias, flat_t[start : start + chunk], temperature)
-            if torch.is_grad_enabled() and flat_h.requires_grad:
+            if recompute:
                 parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
             else:
                 parts.append(_chunk_logprobs(*args))

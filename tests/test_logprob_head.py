@@ -71,6 +71,22 @@ def test_chunked_head_never_builds_the_whole_logits():
     assert biggest and max(biggest) <= 4  # rows of V-wide tensors: at most one chunk of 4 tokens (27 kept here)
 
 
+@pytest.mark.parametrize("chunk,calls", [(30, 1), (4096, 1), (29, 4), (10, 6)])
+def test_head_recomputes_only_when_a_forward_spans_several_chunks(chunk, calls, monkeypatch):
+    """The head sees 30 positions (3 rows x (9 outputs + 1)): within one chunk it runs once (its logits kept for
+    the backward); across k chunks each runs twice (forward, recomputed in backward): 2 chunks -> 4 calls, 3 -> 6."""
+    import bicc.logprobs
+
+    model, _ = build_tiny(ARCH, seed=0)
+    install_logprob_head(model, chunk)
+    seen, inner = [], bicc.logprobs._chunk_logprobs
+    monkeypatch.setattr(bicc.logprobs, "_chunk_logprobs", lambda h, *a: seen.append(h.shape[0]) or inner(h, *a))
+    ids, mask, pos = inputs()
+    logp, _ = token_logprobs(model, ids, mask, pos, 9)
+    logp.sum().backward()
+    assert len(seen) == calls and sum(seen) == (30 if calls == 1 else 60)
+
+
 def test_bf16_policy_with_fp32_master_moves_at_lr_1e6(tmp_path):
     """At lr 1e-6 a bf16 parameter rounds most updates away (weights near 1, e.g. RMSNorm, never move);
     the policy holds fp32 master weights and computes in bf16, so one AdamW step changes most weights."""
