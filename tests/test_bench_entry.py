@@ -1,6 +1,7 @@
 """The benches start as their docstrings say (``python -m bench.X --help``): a broken import or argument parser
 shows here, not at the first timing run."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,27 @@ def test_peer_trl_counts_the_update_flops_of_the_rows_each_step_trained_on(monke
     assert work.flops == [30.0, 90.0]  # forward + backward = 3 forwards
     assert work.achieved() == 120.0 / 4.0
     assert peer_trl.matmul_peak_flops(n=64, repeats=2) > 0
+
+
+def test_pretrained_compare_configs_compose_and_differ_only_where_named():
+    """Every row of the comparison is a valid run of the preset; the fourth reads RCC's delta on q, the rest on x^c."""
+    from bench.pretrained_compare import CONFIGS
+    from bench.step_profile import compose_cfg
+
+    cfgs = {name: compose_cfg(["experiment=smollm2_arith", *overrides]) for name, overrides in CONFIGS.items()}
+    assert [(c.bicc.enabled, c.rcc.enabled, c.rcc.delta_context) for c in cfgs.values()] == [
+        (False, False, "xc"), (True, False, "xc"), (True, True, "xc"), (True, True, "q")]
+
+
+def test_peer_trl_runs_trl_in_colocate_mode_only_beside_our_vllm_rollouts(monkeypatch):
+    from bench.peer_trl import trl_vllm_args
+    from bench.step_profile import compose_cfg
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout=hf"])) == {}
+    args = trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout.gpu_memory_utilization=0.2"]))
+    assert args["use_vllm"] and args["vllm_mode"] == "colocate" and args["vllm_gpu_memory_utilization"] == 0.2
+    assert args["vllm_importance_sampling_correction"] is False  # ours: tis_cap 0
+    assert trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout.tis_cap=2"]))[
+        "vllm_importance_sampling_correction"] is True
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # TRL reaches the engine's model in-process
