@@ -85,7 +85,7 @@ class UpdateWork:
 
 def trl_vllm_args(cfg) -> dict:
     """TRL's colocate mode (a vLLM engine in the trainer's process) when our rollout is vLLM, at the same memory
-    share and length; TRL's importance-sampling correction off, as ours (``rollout.tis_cap=0``)."""
+    share; TRL's importance-sampling correction on only where ours is (``rollout.tis_cap > 0``)."""
     r = cfg.rollout
     if r.engine != "vllm":
         return {}
@@ -166,9 +166,10 @@ def main() -> None:
     def our_step(timed: bool) -> None:
         t0 = time.perf_counter()
         metrics, _ = rl_step(ours, cfg)
-        print(f"ours step {ours.step}: {time.perf_counter() - t0:.2f}s", flush=True)
+        seconds = time.perf_counter() - t0
+        print(f"ours step {ours.step}: {seconds:.2f}s", flush=True)
         if timed:
-            our_times.append(time.perf_counter() - t0)
+            our_times.append(seconds)
             work.record(metrics)
 
     with tempfile.TemporaryDirectory() as tmp:

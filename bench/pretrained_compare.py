@@ -44,7 +44,7 @@ def per_problem(run_dir: Path) -> dict[str, float]:
     return {r["id"]: r["accuracy"] for r in rows}
 
 
-def summarize(dirs: dict[str, list[Path]], steps: int) -> tuple[str, list[float]]:
+def summarize(dirs: dict[str, list[Path]]) -> tuple[str, list[float]]:
     """The page's table and the paired BiCC - GRPO differences (points), one per (BiCC row, seed)."""
     lines = ["| method | seed | pass@1 T 0.6 before | after ± 95% CI | Δ vs GRPO, paired [95% CI] | pass@1 T 1 before → "
              "after | greedy before → after | train reward, first → last step |",
@@ -62,8 +62,8 @@ def summarize(dirs: dict[str, list[Path]], steps: int) -> tuple[str, list[float]
                 d, dlo, dhi = paired_bootstrap_diff([base[i] for i in ids], [mine[i] for i in ids])
                 diffs.append(100 * d)
                 delta = f"{100 * d:+.1f} [{100 * dlo:+.1f}, {100 * dhi:+.1f}]"
-            rewards = [json.loads(line)["reward/accuracy"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                       if line.strip() and "reward/accuracy" in json.loads(line)]
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+            rewards = [r["reward/accuracy"] for r in rows if "reward/accuracy" in r]
             lines.append(f"| {name} | {seed} | {100 * before['eval/pass@1']:.1f} | {100 * after['eval/pass@1']:.1f} "
                          f"± {100 * after['eval/pass@1_ci95']:.1f} | {delta} | {100 * before['eval/pass@1_T1']:.1f} → "
                          f"{100 * after['eval/pass@1_T1']:.1f} | {100 * before['eval/greedy_acc']:.1f} → "
@@ -82,12 +82,12 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     dirs: dict[str, list[Path]] = {name: [] for name in CONFIGS}
+    extra = ["rcc.diag_every=0", *args.extra]
     for seed in range(args.seeds):  # seed-major: an interrupted run leaves whole comparisons behind
         for name, overrides in CONFIGS.items():
-            extra = ["rcc.diag_every=0", *args.extra]
             dirs[name].append(run_one(name, ["experiment=smollm2_arith", *overrides], seed, args.steps, args.threads,
                                       args.out, extra))
-    table, diffs = summarize(dirs, args.steps)
+    table, diffs = summarize(dirs)
     args.docs.mkdir(parents=True, exist_ok=True)
     make_plots([d for runs in dirs.values() for d in runs], args.docs)
     wall = time.perf_counter() - start

@@ -171,7 +171,7 @@ def test_pretrained_compare_pairs_each_bicc_run_with_grpo_of_its_seed(tmp_path):
     dirs = {"GRPO": [run("GRPO", 0, [1, 0, 0.5, 0.25], [0.2, 0.3]), run("GRPO", 1, [0, 0, 0, 0], [0.1, 0.1])],
             "BiCC-GRPO": [run("BiCC-GRPO", 0, [1, 0.5, 0.5, 0.25], [0.2, 0.4]),
                           run("BiCC-GRPO", 1, [0, 0, 0, 1], [0.1, 0.2])]}
-    table, diffs = summarize(dirs, steps=2)
+    table, diffs = summarize(dirs)
     # seed 0: +0.5 on one problem of four = +12.5 points; seed 1: +1 on one of four = +25 points (not paired across seeds)
     assert diffs == [12.5, 25.0]
     assert "| BiCC-GRPO | 1 |" in table and "+25.0 [" in table and "0.20 → 0.40" in table
