@@ -66,7 +66,7 @@ def score_main() -> None:
         model, tokenizer = load_pretrained(str(path), cfg.model, device)
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         options = EngineOptions(end_ids=tuple(end_token_ids(tokenizer, model)), dtype=cfg.model.dtype,
-                                max_model_len=max_model_len)
+                                max_model_len=max_model_len, rows=cfg.eval.batch_size)
         engine = build_engine(cfg.rollout.engine, model, tokenizer, eval_engine_config(cfg.rollout, cfg.eval), options)
         metrics = evaluate(engine, tokenizer, task, cfg.eval, cfg.seed, out_dir=out_dir, progress=cfg.logger.progress)
         table = markdown_table(metrics, cfg.eval.ks)

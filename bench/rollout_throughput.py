@@ -78,14 +78,14 @@ def main() -> None:
           f"{args.n} samples x <= {args.tokens} tokens", flush=True)
     prompts = [encode_prompt(tokenizer, f"Compute {i}+{3 * i + 7}-{i % 5}.") for i in range(args.prompts)]
     sampling = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.tokens, seed=0)
-    rollout_cfg = OmegaConf.structured(RolloutConfig(engine="vllm", gpu_memory_utilization=0.1, enforce_eager=True))
+    rollout_cfg = OmegaConf.structured(RolloutConfig(engine="vllm", enforce_eager=True))
 
     hf = build_engine("hf", model, tokenizer, OmegaConf.structured(RolloutConfig(engine="hf", batch_size=256)))
     hf_s, hf_out = timed(lambda: hf.generate(prompts, sampling), args.repeats)
     hf_tokens = sum(len(c) for c in hf_out.completion_ids)
 
     ours = build_engine("vllm", model, tokenizer, rollout_cfg, EngineOptions(
-        end_ids=(tokenizer.eos_token_id,), max_model_len=max(map(len, prompts)) + args.tokens))
+        end_ids=(tokenizer.eos_token_id,), max_model_len=max(map(len, prompts)) + args.tokens, rows=len(prompts) * args.n))
     ours.generate(prompts, sampling)  # warm-up
     ours_s, ours_out = timed(lambda: ours.generate(prompts, sampling), args.repeats)
     ours_tokens = sum(len(c) for c in ours_out.completion_ids)

@@ -83,7 +83,8 @@ def main() -> None:
     model, tokenizer = load_policy(base.model.path, base.model, torch.device("cpu"))
     end_ids = tuple(end_token_ids(tokenizer, model))
     engine = build_engine(base.rollout.engine, model, tokenizer, base.rollout,
-                          EngineOptions(end_ids=end_ids, max_model_len=args.max_model_len, dtype=base.model.dtype))
+                          EngineOptions(end_ids=end_ids, max_model_len=args.max_model_len, dtype=base.model.dtype,
+                                        rows=args.problems * base.rollout.group_size))
     print(f"{base.model.name} on {base.rollout.engine}: {args.problems} problems x G {base.rollout.group_size}, "
           f"T {base.rollout.temperature}, top-p {base.rollout.top_p}", flush=True)
     temperatures = [float(t) for t in args.temperatures.split(",") if t] or [base.rollout.temperature]

@@ -241,6 +241,8 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
                       cfg.logger.wandb_project, enabled=d.is_main)
     s = start_or_resume(cfg, init_path, device, run_dir, d, max_model_len)
+    if d.is_main and getattr(s.engine, "kv_bytes", None):
+        print(f"[rollout] vLLM KV space {s.engine.kv_bytes / 2**30:.2f} GiB (rollout.kv_cache_bytes)")
     if s.step > 0 and d.is_main:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
         for name in ("metrics.jsonl", "diagnostics.jsonl"):
             rewind_jsonl(run_dir / name, s.step)

@@ -14,7 +14,7 @@ from bicc.distributed import Dist
 from bicc.models import DTYPES, compute_copy, end_token_ids, frozen_copy, load_policy
 from bicc.optim import build_optimizer, warmup_cosine
 from bicc.plan import StepPlan
-from bicc.rollout import EngineOptions, build_engine
+from bicc.rollout import EngineOptions, build_engine, engine_rows
 
 
 @dataclass
@@ -83,7 +83,8 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)
     total = cfg.train.steps * cfg.train.epochs_per_rollout * cfg.train.minibatches_per_rollout
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
-    options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype)
+    rows = engine_rows(cfg.rollout, cfg.eval, distributed.num_shards(cfg.rollout, d))
+    options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype, rows=rows)
     engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
     plan = StepPlan.from_config(cfg, getattr(engine, "returns_logprobs", False))
     return RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,

