@@ -61,10 +61,9 @@ def main() -> None:
     from bicc.logprobs import make_token_batch
     from bicc.models import frozen_copy, load_pretrained
     from bicc.rollout import build_engine
-    from bicc.rollout.collect import collect_rollout
+    from bicc.rollout.collect import Collection, DataCursor, collect_rollout
     from bicc.rows import ContextRows, QueryRows
     from bicc.sft import warm_start
-    from bicc.state import RLState
     from bicc.update import loss_of_rows_fn
     from bicc.validation import validate
 
@@ -79,7 +78,6 @@ def main() -> None:
     model, tokenizer = load_pretrained(args.ckpt or init_path, cfg.model, device)
     ref_model = frozen_copy(init_path, cfg.model, device)
     engine = build_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout)
-    state = RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, task=task, init_path=init_path)
     T, mb = cfg.rollout.temperature, cfg.train.micro_batch_size
     estimators = {"baseline": cfg.algo.advantage, "rcc_xc": "rcc", "rcc_q": "rcc", "mean_centered": "mean_centered"}
     print(f"checkpoint {args.ckpt or init_path}; algo={cfg.algo.name} bicc={cfg.bicc.enabled} "
@@ -88,8 +86,8 @@ def main() -> None:
     ratios = {name: [] for name in ("rcc_xc", "rcc_q", "rcc_xc_abs", "rcc_q_abs", "mc")}
     start = time.perf_counter()
     for seed in range(args.seeds):
-        state.data_pos = seed * cfg.rollout.prompts_per_step  # different queries per seed, same for every estimator
-        ro = collect_rollout(state, cfg, seed)
+        cursor = DataCursor(seed * cfg.rollout.prompts_per_step)  # different queries per seed, same for every estimator
+        ro = collect_rollout(engine, tokenizer, task, Collection.from_config(cfg), cursor, seed)
         batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, tokenizer.pad_token_id).to(device)
         plain = numerator = QueryRows(batch)
         N = batch.input_ids.shape[0]

@@ -51,7 +51,7 @@ from bicc.data import build_task
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.models import build_tiny, num_parameters
 from bicc.plan import StepPlan, step_logprobs
-from bicc.rollout.collect import collect_rollout
+from bicc.rollout.collect import Collection, DataCursor, collect_rollout
 from bicc.rollout.hf import HFEngine
 from bicc.rows import QueryRows
 from bicc.sft import warm_start
@@ -237,7 +237,7 @@ def realistic_profile(overrides: list[str], micro: int, repeats: int, steps: int
 
         # -- 1. one rollout's training part, before and now --------------------------------------------
         state = realistic_state(cfg, tmp, lengths)
-        ro = collect_rollout(state, cfg, seed=0)
+        ro = collect_rollout(state.engine, state.tokenizer, state.task, Collection.from_config(cfg), DataCursor(), seed=0)
         batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, tokenizer.pad_token_id)
         adv = torch.linspace(-1, 1, len(ro.correct))
         real = int(batch.attention_mask.sum())

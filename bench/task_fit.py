@@ -32,8 +32,7 @@ from bicc.gguf import resolve_model_path  # noqa: E402
 from bicc.models import end_token_ids, load_policy  # noqa: E402
 from bicc.rewards import extract_answer  # noqa: E402
 from bicc.rollout import EngineOptions, build_engine  # noqa: E402
-from bicc.rollout.collect import collect_rollout  # noqa: E402
-from bicc.state import RLState  # noqa: E402
+from bicc.rollout.collect import Collection, DataCursor, collect_rollout  # noqa: E402
 from bicc.stats import bootstrap_ci  # noqa: E402
 
 BOXED = "data.arith.instruction='Put your final answer within \\boxed{}.'"  # Hydra keeps the backslash
@@ -93,9 +92,8 @@ def main() -> None:
         cfg = compose_cfg([*args.overrides, f"rollout.prompts_per_step={args.problems}", *VARIANTS[name],
                            f"rollout.temperature={temperature}"])
         task = build_task(cfg.data)
-        state = RLState(model, tokenizer=tokenizer, engine=engine, task=task, init_path=base.model.path)
         start = time.perf_counter()
-        ro = collect_rollout(state, cfg, seed=cfg.seed)
+        ro = collect_rollout(engine, tokenizer, task, Collection.from_config(cfg), DataCursor(), seed=cfg.seed)
         seconds = time.perf_counter() - start
         stats = group_stats(ro.correct, cfg.rollout.group_size)
         lengths = [len(c) for c in ro.out.completion_ids]

@@ -188,9 +188,8 @@ def main() -> None:
     from bicc.gguf import resolve_model_path
     from bicc.models import end_token_ids, load_policy
     from bicc.rollout import EngineOptions, build_engine
-    from bicc.rollout.collect import collect_rollout
+    from bicc.rollout.collect import Collection, DataCursor, collect_rollout
     from bicc.sft import warm_start
-    from bicc.state import RLState
     from bicc.validation import validate
 
     root = Path(__file__).resolve().parents[1]
@@ -209,15 +208,14 @@ def main() -> None:
     model, tokenizer = load_policy(path, cfg.model, device)
     end_ids = end_token_ids(tokenizer, model)
     engine = build_engine("hf", model, tokenizer, cfg.rollout, EngineOptions(end_ids=tuple(end_ids)))
-    state = RLState(model, tokenizer=tokenizer, engine=engine, task=task, init_path=path)
     print(f"probe: {path}; algo={cfg.algo.name} loss={cfg.algo.loss}, {args.batches} batches of "
           f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size}, context budget "
           f"{context_budget(cfg.bicc)} tokens")
     start = time.perf_counter()
     per_batch, pooled, identity = [], {}, 0.0
     for b in range(args.batches):
-        state.data_pos = b * cfg.rollout.prompts_per_step
-        ro = collect_rollout(state, cfg, seed=cfg.seed * 1_000_003 + b)
+        ro = collect_rollout(engine, tokenizer, task, Collection.from_config(cfg), DataCursor(b * cfg.rollout.prompts_per_step),
+                             seed=cfg.seed * 1_000_003 + b)
         result = probe_batch(model, tokenizer, ro, cfg, task.answer_anchors, end_ids, device,
                              ADVANTAGES.get(cfg.algo.advantage))
         identity = max(identity, identity_gap(result["grads"]["g_0"], result["grads"]["g_q"]))

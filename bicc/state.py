@@ -15,11 +15,12 @@ from bicc.models import DTYPES, compute_copy, end_token_ids, frozen_copy, load_p
 from bicc.optim import build_optimizer, warmup_cosine
 from bicc.plan import StepPlan
 from bicc.rollout import EngineOptions, build_engine, engine_rows
+from bicc.rollout.collect import DataCursor
 
 
 @dataclass
 class RLState:
-    """Everything the RL loop mutates; ``step`` and ``data_pos`` go into checkpoints."""
+    """Everything the RL loop mutates; ``step`` and the data ``cursor`` go into checkpoints."""
 
     model: Any
     _: KW_ONLY  # everything else by name: a state for a part of the step needs only what that part reads
@@ -31,24 +32,24 @@ class RLState:
     task: Any = None
     init_path: str = ""
     step: int = 0
-    data_pos: int = 0
+    cursor: DataCursor = field(default_factory=DataCursor)  # where the next training problems are read
     nonfinite_skips: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm, in total
     nonfinite_streak: int = 0  # ... and in a row, up to now
-    shard_pos: list = field(default_factory=list)  # per prompt shard, when rollout.shards > 1
     dist: Dist = field(default_factory=Dist)
     end_ids: tuple = ()  # tokens that end an output (stripped from attempts shown in BiCC contexts)
     plan: Any = None  # the step's log-prob plan (bicc.plan.StepPlan), resolved once from the config
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "data_pos": self.data_pos, "shard_pos": list(self.shard_pos), "init_path": self.init_path,
+        return {"step": self.step, "data_pos": self.cursor.pos, "shard_pos": list(self.cursor.shard_pos),
+                "init_path": self.init_path,
                 "nonfinite_skips": self.nonfinite_skips, "nonfinite_streak": self.nonfinite_streak,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_trainer_state(self, state: dict) -> None:
-        self.step, self.data_pos = state["step"], state["data_pos"]
+        self.step = state["step"]
+        self.cursor = DataCursor(state["data_pos"], list(state.get("shard_pos", [])))
         self.nonfinite_skips = state.get("nonfinite_skips", 0)
         self.nonfinite_streak = state.get("nonfinite_streak", 0)
-        self.shard_pos = list(state.get("shard_pos", []))
         if "optimizer" in state:  # else saved sharded (FSDP2): bicc.distributed.load_sharded_optimizer
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

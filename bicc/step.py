@@ -16,7 +16,7 @@ from bicc.diagnostics import conditioning_weights, delta_by_reward, gradient_var
 from bicc.logprobs import make_token_batch
 from bicc.losses.tis import sampler_grid, sampler_importance_weights, sampler_logprob_diff
 from bicc.plan import StepPlan, step_logprobs
-from bicc.rollout.collect import collect_rollout
+from bicc.rollout.collect import Collection, collect_rollout
 from bicc.rows import ContextRows, query_rows
 from bicc.state import RLState
 from bicc.update import loss_of_rows_fn, update_policy
@@ -29,8 +29,8 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 1-2. rollout and reward: G samples per query from pi_old, scored (binary, plus shaping) --
     # (each process samples its own prompt shards; groups never span processes)
-    ro = collect_rollout(s, cfg, step_seed, distributed.local_shards(cfg.rollout, s.dist),
-                         distributed.num_shards(cfg.rollout, s.dist))
+    ro = collect_rollout(s.engine, s.tokenizer, s.task, Collection.from_config(cfg), s.cursor, step_seed,
+                         distributed.local_shards(cfg.rollout, s.dist), distributed.num_shards(cfg.rollout, s.dist))
     t_rollout = time.perf_counter()
     if hasattr(s.engine, "sleep"):  # vLLM with rollout.sleep on GPU: free its memory until the sync
         s.engine.sleep()
@@ -80,8 +80,8 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     # ---- 7. weight sync: the rollout engine samples from the updated policy next step ----------
     s.engine.update_weights(s.model)
     s.step += 1
-    if s.shard_pos and s.dist.enabled:  # every process learns every shard's data position (checkpoints)
-        s.shard_pos = distributed.merge_shard_positions(s.shard_pos, cfg.rollout, s.dist)
+    if s.cursor.shard_pos and s.dist.enabled:  # every process learns every shard's data position (checkpoints)
+        s.cursor.shard_pos = distributed.merge_shard_positions(s.cursor.shard_pos, cfg.rollout, s.dist)
 
     # ---- 8. metrics ----------------------------------------------------------------------------
     perf = {"perf/rollout_s": t_rollout - t0, "perf/generate_s": ro.generate_s, "perf/logprob_s": t_logprobs - t_contexts,

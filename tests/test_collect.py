@@ -1,14 +1,12 @@
 """Rollout collection (dynamic sampling, overlong shaping) with a scripted engine and task."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from bicc.data import Problem
 from bicc.rewards import overlong_penalty
 from bicc.rollout import RolloutOutput
-from bicc.rollout.collect import collect_rollout
+from bicc.rollout.collect import Collection, DataCursor, collect_rollout
 from bicc.tokenizer import build_char_tokenizer
 
 
@@ -25,12 +23,14 @@ class ScriptedTask:
 class ScriptedEngine:
     def __init__(self, tokenizer, long_completion=False):
         self.tokenizer, self.calls, self.long_completion = tokenizer, 0, long_completion
+        self.asked = []  # (problem indices, seed) of each call
 
     def generate(self, prompts, sampling):
         self.calls += 1
         out = RolloutOutput([], [], [], [])
-        for ids in prompts:
-            index = int(self.tokenizer.decode(ids).split("q")[1].split("<")[0])
+        indices = [int(self.tokenizer.decode(ids).split("q")[1].split("<")[0]) for ids in prompts]
+        self.asked.append((indices, sampling.seed))
+        for ids, index in zip(prompts, indices):
             for j in range(sampling.n):
                 right = index % 3 == 0 or (index % 3 == 2 and j % 2 == 0)
                 text = "right" if right else "wrong"
@@ -42,56 +42,69 @@ class ScriptedEngine:
         return out
 
 
-@dataclass
-class State:
-    task: object
-    engine: object
-    tokenizer: object
-    data_pos: int = 0
-
-
-def make_cfg(dynamic, rounds=4, buffer=0, prompts=4, G=4, max_new=32):
+def make_plan(dynamic, rounds=4, buffer=0, prompts=4, G=4, max_new=32):
     from tests.conftest import compose_cfg
 
     cfg = compose_cfg(["sft.cache_dir=/tmp/x", f"rollout.prompts_per_step={prompts}", f"rollout.group_size={G}",
                        f"rollout.max_new_tokens={max_new}", f"algo.dynamic_sampling={dynamic}",
                        f"algo.max_sampling_rounds={rounds}", f"algo.overlong_buffer_share={buffer / max_new}"])
-    return cfg
+    plan = Collection.from_config(cfg)
+    assert (plan.dynamic_sampling, plan.max_rounds, plan.overlong_buffer) == (dynamic, rounds, buffer)
+    return plan
+
+
+def collect(engine, plan, cursor=None):
+    return collect_rollout(engine, engine.tokenizer, ScriptedTask(), plan, cursor or DataCursor(), seed=0)
 
 
 def test_without_dynamic_sampling_every_group_is_kept():
     tok = build_char_tokenizer()
-    state = State(ScriptedTask(), ScriptedEngine(tok), tok)
-    ro = collect_rollout(state, make_cfg(False), seed=0)
-    assert ro.prompts_drawn == 4 and ro.rounds == 1 and state.data_pos == 4
+    cursor = DataCursor(pos=0)
+    ro = collect(ScriptedEngine(tok), make_plan(False), cursor)
+    assert ro.prompts_drawn == 4 and ro.rounds == 1 and cursor.pos == 4
     assert len(ro.correct) == 16 and ro.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     assert ro.correct.view(4, 4)[0].tolist() == [1, 1, 1, 1]  # problem 0 is all right
 
 
 def test_dynamic_sampling_drops_degenerate_groups_and_refills():
     tok = build_char_tokenizer()
-    state = State(ScriptedTask(), ScriptedEngine(tok), tok)
-    ro = collect_rollout(state, make_cfg(True, rounds=10), seed=0)
+    cursor = DataCursor(pos=0)
+    ro = collect(ScriptedEngine(tok), make_plan(True, rounds=10), cursor)
     # only problems 2, 5, 8, 11 (i % 3 == 2) are mixed: 4 groups need problems 0..11 drawn
     groups = ro.correct.view(-1, 4)
     assert len(groups) == 4 and all(0 < g.sum() < 4 for g in groups)
-    assert ro.prompts_drawn == state.data_pos and ro.rounds > 1
+    assert ro.prompts_drawn == cursor.pos == 12 and ro.rounds > 1
     assert ro.group_ids.tolist() == torch.arange(4).repeat_interleave(4).tolist()
 
 
 def test_dynamic_sampling_is_bounded_and_returns_what_it_has():
     tok = build_char_tokenizer()
     engine = ScriptedEngine(tok)
-    state = State(ScriptedTask(), engine, tok)
-    ro = collect_rollout(state, make_cfg(True, rounds=1), seed=0)
+    ro = collect(engine, make_plan(True, rounds=1))
     assert engine.calls == 1 and ro.rounds == 1
     assert len(ro.correct) == 4  # one mixed group among problems 0..3
 
 
+def test_shards_read_their_own_problems_with_their_own_seeds():
+    """Two prompt shards of 2 queries under dynamic sampling: shard s reads problems s, s + 2, s + 4, ... (mixed
+    only where i % 3 == 2), every generate call of every shard and round has its own seed, the cursor counts each
+    shard's draws, and groups are numbered over both shards. Shard 0 draws [0, 2] (keeps 2), [4], [6], [8] (keeps
+    8); shard 1 draws [1, 3], [5, 7] (keeps 5), [9], [11] (keeps 11)."""
+    tok = build_char_tokenizer()
+    engine, cursor = ScriptedEngine(tok), DataCursor()
+    ro = collect_rollout(engine, tok, ScriptedTask(), make_plan(True, rounds=10), cursor, seed=3, shards=(0, 1),
+                         num_shards=2)
+    assert [indices for indices, _ in engine.asked] == [[0, 2], [4], [6], [8], [1, 3], [5, 7], [9], [11]]
+    seeds = [seed for _, seed in engine.asked]
+    assert len(set(seeds)) == len(seeds)
+    assert cursor.shard_pos == [5, 6] and ro.prompts_drawn == 11 and ro.rounds == 4
+    assert ro.prompts == [f"q{i}" for i in (2, 8, 5, 11) for _ in range(4)]
+    assert ro.group_ids.tolist() == torch.arange(4).repeat_interleave(4).tolist()
+
+
 def test_overlong_shaping_changes_rewards_not_correctness():
     tok = build_char_tokenizer()
-    state = State(ScriptedTask(), ScriptedEngine(tok, long_completion=True), tok)
-    ro = collect_rollout(state, make_cfg(False, buffer=8, max_new=32), seed=0)
+    ro = collect(ScriptedEngine(tok, long_completion=True), make_plan(False, buffer=8, max_new=32))
     # sample 0 of each group has 30 tokens: penalty -(30 - (32 - 8))/8 = -0.75
     assert ro.rewards.view(4, 4)[0].tolist() == [0.25, 1, 1, 1]
     assert ro.correct.view(4, 4)[0].tolist() == [1, 1, 1, 1]
@@ -107,8 +120,27 @@ def test_overlong_penalty_values():
 
 def test_dynamic_sampling_filters_on_correctness_not_shaped_reward():
     tok = build_char_tokenizer()
-    state = State(ScriptedTask(), ScriptedEngine(tok, long_completion=True), tok)
-    ro = collect_rollout(state, make_cfg(True, rounds=10, buffer=8, max_new=32), seed=0)
+    ro = collect(ScriptedEngine(tok, long_completion=True), make_plan(True, rounds=10, buffer=8, max_new=32))
     # problem 0 is all right; its long sample makes the shaped rewards differ, yet the group is dropped
     groups = ro.correct.view(-1, 4)
     assert all(0 < g.sum() < 4 for g in groups)
+
+
+def test_the_rollout_package_sits_below_the_rl_state():
+    """Collection takes the engine, the task and its settings as arguments: no module of ``bicc/rollout`` imports
+    the RL state or anything built on it (not even for type hints), and importing collection loads none of them."""
+    import ast
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    above = {"bicc.state", "bicc.step", "bicc.update", "bicc.loop", "bicc.plan"}
+    for path in (ROOT / "bicc" / "rollout").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            assert not above & set(names), f"{path.name} imports {above & set(names)}"
+    code = "import sys, bicc.rollout.collect; print(sorted(m for m in sys.modules if m in %r))" % above
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -5,8 +5,7 @@ trainer's: ``bicc.losses.tis``.)"""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,8 +14,45 @@ from bicc.data import encode_prompt, task_rewards
 from bicc.rewards import overlong_penalty
 from bicc.rollout import RolloutOutput, SamplingParams
 
-if TYPE_CHECKING:
-    from bicc.state import RLState
+
+@dataclass(frozen=True)
+class Collection:
+    """What one step samples and keeps (``from_config``): ``prompts_per_step`` queries (over all shards) x
+    ``group_size`` samples at ``temperature`` / ``top_p``, at most ``max_new_tokens`` each; DAPO's dynamic sampling
+    (``dynamic_sampling``: groups whose correctness is all 0 or all 1 are dropped and more queries drawn, in at most
+    ``max_rounds`` generate calls) and overlong shaping (``overlong_buffer`` tokens, ``overlong_penalty``)."""
+
+    prompts_per_step: int
+    group_size: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    dynamic_sampling: bool = False
+    max_rounds: int = 1
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "Collection":
+        r, algo = cfg.rollout, cfg.algo
+        return cls(r.prompts_per_step, r.group_size, r.temperature, r.top_p, r.max_new_tokens, bool(algo.dynamic_sampling),
+                   algo.max_sampling_rounds, overlong_buffer_tokens(algo, r.max_new_tokens), algo.overlong_penalty)
+
+    def keep(self, correct: torch.Tensor) -> torch.Tensor:
+        """[groups] which groups of ``correct`` [groups, G] are kept: every one, or (dynamic sampling) the mixed."""
+        if not self.dynamic_sampling:
+            return torch.ones(correct.shape[0], dtype=torch.bool)
+        return correct.max(1).values > correct.min(1).values
+
+
+@dataclass
+class DataCursor:
+    """Where the next training problems are read (what a checkpoint keeps): ``pos`` with one prompt shard;
+    with several, ``shard_pos[s]`` for shard s, which reads problems s, s + S, s + 2S, ... Collection advances it."""
+
+    pos: int = 0
+    shard_pos: list = field(default_factory=list)
+
 
 @dataclass
 class Rollout:
@@ -58,61 +94,66 @@ def _select(out: RolloutOutput, rows: list[int]) -> RolloutOutput:
     return part
 
 
-def collect_rollout(state: RLState, cfg, seed: int, shards=(0,), num_shards: int = 1) -> Rollout:
-    """The rollout of prompt shards ``shards`` out of ``num_shards`` (``bicc.distributed``): each shard is
-    ``prompts_per_step / num_shards`` queries with its own seed and its own position in the data (shard s
-    reads problems s, s + S, s + 2S, ...), so a shard's samples do not depend on which process draws it.
-    One shard (the default) is the whole step. Groups are numbered over the returned shards."""
-    parts = [_collect_shard(state, cfg, seed + 104_729 * shard, shard, num_shards) for shard in shards]
+def collect_rollout(engine, tokenizer, task, plan: Collection, cursor: DataCursor, seed: int, shards=(0,),
+                    num_shards: int = 1) -> Rollout:
+    """The rollout of prompt shards ``shards`` out of ``num_shards`` (``bicc.distributed``), sampled by ``engine``
+    from ``task``'s training problems at ``cursor`` (advanced past them): each shard is ``prompts_per_step /
+    num_shards`` queries with its own seed and its own position in the data, so a shard's samples do not depend
+    on which process draws it. One shard (the default) is the whole step. Groups are numbered over the returned
+    shards."""
+    if num_shards > 1 and len(cursor.shard_pos) != num_shards:
+        cursor.shard_pos = [0] * num_shards
+    parts = [_collect_shard(engine, tokenizer, task, plan, cursor, seed + 104_729 * shard, shard, num_shards)
+             for shard in shards]
     if len(parts) == 1:
         return parts[0]
     offsets = [0]
     for p in parts[:-1]:
-        offsets.append(offsets[-1] + len(p.correct) // cfg.rollout.group_size)
+        offsets.append(offsets[-1] + len(p.correct) // plan.group_size)
     return Rollout(_concat([p.out for p in parts]), [t for p in parts for t in p.prompts],
                    torch.cat([p.correct for p in parts]), torch.cat([p.rewards for p in parts]),
                    torch.cat([p.group_ids + o for p, o in zip(parts, offsets)]),
                    sum(p.prompts_drawn for p in parts), max(p.rounds for p in parts), sum(p.generate_s for p in parts))
 
 
-def _collect_shard(state: RLState, cfg, seed: int, shard: int, num_shards: int) -> Rollout:
-    """Sample G outputs for each of the shard's queries and score them. With
-    ``algo.dynamic_sampling`` groups whose accuracy is 0 or 1 are dropped (as in DAPO: on correctness,
-    not on shaped rewards) and more queries drawn, up to ``algo.max_sampling_rounds`` generate calls;
-    a batch still short after that is used as is."""
-    P, G, algo = cfg.rollout.prompts_per_step // num_shards, cfg.rollout.group_size, cfg.algo
-    if num_shards > 1 and len(state.shard_pos) != num_shards:
-        state.shard_pos = [0] * num_shards
+def _problems(task, cursor: DataCursor, want: int, shard: int, num_shards: int) -> list:
+    """The next ``want`` training problems of ``shard``; the cursor moves past them."""
+    if num_shards == 1:
+        problems = [task.train_problem(cursor.pos + i) for i in range(want)]
+        cursor.pos += want
+        return problems
+    pos = cursor.shard_pos[shard]
+    cursor.shard_pos[shard] += want
+    return [task.train_problem((pos + i) * num_shards + shard) for i in range(want)]
+
+
+def _collect_shard(engine, tokenizer, task, plan: Collection, cursor: DataCursor, seed: int, shard: int,
+                   num_shards: int) -> Rollout:
+    """Sample G outputs for each of the shard's queries and score them; under dynamic sampling draw more
+    queries for the groups it drops, up to ``plan.max_rounds`` generate calls; a batch still short after that
+    is used as is."""
+    P, G = plan.prompts_per_step // num_shards, plan.group_size
     kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor]] = []
     num_kept, drawn, rounds, generate_s = 0, 0, 0, 0.0
-    while num_kept < P and rounds < algo.max_sampling_rounds:
+    while num_kept < P and rounds < plan.max_rounds:
         want = P - num_kept
-        if num_shards == 1:
-            problems = [state.task.train_problem(state.data_pos + i) for i in range(want)]
-            state.data_pos += want
-        else:
-            pos = state.shard_pos[shard]
-            problems = [state.task.train_problem((pos + i) * num_shards + shard) for i in range(want)]
-            state.shard_pos[shard] += want
+        problems = _problems(task, cursor, want, shard, num_shards)
         drawn += want
-        prompts = [encode_prompt(state.tokenizer, p.prompt) for p in problems]
-        sampling = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=seed + 7919 * rounds)
+        prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+        sampling = SamplingParams(n=G, temperature=plan.temperature, top_p=plan.top_p,
+                                  max_new_tokens=plan.max_new_tokens, seed=seed + 7919 * rounds)
         start = time.perf_counter()
-        out = state.engine.generate(prompts, sampling)
+        out = engine.generate(prompts, sampling)
         generate_s += time.perf_counter() - start
         rounds += 1
         golds = [problems[i // G] for i in range(len(out.texts))]
-        scores = task_rewards(state.task, out.texts, golds)
-        correct = torch.tensor(scores).view(want, G)
+        correct = torch.tensor(task_rewards(task, out.texts, golds)).view(want, G)
         lengths = torch.tensor([len(c) for c in out.completion_ids]).view(want, G)
-        buffer = overlong_buffer_tokens(algo, cfg.rollout.max_new_tokens)
-        shaped = correct.double() + overlong_penalty(lengths, cfg.rollout.max_new_tokens, buffer,
-                                                     algo.overlong_penalty)  # [want, G]
+        shaped = correct.double() + overlong_penalty(lengths, plan.max_new_tokens, plan.overlong_buffer,
+                                                     plan.overlong_penalty)  # [want, G]
         queries = [problems[i // G].prompt for i in range(want * G)]  # each row's user-turn text
         last_draw = (out, queries, correct.flatten(), shaped.flatten())
-        keep = (correct.max(1).values > correct.min(1).values) if algo.dynamic_sampling else torch.ones(want, dtype=torch.bool)
-        rows = (keep.nonzero() * G + torch.arange(G)).flatten().tolist()  # sample rows of the kept groups
+        rows = (plan.keep(correct).nonzero() * G + torch.arange(G)).flatten().tolist()  # sample rows of the kept groups
         if rows:
             part = _select(out, rows)
             kept.append((part, [queries[r] for r in rows], correct.flatten()[rows], shaped.flatten()[rows]))
