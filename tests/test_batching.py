@@ -162,3 +162,68 @@ def test_kv_gradient_over_micro_batches_equals_one_row_per_output(checkpointing)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert q.grad.abs().max() > 0
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
+
+
+def test_no_micro_batch_of_several_rows_exceeds_the_token_cap():
+    """The promise of ``train.micro_batch_tokens``: a micro-batch's padded size, rows x (its longest prompt + its
+    longest output), stays within the cap (a row longer than the cap goes alone), and within 1.1 x its real
+    tokens; every row is planned once. Over random (prompt, output) lengths and caps."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        lengths = torch.stack([torch.randint(1, 60, (n,), generator=gen), torch.randint(1, 80, (n,), generator=gen)], -1)
+        cap, size = int(torch.randint(20, 600, (1,), generator=gen)), int(torch.randint(1, 12, (1,), generator=gen))
+        plan = plan_micro_batches(torch.arange(n), lengths, size, cap)
+        assert sorted(torch.cat(plan).tolist()) == list(range(n))
+        for mb in plan:
+            padded = len(mb) * int(lengths[mb].max(0).values.sum())
+            assert len(mb) == 1 or (padded <= cap and padded <= 1.1 * int(lengths[mb].sum()) and len(mb) <= size)
+
+
+@pytest.mark.parametrize("bicc", ["off", "on"])
+def test_the_update_forwards_stay_within_the_token_cap(bicc, monkeypatch):
+    """End to end: in an RL step with ``train.micro_batch_tokens`` every trainer forward of several rows embeds at
+    most that many tokens (padding included), the BiCC numerator's one-row-per-output forwards too (on a GPU, more
+    is an OOM the memory budget did not plan for)."""
+    from bicc.data import build_task
+    from bicc.rollout import build_engine
+    from bicc.step import rl_step
+    from tests.helpers import CoinTask, state_for
+
+    cap = 200  # rows of 45-62 tokens: three at most
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", f"bicc={bicc}", "rcc=off", "bicc.packing=false", "train.share_prompts=false",
+                       "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=24",
+                       "bicc.min_attempt_tokens=4", "train.micro_batch_size=16", f"train.micro_batch_tokens={cap}"])
+    model, tok = build_tiny(ARCH, seed=0)
+    s = state_for(model)
+    s.tokenizer, s.task, s.engine = tok, CoinTask(build_task(cfg.data)), build_engine("hf", model, tok, cfg.rollout)
+    shapes, sampling = [], []  # the trainer's forwards (rows, columns); not the engine's
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: None if sampling else shapes.append(args[0].shape))
+    generate = s.engine.generate
+    monkeypatch.setattr(s.engine, "generate", lambda *a, **k: (sampling.append(1), generate(*a, **k), sampling.clear())[1])
+    metrics, _ = rl_step(s, cfg)
+    assert bicc == "off" or metrics["bicc/samples_conditioned_share"] > 0
+    assert len(shapes) > 2 and any(rows > 1 for rows, _ in shapes)
+    assert all(rows * cols <= cap for rows, cols in shapes if rows > 1), shapes
+
+
+def test_the_update_never_packs_past_the_cap_on_real_tokens():
+    """Rows whose real tokens fit the cap but whose padded size does not go apart. Prompts of 6 tokens, outputs of
+    12, 11, 11, 10: rows of 18, 17, 17, 16 tokens. At a cap of 35 the 18 goes alone (with a 17: 2 x 18 = 36 padded
+    for 35 real), then 17 + 17 (34), then 16; the update's forwards and the no-grad passes embed exactly those."""
+    from bicc.advantages import Advantages
+    from bicc.update import update_policy
+    from tests.helpers import state_for
+
+    gen = torch.Generator().manual_seed(0)
+    outputs = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (12, 11, 11, 10)]
+    batch = make_token_batch([[5, 6, 7, 8, 9, 10]] * 4, outputs, 0)
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", "rollout.max_new_tokens=16", "train.micro_batch_size=8",
+                       "train.micro_batch_tokens=35"])
+    model, _ = build_tiny(ARCH, seed=0)
+    shapes = []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    plain = QueryRows(batch)
+    old = logprobs_no_grad(model, plain, 4, 8, 1.0, micro_batch_tokens=35)
+    update_policy(state_for(model), batch, plain, old, None, Advantages.given(torch.tensor([1.0, -1.0, 0.5, -0.5])), cfg, 0)
+    assert shapes == [(1, 18), (2, 17), (1, 16)] * 2

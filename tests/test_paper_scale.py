@@ -113,6 +113,13 @@ def test_kv_space_is_computed_from_the_model_and_the_rows():
     rollout.kv_cache_bytes = 12345  # an explicit size wins on either device
     assert kv_space(tiny, "float32", rollout, options, cuda=False) == kv_space(tiny, "float32", rollout, options, True) == 12345
     assert engine_args("m", "float32", rollout, options, cuda=False, kv_bytes=12345)["kv_cache_memory_bytes"] == 12345
+    # the rows a call holds: a prompt shard's samples (16 queries over 4 shards x G 8 = 32) or an evaluation call
+    from bicc.rollout import engine_rows
+
+    rollout.prompts_per_step, rollout.group_size = 16, 8
+    assert engine_rows(rollout, OmegaConf.create({"batch_size": 8}), shards=4) == 32
+    assert engine_rows(rollout, OmegaConf.create({"batch_size": 8})) == 128
+    assert engine_rows(rollout, OmegaConf.create({"batch_size": 200}), shards=4) == 200
     assert "kv_cache_memory_bytes" not in engine_args("m", "float32", rollout, options, cuda=True)
 
 

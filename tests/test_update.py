@@ -169,3 +169,19 @@ def test_gradients_are_freed_after_the_optimizer_step():
     assert metrics["train/grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in state.model.state_dict().items())
     assert all(p.grad is None for p in state.model.parameters())
+
+
+def test_first_pass_log_ratio_is_each_row_before_any_update():
+    """The update returns each row's summed log pi_theta - log pi_old at its first forward, before any optimizer step
+    (BiCC's log w when pi_old is on q): with two epochs, not the second epoch's, after the first step moved theta."""
+    cfg = compose_cfg(["train.epochs_per_rollout=2", "rollout.max_new_tokens=12", "optim.clip_grad=1e9"])
+    prompts, completions = rows()
+    batch = make_token_batch(prompts, completions, 0)
+    model = build_tiny(ARCH, seed=0)[0].double()
+    old_logp = logprobs_no_grad(build_tiny(ARCH, seed=1)[0].double(), QueryRows(batch), 12, 12, 1.0)  # another policy
+    before = ((logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0) - old_logp) * batch.completion_mask).sum(-1)
+    _, first_pass, _ = update_policy(sgd_state(model), batch, QueryRows(batch), old_logp, None,
+                                     Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)), cfg, step_seed=7)
+    after = ((logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0) - old_logp) * batch.completion_mask).sum(-1)
+    assert (after - before).abs().max() > 1e-3  # theta moved: the epochs' passes differ
+    torch.testing.assert_close(first_pass.double(), before, atol=1e-5, rtol=0)
