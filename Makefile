@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
+# Files and the console in UTF-8 whatever the host's locale (torch's compiler, which vLLM imports, reads its templates
+# in the locale's encoding otherwise).
+export PYTHONUTF8 := 1
 
 .PHONY: setup setup-gpu setup-smollm2 gpu-check train train-dist test test-all lint bench results clean
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -43,19 +42,21 @@ def score_main() -> None:
     from bicc.config import register_configs
     from bicc.data import build_task
     from bicc.evaluation import evaluate, format_eval, markdown_table
+    from bicc.host import console_never_fails, torch_threads
     from bicc.models import end_token_ids, load_pretrained, tokenizer_and_positions
     from bicc.rollout import EngineOptions, build_engine, eval_engine_config
     from bicc.validation import validate, validate_lengths
 
     register_configs()
     hf_logging.disable_progress_bar()
+    console_never_fails()
 
     @hydra.main(config_path="conf", config_name="train", version_base=None)
     def main(cfg) -> dict:
         if cfg.ckpt is None:
             raise ValueError("config field 'ckpt': set ckpt=PATH (an HF model dir or a run dir)")
         validate(cfg)
-        torch.set_num_threads(cfg.threads or os.cpu_count())
+        torch.set_num_threads(torch_threads(cfg.threads))
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
         path = resolve_checkpoint(cfg.ckpt, cfg.sft.cache_dir)
         task = build_task(cfg.data)
@@ -70,8 +71,9 @@ def score_main() -> None:
         engine = build_engine(cfg.rollout.engine, model, tokenizer, eval_engine_config(cfg.rollout, cfg.eval), options)
         metrics = evaluate(engine, tokenizer, task, cfg.eval, cfg.seed, out_dir=out_dir, progress=cfg.logger.progress)
         table = markdown_table(metrics, cfg.eval.ks)
-        (out_dir / "summary.json").write_text(json.dumps({"ckpt": str(path), "eval": cfg.eval.name, **metrics}, indent=1))
-        (out_dir / "results.md").write_text(table + "\n")
+        summary = {"ckpt": str(path), "eval": cfg.eval.name, **metrics}
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        (out_dir / "results.md").write_text(table + "\n", encoding="utf-8")
         print(f"[eval] {path}: {format_eval(metrics)}")
         print(table)
         print(f"[done] outputs in {out_dir}")

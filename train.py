@@ -14,11 +14,13 @@ from transformers.utils import logging as hf_logging
 
 from bicc import distributed
 from bicc.config import register_configs
+from bicc.host import console_never_fails
 from bicc.loop import run
 from bicc.validation import validate
 
 register_configs()
 hf_logging.disable_progress_bar()
+console_never_fails()
 
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -101,6 +100,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     from bicc.conditioning import build_contexts
     from bicc.config import register_configs
     from bicc.data import build_task, encode_prompt
+    from bicc.host import torch_threads
     from bicc.logprobs import make_token_batch
     from bicc.models import num_parameters
     from bicc.optim import build_optimizer, warmup_cosine
@@ -119,7 +119,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
                  f"train.micro_batch_size={spec.get('micro', 128)}", "sft.cache_dir=/tmp/unused", *VARIANTS[variant]]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="train", overrides=overrides)
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(torch_threads(0))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.bicc.enabled and cfg.bicc.packing and cfg.bicc.packing_impl == "mask":
         spec["attn"] = "sdpa"  # flash-attn takes no 4-D mask: mask packing always runs on SDPA

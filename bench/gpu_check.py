@@ -84,7 +84,7 @@ def dapo_file(path: Path, rows: int = 400) -> Path:
     from bicc.data import build_task
 
     task = build_task(OmegaConf.structured(DataConfig(task="arith")))
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         for i in range(rows):
             p = task.train_problem(i)
             f.write(json.dumps({"prompt": [{"role": "user", "content": p.prompt}],
@@ -104,8 +104,8 @@ def rehearse(out: Path, arch: dict, env: dict, device: str = "cuda", extra: tupl
     proc = subprocess.run(cmd, cwd=ROOT, env=env)
     if proc.returncode:
         raise RuntimeError(f"the rehearsal exited {proc.returncode}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows, json.loads((run_dir / "results.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    return rows, json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
 
 
 def model_flops_per_token(arch: dict) -> float:

@@ -295,7 +295,7 @@ def measure(arch: Arch, micro_batch: int, tokens: int, chunk: int) -> dict[str, 
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
     def reset_peak():
-        with open("/proc/self/clear_refs", "w") as f:
+        with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
             f.write("5")
 
     torch.manual_seed(0)

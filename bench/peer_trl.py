@@ -43,6 +43,7 @@ from bench.step_profile import compose_cfg
 from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
 from bicc.gguf import resolve_model_path
+from bicc.host import torch_threads
 from bicc.models import load_pretrained
 from bicc.rollout import EngineOptions, build_engine
 from bicc.sft import warm_start
@@ -155,7 +156,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = compose_cfg(["rcc.diag_every=0", "logger.progress=false", *args.overrides])
-    torch.set_num_threads(cfg.threads or os.cpu_count())
+    torch.set_num_threads(torch_threads(cfg.threads))
     device = torch.device("cpu")
     task = build_task(cfg.data)
     pretrained = cfg.model.tiny is None

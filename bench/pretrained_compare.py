@@ -40,7 +40,7 @@ def per_problem(run_dir: Path) -> dict[str, float]:
     files = sorted((run_dir / "eval").glob("*/per_problem.jsonl"))
     if len(files) != 1:
         raise FileNotFoundError(f"{run_dir / 'eval'}: expected one benchmark's per_problem.jsonl, found {len(files)}")
-    rows = [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in files[0].read_text(encoding="utf-8").splitlines() if line.strip()]
     return {r["id"]: r["accuracy"] for r in rows}
 
 
@@ -52,7 +52,7 @@ def summarize(dirs: dict[str, list[Path]]) -> tuple[str, list[float]]:
     diffs = []
     for name, runs in dirs.items():
         for seed, run_dir in enumerate(runs):
-            res = json.loads((run_dir / "results.json").read_text())
+            res = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
             before, after = res["initial"], res["final"]
             delta = "—"
             if name != "GRPO":
@@ -62,7 +62,8 @@ def summarize(dirs: dict[str, list[Path]]) -> tuple[str, list[float]]:
                 d, dlo, dhi = paired_bootstrap_diff([base[i] for i in ids], [mine[i] for i in ids])
                 diffs.append(100 * d)
                 delta = f"{100 * d:+.1f} [{100 * dlo:+.1f}, {100 * dhi:+.1f}]"
-            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+            lines_of_run = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+            rows = [json.loads(line) for line in lines_of_run if line.strip()]
             rewards = [r["reward/accuracy"] for r in rows if "reward/accuracy" in r]
             lines.append(f"| {name} | {seed} | {100 * before['eval/pass@1']:.1f} | {100 * after['eval/pass@1']:.1f} "
                          f"± {100 * after['eval/pass@1_ci95']:.1f} | {delta} | {100 * before['eval/pass@1_T1']:.1f} → "
@@ -91,8 +92,9 @@ def main() -> None:
     args.docs.mkdir(parents=True, exist_ok=True)
     make_plots([d for runs in dirs.values() for d in runs], args.docs)
     wall = time.perf_counter() - start
-    (args.docs / "compare.md").write_text(f"{table}\n\n{args.seeds} seeds x {args.steps} steps; {wall / 60:.0f} min "
-                                          f"of this invocation (runs reused from {args.out} are not counted).\n")
+    note = (f"{args.seeds} seeds x {args.steps} steps; {wall / 60:.0f} min of this invocation (runs reused from "
+            f"{args.out} are not counted).")
+    (args.docs / "compare.md").write_text(f"{table}\n\n{note}\n", encoding="utf-8")
     print(table)
     print(f"RESULT pretrained_bicc_minus_grpo={statistics.fmean(diffs):.2f} target>0")
 

@@ -80,7 +80,7 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int
            f"hydra.run.dir={run_dir}", *extra]
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with open(run_dir / "stdout.log", "w") as log:
+    with open(run_dir / "stdout.log", "w", encoding="utf-8") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                               env={**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
@@ -92,7 +92,7 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int
 def mean_metric(run_dir: Path, name: str) -> float | None:
     values = []
     path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
         if name in row:
             values.append(row[name])
@@ -100,7 +100,7 @@ def mean_metric(run_dir: Path, name: str) -> float | None:
 
 
 def final_metrics(dirs: list[Path]) -> dict:
-    finals = [json.loads((d / "results.json").read_text()) for d in dirs]
+    finals = [json.loads((d / "results.json").read_text(encoding="utf-8")) for d in dirs]
     pct = lambda key: [100 * f["final"].get(key, float("nan")) for f in finals]  # noqa: E731 (T=1 absent: nan)
     return dict(p1=pct("eval/pass@1"), ci=pct("eval/pass@1_ci95"), t1=pct("eval/pass@1_T1"), greedy=pct("eval/greedy_acc"),
                 init=finals[0]["initial"])
@@ -170,13 +170,13 @@ def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], step
 
 def update_page(table: str) -> None:
     readme = ROOT / "docs" / "results.md"
-    text = readme.read_text()
+    text = readme.read_text(encoding="utf-8")
     start, end = "<!-- results:start -->", "<!-- results:end -->"
     if start not in text or end not in text:
         raise ValueError(f"{readme}: markers {start} / {end} not found")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+    readme.write_text(f"{head}{start}\n{table}\n{end}{tail}", encoding="utf-8")
 
 
 def main() -> None:
@@ -213,10 +213,11 @@ def main() -> None:
     wall_file = args.out / "wall_min.txt"
     minutes = (time.perf_counter() - start) / 60
     if reused == 0:
-        wall_file.write_text(f"{minutes:.1f}\n")
+        wall_file.write_text(f"{minutes:.1f}\n", encoding="utf-8")
         wall = f"{minutes:.0f} min on this machine (`make results`)."
     elif reused == len(jobs) and wall_file.exists():
-        wall = f"{float(wall_file.read_text()):.0f} min on this machine (`make results`, when its runs were made)."
+        minutes = float(wall_file.read_text(encoding="utf-8"))
+        wall = f"{minutes:.0f} min on this machine (`make results`, when its runs were made)."
     else:
         wall = f"{minutes:.0f} min for this call, which reused {reused} of {len(jobs)} runs made earlier."
     ablation = {n: runs[n] for n in configs if n not in names}
@@ -226,7 +227,7 @@ def main() -> None:
     table = summarize({n: runs[n] for n in names}, ablation, args.steps, args.seeds, wall)
     out_docs = ROOT / "docs" / "results"
     out_docs.mkdir(parents=True, exist_ok=True)
-    (out_docs / "results.md").write_text(table + "\n")
+    (out_docs / "results.md").write_text(table + "\n", encoding="utf-8")
     from bicc.plots import make_plots
 
     for path in make_plots([d for ds in runs.values() for d in ds], out_docs):

@@ -22,7 +22,6 @@ Ends with ``RESULT model_step_ratio_bicc_rcc=<BiCC+RCC / GRPO> target<=1.15``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -31,6 +30,7 @@ import torch
 from bench.memory_model import QWEN3_4B
 from bench.step_profile import compose_cfg, drawn_lengths
 from bicc.config import TinyArchConfig
+from bicc.host import torch_threads
 from bicc.logprobs import make_token_batch
 from bicc.models import build_tiny, num_parameters
 from bicc.plan import StepPlan
@@ -134,7 +134,7 @@ def step_phases(plan: StepPlan, cost: dict[str, float], mean_len: float, max_len
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # no options: --help only
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(torch_threads(0))
     cost = measured_costs()
     _, tok = build_tiny(TinyArchConfig(**SMALL[0]), seed=0)
     lengths = drawn_lengths(MAX_TOKENS, tok).float()

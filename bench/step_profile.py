@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -48,6 +47,7 @@ from bicc.advantages import Advantages
 from bicc.batching import trim_rows
 from bicc.config import TinyArchConfig, register_configs
 from bicc.data import build_task
+from bicc.host import torch_threads
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.models import build_tiny, num_parameters
 from bicc.plan import StepPlan, step_logprobs
@@ -97,7 +97,7 @@ def report(split: dict[str, float], steps: int) -> None:
 
 def task_profile(overrides: list[str], warmup: int, steps: int) -> None:
     cfg = compose_cfg(overrides)
-    torch.set_num_threads(cfg.threads or os.cpu_count())
+    torch.set_num_threads(torch_threads(cfg.threads))
     device = torch.device("cpu")
     init_path = str(warm_start(cfg, build_task(cfg.data), device, progress=False))
     state = build_rl_state(cfg, init_path, init_path, device)
@@ -119,7 +119,7 @@ def drawn_lengths(max_tokens: int, tokenizer) -> torch.Tensor:
     """Token lengths of the labelled completions under ``tokenizer``, scaled so that the 99th percentile is
     ``max_tokens`` (the longest is 5 x that percentile: scaling by it would squeeze the rest to a few
     tokens); the 1% above are truncated there, as a run truncates them."""
-    texts = [json.loads(line)["completion"] for line in DATA.read_text().splitlines() if line.strip()]
+    texts = [json.loads(line)["completion"] for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
     lengths = torch.tensor([len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts], dtype=torch.float)
     return (lengths * max_tokens / lengths.quantile(0.99)).round().clamp(2, max_tokens).long()
 
@@ -223,7 +223,7 @@ def full_step_at_equal_flop_cost(states, cfgs, ro, grpo_split: dict[str, float])
 
 def realistic_profile(overrides: list[str], micro: int, repeats: int, steps: int) -> None:
     base = compose_cfg([*REALISTIC, "bicc=off", "rcc=off", *overrides])
-    torch.set_num_threads(base.threads or os.cpu_count())
+    torch.set_num_threads(torch_threads(base.threads))
     model, tokenizer = build_tiny(TinyArchConfig(**LARGE), seed=0)
     lengths = drawn_lengths(base.rollout.max_new_tokens, tokenizer)
     print(f"model {num_parameters(model) / 1e6:.1f}M parameters; output lengths: median {int(lengths.median())}, "

@@ -11,11 +11,12 @@ from pathlib import Path
 
 
 def row(run: Path) -> str:
-    results = json.loads((run / "results.json").read_text())
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    results = json.loads((run / "results.json").read_text(encoding="utf-8"))
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     rl_seconds = sum(s.get("perf/step_s", 0.0) for s in steps)
     initial, final = results["initial"], results["final"]
-    name = json.loads((run / "config.json").read_text())["run_name"] if (run / "config.json").exists() else run.name
+    config = run / "config.json"
+    name = json.loads(config.read_text(encoding="utf-8"))["run_name"] if config.exists() else run.name
     return (f"| {name} | {100 * initial['eval/pass@1']:.1f} | {100 * final['eval/pass@1']:.1f} ± "
             f"{100 * final['eval/pass@1_ci95']:.1f} | {100 * (final['eval/pass@1'] - initial['eval/pass@1']):+.1f} | "
             f"{100 * initial['eval/greedy_acc']:.1f} → {100 * final['eval/greedy_acc']:.1f} | {results['steps']} | "

@@ -59,7 +59,7 @@ def save_checkpoint(ckpt_dir: Path, model, tokenizer, trainer_state: dict, keep_
     tmp.mkdir(parents=True, exist_ok=True)
     save_hf(model, tokenizer, tmp, state_dict)
     torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
-    (tmp / COMPLETE).write_text("ok\n")
+    (tmp / COMPLETE).write_text("ok\n", encoding="utf-8")
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     os.replace(tmp, ckpt_dir)
     if keep_last > 0:

@@ -23,10 +23,10 @@ def load_result(path: Path) -> tuple[dict, dict[str, dict[str, dict]]]:
     summary_file = path / "summary.json"
     if not summary_file.exists():
         raise FileNotFoundError(f"{path}: no summary.json (run `python eval.py ckpt=...` first)")
-    summary = json.loads(summary_file.read_text())
+    summary = json.loads(summary_file.read_text(encoding="utf-8"))
     per = {}
     for sub in sorted(p for p in path.iterdir() if (p / "per_problem.jsonl").exists()):
-        rows = [json.loads(line) for line in (sub / "per_problem.jsonl").read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in (sub / "per_problem.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
         per[sub.name] = {r["id"]: r for r in rows}
     return summary, per
 
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         report[bench] = {"problems": len(ids), "a": a.mean(), "b": b.mean(), "diff": diff, "ci": [lo, hi],
                          "wilcoxon_w": stat, "p": p}
     table = "\n".join(lines)
-    (out / "compare.md").write_text(table + "\n")
-    (out / "compare.json").write_text(json.dumps(report, indent=1))
+    (out / "compare.md").write_text(table + "\n", encoding="utf-8")
+    (out / "compare.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     plot = passk_plot({str(args.a): sa, str(args.b): sb}, out / "passk.png")
     print(table)
     print(f"[compare] wrote {out / 'compare.md'}" + (f" and {plot}" if plot else ""))

@@ -245,7 +245,7 @@ def evaluate(engine, tokenizer, task, eval_cfg, seed: int, out_dir: Path | None 
             metrics.update({"eval/" + k.split("/", 2)[2]: v for k, v in m.items()})
         if out_dir is not None and d.is_main:
             (out_dir / bench.name).mkdir(parents=True, exist_ok=True)
-            with open(out_dir / bench.name / "per_problem.jsonl", "w") as f:
+            with open(out_dir / bench.name / "per_problem.jsonl", "w", encoding="utf-8") as f:
                 for r in records:
                     f.write(json.dumps(r) + "\n")
     return metrics

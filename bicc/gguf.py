@@ -69,7 +69,7 @@ def resolve_model_path(path: str | None, cache_dir: str, converter=convert) -> s
     root = Path(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"gguf-{source.stem}-{sha256(source)[:16]}"
-    with open(root / f"{final.name}.lock", "w") as lock:
+    with open(root / f"{final.name}.lock", "w", encoding="utf-8") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process converts; the others wait, then find it done
         if not (final / "config.json").exists():
             partial = root / f"{final.name}.partial"

@@ -6,7 +6,6 @@ calls ``run``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from bicc.conditioning import context_budget
 from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
 from bicc.gguf import resolve_model_path
+from bicc.host import torch_threads, usable_cores
 from bicc.models import DTYPES, num_parameters, tokenizer_and_positions
 from bicc.packing import padding_free
 from bicc.progress import progress
@@ -179,7 +179,7 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
     while s.step < cfg.train.steps:
         metrics, diag_record = rl_step(s, cfg)
         if diag_record and s.dist.is_main:  # raw per-sample values for the delta histograms (bicc.plots)
-            with open(run_dir / "diagnostics.jsonl", "a") as f:
+            with open(run_dir / "diagnostics.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(diag_record) + "\n")
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", loss=f"{metrics['train/loss']:.3f}")
@@ -211,7 +211,7 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
 def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     """Warm start (tiny models), RL, final evaluation; ``choices``: the config group choices, for the
     start-up summary. Returns the results (also written to ``run_dir/results.json``)."""
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // d.world))
+    torch.set_num_threads(torch_threads(cfg.threads, d.world))
     cuda = f"cuda:{d.local_rank}" if torch.cuda.is_available() else "cpu"
     device = torch.device(cuda if cfg.device == "auto" else cfg.device)
     torch.manual_seed(cfg.seed)
@@ -219,6 +219,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
         print(f"[dist] rank {d.rank}/{d.world} (local rank {d.local_rank}) on {device}, collectives on {d.device}")
     if d.is_main:
         print(f"[run] {describe_choices(choices, cfg)}")
+        print(f"[host] usable cores: {usable_cores()}, torch threads per process: {torch.get_num_threads()}")
     task = build_task(cfg.data)
     cfg.model.path = resolve_model_path(cfg.model.path, cfg.sft.cache_dir)  # gguf:<package>/<file>: an HF dir
     max_model_len = validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model))
@@ -250,11 +251,11 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     if s.step == 0:  # score the initial policy with the model RL will train (no second load), on every rank
         cache = initial_eval_cache(cfg, init_path)
         baseline = distributed.broadcast_object(
-            json.loads(cache.read_text()) if d.is_main and cache is not None and cache.exists() else None, d)
+            json.loads(cache.read_text(encoding="utf-8")) if d.is_main and cache is not None and cache.exists() else None, d)
         if baseline is None:
             baseline = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, d=s.dist)
             if cache is not None and d.is_main:
-                cache.write_text(json.dumps(baseline))
+                cache.write_text(json.dumps(baseline), encoding="utf-8")
         if d.is_main:
             print(f"[eval] initial policy: {format_eval(baseline)}")
 
@@ -271,7 +272,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     if device.type == "cuda":  # the run's peak, evaluations included (make gpu-check sets it beside the memory model)
         results["cuda_max_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         results["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    (run_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (run_dir / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     print(f"[eval] final policy:   {format_eval(final)}")
     print(f"[done] outputs in {run_dir}")
     return results

@@ -67,7 +67,7 @@ def _read_jsonl(path: Path, key: str) -> list[dict]:
     if not path.exists():
         return []
     rows = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -33,6 +33,7 @@ import torch
 
 from bicc.batching import logprobs_no_grad
 from bicc.conditioning import ConditionedPrompts, build_contexts, context_budget, render_context, template_prompt
+from bicc.host import console_never_fails
 from bicc.logprobs import make_token_batch
 from bicc.losses import LOSSES, StepTotals
 from bicc.rows import ContextRows, QueryRows
@@ -177,6 +178,7 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None, help="HF-format checkpoint dir or id (default: the warm start)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of conf/train.yaml (bicc must be on)")
     args = parser.parse_args()
+    console_never_fails()
 
     from pathlib import Path
 

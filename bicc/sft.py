@@ -162,8 +162,8 @@ def warm_start(cfg, task, device: torch.device, progress: bool = True) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_hf(model, tokenizer, tmp)
-    (tmp / "sft_metrics.json").write_text(json.dumps(metrics, indent=1))
-    (tmp / COMPLETE).write_text("ok\n")
+    (tmp / "sft_metrics.json").write_text(json.dumps(metrics, indent=1), encoding="utf-8")
+    (tmp / COMPLETE).write_text("ok\n", encoding="utf-8")
     tmp.replace(path)
     print(f"[sft] {metrics['sft/steps']} steps in {metrics['sft/seconds']:.0f}s, final loss {metrics['sft/loss']:.3f} -> {path}")
     return path

@@ -29,7 +29,7 @@ class Tracker:
         if not self.enabled:
             return
         clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in metrics.items()}
-        with self.path.open("a") as f:
+        with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                                  for k, v in clean.items()}}) + "\n")
         if self._wandb is not None:
@@ -47,7 +47,7 @@ def rewind_jsonl(path: Path, step: int) -> int:
     if not path.exists():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             row_step = json.loads(line).get("step")
         except json.JSONDecodeError:  # a line cut by the kill
@@ -58,6 +58,6 @@ def rewind_jsonl(path: Path, step: int) -> int:
         else:
             kept.append(line)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     tmp.replace(path)
     return dropped

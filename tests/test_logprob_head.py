@@ -38,8 +38,9 @@ def test_chunked_head_equals_full_logits(chunk):
     ids, mask, pos = inputs()
     a, ent_a = token_logprobs(model, ids, mask, pos, 9, temperature=0.7, with_entropy=True)
     b, ent_b = reference_logprobs(ref, ids, mask, pos, 9, 0.7)
-    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-    torch.testing.assert_close(ent_a, ent_b, atol=1e-6, rtol=0)
+    # fp32: a few ulps of log-probs near -4.6, whose last bits depend on the CPU's vector width (AVX-512, AVX2, none)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=2e-6)
+    torch.testing.assert_close(ent_a, ent_b, atol=1e-6, rtol=2e-6)
     w = torch.randn(3, 9, generator=torch.Generator().manual_seed(2))
     for ga, gb in zip(torch.autograd.grad((a * w).sum(), list(model.parameters())),
                       torch.autograd.grad((b * w).sum(), list(ref.parameters()))):

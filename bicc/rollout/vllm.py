@@ -36,7 +36,10 @@ has loaded and on when the node is read (a negative size on some machines).
 
 from __future__ import annotations
 
+import codecs
+import locale
 import os
+import sys
 
 import torch
 
@@ -121,6 +124,11 @@ def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions
 class VLLMEngine:
     def __init__(self, model, tokenizer, rollout_cfg, options: EngineOptions = EngineOptions()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
+        encoding = locale.getpreferredencoding(False)
+        if not sys.flags.utf8_mode and codecs.lookup(encoding).name != "utf-8":
+            raise RuntimeError(f"rollout=vllm: this host's locale encodes files as {encoding}, and the torch compiler vLLM "
+                               "imports reads its UTF-8 templates that way and fails; run with PYTHONUTF8=1 (the "
+                               "Makefile sets it) or a UTF-8 locale (LANG=C.UTF-8)")
         try:
             from vllm import LLM
         except ImportError:

@@ -1,0 +1,91 @@
+"""What a process may use of its machine (bicc/host.py): its affinity mask and cgroup quota, not the machine's core
+count, and a run under ``taskset``-like affinity sizes torch's threads to it."""
+
+import os
+import subprocess
+import sys
+
+from bicc.host import torch_threads, usable_cores
+from tests.helpers import ROOT, SMALL
+
+
+def test_usable_cores_follow_the_affinity_mask_and_the_cgroup_quota(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    cpu_max = tmp_path / "cpu.max"
+    assert usable_cores(cpu_max) == 4  # no cgroup file: the mask
+    cpu_max.write_text("150000 100000\n")  # 1.5 CPUs of quota: 2 threads
+    assert usable_cores(cpu_max) == 2
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(cpu_max) == 4
+    cpu_max.write_text("garbage\n")
+    assert usable_cores(cpu_max) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert usable_cores(cpu_max) == 1
+
+
+def test_torch_threads_share_the_usable_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    monkeypatch.setattr("bicc.host.CGROUP_CPU_MAX", ROOT / "absent")
+    assert torch_threads(0) == 5 and torch_threads(0, processes=2) == 2 and torch_threads(0, processes=8) == 1
+    assert torch_threads(3, processes=2) == 3  # the config's threads, as given
+
+
+def test_a_run_pinned_to_one_core_uses_one_thread(tmp_path):
+    """A run started on one core (as ``taskset -c 0`` starts it) on a machine of several: torch gets one thread, not
+    one per core of the machine (oversubscribed)."""
+    core = min(os.sched_getaffinity(0))
+    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled"}
+    env.pop("OMP_NUM_THREADS", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *SMALL, "stage=sft", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[host] usable cores: 1, torch threads per process: 1" in proc.stdout
+
+
+def test_a_run_on_a_bare_host(tmp_path):
+    """train.py then eval.py where nothing is set up: an ASCII locale without Python's UTF-8 mode, a time zone 12:45
+    ahead of UTC, a HOME that is a file (nothing can be created under it) and no HF_HOME / XDG / matplotlib dirs
+    (then an HF_HOME that is a file), no cache from earlier runs. The run finishes, prints its summary (the "±" as
+    an escape) and its results."""
+    home = tmp_path / "home-is-a-file"
+    home.write_text("", encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "MPLCONFIGDIR",
+                                                            "LANG", "LANGUAGE", "LC_CTYPE", "TRANSFORMERS_CACHE")}
+    env.update(HOME=str(home), LC_ALL="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0", TZ="Pacific/Chatham",
+               BICC_CACHE=str(tmp_path / "cache"), WANDB_MODE="disabled")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *SMALL, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, encoding="ascii", errors="replace", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "pass@1" in proc.stdout and "\\xb1" in proc.stdout  # the summary's "±", escaped
+    proc = subprocess.run([sys.executable, "eval.py", f"ckpt={run_dir}", "eval.num_problems=4", "eval.max_new_tokens=8",
+                           f"hydra.run.dir={tmp_path / 'eval'}"], cwd=ROOT, env={**env, "HF_HOME": str(home)},
+                          capture_output=True, text=True, encoding="ascii", errors="replace", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "| arith | 4 |" in (tmp_path / "eval" / "results.md").read_text(encoding="utf-8")
+
+
+def test_vllm_on_a_host_without_a_utf8_locale_says_what_to_set(monkeypatch):
+    """torch's compiler, which vLLM imports, reads its UTF-8 templates in the locale's encoding and fails deep in
+    an import; the engine says what to set instead, before importing vLLM."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    import bicc.rollout.vllm as engine
+
+    monkeypatch.setattr(engine.locale, "getpreferredencoding", lambda do_setlocale=True: "ANSI_X3.4-1968")
+    monkeypatch.setattr(engine, "sys", SimpleNamespace(flags=SimpleNamespace(utf8_mode=0)))
+    with pytest.raises(RuntimeError, match="PYTHONUTF8=1"):
+        engine.VLLMEngine(None, None, None)
+
+
+def test_numerics_hold_without_vector_instructions():
+    """The exactness tests' tolerances hold on a CPU without AVX (torch's default kernels, another summation
+    order): the head's fp32 log-probs differed from the full-vocab reference by 1.4e-6 there, a few ulps."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_logprob_head.py",
+                           "tests/test_reference.py::test_rl_step_is_algorithm1"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:]
