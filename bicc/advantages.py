@@ -80,7 +80,8 @@ def rcc_advantage(rewards, group_ids, delta, cfg):
 
         Cov = (1/G) sum_i (r_i - R_bar)(delta_i - delta_bar),    A_i = r_i - R_bar - 2 Cov,
 
-    with delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q) (detached) and no std normalisation.
+    with delta_i = log pi_theta(o_i | q) - log pi_ref(o_i | q) (``rcc=on``; on x^c in Algorithm 1's reading,
+    ``rcc.delta_context=xc``), detached, and no std normalisation.
     It replaces the variant's own advantage."""
     if delta is None:
         raise ValueError("advantage 'rcc' needs delta: the per-sample log pi_theta(o|x^c) - log pi_ref(o|q)")

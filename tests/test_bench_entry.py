@@ -40,12 +40,13 @@ def test_step_model_phases_follow_the_plan():
 
     cost = {"forward": 1.0, "forward_backward": 3.0, "decode": 10.0}
     grpo = step_phases(StepPlan.from_config(compose_cfg(["bicc=off", "rcc=off"]), False), cost, 100.0, 2048)
-    paper = step_phases(StepPlan.from_config(compose_cfg(["bicc=on", "rcc=on", "rcc.delta_from_update=false"]), False),
-                        cost, 100.0, 2048)
-    read = step_phases(StepPlan.from_config(compose_cfg(["bicc=on", "rcc=on"]), False), cost, 100.0, 2048)
+    xc = ["bicc=on", "rcc=on", "rcc.delta_context=xc"]  # Algorithm 1's delta: its own pass, or the update's forward
+    paper = step_phases(StepPlan.from_config(compose_cfg([*xc, "rcc.delta_from_update=false"]), False), cost, 100.0, 2048)
+    read = step_phases(StepPlan.from_config(compose_cfg(xc), False), cost, 100.0, 2048)
+    on_q = step_phases(StepPlan.from_config(compose_cfg(["bicc=on", "rcc=on"]), False), cost, 100.0, 2048)
     assert list(grpo) == ["rollout", "update"]
     assert len(paper) == 5  # rollout, three no-grad passes, update
-    assert list(read) == [k for k in paper if "delta" not in k]  # delta read from the update's forward
+    assert list(read) == list(on_q) == [k for k in paper if "delta" not in k]  # delta from the update, or on q
     # 8 prompts of 300 tokens, each computed once for its 64 / 8 outputs of 100 tokens (train.share_prompts), or
     # once per output; update = (3 + 1) per token (checkpointing replays the forward)
     assert grpo["update"] == (8 * 300 + 64 * 100) * 4.0
@@ -94,8 +95,9 @@ def test_plan_flops_count_each_pass_of_the_plan():
     assert q != xc
     plan = lambda *o: StepPlan.from_config(compose_cfg(list(o)), False)  # noqa: E731
     assert plan_flops(plan("bicc=off", "rcc=off"), model, on_q, on_xc) == 3 * q
-    assert plan_flops(plan("bicc=on", "rcc=on"), model, on_q, on_xc) == 2 * q + 3 * xc
-    own = plan("bicc=on", "rcc=on", "rcc.delta_from_update=false")
+    assert plan_flops(plan("bicc=on", "rcc=on", "rcc.delta_context=xc"), model, on_q, on_xc) == 2 * q + 3 * xc
+    assert plan_flops(plan("bicc=on", "rcc=on"), model, on_q, on_xc) == 2 * q + 3 * xc  # delta on q: pi_old's
+    own = plan("bicc=on", "rcc=on", "rcc.delta_context=xc", "rcc.delta_from_update=false")
     assert plan_flops(own, model, on_q, on_xc) == 2 * q + 4 * xc
 
 
@@ -194,13 +196,14 @@ def test_peer_trl_counts_the_update_flops_of_the_rows_each_step_trained_on(monke
 
 
 def test_pretrained_compare_configs_compose_and_differ_only_where_named():
-    """Every row of the comparison is a valid run of the preset; the fourth reads RCC's delta on q, the rest on x^c."""
+    """Every row of the comparison is a valid run of the preset; the third reads RCC's delta on x^c (Algorithm 1),
+    the fourth on q (``rcc=on`` itself)."""
     from bench.pretrained_compare import CONFIGS
     from bench.step_profile import compose_cfg
 
     cfgs = {name: compose_cfg(["experiment=smollm2_arith", *overrides]) for name, overrides in CONFIGS.items()}
     assert [(c.bicc.enabled, c.rcc.enabled, c.rcc.delta_context) for c in cfgs.values()] == [
-        (False, False, "xc"), (True, False, "xc"), (True, True, "xc"), (True, True, "q")]
+        (False, False, "q"), (True, False, "q"), (True, True, "xc"), (True, True, "q")]
 
 
 def test_peer_trl_runs_trl_in_colocate_mode_only_beside_our_vllm_rollouts(monkeypatch):

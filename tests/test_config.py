@@ -100,6 +100,19 @@ def test_algo_presets_match_their_papers():
     assert all(name == c[name].name for name in c)
 
 
+def test_rcc_on_is_the_papers_correction_with_delta_on_q():
+    """``rcc=on``: delta summed over tokens and read on q (Section 4.2, Appendices B/C, the Cov table), with or
+    without BiCC and in the paper presets; Algorithm 1's x^c reading is one override away; ``rcc=mean`` differs from
+    ``rcc=on`` in its reduction only."""
+    for overrides in (["rcc=on"], ["bicc=on", "rcc=on"], ["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on"],
+                      ["experiment=paper_phi4_mini", "rcc=on"], ["experiment=smollm2_arith", "bicc=on", "rcc=on"]):
+        r = compose_cfg(["sft.cache_dir=/tmp/x", *overrides]).rcc
+        assert (r.enabled, r.delta, r.delta_context) == (True, "sum", "q"), overrides
+    assert compose_cfg(["rcc=on", "rcc.delta_context=xc"]).rcc.delta_context == "xc"
+    mean = compose_cfg(["rcc=mean"]).rcc
+    assert (mean.delta, mean.delta_context) == ("mean", "q")
+
+
 def _lengths(overrides):
     from bicc.data import build_task
     from bicc.models import tokenizer_and_positions

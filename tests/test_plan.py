@@ -45,24 +45,28 @@ def test_passes_per_configuration():
     assert passes(["bicc=off", "rcc=off"]) == ["update on q (forward + backward, supplies pi_old)"]
     # several updates per rollout: pi_old must be frozen before the first
     assert passes(["bicc=off", "rcc=off", "train.epochs_per_rollout=2"])[0] == "pi_old on q (no grad)"
-    # the paper's BiCC + RCC (delta on x^c, Algorithm 1): pi_old on q, pi_ref on q; theta_old on x^c is the
+    # the paper's BiCC + RCC with delta on x^c (Algorithm 1): pi_old on q, pi_ref on q; theta_old on x^c is the
     # update's own first forward (one update per rollout), or a pass of its own
     update, update_delta = "update on x^c (forward + backward)", "update on x^c (forward + backward, supplies RCC's delta)"
     paper = ["pi_old on q (no grad)", "pi_ref on q (no grad)", update_delta]
-    assert passes(["bicc=on", "rcc=on"]) == paper
+    assert passes(["bicc=on", "rcc=on", "rcc.delta_context=xc"]) == paper
     own_pass = [*paper[:2], "pi_theta_old on x^c for RCC's delta (no grad)", update]
-    assert passes(["bicc=on", "rcc=on", "rcc.delta_from_update=false"]) == own_pass
-    assert passes(["bicc=on", "rcc=on", "train.minibatches_per_rollout=2"]) == own_pass
-    # delta on q (Section 4.2) reuses pi_old on q; the sampler's log-probs replace pi_old on q
-    assert passes(["bicc=on", "rcc=on", "rcc.delta_context=q"]) == [*paper[:2], update]
-    assert passes(["bicc=on", "rcc=on", "rollout.old_from_sampler=true"], sampler=True) == paper[1:]
+    assert passes(["bicc=on", "rcc=on", "rcc.delta_context=xc", "rcc.delta_from_update=false"]) == own_pass
+    assert passes(["bicc=on", "rcc=on", "rcc.delta_context=xc", "train.minibatches_per_rollout=2"]) == own_pass
+    # delta on q (Section 4.2, rcc=on itself) reuses pi_old on q, with or without delta_from_update (the paper
+    # presets' setting): one pass fewer there; the sampler's log-probs replace pi_old on q
+    assert passes(["bicc=on", "rcc=on"]) == passes(["bicc=on", "rcc=on", "rcc.delta_from_update=false"]) == [*paper[:2], update]
+    assert passes(["experiment=paper_qwen3_4b", "bicc=on", "rcc=on"]) == [*paper[:2], update]
+    assert passes(["bicc=on", "rcc=on", "rcc.delta_context=xc", "rollout.old_from_sampler=true"], sampler=True) == paper[1:]
     assert passes(["bicc=on", "rcc=on", "rcc.delta_context=q", "rollout.old_from_sampler=true"],
                   sampler=True) == [paper[1], update]
     # the stabilised form: pi_old on x^c is the update's forward too, and so is RCC's delta
     assert passes(["bicc=stable", "rcc=off"]) == ["update on x^c (forward + backward, supplies pi_old)"]
-    assert passes(["bicc=stable", "rcc=on"]) == ["pi_ref on q (no grad)",
-                                                 "update on x^c (forward + backward, supplies pi_old and RCC's delta)"]
-    assert passes(["bicc=stable", "rcc=on", "rcc.delta_from_update=false"]) == ["pi_old on x^c (no grad)", paper[1], update]
+    stable_xc = ["bicc=stable", "rcc=on", "rcc.delta_context=xc"]
+    assert passes(stable_xc) == ["pi_ref on q (no grad)", "update on x^c (forward + backward, supplies pi_old and RCC's delta)"]
+    assert passes([*stable_xc, "rcc.delta_from_update=false"]) == ["pi_old on x^c (no grad)", paper[1], update]
+    # ... and with delta on q it needs pi_old on q beside pi_old on x^c
+    assert passes(["bicc=stable", "rcc=on"]) == ["pi_old on x^c (no grad)", *paper[:2], update]
     # a base variant with RCC: pi_old and delta (both on q) from the update
     assert passes(["bicc=off", "rcc=on"]) == ["pi_ref on q (no grad)",
                                               "update on q (forward + backward, supplies pi_old and RCC's delta)"]
@@ -107,9 +111,9 @@ def test_delta_from_the_update_gives_the_same_steps(form, tmp_path):
     model, tok = build_tiny(ARCH, seed=0)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    base = [f"bicc={form}", "rcc=on", "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4", "rollout.group_size=4",
-            "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=2", "train.micro_batch_size=5", "rcc.diag_every=0",
-            "optim.warmup_steps=0", "optim.lr=1e-3"]
+    base = [f"bicc={form}", "rcc=on", "rcc.delta_context=xc", "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4",
+            "rollout.group_size=4", "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=2", "train.micro_batch_size=5",
+            "rcc.diag_every=0", "optim.warmup_steps=0", "optim.lr=1e-3"]
     runs = {}
     for deferred in (True, False):
         cfg = compose_cfg([*base, f"rcc.delta_from_update={str(deferred).lower()}"])

@@ -49,7 +49,8 @@ def test_rl_step_is_algorithm1(algo, packing, delta_from_update, micro_batch, tm
     model.save_pretrained(tmp_path / "policy")
     tok.save_pretrained(tmp_path / "policy")
     # 32-token outputs: a 12-token context budget, above min_attempt_tokens 4, so mixed groups are conditioned
-    cfg = compose_cfg([f"algo={algo}", "bicc=on", "rcc=on", f"bicc.{packing}", f"rcc.delta_from_update={delta_from_update}",
+    cfg = compose_cfg([f"algo={algo}", "bicc=on", "rcc=on", "rcc.delta_context=xc", f"bicc.{packing}",
+                       f"rcc.delta_from_update={delta_from_update}",
                        f"train.micro_batch_size={micro_batch}", "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4",
                        "rollout.group_size=4", "rollout.max_new_tokens=32", "bicc.min_attempt_tokens=4",
                        "rcc.diag_every=0", "optim.warmup_steps=0", "optim.clip_grad=1e9"])

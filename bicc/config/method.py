@@ -88,7 +88,7 @@ class RccConfig:
 
     enabled: bool = MISSING
     delta: str = choice(Literal["sum", "mean"], "mean")
-    delta_context: str = choice(Literal["xc", "q"], "xc")
+    delta_context: str = choice(Literal["xc", "q"], "q")
     delta_from_update: bool = True
     diag_every: int = 0
     diag_splits: int = 4
