@@ -5,12 +5,8 @@ padding mask ``[B, T]`` or a prepared 4-D mask ``[B, 1, T, T]`` (bool: True = at
 BiCC's KV-reuse packing calls ``forward_logprobs`` on outputs behind cached context keys/values
 (``bicc.packing``); both go through the chunked head below.
 
-Memory: the output projection never materialises [B, T, V] logits. Inside ``head_targets`` the model's
-``lm_head`` (class-swapped to ``LogprobHead``, same weight, same name) returns per-token log-probs and
-entropies computed over chunks of ``chunk_tokens`` tokens, each chunk recomputed in backward
-(``torch.utils.checkpoint``), so the peak is chunk_tokens x V, not B x T x V. A forward of one chunk or less
-keeps its logits for the backward instead: the same peak, one head forward fewer. It runs inside the model's
-own forward, so FSDP2's gathered root parameters and activation checkpointing apply unchanged.
+Memory: the output projection never materialises [B, T, V] logits: inside ``head_targets`` the model's
+``lm_head`` is the chunked log-prob head of ``bicc.head`` (entropies only when asked for).
 
 Mixed precision: a policy held in fp32 master weights with a lower compute dtype carries
 ``bicc_compute_dtype``; ``compute_precision(model)`` is the autocast every forward of it runs under.
@@ -26,9 +22,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-DEFAULT_CHUNK_TOKENS = 1024
+from bicc.head import DEFAULT_CHUNK_TOKENS, LogprobHead, head_targets, install_logprob_head  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -107,75 +102,10 @@ def compute_precision(model):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def _chunk_logprobs(hidden, weight, bias, targets, temperature: float):
-    """[n, H] hidden states -> [n] log-probs of ``targets`` and [n] entropies (no graph)."""
-    logits = at_least_fp32(torch.nn.functional.linear(hidden, weight, bias))  # [n, V]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = logprobs_from_logits(logits, targets)
-    with torch.no_grad():
-        entropy = entropy_from_logits(logits)
-    return logp, entropy
-
-
-class LogprobHead(torch.nn.Linear):
-    """An ``nn.Linear`` output projection that, while ``request`` is set (``head_targets``), returns
-    [..., 2] = (log-prob of the requested target, entropy) per position instead of [..., V] logits."""
-
-    request = None  # (targets [B, T'], temperature, chunk_tokens)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.request is None:
-            return super().forward(hidden)
-        targets, temperature, chunk = self.request
-        shape = hidden.shape[:-1]  # [B, T']
-        flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        parts = []
-        # one chunk: its logits are kept for the backward (the same peak as recomputing them there, one head
-        # forward fewer); several: each is recomputed in the backward, so the peak stays one chunk's
-        recompute = torch.is_grad_enabled() and flat_h.requires_grad and flat_h.shape[0] > chunk
-        for start in range(0, flat_h.shape[0], chunk):
-            args = (flat_h[start : start + chunk], self.weight, self.bias, flat_t[start : start + chunk], temperature)
-            if recompute:
-                parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-            else:
-                parts.append(_chunk_logprobs(*args))
-        logp = torch.cat([p[0] for p in parts]) if parts else flat_h.new_zeros(0, dtype=torch.float32)
-        entropy = torch.cat([p[1] for p in parts]) if parts else logp
-        return torch.stack([logp.view(shape), entropy.view(shape)], dim=-1)  # a fresh tensor, not a view
-
-
-def install_logprob_head(model, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bool:
-    """Turn the model's ``nn.Linear`` output projection into a ``LogprobHead`` (same parameters and state
-    dict); False when the head is of another kind (log-probs then come from full logits)."""
-    head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear:
-        head.__class__ = LogprobHead
-    if not isinstance(head, LogprobHead):
-        return False
-    head.chunk_tokens = chunk_tokens
-    return True
-
-
-@contextlib.contextmanager
-def head_targets(model, targets: torch.Tensor, temperature: float):
-    """While inside, the model's forward returns [B, T', 2] (log-prob of ``targets`` [B, T'], entropy) in
-    place of logits for the positions it keeps. Yields False (and changes nothing) for heads that cannot."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, LogprobHead) and not install_logprob_head(model):
-        yield False
-        return
-    head.request = (targets, temperature, head.chunk_tokens)
-    try:
-        yield True
-    finally:
-        head.request = None
-
-
 def forward_logprobs(model, targets: torch.Tensor, temperature: float, with_entropy: bool, **inputs):
     """``model(**inputs)`` whose kept positions predict ``targets`` [B, T']: (log-probs [B, T'],
     entropies [B, T'] or None), chunked through ``LogprobHead`` (or from full logits as a fallback)."""
-    with compute_precision(model), head_targets(model, targets, temperature) as chunked:
+    with compute_precision(model), head_targets(model, targets, temperature, with_entropy) as chunked:
         out = model(**inputs, use_cache=False).logits
     if chunked:
         return out[..., 0], (out[..., 1] if with_entropy else None)

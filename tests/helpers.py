@@ -173,6 +173,19 @@ def unpacked(model, tok, prefixes, completions):
     return token_logprobs(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_len)[0], batch
 
 
+def full_vocab_logprobs(model, batch, temperature: float = 1.0):
+    """The slow way, for exactness tests: the model's full [B, T, V] logits (its plain projection), an fp32
+    log-softmax over the whole vocabulary, the targets gathered. [B, L]"""
+    from bicc.logprobs import compute_precision
+
+    L = batch.completion_len
+    with compute_precision(model):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                       use_cache=False).logits[:, -L - 1 : -1]
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    return logp.gather(-1, batch.input_ids[:, -L:, None])[..., 0] * batch.completion_mask
+
+
 def prefix_cache_case():
     """``packing_case`` as KV reuse takes it: prefixes, the distinct ones, each output's prefix index, completions."""
     prefixes, keys, completions = packing_case()

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bicc.logprobs import make_token_batch
 from bicc.packing import pack, packed_logprobs
 from bicc.prefix_cache import prefix_cache_logprobs
 from tests.helpers import prefix_cache_case, tiny, unpacked
@@ -100,6 +101,23 @@ def test_prefix_cache_packing_matches_unpacked_sdpa(flash_model, padding_free):
     torch.testing.assert_close(a[m].detach(), b[m].detach(), atol=1e-5, rtol=0)
     assert CALLS["varlen"] > 0
     assert all(torch.equal(p, q) for p, q in zip(flash.parameters(), sdpa.parameters()))  # same seed, same weights
+    assert_gradients_match_pair(flash, sdpa, a, b, batch.completion_mask)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_kv_reuse_through_the_head_equals_full_vocab_logits(flash_model, padding_free):
+    """The log-prob head under KV reuse (padded or padding-free rows) against full [B, T, V] logits and an fp32
+    log-softmax over one padded row per output, at T 0.7: values and gradients."""
+    from tests.helpers import full_vocab_logprobs
+
+    flash, sdpa, tok = flash_model
+    flash.bicc_padding_free = padding_free
+    prefixes, distinct, prefix_of, completions = prefix_cache_case()
+    a, _ = prefix_cache_logprobs(flash, distinct, prefix_of, completions, 9, tok.pad_token_id, temperature=0.7)
+    batch = make_token_batch(prefixes, completions, tok.pad_token_id)
+    b = full_vocab_logprobs(sdpa, batch, 0.7)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(a[m].detach(), b[m].detach(), atol=1e-5, rtol=0)
     assert_gradients_match_pair(flash, sdpa, a, b, batch.completion_mask)
 
 

@@ -50,6 +50,62 @@ def test_chunked_head_equals_full_logits(chunk):
     assert out.shape == (3, 14, model.config.vocab_size)
 
 
+@pytest.mark.parametrize("chunk", [5, 4096])
+def test_bf16_compute_head_equals_full_logits(chunk):
+    """fp32 master weights computing in bf16 (the presets' policy): the head's log-probs and gradients equal full
+    bf16 logits upcast to an fp32 log-softmax, the matmuls in bf16 both ways (a chunk kept or recomputed)."""
+    from bicc.logprobs import make_token_batch
+    from tests.helpers import full_vocab_logprobs
+
+    model, _ = build_tiny(ARCH, seed=0)
+    ref, _ = build_tiny(ARCH, seed=0)
+    for m in (model, ref):
+        m.bicc_compute_dtype = torch.bfloat16
+    install_logprob_head(model, chunk)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (5, 3, 7)]
+    outputs = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (9, 4, 6)]
+    batch = make_token_batch(prompts, outputs, 0)
+    a, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.position_ids, 9, temperature=0.7)
+    b = full_vocab_logprobs(ref, batch, 0.7)
+    m = batch.completion_mask
+    assert a.dtype == torch.float32
+    torch.testing.assert_close(a * m, b, atol=1e-5, rtol=0)
+    w = torch.randn(3, 9, generator=torch.Generator().manual_seed(2)) * m
+    for ga, gb in zip(torch.autograd.grad((a * w).sum(), list(model.parameters())),
+                      torch.autograd.grad((b * w).sum(), list(ref.parameters()))):
+        assert ga.dtype == torch.float32
+        # one chunk: the same bf16 matmuls, bit for bit; several: each chunk's bf16 partial sum rounded apart, well
+        # within bf16's own distance from fp32 (about 1% of a tensor's largest gradient here)
+        tol = 1e-6 if chunk > 30 else 0.01 * gb.abs().max().item()
+        torch.testing.assert_close(ga, gb, atol=tol, rtol=0)
+
+
+def test_entropy_is_computed_only_when_asked():
+    """The entropy's own [n, V] work (the softmax's numerator in a buffer of its own, its dot with the logits)
+    runs only for a caller that asks; without it the numerator is exponentiated in the logits' buffer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, _ = build_tiny(ARCH, seed=0)
+    install_logprob_head(model, 4096)
+    ids, mask, pos = inputs()
+    V, seen = model.config.vocab_size, []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if args and isinstance(args[0], torch.Tensor) and args[0].dim() and args[0].shape[-1] == V and func.__name__ in (
+                    "exp.default", "mul.Tensor", "linalg_vecdot.default"):
+                seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Watch():
+        _, none = token_logprobs(model, ids, mask, pos, 9)
+    assert none is None and seen == []
+    with torch.no_grad(), Watch():
+        _, entropy = token_logprobs(model, ids, mask, pos, 9, with_entropy=True)
+    assert entropy is not None and "exp.default" in seen
+
+
 def test_chunked_head_never_builds_the_whole_logits():
     """Peak size of any [*, V] tensor created in the head: one chunk's, not B x T's."""
     model, _ = build_tiny(ARCH, seed=0)
@@ -76,12 +132,12 @@ def test_chunked_head_never_builds_the_whole_logits():
 def test_head_recomputes_only_when_a_forward_spans_several_chunks(chunk, calls, monkeypatch):
     """The head sees 30 positions (3 rows x (9 outputs + 1)): within one chunk it runs once (its logits kept for
     the backward); across k chunks each runs twice (forward, recomputed in backward): 2 chunks -> 4 calls, 3 -> 6."""
-    import bicc.logprobs
+    import bicc.head
 
     model, _ = build_tiny(ARCH, seed=0)
     install_logprob_head(model, chunk)
-    seen, inner = [], bicc.logprobs._chunk_logprobs
-    monkeypatch.setattr(bicc.logprobs, "_chunk_logprobs", lambda h, *a: seen.append(h.shape[0]) or inner(h, *a))
+    seen, inner = [], bicc.head._logits
+    monkeypatch.setattr(bicc.head, "_logits", lambda h, *a: seen.append(h.shape[0]) or inner(h, *a))
     ids, mask, pos = inputs()
     logp, _ = token_logprobs(model, ids, mask, pos, 9)
     logp.sum().backward()

@@ -1,0 +1,225 @@
+"""Our policy update against a bare transformers loop on the same rows, in one run, on CPU or CUDA.
+
+    .venv/bin/python -m bench.update_vs_bare                     # CPU: a small Qwen3 shape (below)
+    python -m bench.update_vs_bare --shape qwen3_0.6b            # CUDA: the rehearsal's shape
+    python -m bench.update_vs_bare --shape qwen3_4b_width --layers 12
+
+The rows: ``--prompts`` prompts of ``--prompt-tokens`` tokens, G = ``--group`` outputs each, of lengths drawn
+evenly in [``--output-tokens`` / 2, ``--output-tokens``] (a reasoning batch is ragged), random token ids.
+
+- **ours**: ``bicc.update.update_policy`` as a GRPO step runs it (pi_old from the update's own forward, the
+  registered loss, micro-batches of ``train.micro_batch_size`` rows and ``train.micro_batch_tokens``, each prompt
+  computed once for its G outputs under ``train.share_prompts``, the chunked log-prob head), then AdamW; fp32
+  master weights, bf16 compute on CUDA (the presets' setting), fp32 on CPU.
+- **bare**: what a user writes in 40 lines: micro-batches of the same rows in order, each one padded row per
+  output (prompt included), ``model(...).logits``, a full-vocab fp32 log-softmax and gather, a masked mean,
+  backward; then AdamW. The same weights and dtype policy (autocast to bf16 on CUDA), the same activation
+  checkpointing.
+
+Both are timed over ``--iters`` updates after one warm-up. Tokens are the rows' real tokens (prompt + output per
+row), the same count for both. Prints
+
+- ``RESULT update_vs_bare=<ours tokens/s / bare tokens/s>`` (target >= 1.0 on CPU, >= 1.5 on the H100);
+- ``RESULT update_ops_per_token=<aten ops one of our updates launches per 1,000 tokens>`` (``torch.profiler``,
+  every ``aten::`` event, nested ones included);
+- on CUDA ``RESULT update_gpu_busy_share=`` (kernel time / wall time of a profiled update, target >= 0.9) and
+  ``RESULT update_mfu=`` (PaLM count: 6 N + 12 x layers x heads x head_dim x T per token, T the mean row length,
+  over the device's bf16 peak; target >= 0.40).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+
+from bench.gpu_check import PEAK_TFLOPS, QWEN3_06B
+
+SHAPES = {
+    # what this bench runs by default on CPU: a Qwen3 of 23M parameters, 32k vocabulary
+    "cpu_small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=768, vocab_size=32_768, tie_word_embeddings=True, max_position_embeddings=4096),
+    "qwen3_0.6b": QWEN3_06B,
+    # Qwen3-4B's width (--layers sets how many layers: as many as fit one GPU)
+    "qwen3_4b_width": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, intermediate_size=9728, vocab_size=151_936, tie_word_embeddings=True,
+                           max_position_embeddings=40_960),
+}
+
+
+def make_rows(prompts: int, group: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int = 0):
+    """(prompt ids, output ids) per row: G rows per prompt, outputs of lengths even in [L/2, L]."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_ids, completion_ids = [], []
+    for _ in range(prompts):
+        prompt = torch.randint(4, vocab, (prompt_tokens,), generator=gen).tolist()
+        for _ in range(group):
+            n = int(torch.randint(output_tokens // 2, output_tokens + 1, (1,), generator=gen))
+            prompt_ids.append(prompt)
+            completion_ids.append(torch.randint(4, vocab, (n,), generator=gen).tolist())
+    return prompt_ids, completion_ids
+
+
+def build(arch: dict, device: torch.device, checkpointing: bool):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(Qwen3Config(**arch, pad_token_id=0))
+    model.config._attn_implementation = "sdpa"
+    model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model.train()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def our_update(model, rows, cfg, device):
+    """A function running one of our GRPO updates on ``rows`` (pi_old from its own first forward)."""
+    from bicc.advantages import Advantages
+    from bicc.logprobs import make_token_batch
+    from bicc.optim import build_optimizer, warmup_cosine
+    from bicc.rows import query_rows
+    from bicc.state import RLState
+    from bicc.update import update_policy
+
+    prompts, outputs = rows
+    batch = make_token_batch(prompts, outputs, 0).to(device)
+    numerator = query_rows(batch, prompts, outputs, cfg.train.share_prompts, 0, device)
+    advantages = Advantages.given(torch.linspace(-1, 1, len(outputs), device=device))
+    optimizer = build_optimizer(model, 1e-6, (0.9, 0.999), 0.01)
+    state = RLState(model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 0, 10_000, 1.0))
+    return lambda: update_policy(state, batch, numerator, None, None, advantages, cfg, step_seed=0)
+
+
+def bare_update(model, rows, micro_rows: int, device):
+    """A function running one bare update: micro-batches of ``micro_rows`` padded rows, full-vocab log-softmax."""
+    from bicc.logprobs import make_token_batch
+
+    prompts, outputs = rows
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+    cast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    parts = [make_token_batch(prompts[i : i + micro_rows], outputs[i : i + micro_rows], 0).to(device)
+             for i in range(0, len(outputs), micro_rows)]
+    tokens = sum(len(c) for c in outputs)
+
+    def run():
+        for b in parts:
+            L = b.completion_len
+            with cast:
+                logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
+            logp = torch.log_softmax(logits[:, -L - 1 : -1].float(), -1).gather(-1, b.input_ids[:, -L:, None]).squeeze(-1)
+            loss = -(logp * b.completion_mask).sum() / tokens
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def timed(fn, device, iters: int) -> float:
+    """Seconds per call, the median of ``iters`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def profiled(fn, device) -> tuple[int, float, float]:
+    """One call under torch.profiler: (aten events, CUDA kernel seconds, wall seconds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    wall = time.perf_counter() - start
+    events = prof.events()
+    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    kernels = sum(e.device_time for e in events if e.device_type.name == "CUDA") / 1e6 if device.type == "cuda" else 0.0
+    return ops, kernels, wall
+
+
+def palm_flops_per_token(arch: dict, mean_len: float) -> float:
+    """6 N (non-embedding parameters plus the output projection) + 12 x layers x heads x head_dim x T."""
+    h, i = arch["hidden_size"], arch["intermediate_size"]
+    hq, hkv = arch["num_attention_heads"] * arch["head_dim"], arch["num_key_value_heads"] * arch["head_dim"]
+    n = arch["num_hidden_layers"] * (h * hq + 2 * h * hkv + hq * h + 3 * h * i) + h * arch["vocab_size"]
+    return 6.0 * n + 12.0 * arch["num_hidden_layers"] * hq * mean_len
+
+
+def main() -> None:
+    from bench.step_profile import compose_cfg
+    from bicc.host import torch_threads
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: cpu_small on CPU, qwen3_0.6b on CUDA")
+    parser.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=None, help="default: 256 on CPU, 1,024 on CUDA")
+    parser.add_argument("--micro-rows", type=int, default=8, help="rows per micro-batch (both; ours also caps tokens)")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of our update's config (train.*)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(torch_threads(0))
+    arch = dict(SHAPES[args.shape or ("qwen3_0.6b" if device.type == "cuda" else "cpu_small")])
+    if args.layers:
+        arch["num_hidden_layers"] = args.layers
+    output_tokens = args.output_tokens or (1024 if device.type == "cuda" else 256)
+    rows = make_rows(args.prompts, args.group, args.prompt_tokens, output_tokens, arch["vocab_size"])
+    tokens = sum(len(p) + len(c) for p, c in zip(*rows))
+    longest = args.prompt_tokens + output_tokens
+    cfg = compose_cfg(["algo=grpo", "bicc=off", "rcc=off", f"rollout.max_new_tokens={output_tokens}",
+                       f"train.micro_batch_size={args.micro_rows}", f"train.micro_batch_tokens={args.micro_rows * longest}",
+                       f"train.logprob_chunk_tokens={args.micro_rows * output_tokens}", *args.overrides])
+    checkpointing = not args.no_checkpointing
+    print(f"[update_vs_bare] {device.type}, {arch['num_hidden_layers']} layers x {arch['hidden_size']}, "
+          f"vocab {arch['vocab_size']}; {len(rows[1])} rows, {tokens} tokens; checkpointing {checkpointing}; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+
+    ours_model = build(arch, device, checkpointing)
+    if device.type == "cuda":
+        ours_model.bicc_compute_dtype = torch.bfloat16  # fp32 master weights, bf16 compute (bicc.models)
+    from bicc.logprobs import install_logprob_head
+
+    install_logprob_head(ours_model, cfg.train.logprob_chunk_tokens)
+    ours = our_update(ours_model, rows, cfg, device)
+    bare = bare_update(build(arch, device, checkpointing), rows, args.micro_rows, device)
+    ours_s, bare_s = [], []
+    for _ in range(2):  # alternate, so that drift hits both
+        ours_s.append(timed(ours, device, args.iters))
+        bare_s.append(timed(bare, device, args.iters))
+    ours_rate, bare_rate = tokens / min(ours_s), tokens / min(bare_s)
+    ops, kernels, wall = profiled(ours, device)
+    print(f"[update_vs_bare] ours {min(ours_s):.3f} s ({ours_rate:.0f} tokens/s), bare {min(bare_s):.3f} s "
+          f"({bare_rate:.0f} tokens/s); ours launches {ops} aten ops in one update")
+    print(f"RESULT update_vs_bare={ours_rate / bare_rate:.3f} target>={1.5 if device.type == 'cuda' else 1.0}")
+    print(f"RESULT update_ops_per_token={1000 * ops / tokens:.1f}")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(0)
+        peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), float("nan"))
+        mfu = ours_rate * palm_flops_per_token(arch, tokens / len(rows[1])) / (peak * 1e12)
+        print(f"RESULT update_gpu_busy_share={kernels / wall:.3f} target>=0.9")
+        print(f"RESULT update_mfu={mfu:.3f} target>=0.40")
+
+
+if __name__ == "__main__":
+    main()

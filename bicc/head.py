@@ -1,0 +1,131 @@
+"""The output projection as a log-prob head: per-token log-probs of given targets (and entropies, only when asked),
+computed over chunks of tokens, never materialising [B, T, V] logits.
+
+``install_logprob_head`` class-swaps the model's ``nn.Linear`` output projection to ``LogprobHead`` (same weight,
+same name, same state dict, tying kept). While ``head_targets`` sets a request, its forward returns [..., 2]
+(log-prob of the requested target, entropy or 0) per kept position instead of [..., V] logits; otherwise it is
+the plain projection (generation, SFT). It runs inside the model's own forward, so FSDP2's gathered root
+parameters and activation checkpointing apply unchanged.
+
+Each chunk of ``chunk_tokens`` positions is one autograd function (``ChunkLogprobs``) whose cost is its matmul:
+
+- forward: logits z = h W^T / T in fp32 (the compute dtype's matmul, upcast once), shifted by their maximum and
+  exponentiated in place: e = exp(z - max), s = sum e, log p(target) = z[target] - max - log s. The entropy
+  H = log s - sum e (z - max) / s only when asked (a metric: no gradient flows through it; it needs one more
+  [n, V] buffer);
+- backward: d log p / dz = onehot(target) - softmax(z), so dz = g (onehot - e / s) / T, built in place in e's
+  buffer, then the two matmuls dh = dz W and dW = dz^T h in the forward's compute dtype.
+
+Memory: with one chunk (a micro-batch of at most ``chunk_tokens`` tokens) e is kept for the backward (the same peak
+as recomputing the logits there, one matmul and one exp fewer); with several, each chunk keeps only its inputs and
+log-sum-exp and recomputes exp(z - lse) in the backward, so the peak stays one chunk's [chunk, V].
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _logits(hidden, weight, bias, temperature: float) -> tuple[torch.Tensor, torch.dtype]:
+    """[n, H] -> ([n, V] fp32 logits over the temperature (fp64 kept: the probe's exact checks), the dtype the
+    matmul ran in: bf16 under autocast or bf16 parameters)."""
+    z = torch.nn.functional.linear(hidden, weight, bias)
+    dtype = z.dtype
+    z = z if z.dtype == torch.float64 else z.float()
+    return (z.div_(temperature) if temperature != 1.0 else z), dtype
+
+
+class ChunkLogprobs(torch.autograd.Function):
+    """(hidden [n, H], weight [V, H], bias [V] | None, targets [n]) -> (log-probs [n], entropies [n] or zeros)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, keep: bool, entropy: bool):
+        z, ctx.compute_dtype = _logits(hidden, weight, bias, temperature)  # [n, V]
+        top = z.amax(-1, keepdim=True)  # [n, 1]
+        picked = z.gather(-1, targets[:, None]) - top  # [n, 1]
+        z.sub_(top)  # shifted logits, in place
+        e = torch.exp(z) if entropy else z.exp_()  # [n, V] unnormalised softmax
+        total = e.sum(-1, keepdim=True)  # [n, 1]
+        log_total = total.log()
+        logp = (picked - log_total)[:, 0]
+        ent = (log_total - torch.linalg.vecdot(e, z)[:, None] / total)[:, 0] if entropy else torch.zeros_like(logp)
+        ctx.mark_non_differentiable(ent)
+        ctx.temperature = temperature
+        lse = (top + log_total)[:, 0]
+        # kept: the softmax's numerator and its sum (the backward needs no exp); else the inputs, recomputed
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, e if keep else None, total if keep else None)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        """Once per forward (the kept softmax's buffer becomes the gradient's); the matmuls in the forward's dtype."""
+        hidden, weight, bias, targets, lse, e, total = ctx.saved_tensors
+        if e is None:
+            z = _logits(hidden, weight, bias, ctx.temperature)[0]
+            g = grad_logp.to(z.dtype)[:, None]
+            grad = z.sub_(lse[:, None].to(z.dtype)).exp_().mul_(-g)  # -g softmax(z)
+        else:
+            g = grad_logp.to(e.dtype)[:, None]
+            grad = e.mul_(-g / total)  # -g softmax(z)
+        grad.scatter_add_(-1, targets[:, None], g)  # + g at the target
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        grad = grad.to(ctx.compute_dtype)
+        grad_hidden = (grad @ weight.to(grad.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.T @ hidden.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+class LogprobHead(torch.nn.Linear):
+    """An ``nn.Linear`` output projection that, while ``request`` is set (``head_targets``), returns
+    [..., 2] = (log-prob of the requested target, entropy or 0) per position instead of [..., V] logits."""
+
+    request = None  # (targets [B, T'], temperature, chunk_tokens, with_entropy)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.request is None:
+            return super().forward(hidden)
+        targets, temperature, chunk, entropy = self.request
+        shape = hidden.shape[:-1]  # [B, T']
+        flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        keep = flat_h.shape[0] <= chunk  # one chunk: its logits are kept for the backward
+        parts = [ChunkLogprobs.apply(flat_h[start : start + chunk], self.weight, self.bias, flat_t[start : start + chunk],
+                                     temperature, keep, entropy) for start in range(0, flat_h.shape[0], chunk)]
+        if not parts:
+            empty = flat_h.new_zeros(0, dtype=torch.float32)
+            parts = [(empty, empty)]
+        logp, ent = (torch.cat([p[i] for p in parts]) for i in (0, 1))
+        return torch.stack([logp.view(shape), ent.view(shape)], dim=-1)  # a fresh tensor, not a view
+
+
+def install_logprob_head(model, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bool:
+    """Turn the model's ``nn.Linear`` output projection into a ``LogprobHead`` (same parameters and state
+    dict); False when the head is of another kind (log-probs then come from full logits)."""
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        head.__class__ = LogprobHead
+    if not isinstance(head, LogprobHead):
+        return False
+    head.chunk_tokens = chunk_tokens
+    return True
+
+
+@contextlib.contextmanager
+def head_targets(model, targets: torch.Tensor, temperature: float, with_entropy: bool = True):
+    """While inside, the model's forward returns [B, T', 2] (log-prob of ``targets`` [B, T'], entropy, or 0 without
+    ``with_entropy``) in place of logits for the positions it keeps. Yields False (and changes nothing) for heads
+    that cannot."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, LogprobHead) and not install_logprob_head(model):
+        yield False
+        return
+    head.request = (targets, temperature, head.chunk_tokens, with_entropy)
+    try:
+        yield True
+    finally:
+        head.request = None
