@@ -1,8 +1,11 @@
 """Training on several processes under ``torchrun``: process group, FSDP2 or DDP, global loss totals,
 prompt shards, and checkpoints of a sharded model.
 
-One process (no ``WORLD_SIZE`` above 1) leaves everything as it is: ``Dist()`` is rank 0 of 1 and every
-helper here is then the identity.
+A process started without torchrun leaves everything as it is: ``Dist()`` is rank 0 of 1 and every helper here
+is then the identity. Under torchrun every process joins the process group, one process included
+(``--nproc_per_node=1``): it wraps the model as 4 GPUs do (FSDP2 with its mixed-precision policy: bf16 parameters
+for compute over fp32 master weights, no autocast re-casting every op), so a one-GPU check runs the multi-GPU
+code.
 
 How a step is split. The ``rollout.shards`` slices of each step's queries are sampled with their own
 seeds (``bicc.rollout.collect.collect_rollout``); rank r takes shards ``r*S/W .. (r+1)*S/W - 1``. A whole group
@@ -49,10 +52,11 @@ class Dist:
     strategy: str = "none"
     device: str = "cpu"
     cpu_group: object = None  # a gloo group over the same ranks, for Python objects (None: the default group)
+    joined: bool = False  # in a process group (torchrun), even of one process
 
     @property
     def enabled(self) -> bool:
-        return self.world > 1
+        return self.joined or self.world > 1
 
     @property
     def is_main(self) -> bool:
@@ -60,9 +64,8 @@ class Dist:
 
 
 def init(dist_cfg) -> Dist:
-    """Join the process group when launched by torchrun with more than one process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    """Join the process group when launched by torchrun (``LOCAL_RANK`` set), with any number of processes."""
+    if "LOCAL_RANK" not in os.environ:  # not started by torchrun
         return Dist()
     backend = dist_cfg.backend
     if backend == "auto":
@@ -76,7 +79,7 @@ def init(dist_cfg) -> Dist:
     device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
     # objects (evaluation scores, metrics) travel over gloo: pickled on the CPU, never staged through CUDA
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist_cfg.strategy, device, cpu_group)
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist_cfg.strategy, device, cpu_group, joined=True)
 
 
 def launch_time(pattern: str) -> str:

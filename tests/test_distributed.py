@@ -111,6 +111,20 @@ def test_fsdp2_checkpoint_is_sharded_and_resumes_in_one_process(runs):
     assert max_diff(weights(resumed, 2), weights(out["single"], 2)) <= 1e-5
 
 
+def test_one_process_under_torchrun_is_the_multi_process_code(runs):
+    """``torchrun --nproc_per_node=1`` joins a process group of one and wraps the model in FSDP2 as 2 or 4
+    processes do (its optimizer checkpoint sharded, the process group's line printed), and computes the plain
+    process's update: a one-GPU check covers the code 4 GPUs run."""
+    tmp, out = runs
+    run_dir = tmp / "torchrun_one"
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py", *RUN,
+                f"hydra.run.dir={run_dir}", "dist.strategy=fsdp2"], tmp)
+    assert "[dist] rank 0/1 " in proc.stdout
+    assert (run_dir / "checkpoints" / "step_1" / "optim_dcp").is_dir()  # FSDP2's sharded optimizer state
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses(out["single"]), losses(run_dir)))
+    assert max_diff(weights(out["single"], 2), weights(run_dir, 2)) <= 1e-5
+
+
 def test_ddp_checkpoint_resumes_in_two_processes(runs):
     """Resume under torchrun: the DDP step-1 checkpoint (full optimizer state, both shards' data positions)
     continues in 2 processes to the uninterrupted run's step 2."""

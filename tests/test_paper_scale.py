@@ -186,6 +186,15 @@ def test_dist_device_follows_the_backend(monkeypatch):
     made.clear()
     d = distributed.init(OmegaConf.structured(DistConfig(backend="gloo")))
     assert d.device == "cpu" and d.cpu_group is None and made == {"init": ("gloo", timedelta(minutes=60))}
+    # torchrun with one process joins a group of one too (the code 4 GPUs run); no torchrun, no group
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 1)
+    made.clear()
+    d = distributed.init(cfg)
+    assert d.enabled and d.world == 1 and made["init"] == ("nccl", timedelta(minutes=90))
+    monkeypatch.delenv("LOCAL_RANK")
+    assert not distributed.init(cfg).enabled
 
 
 def test_every_end_token_stops_and_is_stripped(monkeypatch):

@@ -98,7 +98,7 @@ def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
                             tok.pad_token_id, "cpu")
     plain = QueryRows(batch)
     # the paper: delta on x^c, here from its own no-grad pass (tests/test_plan.py: from the update's forward)
-    cfg = compose_cfg(["bicc=on", "rcc=on", "train.micro_batch_size=2", "rcc.delta_from_update=false"])
+    cfg = compose_cfg(["bicc=on", "rcc=on", "rcc.delta_context=xc", "train.micro_batch_size=2", "rcc.delta_from_update=false"])
     lp = step_logprobs(StepPlan.from_config(cfg, False), policy, ref, plain, numerator, None, cfg, batch.completion_mask)
     delta = sequence_delta(lp.delta, lp.ref, batch.completion_mask)
     # by hand: each output scored alone after its conditioned prompt (policy) and after q (reference)
