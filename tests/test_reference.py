@@ -30,6 +30,21 @@ def sgd(state):
     state.scheduler = warmup_cosine(state.optimizer, 0, 10, 1.0)
 
 
+def policy_and_reference(root):
+    """``root/init`` (pi_ref, the initial policy) and ``root/policy`` (pi_old, a policy some steps on: the initial
+    one perturbed); they differ as they do after the first step, so a delta or KL read against the wrong one
+    changes the update. Returns the tokenizer."""
+    model, tok = build_tiny(ARCH, seed=0)
+    model.save_pretrained(root / "init")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(root / "policy")
+    tok.save_pretrained(root / "policy")
+    return tok
+
+
 # GRPO over packing (KV reuse, a packed mask, one row per output) x delta (from the update's forward or a
 # no-grad pass) x micro-batches (all rows at once, or 5 rows: uneven splits); DAPO's loss and sampling on one
 CASES = [("grpo", packing, from_update, micro) for packing in ("packing_impl=kv", "packing_impl=mask", "packing=false")
@@ -38,16 +53,7 @@ CASES = [("grpo", packing, from_update, micro) for packing in ("packing_impl=kv"
 
 @pytest.mark.parametrize(("algo", "packing", "delta_from_update", "micro_batch"), CASES)
 def test_rl_step_is_algorithm1(algo, packing, delta_from_update, micro_batch, tmp_path, monkeypatch):
-    # pi_ref (the initial policy) and pi_old (a policy some steps on, here the initial one perturbed) differ, as
-    # they do after the first step: a delta or KL read against the wrong one changes the update
-    model, tok = build_tiny(ARCH, seed=0)
-    model.save_pretrained(tmp_path / "init")
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(tmp_path / "policy")
-    tok.save_pretrained(tmp_path / "policy")
+    tok = policy_and_reference(tmp_path)
     # 32-token outputs: a 12-token context budget, above min_attempt_tokens 4, so mixed groups are conditioned
     cfg = compose_cfg([f"algo={algo}", "bicc=on", "rcc=on", "rcc.delta_context=xc", f"bicc.{packing}",
                        f"rcc.delta_from_update={delta_from_update}",
@@ -123,14 +129,7 @@ def recorded(tmp_path_factory):
     from bicc.rollout.collect import Collection, DataCursor, collect_rollout
 
     tmp = tmp_path_factory.mktemp("combinations")
-    model, tok = build_tiny(ARCH, seed=0)
-    model.save_pretrained(tmp / "init")
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(tmp / "policy")
-    tok.save_pretrained(tmp / "policy")
+    tok = policy_and_reference(tmp)
     cfg = compose_cfg([*COMBINATION_CFG, "bicc=off", "rcc=off"])
     s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
     ro = collect_rollout(s.engine, tok, CoinTask(s.task), Collection.from_config(cfg), DataCursor(), seed=5)
