@@ -123,6 +123,30 @@ def test_kv_space_is_computed_from_the_model_and_the_rows():
     assert "kv_cache_memory_bytes" not in engine_args("m", "float32", rollout, options, cuda=True)
 
 
+def test_a_runs_vllm_engine_on_cpu_gets_the_kv_space_of_its_own_rows(fake_vllm, tmp_path):
+    """``build_rl_state`` sizes vLLM's CPU KV space by the run's rows: a prompt shard's samples (16 queries over 2
+    shards x G 4 = 32) or an evaluation call (eval.batch_size 24), whichever is more, at the run's longest
+    sequence; not vLLM's 256 rows."""
+    from bicc.config import TinyArchConfig
+    from bicc.models import build_tiny
+    from bicc.rollout.vllm import kv_cache_bytes
+    from bicc.state import build_rl_state
+    from tests.conftest import compose_cfg
+
+    model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16), 0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", "rollout=vllm", "rollout.prompts_per_step=16", "rollout.group_size=4",
+                       "rollout.shards=2", "eval.batch_size=24"])
+    build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"), max_model_len=300)
+    kwargs = fake_vllm.calls[0][1]
+    assert kwargs["kv_cache_memory_bytes"] == kv_cache_bytes(model.config, "float32", 32, 300)
+    cfg.eval.batch_size = 40
+    build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"), max_model_len=300)
+    assert fake_vllm.calls[0][1]["kv_cache_memory_bytes"] == kv_cache_bytes(model.config, "float32", 40, 300)
+
+
 def test_vllm_sleeps_at_level_2_and_wakes_weights_before_the_sync(fake_vllm):
     """Level 1 copies the 8 GB of weights to host and back each step although the sync overwrites them."""
     from bicc.rollout import build_engine
