@@ -34,6 +34,9 @@ def resolve_checkpoint(ckpt: str, cache_dir: str) -> Path:
 
 
 def score_main() -> None:
+    from bicc.host import cuda_allocator_default
+
+    cuda_allocator_default()  # before torch is imported: it reads the CUDA allocator's settings once
     import hydra
     import torch
     from hydra.core.hydra_config import HydraConfig

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from transformers.utils import logging as hf_logging
+from bicc.host import console_never_fails, cuda_allocator_default
 
-from bicc import distributed
-from bicc.config import register_configs
-from bicc.host import console_never_fails
-from bicc.loop import run
-from bicc.validation import validate
+cuda_allocator_default()  # before torch is imported: it reads the CUDA allocator's settings once
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from bicc import distributed  # noqa: E402
+from bicc.config import register_configs  # noqa: E402
+from bicc.loop import run  # noqa: E402
+from bicc.validation import validate  # noqa: E402
 
 register_configs()
 hf_logging.disable_progress_bar()

@@ -39,3 +39,20 @@ def console_never_fails() -> None:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+
+
+ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch >= 2.10 reads both; vLLM the live setting
+EXPANDABLE = "expandable_segments:True"
+
+
+def cuda_allocator_default(environ=os.environ) -> None:
+    """Expandable segments for torch's CUDA caching allocator unless the user configured the allocator: HF generate's
+    growing KV caches and the update's varying micro-batches otherwise fragment it (reserved up to 2.8x allocated
+    measured on an H100). vLLM's sleep mode turns them off around its own pool. Call before torch is imported."""
+    if not any(environ.get(name) for name in ALLOC_CONF_NAMES):
+        environ["PYTORCH_ALLOC_CONF"] = EXPANDABLE
+
+
+def allocator_conf(environ=os.environ) -> str:
+    """The allocator setting this process runs with, as ``NAME=value`` (for the start-up line)."""
+    return next((f"{name}={environ[name]}" for name in ALLOC_CONF_NAMES if environ.get(name)), "allocator defaults")

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bicc.host import torch_threads, usable_cores
 from tests.helpers import ROOT, SMALL
 
@@ -89,3 +91,34 @@ def test_numerics_hold_without_vector_instructions():
                            "tests/test_reference.py::test_rl_step_is_algorithm1"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_cuda_allocator_gets_expandable_segments_unless_the_user_set_it():
+    from bicc.host import allocator_conf, cuda_allocator_default
+
+    env = {}
+    cuda_allocator_default(env)
+    assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    assert allocator_conf(env) == "PYTORCH_ALLOC_CONF=expandable_segments:True"
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # either name is the user's choice: kept as is
+        env = {name: "max_split_size_mb:128"}
+        cuda_allocator_default(env)
+        assert env == {name: "max_split_size_mb:128"} and allocator_conf(env) == f"{name}=max_split_size_mb:128"
+    env = {"PYTORCH_CUDA_ALLOC_CONF": ""}  # set but empty: nothing configured
+    cuda_allocator_default(env)
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+
+
+@pytest.mark.parametrize("entry", ["train", "eval"])
+def test_the_entry_points_set_the_allocator_before_torch_is_imported(entry):
+    """torch reads the allocator's settings once: train.py and eval.py set the default before anything imports it."""
+    probe = ("import sys, bicc.host as h; real = h.cuda_allocator_default\n"
+             "def seen(env=h.os.environ):\n    print('torch imported:', 'torch' in sys.modules); real(env)\n"
+             "h.cuda_allocator_default = seen\nsys.argv = [sys.argv[0], 'ckpt=/nonexistent']\nimport " + entry + "\n"
+             "if hasattr(" + entry + ", 'score_main'):\n    try:\n        " + entry + ".score_main()\n"
+             "    except BaseException:\n        pass\n"
+             "print('conf:', h.os.environ.get('PYTORCH_ALLOC_CONF'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert "torch imported: False" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "conf: expandable_segments:True" in proc.stdout
