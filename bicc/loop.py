@@ -28,7 +28,8 @@ from bicc.conditioning import context_budget
 from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
 from bicc.gguf import resolve_model_path
-from bicc.host import torch_threads, usable_cores
+from bicc.host import allocator_conf, torch_threads, usable_cores
+from bicc.memory import launch_check
 from bicc.models import DTYPES, num_parameters, tokenizer_and_positions
 from bicc.packing import padding_free
 from bicc.progress import progress
@@ -219,13 +220,18 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
         print(f"[dist] rank {d.rank}/{d.world} (local rank {d.local_rank}) on {device}, collectives on {d.device}")
     if d.is_main:
         print(f"[run] {describe_choices(choices, cfg)}")
-        print(f"[host] usable cores: {usable_cores()}, torch threads per process: {torch.get_num_threads()}")
+        cuda_line = f", CUDA allocator: {allocator_conf()}" if device.type == "cuda" else ""
+        print(f"[host] usable cores: {usable_cores()}, torch threads per process: {torch.get_num_threads()}{cuda_line}")
     task = build_task(cfg.data)
     cfg.model.path = resolve_model_path(cfg.model.path, cfg.sft.cache_dir)  # gguf:<package>/<file>: an HF dir
-    max_model_len = validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model))
+    tokenizer, *positions = tokenizer_and_positions(cfg.model)
+    max_model_len = validate_lengths(cfg, task, tokenizer, *positions)
+    fit = launch_check(cfg, d, device, task, tokenizer) if cfg.stage != "sft" else None
     if d.is_main:  # the engine that samples the rollouts and both evaluations, sized to what they need
         print(f"[rollout] {cfg.rollout.engine} engine; longest sequence {max_model_len} tokens (prompt + context + "
               "new tokens, training or evaluation)")
+        if fit:
+            print(f"[memory] {fit}")
 
     # ---- warm start: tiny models are fine-tuned first (cached by settings; rank 0 builds it) --------
     init_path = cfg.model.path
@@ -253,15 +259,17 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
         baseline = distributed.broadcast_object(
             json.loads(cache.read_text(encoding="utf-8")) if d.is_main and cache is not None and cache.exists() else None, d)
         if baseline is None:
-            baseline = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, d=s.dist)
+            with s.peaks.phase("evaluation"):
+                baseline = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, d=s.dist)
             if cache is not None and d.is_main:
                 cache.write_text(json.dumps(baseline), encoding="utf-8")
         if d.is_main:
             print(f"[eval] initial policy: {format_eval(baseline)}")
 
     s = run_rl(s, cfg, run_dir, tracker)
-    final = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
-                     progress=cfg.logger.progress, d=s.dist)
+    with s.peaks.phase("evaluation"):
+        final = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
+                         progress=cfg.logger.progress, d=s.dist)
     if hasattr(s.engine, "close"):
         s.engine.close()
     if not d.is_main:
@@ -269,9 +277,10 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     tracker.log(final, step=s.step)
     tracker.finish()
     results = {"initial": baseline, "final": final, "steps": s.step, "init_path": init_path}
-    if device.type == "cuda":  # the run's peak, evaluations included (make gpu-check sets it beside the memory model)
-        results["cuda_max_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
-        results["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    peaks = s.peaks.gib()  # CUDA's allocated and reserved peaks per phase and of the whole run (make gpu-check reads them)
+    if peaks:
+        results["cuda_peaks_gib"] = peaks
+        results["cuda_max_reserved_gib"], results["cuda_max_allocated_gib"] = peaks["run"]["reserved"], peaks["run"]["allocated"]
     (run_dir / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     print(f"[eval] final policy:   {format_eval(final)}")
     print(f"[done] outputs in {run_dir}")

@@ -16,6 +16,7 @@ from bicc.optim import build_optimizer, warmup_cosine
 from bicc.plan import StepPlan
 from bicc.rollout import EngineOptions, build_engine, engine_rows
 from bicc.rollout.collect import DataCursor
+from bicc.tracking import PhasePeaks
 
 
 @dataclass
@@ -38,6 +39,7 @@ class RLState:
     dist: Dist = field(default_factory=Dist)
     end_ids: tuple = ()  # tokens that end an output (stripped from attempts shown in BiCC contexts)
     plan: Any = None  # the step's log-prob plan (bicc.plan.StepPlan), resolved once from the config
+    peaks: PhasePeaks = field(default_factory=PhasePeaks)  # CUDA memory peaks per phase (none on CPU)
 
     def trainer_state(self) -> dict:
         return {"step": self.step, "data_pos": self.cursor.pos, "shard_pos": list(self.cursor.shard_pos),
@@ -90,4 +92,4 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     plan = StepPlan.from_config(cfg, getattr(engine, "returns_logprobs", False))
     return RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
                    task=build_task(cfg.data), init_path=init_path, dist=d,
-                   end_ids=end_ids, plan=plan)
+                   end_ids=end_ids, plan=plan, peaks=PhasePeaks(device))

@@ -29,8 +29,9 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 1-2. rollout and reward: G samples per query from pi_old, scored (binary, plus shaping) --
     # (each process samples its own prompt shards; groups never span processes)
-    ro = collect_rollout(s.engine, s.tokenizer, s.task, Collection.from_config(cfg), s.cursor, step_seed,
-                         distributed.local_shards(cfg.rollout, s.dist), distributed.num_shards(cfg.rollout, s.dist))
+    with s.peaks.phase("generate"):
+        ro = collect_rollout(s.engine, s.tokenizer, s.task, Collection.from_config(cfg), s.cursor, step_seed,
+                             distributed.local_shards(cfg.rollout, s.dist), distributed.num_shards(cfg.rollout, s.dist))
     t_rollout = time.perf_counter()
     if hasattr(s.engine, "sleep"):  # vLLM with rollout.sleep on GPU: free its memory until the sync
         s.engine.sleep()
@@ -44,7 +45,8 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, distributed.is_sharded(s.model))
     sampled = sampled_logprobs(ro, plan, batch, device)
     t_contexts = time.perf_counter()
-    lp = step_logprobs(plan, s.model, s.ref_model, plain, numerator, sampled, cfg, batch.completion_mask, s.dist)
+    with s.peaks.phase("log-probs"):
+        lp = step_logprobs(plan, s.model, s.ref_model, plain, numerator, sampled, cfg, batch.completion_mask, s.dist)
     t_logprobs = time.perf_counter()
     is_weight, sampler_metrics = sampler_correction(ro, plan, lp, batch, cfg, device)
 
@@ -67,9 +69,10 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 6. loss and optimizer step(s); the advantages are computed inside, on lp.delta or (under
     # plan.delta_from_update) on the update's own first forward -----------------------------------
-    update_metrics, first_pass_log_ratio, adv = update_policy(s, batch, numerator, lp.old, lp.kl_ref, advantages, cfg,
-                                                              step_seed, is_weight, delta_logp=lp.delta,
-                                                              delta_from_update=plan.delta_from_update)
+    with s.peaks.phase("update"):
+        update_metrics, first_pass_log_ratio, adv = update_policy(s, batch, numerator, lp.old, lp.kl_ref, advantages,
+                                                                  cfg, step_seed, is_weight, delta_logp=lp.delta,
+                                                                  delta_from_update=plan.delta_from_update)
     adv_metrics = {**adv.metrics, **diag_metrics}
     t_update = time.perf_counter()
     if contexts is not None:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass

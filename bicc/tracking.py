@@ -1,4 +1,5 @@
-"""Metrics sinks: ``metrics.jsonl`` in the run dir (always) and wandb (mode from config).
+"""Metrics sinks: ``metrics.jsonl`` in the run dir (always) and wandb (mode from config); the CUDA memory peaks of
+each phase (``PhasePeaks``, for results.json).
 
 Only rank 0 logs. wandb's ``offline`` mode needs no network; ``disabled`` skips it entirely.
 """
@@ -61,3 +62,47 @@ def rewind_jsonl(path: Path, step: int) -> int:
     tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     tmp.replace(path)
     return dropped
+
+
+class PhasePeaks:
+    """CUDA's allocated and reserved peaks of each phase of a run (``generate``, ``log-probs``, ``update``,
+    ``evaluation``) and of the whole run, in bytes, for results.json; on a CPU device nothing is recorded.
+    ``stats``: where the counters are read (``torch.cuda``'s by default)."""
+
+    def __init__(self, device=None, stats=None):
+        import torch
+
+        self.device = device
+        self.stats = stats if stats is not None else (torch.cuda if device is not None and device.type == "cuda" else None)
+        self.peaks: dict[str, dict[str, int]] = {}
+
+    def _fold(self, name: str | None) -> None:
+        allocated = self.stats.max_memory_allocated(self.device)
+        reserved = self.stats.max_memory_reserved(self.device)
+        for key in ("run", name) if name else ("run",):
+            now = self.peaks.setdefault(key, {"allocated": 0, "reserved": 0})
+            now["allocated"], now["reserved"] = max(now["allocated"], allocated), max(now["reserved"], reserved)
+
+    def phase(self, name: str):
+        """A context: the counters restart on entry (the run's peak so far kept) and are read on exit."""
+        import contextlib
+
+        if self.stats is None:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def measured():
+            self._fold(None)
+            self.stats.reset_peak_memory_stats(self.device)
+            try:
+                yield
+            finally:
+                self._fold(name)
+
+        return measured()
+
+    def gib(self) -> dict[str, dict[str, float]]:
+        """The peaks so far in GiB (the run's counted up to now), {} on CPU."""
+        if self.stats is not None:
+            self._fold(None)
+        return {name: {k: v / 2**30 for k, v in peak.items()} for name, peak in self.peaks.items()}

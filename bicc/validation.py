@@ -50,6 +50,28 @@ def validate(cfg: Any) -> None:
              f"'mask' needs a 4-D attention mask, which model.attn_implementation={impl} ignores; use kv")
 
 
+def longest(problems, encode) -> tuple[int, object]:
+    """(the most tokens ``encode`` gives one of ``problems``, that problem's id); (0, None) for none."""
+    lengths = [(len(encode(p)), p.id) for p in problems]
+    return max(lengths) if lengths else (0, None)
+
+
+def longest_training_prompt(task, tokenizer, sample: int = 256) -> tuple[int, object]:
+    """The longest templated prompt of the first ``sample`` training problems: (tokens, problem id)."""
+    from bicc.data import encode_prompt
+
+    return longest([task.train_problem(i) for i in range(sample)], lambda p: encode_prompt(tokenizer, p.prompt))
+
+
+def context_template_tokens(cfg: Any, tokenizer) -> int:
+    """BiCC's template around the attempts a context shows (at most G - 1): preamble and attempt headers."""
+    if not cfg.bicc.enabled:
+        return 0
+    enc = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    return enc(cfg.bicc.preamble) + sum(enc(cfg.bicc.attempt_header.format(i=i + 1))
+                                        for i in range(cfg.rollout.group_size - 1))
+
+
 def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field: str, longrope: int | None = None,
                      sample: int = 256, train: bool = True) -> int:
     """Before any weights load: the longest prompt (of the first ``sample`` training problems) plus the BiCC
@@ -65,20 +87,11 @@ def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field:
             f"LongRoPE: vLLM uses the long RoPE factors for every position once max_model_len exceeds "
             f"original_max_position_embeddings={longrope}, transformers only past it; evaluate longer outputs "
             f"with rollout=hf")
-    from bicc.data import encode_prompt
     from bicc.evaluation import benchmark_source
 
-    def longest(problems, encode):
-        lengths = [(len(encode(p)), p.id) for p in problems]
-        return max(lengths) if lengths else (0, None)
-
-    train_len, train_id = longest([task.train_problem(i) for i in range(sample)] if train else [],
-                                  lambda p: encode_prompt(tokenizer, p.prompt))
+    train_len, train_id = longest_training_prompt(task, tokenizer, sample) if train else (0, None)
     budget = context_budget(cfg.bicc) if cfg.bicc.enabled else 0
-    template, shown = 0, cfg.rollout.group_size - 1  # a context shows at most G - 1 attempts
-    if cfg.bicc.enabled:
-        enc = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-        template = enc(cfg.bicc.preamble) + sum(enc(cfg.bicc.attempt_header.format(i=i + 1)) for i in range(shown))
+    template, shown = context_template_tokens(cfg, tokenizer), cfg.rollout.group_size - 1
     need_train = train_len + budget + template + cfg.rollout.max_new_tokens if train else 0
     need(need_train <= max_positions, "rollout.max_new_tokens",
          f"longest training prompt ({train_len} tokens, problem {train_id}) + BiCC context budget ({budget} = "

@@ -279,3 +279,16 @@ def test_diag_splits_are_checked_only_when_the_diagnostics_run():
     with pytest.raises(ValueError, match="'rcc.diag_splits': must be <= rollout.prompts_per_step=2"):
         validate(compose_cfg([*small, "rcc.diag_every=10"]))
     validate(compose_cfg([*small, "rcc.diag_every=0"]))  # no diagnostics: their splits do not matter
+
+
+def test_the_context_template_counts_the_preamble_and_one_header_per_shown_attempt():
+    """A context shows at most G - 1 attempts: the preamble and the headers of attempts 1 .. G-1, by hand with the
+    character tokenizer (one token per character)."""
+    from bicc.tokenizer import build_char_tokenizer
+    from bicc.validation import context_template_tokens
+
+    tok = build_char_tokenizer()
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", "bicc=on", "rollout.group_size=4", "bicc.preamble=ABC",
+                       "bicc.attempt_header='#{i}:'"])
+    assert context_template_tokens(cfg, tok) == 3 + 3 * len("#1:")  # "#1:", "#2:", "#3:"
+    assert context_template_tokens(compose_cfg(["sft.cache_dir=/tmp/x", "bicc=off"]), tok) == 0

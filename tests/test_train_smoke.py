@@ -13,8 +13,9 @@ from tests.helpers import ROOT, SMALL, conditioned_steps, run_train
 
 def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_train([*SMALL, f"hydra.run.dir={run_dir}"], tmp_path)
+    proc = run_train([*SMALL, "train.memory_gib=4", f"hydra.run.dir={run_dir}"], tmp_path)
     assert f"outputs in {run_dir}" in proc.stdout.strip().splitlines()[-1]
+    assert "[memory] predicted peak " in proc.stdout and " GiB per GPU (" in proc.stdout and "of 4.0 GiB" in proc.stdout
     # what it trains, printed first: the groups (non-paper forms named) and the run's own settings
     run_line = next(line for line in proc.stdout.splitlines() if line.startswith("[run]"))
     assert "algo=grpo bicc=stable (stabilised BiCC, not the paper's) rcc=mean" in run_line

@@ -170,6 +170,8 @@ class TrainConfig:
     save_every: int = 100
     keep_last: int = 2
     max_nonfinite_steps: int = 5
+    memory_check: bool = True
+    memory_gib: Optional[float] = None
 
     @staticmethod
     def check(t) -> None:
@@ -179,6 +181,7 @@ class TrainConfig:
         need(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
         need(t.micro_batch_tokens >= 0, "train.micro_batch_tokens",
              f"must be >= 0 (0 = fixed micro-batches), got {t.micro_batch_tokens}")
+        need(t.memory_gib is None or t.memory_gib > 0, "train.memory_gib", f"must be > 0 or null, got {t.memory_gib}")
 
 
 @dataclass

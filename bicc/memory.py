@@ -1,0 +1,313 @@
+"""Per-GPU peak memory of a run, phase by phase, from the model's shape and the config (``phases``, ``peak``), and
+the check at launch that a run fits its GPU (``check_fit``). ``python -m bench.memory_model`` prints the tables
+for the paper presets and validates the model against measured peaks.
+
+What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = master bytes):
+
+- sharded policy (FSDP2): fp32 master weights 4N/W, fp32 gradients 4N/W (update and optimizer step only),
+  AdamW moments 8N/W, and the optimizer step's foreach temporaries (two parameter-sized fp32 buffers / W);
+- FSDP2's gathered compute copies: the root's (embeddings, head) for the whole pass, two decoder layers
+  at a time (the current one and the prefetched one), and one layer's unsharded gradient in backward;
+- the frozen reference: a full copy in the compute dtype on every rank (RCC's delta needs it);
+- vLLM: awake during the rollout at ``gpu_memory_utilization`` x the GPU's memory, asleep (level 2:
+  weights and KV cache dropped) during the update; the gradients are freed after the optimizer step, and
+  the root (embeddings, head), which FSDP2 leaves gathered after a no-grad forward, is resharded by the
+  update's backward before the next rollout (``bench.memory_tracker`` traces it so);
+- FSDP2's fp32 reduce-scatter (``dist.reduce_dtype``): each layer's unsharded gradient cast to fp32 before it
+  is reduced, and the root's at the end of the backward (a V x H fp32 copy);
+- evaluation: through vLLM as in the rollout, or through HF generate in calls of ``eval.batch_tokens`` rows x
+  (prompt + new tokens): their KV cache, the sampling logits and a layer's prefill;
+- a runtime of 2.5 GiB (CUDA context, cuBLAS workspaces, NCCL buffers) and 10% allocator fragmentation on
+  the tensors counted;
+- activations of a micro-batch under activation checkpointing: every layer's input kept for the backward
+  (tokens x H x b per layer), one layer's recomputed activations at a time (per token: 3H + 6Hq + 6Hkv + 4I
+  values, plus fp32 copies in the RMSNorms when b < 4), counted at the backward's worst layer, where the
+  gradients already produced and the inputs not yet released meet;
+- the chunked log-prob head: about four chunk x V fp32 buffers (logits, their log-softmax / exp for the
+  entropy, the gradient), plus the chunk's compute-dtype logits when b < 4; in its backward, the head's
+  V x H weight gradient and each chunk's contribution to it;
+- ``rcc.delta_from_update`` (false in the presets): the update's forwards all run before its backwards, so at
+  the first backward every other micro-batch's checkpointed layer inputs, gathered context K/V and final
+  hidden states are still held;
+- BiCC's KV-reuse packing: the step's distinct contexts (two per group, this GPU's share) computed once per
+  minibatch and held through all of its micro-batches: their checkpointed layer inputs, their keys/values
+  in every layer and the gradient that the micro-batches leave on those; each completion's gathered copy of
+  its context's keys and values, held for its micro-batch's backward; at the end, one backward through the
+  context forward (one recomputed layer over all context tokens).
+
+The peak of a phase is the sum of what is alive in it; the run's peak is the largest phase. Attention is
+assumed to be flash-attention 2 (no T x T scores kept); SDPA with a padding mask adds the repeated K/V
+(2 x Hq per token per recomputed layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A decoder-only transformer's shape (Qwen3 / Phi-3 layout: GQA attention, gated MLP)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    def layer_params(self) -> int:
+        h, hq, hkv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * hq + 2 * h * hkv + hq * h + 3 * h * self.intermediate + 2 * h + 2 * self.head_dim
+
+    def root_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.root_params()
+
+
+# Shapes from the models' config.json (Qwen/Qwen3-4B-Instruct-2507, microsoft/Phi-4-mini-instruct).
+QWEN3_4B = Arch(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936, tied=True)
+PHI4_MINI = Arch(hidden=3072, layers=32, heads=24, kv_heads=8, head_dim=128, intermediate=8192, vocab=200064, tied=True)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What of the preset sizes memory (conf/experiment/paper_*.yaml, conf/rollout/vllm.yaml)."""
+
+    world: int = 4
+    micro_batch: int = 8  # train.micro_batch_size
+    output_tokens: int = 2048  # rollout.max_new_tokens (the worst case: every output at the limit)
+    prompt_tokens: int = 300  # a long DAPO-Math prompt in the chat template
+    context_ratio: float = 0.4  # bicc.context_ratio: the opposite attempts' budget
+    bicc: bool = True
+    contexts: int = 16  # distinct contexts per GPU: rollout.prompts_per_step x 2 sides / world
+    reference: bool = True  # RCC's delta (or a KL term) loads the frozen reference
+    chunk_tokens: int = 1024  # train.logprob_chunk_tokens
+    vllm_utilization: float = 0.4  # rollout.gpu_memory_utilization
+    gpu_gib: float = 80.0
+    compute_bytes: int = 2  # bf16
+    rows: int = 64  # this GPU's sequences per step: rollout.prompts_per_step x G / world
+    delta_from_update: bool = False  # rcc.delta_from_update: every micro-batch's graph held until the advantages
+    master_bytes: int = 4  # fp32
+    sharded: bool = True
+    vllm: bool = True
+    runtime_gib: float = 2.5  # CUDA context, cuBLAS workspaces, NCCL buffers: 2-3 GiB on H100 (not measured here)
+    fragmentation: float = 0.10  # the caching allocator's reserved-over-allocated, on the tensors counted
+    eval_vllm: bool = True  # evaluation through vLLM (the presets), else HF generate under eval.batch_tokens
+    eval_batch_tokens: int = 131_072  # eval.batch_tokens (conf/eval/paper.yaml): rows x (prompt + new tokens)
+    eval_new_tokens: int = 4096  # eval.max_new_tokens
+    eval_rows: int = 0  # rows there are to evaluate at most (eval.limit x samples per problem); 0 = no fewer than fit
+
+
+def _layer_bytes_per_token(arch: Arch, b: int) -> int:
+    """Bytes of one recomputed layer's activations per token."""
+    h, hq, hkv = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    per_token = (3 * h + 6 * hq + 6 * hkv + 4 * arch.intermediate) * b
+    if b < 4:  # RMSNorm computes in fp32: input and normalised copies of the two layer norms and q/k norms
+        per_token += 8 * (2 * h + hq + hkv)
+    return per_token
+
+
+def _activations(arch: Arch, run: Run) -> tuple[int, int, int, int]:
+    """(tokens in a micro-batch's forward, bytes of one recomputed layer, bytes of the micro-batch's gathered
+    context K/V, context tokens held per minibatch)."""
+    b, hkv = run.compute_bytes, arch.kv_heads * arch.head_dim
+    prefix = run.prompt_tokens + (int(run.context_ratio * run.output_tokens) if run.bicc else 0)
+    # KV-reuse packing: the contexts are computed apart, once per minibatch (bicc.rows.contexts_once)
+    tokens = run.micro_batch * run.output_tokens if run.bicc else run.micro_batch * (run.output_tokens + run.prompt_tokens)
+    kv = run.micro_batch * prefix * arch.layers * 2 * hkv * b if run.bicc else 0
+    return tokens, tokens * _layer_bytes_per_token(arch, b), kv, (run.contexts * prefix if run.bicc else 0)
+
+
+def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
+    """Bytes alive in each phase, by component."""
+    n, w, b = arch.params(), run.world if run.sharded else 1, run.compute_bytes
+    master = run.master_bytes * n / w
+    adam = 2 * 4 * n / w
+    grads = 4 * n / w
+    static = {"policy master weights (fp32, sharded)": master, "AdamW moments (sharded)": adam}
+    if run.reference:
+        static["reference (full, compute dtype)"] = b * n
+    static["runtime"] = run.runtime_gib * GIB
+    gathered = {}
+    if not run.sharded and b < run.master_bytes:  # one process, autocast: compute-dtype copies of the weights
+        gathered = {"autocast weight copies (compute dtype)": b * n}
+    if run.sharded:
+        gathered = {"FSDP2 gathered root (embeddings, head)": b * arch.root_params(),
+                    "FSDP2 gathered layers (current + prefetch)": 2 * b * arch.layer_params()}
+    tokens, layer_act, prefix_kv, context_tokens = _activations(arch, run)
+    context_kv = context_tokens * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
+    # held through the minibatch: the context forward's checkpointed inputs, its K/V and their gradient
+    contexts = {"BiCC contexts (inputs, K/V, K/V gradient)": context_tokens * arch.layers * arch.hidden * b + 2 * context_kv}
+    chunk = min(run.chunk_tokens, tokens)
+    head = chunk * arch.vocab * (4 * 4 + (b if b < 4 else 0))
+    # the backward's worst layer: gradients of the layers above it done, inputs of the layers below it kept
+    inputs_per_layer, grads_per_layer = tokens * arch.hidden * b, 4 * arch.layer_params() / w
+    head_grads = 4 * arch.root_params() / w
+    # rcc.delta_from_update: at the first backward every other micro-batch's graph is still held
+    held = {}
+    if run.delta_from_update:
+        others = -(-run.rows // run.micro_batch) - 1
+        held["other micro-batches' graphs (rcc.delta_from_update)"] = others * (
+            arch.layers * inputs_per_layer + prefix_kv + tokens * arch.hidden * b)
+    worst = max(range(arch.layers), key=lambda i: (i + 1) * inputs_per_layer + (arch.layers - 1 - i) * grads_per_layer)
+    update = {**static, **gathered,
+              "gradients so far (fp32, sharded)": head_grads + (arch.layers - 1 - worst) * grads_per_layer,
+              "checkpointed layer inputs": (worst + 1) * inputs_per_layer,
+              "one layer's recomputed activations": layer_act,
+              "BiCC prefix keys/values": prefix_kv, **contexts, **held}
+    if run.sharded:
+        update["unsharded layer gradient (compute dtype)"] = b * arch.layer_params()
+    # the head's weight gradient (unsharded, in the compute dtype, until FSDP2 reduce-scatters it at the end of the
+    # root's backward; fp32 in one process) and each chunk's V x H contribution before it is accumulated
+    head_grad_bytes = (b if run.sharded else 4) * arch.vocab * arch.hidden
+    head_phase = {**static, **gathered, "head weight gradient + one chunk's": 2 * head_grad_bytes,
+                  "checkpointed layer inputs": arch.layers * inputs_per_layer,
+                  "log-prob head chunk": head, "BiCC prefix keys/values": prefix_kv, **contexts, **held}
+    # the contexts' own backward, after the last micro-batch: one recomputed layer over all context tokens
+    context_phase = {**static, **gathered, "gradients so far (fp32, sharded)": grads,
+                     "BiCC contexts (inputs, K/V, K/V gradient)": contexts and sum(contexts.values()),
+                     "one context layer's recomputed activations": context_tokens * _layer_bytes_per_token(arch, b)}
+    logprob = {**static, **gathered, "one layer's activations (no grad)": layer_act / 2, "log-prob head chunk": head / 2,
+               "BiCC contexts' K/V (no grad)": context_kv}
+    if run.sharded:  # reduce_dtype fp32: the unsharded gradient is cast before the reduce-scatter
+        update["fp32 reduce-scatter staging (one layer)"] = 4 * arch.layer_params()
+    # the root's reduce-scatter, at the end of the backward: its compute-dtype gradient and the fp32 staging copy
+    root_phase = {**static, **gathered, "gradients so far (fp32, sharded)": grads - head_grads,
+                  "root gradient (compute dtype, unsharded)": b * arch.root_params(),
+                  "fp32 reduce-scatter staging (root)": 4 * arch.root_params(), **contexts}
+    optimizer = {**static, "gradients (fp32, sharded)": grads, "AdamW step temporaries": 2 * 4 * n / w}
+    # between steps (rollout, evaluation): the update's backward has resharded every FSDP2 unit, the root included
+    awake = dict(static)
+    rollout = dict(awake)
+    if run.vllm:
+        rollout["vLLM (awake: weights + KV cache)"] = run.vllm_utilization * run.gpu_gib * GIB
+    out = {"rollout": rollout, "no-grad log-probs": logprob, "update: head backward": head_phase,
+           "update: layers backward": update, "update: contexts backward": context_phase}
+    if run.sharded:
+        out["update: root reduce-scatter"] = root_phase
+    out["optimizer step"] = optimizer
+    out["evaluation"] = _evaluation(arch, run, awake, gathered)
+    if not run.bicc:
+        del out["update: contexts backward"]
+    for parts in out.values():  # the caching allocator's slack on what the phase allocates
+        tensors = sum(v for k, v in parts.items() if k not in ("runtime", "vLLM (awake: weights + KV cache)"))
+        parts["allocator fragmentation"] = run.fragmentation * tensors
+    return out
+
+
+def _evaluation(arch: Arch, run: Run, awake: dict, gathered: dict) -> dict[str, float]:
+    """The initial and final evaluation: vLLM's share as in the rollout, or HF generate with calls of at most
+    ``eval_batch_tokens`` rows x (prompt + new tokens): their KV cache, the last position's fp32 logits
+    (sampling keeps two copies) and one layer's prefill activations."""
+    if run.eval_vllm:
+        return {**awake, "vLLM (awake: weights + KV cache)": run.vllm_utilization * run.gpu_gib * GIB}
+    b = run.compute_bytes
+    rows = max(1, run.eval_batch_tokens // (run.prompt_tokens + run.eval_new_tokens))
+    rows = min(rows, run.eval_rows) if run.eval_rows else rows
+    kv = rows * (run.prompt_tokens + run.eval_new_tokens) * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
+    return {**awake, **gathered, "HF generate KV cache (eval.batch_tokens)": kv,
+            "sampling logits (fp32, two copies)": 2 * 4 * rows * arch.vocab,
+            "one layer's prefill activations": rows * run.prompt_tokens * _layer_bytes_per_token(arch, b) / 2}
+
+
+def peak(arch: Arch, run: Run) -> tuple[str, float]:
+    table = {name: sum(parts.values()) for name, parts in phases(arch, run).items()}
+    name = max(table, key=table.get)
+    return name, table[name]
+
+
+# ---- the run's own numbers, and the check at launch -----------------------------------------------------
+
+
+def arch_of(config) -> Arch:
+    """The shape of an HF model config (Qwen3, Llama, Phi-3 layouts)."""
+    heads = config.num_attention_heads
+    return Arch(hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
+                kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                intermediate=config.intermediate_size, vocab=config.vocab_size,
+                tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -> Run:
+    """What of the run's config sizes memory on one of ``world`` GPUs of ``gpu_gib`` (every output at
+    ``rollout.max_new_tokens``, the longest training prompt ``prompt_tokens``)."""
+    from bicc.models import DTYPES
+    from bicc.plan import StepPlan
+
+    r, t = cfg.rollout, cfg.train
+    compute = DTYPES[cfg.dist.param_dtype] if sharded and cfg.dist.param_dtype else DTYPES[cfg.model.dtype]
+    vllm = r.engine == "vllm"
+    return Run(world=world, micro_batch=t.micro_batch_size, output_tokens=r.max_new_tokens, prompt_tokens=prompt_tokens,
+               context_ratio=cfg.bicc.context_ratio, bicc=bool(cfg.bicc.enabled),
+               contexts=max(1, 2 * r.prompts_per_step // world), reference=StepPlan.loads_reference(cfg),
+               chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.gpu_memory_utilization, gpu_gib=gpu_gib,
+               compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
+               delta_from_update=bool(cfg.rcc.enabled and cfg.rcc.delta_from_update),
+               master_bytes=DTYPES[cfg.model.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
+               eval_batch_tokens=cfg.eval.batch_tokens or Run.eval_batch_tokens, eval_new_tokens=cfg.eval.max_new_tokens)
+
+
+def knob(phase: str, run: Run) -> str:
+    """The settings that shrink ``phase``'s peak."""
+    if phase in ("rollout", "evaluation") and run.vllm:
+        return "rollout.gpu_memory_utilization (vLLM's share of the GPU)"
+    if phase == "evaluation":
+        return "eval.batch_tokens (rows x tokens per HF generate call)"
+    if phase == "optimizer step":
+        return "more GPUs (torchrun --nproc_per_node, dist.strategy=fsdp2 shards weights, gradients and AdamW)"
+    if phase == "no-grad log-probs":
+        return "train.logprob_chunk_tokens"
+    update = "train.micro_batch_size or train.micro_batch_tokens, train.logprob_chunk_tokens"
+    return update + (", rcc.delta_from_update=false" if run.delta_from_update else "")
+
+
+def check_fit(arch: Arch, run: Run, budget_gib: float) -> str:
+    """The prediction against ``budget_gib`` as one line; raises ValueError naming the knob to turn when the
+    largest phase does not fit."""
+    phase, value = peak(arch, run)
+    line = (f"predicted peak {value / GIB:.1f} GiB per GPU ({phase}) of {budget_gib:.1f} GiB "
+            f"(every output at {run.output_tokens} tokens, micro-batch {run.micro_batch})")
+    if value > budget_gib * GIB:
+        raise ValueError(f"config field 'train.memory_gib': {line}: it does not fit. Lower {knob(phase, run)}; "
+                         "or set train.memory_check=false to start anyway")
+    return line
+
+
+def model_arch(model_cfg, vocab: int) -> Arch:
+    """The shape of the configured model, read without loading weights (``model.tiny``, or the config.json at
+    ``model.path``); ``vocab``: the tokenizer's size (a tiny model's vocabulary)."""
+    t = model_cfg.tiny
+    if t is not None:
+        return Arch(hidden=t.hidden_size, layers=t.num_hidden_layers, heads=t.num_attention_heads,
+                    kv_heads=t.num_key_value_heads, head_dim=t.head_dim, intermediate=t.intermediate_size, vocab=vocab,
+                    tied=bool(t.tie_word_embeddings))
+    from transformers import AutoConfig
+
+    return arch_of(AutoConfig.from_pretrained(model_cfg.path))
+
+
+def launch_check(cfg, d, device, task, tokenizer) -> str | None:
+    """Before any weights load: the run's predicted peak per GPU against ``train.memory_gib`` (null: the CUDA
+    device's total memory; on CPU nothing is checked). Returns the line to print, or None; raises ValueError
+    (naming the setting to lower) when it does not fit and ``train.memory_check`` is on."""
+    import torch
+
+    from bicc.validation import context_template_tokens, longest_training_prompt
+
+    budget = cfg.train.memory_gib
+    if budget is None and device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory / GIB
+    if budget is None or not cfg.train.memory_check:
+        return None
+    prompt = longest_training_prompt(task, tokenizer)[0] + context_template_tokens(cfg, tokenizer)
+    run = run_of(cfg, d.world, d.enabled and d.strategy == "fsdp2", budget, prompt)
+    return check_fit(model_arch(cfg.model, len(tokenizer)), run, budget)
+

@@ -1,0 +1,145 @@
+"""The memory check at launch (``bicc.memory``): the run's predicted peak per GPU against the memory it may use,
+before any weights load."""
+
+import dataclasses
+
+import pytest
+
+from bicc.memory import QWEN3_4B, Run, check_fit, knob, peak, run_of
+from tests.conftest import compose_cfg
+from tests.helpers import SMALL, run_train
+
+GIB = 1024**3
+
+
+def test_the_launchers_numbers_for_the_paper_preset_are_the_memory_tables():
+    """run_of reads the preset as docs/performance.md's table counts it: 4 GPUs, micro-batch 8 x 2,048 output
+    tokens, 16 contexts and 64 rows a GPU (32 prompts x 2 sides or x G 8, over 4), bf16 compute under FSDP2,
+    vLLM at 0.4, the reference loaded for RCC's delta, evaluation through vLLM at 4,096 new tokens."""
+    cfg = compose_cfg(["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on"])
+    assert run_of(cfg, world=4, sharded=True, gpu_gib=80.0, prompt_tokens=300) == Run()
+    # two GPUs: each holds twice the rows and contexts; one process without FSDP2 computes in model.dtype
+    two = run_of(cfg, world=2, sharded=True, gpu_gib=80.0, prompt_tokens=300)
+    assert (two.rows, two.contexts, two.world) == (128, 32, 2)
+    assert run_of(compose_cfg(["experiment=paper_qwen3_4b", "rcc=off", "bicc=off"]), 4, True, 80.0, 300).reference is False
+
+
+def test_a_config_that_fits_gets_its_line_and_one_that_does_not_names_the_knob():
+    run = Run()
+    phase, value = peak(QWEN3_4B, run)
+    line = check_fit(QWEN3_4B, run, 80.0)
+    assert f"predicted peak {value / GIB:.1f} GiB per GPU ({phase}) of 80.0 GiB" in line
+    with pytest.raises(ValueError, match="train.memory_gib") as err:
+        check_fit(QWEN3_4B, run, value / GIB - 0.1)
+    assert knob(phase, run) in str(err.value) and "train.memory_check=false" in str(err.value)
+
+
+def test_each_phase_names_its_own_knob():
+    hf = dataclasses.replace(Run(), vllm=False, eval_vllm=False)
+    assert "gpu_memory_utilization" in knob("rollout", Run()) and "gpu_memory_utilization" in knob("evaluation", Run())
+    assert "eval.batch_tokens" in knob("evaluation", hf)
+    assert "micro_batch_size" in knob("update: layers backward", Run())
+    assert "rcc.delta_from_update=false" in knob("update: head backward", dataclasses.replace(Run(), delta_from_update=True))
+    assert "nproc_per_node" in knob("optimizer step", Run())
+    # a micro-batch too large for 40 GiB: the update's phase is the peak and the message says what to lower
+    big = dataclasses.replace(Run(), micro_batch=64, gpu_gib=40.0)
+    assert peak(QWEN3_4B, big)[0].startswith("update")
+    with pytest.raises(ValueError, match="train.micro_batch_size"):
+        check_fit(QWEN3_4B, big, 40.0)
+
+
+def test_a_run_that_cannot_fit_is_refused_before_anything_loads(tmp_path):
+    """train.py with a 1 MiB budget: refused with the knob, before the warm start, the weights or a step."""
+    proc = run_train([*SMALL, "train.memory_gib=0.001", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "does not fit" in proc.stderr and "train.memory_gib" in proc.stderr and "Lower " in proc.stderr
+    assert "[sft]" not in proc.stdout and "[rl]" not in proc.stdout and "[eval]" not in proc.stdout
+    # the same run told to start anyway runs (no RL step needed to show it: train.steps=0)
+    small = [a for a in SMALL if not a.startswith("train.steps")]
+    proc = run_train([*small, "train.steps=0", "train.memory_gib=0.001", "train.memory_check=false",
+                      f"hydra.run.dir={tmp_path / 'anyway'}"], tmp_path)
+    assert "[memory]" not in proc.stdout and "[eval] final policy" in proc.stdout
+
+
+class FakeCuda:
+    """torch.cuda's peak counters over a pretend allocator: reserved grows with the peak and never shrinks."""
+
+    def __init__(self):
+        self.now = self.max_allocated = self.reserved = self.max_reserved = 0
+
+    def allocate(self, n):
+        self.now += n
+        self.max_allocated = max(self.max_allocated, self.now)
+        self.reserved = max(self.reserved, self.now)
+        self.max_reserved = max(self.max_reserved, self.reserved)
+
+    def max_memory_allocated(self, device):
+        return self.max_allocated
+
+    def max_memory_reserved(self, device):
+        return self.max_reserved
+
+    def reset_peak_memory_stats(self, device):
+        self.max_allocated, self.max_reserved = self.now, self.reserved
+
+
+def test_each_phase_keeps_its_own_peak_and_the_run_the_largest():
+    from bicc.tracking import PhasePeaks
+
+    cuda = FakeCuda()
+    peaks = PhasePeaks("cuda:0", stats=cuda)
+    cuda.allocate(13 * GIB)  # loading: 13 GiB at once, then 3 GiB of weights kept; the run's peak, before any phase
+    cuda.allocate(-10 * GIB)
+    with peaks.phase("generate"):
+        cuda.allocate(5 * GIB)
+        cuda.allocate(-5 * GIB)
+    with peaks.phase("update"):
+        cuda.allocate(2 * GIB)
+        cuda.allocate(-2 * GIB)
+    with peaks.phase("generate"):  # a later, smaller generate does not lower the first one's
+        cuda.allocate(1 * GIB)
+        cuda.allocate(-1 * GIB)
+    got = peaks.gib()
+    assert got["generate"] == {"allocated": 8.0, "reserved": 13.0}  # reserved: what the allocator kept from loading
+    assert got["update"] == {"allocated": 5.0, "reserved": 13.0}
+    assert got["run"] == {"allocated": 13.0, "reserved": 13.0}
+    assert PhasePeaks(None).gib() == {} and PhasePeaks(__import__("torch").device("cpu")).gib() == {}
+
+
+def test_a_step_measures_its_generate_log_probs_and_update(monkeypatch):
+    """rl_step opens one phase per part of the step, in order, each closed before the next opens."""
+    import torch
+
+    from bench.memory_tracker import HalfRightTask, ReplayEngine
+    from bicc.logprobs import install_logprob_head
+    from bicc.models import build_tiny
+    from bicc.optim import build_optimizer, warmup_cosine
+    from bicc.state import RLState
+    from bicc.step import rl_step
+
+    cfg = compose_cfg(["bicc=on", "rcc=on", "rollout.max_new_tokens=8", "rollout.prompts_per_step=2",
+                       "rollout.group_size=4", "rcc.diag_every=0"])
+    model, tokenizer = build_tiny(cfg.model.tiny, 0)
+    install_logprob_head(model)
+    ref, _ = build_tiny(cfg.model.tiny, 0)
+    install_logprob_head(ref)
+    optimizer = build_optimizer(model, 1e-4, (0.9, 0.999), 0.0)
+    events = []
+
+    class Recording:
+        def phase(self, name):
+            import contextlib
+
+            @contextlib.contextmanager
+            def inside():
+                events.append(("open", name))
+                yield
+                events.append(("close", name))
+
+            return inside()
+
+    s = RLState(model, ref_model=ref.requires_grad_(False), tokenizer=tokenizer, engine=ReplayEngine(), optimizer=optimizer,
+                scheduler=warmup_cosine(optimizer, 1, 10, 0.0), task=HalfRightTask(), peaks=Recording())
+    rl_step(s, cfg)
+    assert events == [(e, n) for n in ("generate", "log-probs", "update") for e in ("open", "close")]
+    assert torch.isfinite(next(model.parameters())).all()
