@@ -131,9 +131,10 @@ def shards_of_rank(shards: int, d: Dist, field_name: str = "eval.shards") -> ran
     return range(d.rank * per_rank, (d.rank + 1) * per_rank)
 
 
-def wrap(model, dist_cfg, d: Dist, compute_dtype: torch.dtype | None = None):
+def wrap(model, dist_cfg, d: Dist, compute_dtype: torch.dtype | None = None, mesh=None):
     """Shard (FSDP2) the model in place; DDP needs no wrapper (see ``sync_gradients``). Under FSDP2 the
-    parameters keep their (master) dtype and compute runs in ``dist.param_dtype``, else ``compute_dtype``."""
+    parameters keep their (master) dtype and compute runs in ``dist.param_dtype``, else ``compute_dtype``;
+    ``mesh``: the device mesh to shard over (None: every rank of the default group)."""
     if not d.enabled or d.strategy == "ddp":
         if d.enabled:  # identical start on every rank whatever each loaded
             for p in model.parameters():
@@ -145,8 +146,8 @@ def wrap(model, dist_cfg, d: Dist, compute_dtype: torch.dtype | None = None):
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[dist_cfg.reduce_dtype])
     model.__dict__.pop("bicc_compute_dtype", None)  # FSDP2 casts the gathered parameters itself
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=dist_cfg.reshard_after_forward)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=dist_cfg.reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=dist_cfg.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=dist_cfg.reshard_after_forward)
     return model
 
 

@@ -86,8 +86,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             return 0.0
         mask = batch.completion_mask[rows]
         loss, metrics, raw, old = rows_loss(logp, rows, mask, old_logp, ref_logp, adv.values, cfg, totals, is_weight)
-        new = ~seen[rows]
-        first_pass[rows[new]] = ((raw - old) * mask).sum(-1)[new].cpu().float()
+        first_pass[rows] = torch.where(seen[rows], first_pass[rows], ((raw - old) * mask).sum(-1).cpu().float())
         seen[rows] = True
         timers["forward"] += time.perf_counter() - start
         start = time.perf_counter()

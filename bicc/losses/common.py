@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from bicc.losses.agg import StepTotals, aggregate, masked_mean
@@ -56,7 +58,7 @@ def ratio_metrics(log_ratio, ratio, adv, mask, low: float, high: float) -> dict[
         "train/clip_frac_high": masked_mean(clipped_high.float(), mask).item(),
         "train/approx_kl_old": masked_mean(0.5 * log_ratio**2, mask).item(),
         "train/ratio_mean": masked_mean(ratio, mask).item(),
-        "train/ratio_max": ratio[m].max().item() if m.any() else 1.0,
+        "train/ratio_max": ratio.masked_fill(~m, -math.inf).max().item() if m.any() else 1.0,
     }
 
 

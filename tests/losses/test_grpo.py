@@ -39,6 +39,8 @@ def test_grpo_hand_computed_value_and_gradient():
     # clip fractions: high = 1 of 5 real tokens (seq 0 token 0), low = 1 of 5 (seq 1 token 1)
     assert metrics["train/clip_frac_high"] == pytest.approx(0.2)
     assert metrics["train/clip_frac_low"] == pytest.approx(0.2)
+    # the largest ratio over real tokens: e^0.3 (the padded token's e^5 is not one of them)
+    assert metrics["train/ratio_max"] == pytest.approx(math.exp(0.3))
 
 
 def test_zero_advantage_gives_zero_loss_and_gradient():
