@@ -23,13 +23,16 @@ from bicc.packing import _ragged, padding_free
 
 
 class _RecordLayer(DynamicLayer):
-    """Prefix pass: keeps this layer's keys/values, overwriting rather than appending, so that the
-    backward replay of a checkpointed layer stores the same states again instead of growing the cache."""
+    """Prefix pass: keeps this layer's keys/values from the forward. The backward replay of a checkpointed layer
+    (inside a backward pass) records nothing: the forward's are the ones the completions read, and keeping the
+    replay's would hold its graph (the layer's recomputed norms and projections) until the whole backward ends,
+    every layer's at once."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = key_states, value_states
+        if torch._C._current_graph_task_id() == -1:  # not a replay inside the backward
+            self.keys, self.values = key_states, value_states
         return key_states, value_states
 
 
