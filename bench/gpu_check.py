@@ -16,7 +16,7 @@ no vLLM, no flash-attn needed).
    (``eval.limit``). The training reward is constructed (``tests/rewards.py``: mixed groups and all-wrong ones,
    whatever a random model samples), so dynamic sampling and BiCC's contexts are exercised.
 3. The measured peak (``torch.cuda.max_memory_reserved`` over the run, evaluations included) beside
-   ``bench.memory_model``'s prediction for this configuration, and the trainer's throughput.
+   ``bicc.memory``'s prediction for this configuration, and the trainer's throughput.
 
 Ends with ``RESULT gpu_train_tokens_per_s=`` (tokens the update computes, contexts once, per second of the
 update phase, steps 2-3), ``RESULT gpu_train_mfu=`` (6 FLOPs per parameter per such token plus the output
@@ -134,14 +134,15 @@ def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, p
 
 
 def predicted_peak_gib(arch: dict, prompts: int, output_tokens: int, eval_tokens: int, gpu_gib: float) -> tuple[str, float]:
-    """``bench.memory_model`` for this configuration: one process (no sharding), the HF engine for the rollout and
-    the evaluation (``eval.limit=2`` x 4 samples a call), SDPA (counted as flash: no T x T scores kept)."""
-    from bench.memory_model import Arch, Run, peak
+    """``bicc.memory`` for this configuration: one process under torchrun (FSDP2 over one rank: bf16 compute
+    parameters over the fp32 master), the HF engine for the rollout and the evaluation (``eval.limit=2`` x 4
+    samples a call), SDPA (no flash-attn on the lent GPU: the repeated K/V counted)."""
+    from bicc.memory import Arch, Run, peak
 
     shape = Arch(hidden=arch["hidden_size"], layers=arch["num_hidden_layers"], heads=arch["num_attention_heads"],
                  kv_heads=arch["num_key_value_heads"], head_dim=arch["head_dim"], intermediate=arch["intermediate_size"],
                  vocab=arch["vocab_size"], tied=arch["tie_word_embeddings"])
-    run = Run(world=1, sharded=False, vllm=False, eval_vllm=False, output_tokens=output_tokens, prompt_tokens=60,
+    run = Run(world=1, sharded=True, flash=False, vllm=False, eval_vllm=False, output_tokens=output_tokens, prompt_tokens=60,
               contexts=2 * prompts, rows=prompts * 8, eval_new_tokens=eval_tokens, eval_rows=2 * 4, gpu_gib=gpu_gib)
     name, value = peak(shape, run)
     return name, value / GIB

@@ -35,9 +35,11 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   its context's keys and values, held for its micro-batch's backward; at the end, one backward through the
   context forward (one recomputed layer over all context tokens).
 
-The peak of a phase is the sum of what is alive in it; the run's peak is the largest phase. Attention is
-assumed to be flash-attention 2 (no T x T scores kept); SDPA with a padding mask adds the repeated K/V
-(2 x Hq per token per recomputed layer).
+The peak of a phase is the sum of what is alive in it; the run's peak is the largest phase. Attention keeps no
+T x T scores (flash-attention 2, or SDPA's fused kernels); under SDPA (``flash`` false) transformers repeats the
+keys/values to every query head, so a recomputed layer also holds them and their gradient (4 x Hq per token).
+Under FSDP2 the root's gradient (V x H in the compute dtype, tied embeddings) is held unsharded from the head's
+backward to the embeddings', through every layer's.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class Run:
     eval_batch_tokens: int = 131_072  # eval.batch_tokens (conf/eval/paper.yaml): rows x (prompt + new tokens)
     eval_new_tokens: int = 4096  # eval.max_new_tokens
     eval_rows: int = 0  # rows there are to evaluate at most (eval.limit x samples per problem); 0 = no fewer than fit
+    flash: bool = True  # flash-attention 2 (the presets on a GPU with flash-attn); false: SDPA repeats K/V per head
 
 
 def _layer_bytes_per_token(arch: Arch, b: int) -> int:
@@ -162,8 +165,13 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
               "checkpointed layer inputs": (worst + 1) * inputs_per_layer,
               "one layer's recomputed activations": layer_act,
               "BiCC prefix keys/values": prefix_kv, **contexts, **held}
+    hq = arch.heads * arch.head_dim
+    prefix = run.prompt_tokens + int(run.context_ratio * run.output_tokens) if run.bicc else 0
+    if not run.flash:  # SDPA: K/V repeated to every query head, and their gradient, in the recomputed layer
+        update["SDPA repeated K/V and their gradient"] = run.micro_batch * (prefix + run.output_tokens) * 4 * hq * b
     if run.sharded:
         update["unsharded layer gradient (compute dtype)"] = b * arch.layer_params()
+        update["root gradient (compute dtype, unsharded)"] = b * arch.root_params()
     # the head's weight gradient (unsharded, in the compute dtype, until FSDP2 reduce-scatters it at the end of the
     # root's backward; fp32 in one process) and each chunk's V x H contribution before it is accumulated
     head_grad_bytes = (b if run.sharded else 4) * arch.vocab * arch.hidden
@@ -174,6 +182,10 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     context_phase = {**static, **gathered, "gradients so far (fp32, sharded)": grads,
                      "BiCC contexts (inputs, K/V, K/V gradient)": contexts and sum(contexts.values()),
                      "one context layer's recomputed activations": context_tokens * _layer_bytes_per_token(arch, b)}
+    if not run.flash:
+        context_phase["SDPA repeated K/V and their gradient"] = context_tokens * 4 * hq * b
+    if run.sharded:
+        context_phase["root gradient (compute dtype, unsharded)"] = b * arch.root_params()
     logprob = {**static, **gathered, "one layer's activations (no grad)": layer_act / 2, "log-prob head chunk": head / 2,
                "BiCC contexts' K/V (no grad)": context_kv}
     if run.sharded:  # reduce_dtype fp32: the unsharded gradient is cast before the reduce-scatter
@@ -239,7 +251,7 @@ def arch_of(config) -> Arch:
 def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -> Run:
     """What of the run's config sizes memory on one of ``world`` GPUs of ``gpu_gib`` (every output at
     ``rollout.max_new_tokens``, the longest training prompt ``prompt_tokens``)."""
-    from bicc.models import DTYPES
+    from bicc.models import DTYPES, resolve_attn_implementation
     from bicc.plan import StepPlan
 
     r, t = cfg.rollout, cfg.train
@@ -252,7 +264,8 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
                compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
                delta_from_update=bool(cfg.rcc.enabled and cfg.rcc.delta_from_update),
                master_bytes=DTYPES[cfg.model.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
-               eval_batch_tokens=cfg.eval.batch_tokens or Run.eval_batch_tokens, eval_new_tokens=cfg.eval.max_new_tokens)
+               eval_batch_tokens=cfg.eval.batch_tokens or Run.eval_batch_tokens, eval_new_tokens=cfg.eval.max_new_tokens,
+               flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2")
 
 
 def knob(phase: str, run: Run) -> str:

@@ -16,8 +16,12 @@ def test_the_launchers_numbers_for_the_paper_preset_are_the_memory_tables():
     """run_of reads the preset as docs/performance.md's table counts it: 4 GPUs, micro-batch 8 x 2,048 output
     tokens, 16 contexts and 64 rows a GPU (32 prompts x 2 sides or x G 8, over 4), bf16 compute under FSDP2,
     vLLM at 0.4, the reference loaded for RCC's delta, evaluation through vLLM at 4,096 new tokens."""
+    from bicc.models import resolve_attn_implementation
+
     cfg = compose_cfg(["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on"])
-    assert run_of(cfg, world=4, sharded=True, gpu_gib=80.0, prompt_tokens=300) == Run()
+    flash = resolve_attn_implementation("flash_attention_2") == "flash_attention_2"  # SDPA without flash-attn or CUDA
+    assert run_of(cfg, world=4, sharded=True, gpu_gib=80.0, prompt_tokens=300) == dataclasses.replace(Run(), flash=flash)
+    assert run_of(compose_cfg(["experiment=paper_qwen3_4b", "model.attn_implementation=sdpa"]), 4, True, 80.0, 300).flash is False
     # two GPUs: each holds twice the rows and contexts; one process without FSDP2 computes in model.dtype
     two = run_of(cfg, world=2, sharded=True, gpu_gib=80.0, prompt_tokens=300)
     assert (two.rows, two.contexts, two.world) == (128, 32, 2)
