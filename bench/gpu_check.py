@@ -1,8 +1,8 @@
-"""``make gpu-check``: what a person with one CUDA GPU runs first (about 10 minutes on one H100; no hub access,
-no vLLM, no flash-attn needed).
+"""``make gpu-check``: what a person with one CUDA GPU runs first (8 minutes on one H100 at most: every phase
+has a budget; no hub access, no vLLM, no flash-attn needed).
 
     make gpu-check                              # .venv's python, else python3
-    .venv/bin/python -m bench.gpu_check --skip-tests
+    .venv/bin/python -m bench.gpu_check --skip-tests --budget-s 300
 
 1. The GPU-marked tests (``pytest -m gpu``: a bf16 run on CUDA; flash-attn against SDPA where it is installed).
 2. A one-GPU rehearsal of the headline command::
@@ -10,18 +10,21 @@ no vLLM, no flash-attn needed).
        torchrun --nproc_per_node=1 train.py experiment=paper_qwen3_4b algo=dapo bicc=on rcc=on rollout=hf
 
    on a Qwen3-0.6B-shaped model with random weights and a tokenizer built locally (the character tokenizer,
-   its vocabulary filled to Qwen3's 151,936 ids), bf16 compute over fp32 master weights, activation
-   checkpointing, 3 steps with outputs of up to 1,024 tokens (a random model rarely ends one early, so nearly
-   every output is that long), a checkpoint, and the initial and final evaluation on the shipped benchmarks
-   (``eval.limit``). The training reward is constructed (``tests/rewards.py``: mixed groups and all-wrong ones,
-   whatever a random model samples), so dynamic sampling and BiCC's contexts are exercised.
-3. The measured peak (``torch.cuda.max_memory_reserved`` over the run, evaluations included) beside
-   ``bicc.memory``'s prediction for this configuration, and the trainer's throughput.
+   its vocabulary filled to Qwen3's 151,936 ids), FSDP2 over one rank (bf16 compute over fp32 master weights),
+   activation checkpointing, outputs of up to 1,024 tokens (a random model rarely ends one early). Two legs: the
+   initial evaluation, steps 1-2 and a checkpoint; then a resume from that checkpoint, step 3, a checkpoint and
+   the final evaluation (``eval.limit``). The training reward is constructed (``tests.rewards:first_right``:
+   every group mixed, whatever a random model samples), so one sampling round fills a batch and BiCC conditions
+   every sample.
+3. The bare baseline: ``bench.update_vs_bare`` at the same shape (our update against a 40-line transformers loop).
 
-Ends with ``RESULT gpu_train_tokens_per_s=`` (tokens the update computes, contexts once, per second of the
-update phase, steps 2-3), ``RESULT gpu_train_mfu=`` (6 FLOPs per parameter per such token plus the output
-projection's, over the GPU's dense bf16 peak; target >= 0.40) and ``RESULT gpu_peak_vs_model=`` lines.
-Without CUDA it says so and exits 2 at once.
+Each phase runs under what is left of ``--budget-s`` (480): a phase that would overrun is stopped and says so
+(the RL loop stops at ``train.time_budget_s`` with a checkpoint). Ends with ``RESULT`` lines:
+``gpu_train_tokens_per_s`` (tokens the update computes, contexts once, per second of the update phase, steps
+after the first), ``gpu_train_mfu`` (6 FLOPs per parameter per such token plus the output projection's, over the
+GPU's dense bf16 peak; target >= 0.40), ``gpu_update_vs_bare``, ``gpu_allocated_vs_model`` (CUDA's allocated
+peak over ``bicc.memory``'s prediction, target 0.9-1.1), ``gpu_reserved_vs_allocated`` and ``gpu_check_wall_s``
+(target <= 480). Without CUDA it says so and exits 2 at once.
 """
 
 from __future__ import annotations
@@ -41,18 +44,20 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                  intermediate_size=3072, vocab_size=151_936, tie_word_embeddings=True, max_position_embeddings=40_960)
 PROMPTS, STEPS, OUTPUT_TOKENS = 8, 3, 1024
+BUDGET_S = 480  # make gpu-check's whole wall time
 NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
 
 
-def rehearsal_overrides(model_dir: Path, run_dir: Path, prompts: int = PROMPTS, steps: int = STEPS,
-                        output_tokens: int = OUTPUT_TOKENS, eval_tokens: int = 512) -> list[str]:
-    """The headline command's overrides for one GPU: the model, the sizes, the constructed reward."""
+def rehearsal_overrides(model_dir: Path, run_dir: Path, prompts: int = PROMPTS, output_tokens: int = OUTPUT_TOKENS,
+                        eval_tokens: int = 512) -> list[str]:
+    """The headline command's overrides for one GPU: the model, the sizes, the constructed reward (the steps and
+    checkpoints are each leg's: ``rehearse``)."""
     return ["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on", "rollout=hf", f"model.path={model_dir}",
             "model.name=qwen3_0.6b_shape_random", f"rollout.prompts_per_step={prompts}",
-            f"rollout.max_new_tokens={output_tokens}", f"bicc.max_tokens={output_tokens}", f"train.steps={steps}",
-            f"train.save_every={steps}", "optim.warmup_steps=1", "rcc.diag_every=0", "eval.limit=2",
-            "eval.samples_per_problem=4", f"eval.max_new_tokens={eval_tokens}", "eval.checker_workers=1",
-            "data.reward=tests.rewards:first_of_group", "data.reward_batched=true", "logger.wandb_mode=disabled",
+            f"rollout.max_new_tokens={output_tokens}", f"bicc.max_tokens={output_tokens}", "optim.warmup_steps=1",
+            "rcc.diag_every=0", "eval.limit=2", "eval.samples_per_problem=4", f"eval.max_new_tokens={eval_tokens}",
+            "eval.checker_workers=1",
+            "data.reward=tests.rewards:first_right", "data.reward_batched=true", "logger.wandb_mode=disabled",
             "logger.progress=false", f"hydra.run.dir={run_dir}"]
 
 
@@ -92,20 +97,58 @@ def dapo_file(path: Path, rows: int = 400) -> Path:
     return path
 
 
-def rehearse(out: Path, arch: dict, env: dict, device: str = "cuda", extra: tuple = (), **sizes) -> tuple[list, dict]:
+class Cut(RuntimeError):
+    """A phase stopped at its budget."""
+
+
+def run_phase(name: str, cmd: list[str], env: dict, seconds: float) -> None:
+    """``cmd`` in the repo root with ``seconds`` to finish; Cut when it would overrun, RuntimeError when it fails."""
+    if seconds <= 0:
+        raise Cut(f"{name}: no time left in the budget")
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=seconds)
+    except subprocess.TimeoutExpired as err:
+        raise Cut(f"{name}: stopped at its budget of {seconds:.0f} s") from err
+    if proc.returncode:
+        raise RuntimeError(f"{name} exited {proc.returncode}")
+
+
+def rehearse(out: Path, arch: dict, env: dict, device: str = "cuda", extra: tuple = (), budget_s: float = BUDGET_S,
+             steps: int = STEPS, **sizes) -> tuple[list, dict]:
     """Build the model dir and the data file under ``out``, run the headline command under torchrun with one
-    process; (its metrics rows, its results). ``sizes``: ``rehearsal_overrides``' keyword arguments."""
+    process in two legs (steps 1 .. steps-1 and a checkpoint; a resume, the last step and the final evaluation),
+    within ``budget_s``; (its metrics rows, the second leg's results). ``sizes``: ``rehearsal_overrides``'s."""
+    deadline = time.perf_counter() + budget_s
     model_dir = build_model_dir(out / "model", arch, device)
     env = {**env, "BICC_DAPO_MATH": str(dapo_file(out / "dapo_math.jsonl"))}
     run_dir = out / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py",
-           *rehearsal_overrides(model_dir, run_dir, **sizes), *extra]
-    print("[gpu-check] " + " ".join(cmd[1:]), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env)
-    if proc.returncode:
-        raise RuntimeError(f"the rehearsal exited {proc.returncode}")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"]
+    for leg, overrides in ((1, [f"train.steps={steps - 1}", f"train.save_every={steps - 1}"]),
+                           (2, [f"train.steps={steps}", f"train.save_every={steps}", "resume=auto"])):
+        left = deadline - time.perf_counter()
+        # the RL loop stops (with a checkpoint) with a fifth of the leg's time left for the evaluation
+        cmd = [*launch, *rehearsal_overrides(model_dir, run_dir, **sizes), *overrides,
+               f"train.time_budget_s={max(1.0, 0.8 * left):.0f}", *extra]
+        print(f"[gpu-check] rehearsal, leg {leg}: " + " ".join(cmd[1:]), flush=True)
+        run_phase(f"rehearsal leg {leg}", cmd, env, left)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     return rows, json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+
+
+def bare_baseline(env: dict, seconds: float, extra: tuple = ()) -> float:
+    """``bench.update_vs_bare`` at the rehearsal's shape: our update's tokens/s over a bare transformers loop's."""
+    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--shape", "qwen3_0.6b", "--iters", "2", *extra]
+    if seconds <= 0:
+        raise Cut("bare baseline: no time left in the budget")
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=seconds, capture_output=True, text=True)
+    except subprocess.TimeoutExpired as err:
+        raise Cut(f"bare baseline: stopped at its budget of {seconds:.0f} s") from err
+    print(proc.stdout[-2000:], end="")
+    found = [line.split("=", 1)[1].split()[0] for line in proc.stdout.splitlines() if line.startswith("RESULT update_vs_bare=")]
+    if proc.returncode or not found:
+        raise RuntimeError(f"bare baseline exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return float(found[0])
 
 
 def model_flops_per_token(arch: dict) -> float:
@@ -127,10 +170,11 @@ def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, p
     tokens = sum(r["perf/update_tokens"] for r in timed)
     seconds = sum(r["perf/update_s"] - r.get("perf/diagnostics_s", 0.0) for r in timed)
     rate = tokens / seconds
-    peak = results.get("cuda_max_reserved_gib")
+    reserved, allocated = results.get("cuda_max_reserved_gib"), results.get("cuda_max_allocated_gib")
     return {"gpu_train_tokens_per_s": rate, "gpu_train_mfu": rate * model_flops_per_token(arch) / (peak_tflops * 1e12),
-            "gpu_peak_gib": peak, "gpu_model_gib": predicted_gib,
-            "gpu_peak_vs_model": None if peak is None else peak / predicted_gib}
+            "gpu_peak_gib": reserved, "gpu_model_gib": predicted_gib,
+            "gpu_allocated_vs_model": None if allocated is None else allocated / predicted_gib,
+            "gpu_reserved_vs_allocated": None if not allocated else reserved / allocated}
 
 
 def predicted_peak_gib(arch: dict, prompts: int, output_tokens: int, eval_tokens: int, gpu_gib: float) -> tuple[str, float]:
@@ -161,9 +205,10 @@ def no_cuda_message() -> str | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--skip-tests", action="store_true", help="only the rehearsal")
+    parser.add_argument("--skip-tests", action="store_true", help="only the rehearsal and the baseline")
     parser.add_argument("--out", default=None, help="where the model, data and run go (default: a fresh dir under outputs/)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole check's wall time")
     args = parser.parse_args()
     message = no_cuda_message()
     if message:
@@ -171,38 +216,56 @@ def main() -> int:
         return 2
     import torch
 
+    begin = time.perf_counter()
+    deadline = begin + args.budget_s
     name = torch.cuda.get_device_name(0)
     peak_tflops = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB
     print(f"[gpu-check] {name}, {gpu_gib:.0f} GiB, torch {torch.__version__}, peak bf16 "
-          f"{peak_tflops or 'unknown (pass --peak-tflops)'} TFLOP/s")
+          f"{peak_tflops or 'unknown (pass --peak-tflops)'} TFLOP/s; budget {args.budget_s:.0f} s")
     out = Path(args.out or ROOT / "outputs" / "gpu-check" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "BICC_CACHE": str(out / "cache")}
-    failed = []
-    if not args.skip_tests:
+    failed, cut = [], []
+
+    def phase(label: str, fn, share: float):
+        """``fn(seconds)`` with ``share`` of what is left; its result, or None (cut or failed, said)."""
         start = time.perf_counter()
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"], cwd=ROOT, env=env)
-        print(f"[gpu-check] GPU tests: exit {tests.returncode} in {time.perf_counter() - start:.0f} s")
-        if tests.returncode:
-            failed.append("GPU tests")
-    start = time.perf_counter()
-    try:
-        rows, results = rehearse(out, QWEN3_06B, env)
-    except RuntimeError as err:
-        print(f"[gpu-check] {err}", file=sys.stderr)
-        failed.append("rehearsal")
-    print(f"[gpu-check] rehearsal: {time.perf_counter() - start:.0f} s")
-    if "rehearsal" not in failed:
-        phase, predicted = predicted_peak_gib(QWEN3_06B, PROMPTS, OUTPUT_TOKENS, 512, gpu_gib)
+        try:
+            return fn(share * (deadline - start))
+        except Cut as err:
+            cut.append(label)
+            print(f"[gpu-check] CUT {err}", file=sys.stderr)
+        except RuntimeError as err:
+            failed.append(label)
+            print(f"[gpu-check] {err}", file=sys.stderr)
+        finally:
+            print(f"[gpu-check] {label}: {time.perf_counter() - start:.0f} s")
+        return None
+
+    if not args.skip_tests:
+        phase("GPU tests", lambda s: run_phase("GPU tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu",
+                                                             "tests/test_gpu.py"], env, s), 0.25)
+    done = phase("rehearsal", lambda s: rehearse(out, QWEN3_06B, env, budget_s=s), 0.8)
+    ratio = phase("bare baseline", lambda s: bare_baseline(env, s), 1.0)
+    if done is not None:
+        rows, results = done
+        phase_name, predicted = predicted_peak_gib(QWEN3_06B, PROMPTS, OUTPUT_TOKENS, 512, gpu_gib)
         summary = summarise(rows, results, QWEN3_06B, peak_tflops or float("nan"), predicted)
-        print(f"[gpu-check] peak {summary['gpu_peak_gib']:.1f} GiB reserved; memory model {predicted:.1f} GiB ({phase})")
+        print(f"[gpu-check] peak {results['cuda_max_allocated_gib']:.1f} GiB allocated, {summary['gpu_peak_gib']:.1f} "
+              f"reserved; bicc.memory {predicted:.1f} GiB ({phase_name}); per phase {results.get('cuda_peaks_gib')}")
         print(f"RESULT gpu_train_tokens_per_s={summary['gpu_train_tokens_per_s']:.0f}")
         print(f"RESULT gpu_train_mfu={summary['gpu_train_mfu']:.3f} target>=0.40")
-        print(f"RESULT gpu_peak_vs_model={summary['gpu_peak_vs_model']:.3f} target<=1.15")
+        print(f"RESULT gpu_allocated_vs_model={summary['gpu_allocated_vs_model']:.3f} target>=0.9 target<=1.1")
+        print(f"RESULT gpu_reserved_vs_allocated={summary['gpu_reserved_vs_allocated']:.3f}")
+    if ratio is not None:
+        print(f"RESULT gpu_update_vs_bare={ratio:.3f} target>=1.5")
+    print(f"RESULT gpu_check_wall_s={time.perf_counter() - begin:.0f} target<={args.budget_s:.0f}")
+    if cut:
+        print(f"[gpu-check] CUT at the budget: {', '.join(cut)}", file=sys.stderr)
     if failed:
         print(f"[gpu-check] FAILED: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed or cut else 0
 
 
 if __name__ == "__main__":

@@ -32,3 +32,9 @@ def returns_text(completion, problem):
 
 def returns_nan(completion, problem):
     return float("nan")
+
+
+def first_right(completions, problems):
+    """1 for the first row of each group, 0 for the others: every group is mixed (one right answer in G), so DAPO's
+    dynamic sampling keeps every group of its first round and BiCC conditions every sample."""
+    return [float(i == 0 or p != problems[i - 1]) for i, p in enumerate(problems)]

@@ -31,10 +31,11 @@ def test_flops_and_summary_by_hand():
     rows = [{"step": 1, "perf/update_s": 9.0, "perf/update_tokens": 1000.0},  # the first step is not timed
             {"step": 2, "perf/update_s": 2.0, "perf/update_tokens": 30_000.0, "perf/diagnostics_s": 0.5},
             {"step": 3, "perf/update_s": 1.5, "perf/update_tokens": 40_000.0}, {"eval/x": 1.0}]
-    out = gpu_check.summarise(rows, {"cuda_max_reserved_gib": 30.0}, gpu_check.QWEN3_06B, 989.0, 25.0)
+    out = gpu_check.summarise(rows, {"cuda_max_reserved_gib": 30.0, "cuda_max_allocated_gib": 24.0}, gpu_check.QWEN3_06B,
+                              989.0, 25.0)
     assert out["gpu_train_tokens_per_s"] == 70_000 / 3.0  # (30k + 40k) tokens over (2.0 - 0.5) + 1.5 s
     assert out["gpu_train_mfu"] == pytest.approx(70_000 / 3.0 * 3_575_906_304 / 989e12)
-    assert out["gpu_peak_vs_model"] == 30.0 / 25.0
+    assert out["gpu_allocated_vs_model"] == 24.0 / 25.0 and out["gpu_reserved_vs_allocated"] == 30.0 / 24.0
     with pytest.raises(RuntimeError, match="no training step"):
         gpu_check.summarise([{"eval/x": 1.0}], {}, gpu_check.QWEN3_06B, 989.0, 25.0)
 
@@ -45,16 +46,34 @@ def test_the_memory_model_prediction_for_the_check():
     assert 596e6 * 16 / 2**30 < gib < 40, (phase, gib)
 
 
-def test_the_rehearsal_runs_on_cpu_at_a_small_shape(tmp_path):
+def test_the_rehearsal_runs_on_cpu_at_a_small_shape(tmp_path, capfd):
     """The check's own pipeline, shrunk: a 2-layer model with Qwen3's 151,936-id vocabulary and the filled
-    character tokenizer, the headline overrides, the DAPO-layout file, the constructed reward, 2 steps."""
+    character tokenizer, the headline overrides, the DAPO-layout file, the constructed reward, 2 steps in two
+    legs (step 1 and a checkpoint; a resume from it, step 2 and the final evaluation), each step's batch filled by
+    one sampling round."""
     arch = {**gpu_check.QWEN3_06B, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 1024}
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     rows, results = gpu_check.rehearse(tmp_path, arch, env, device="cpu", extra=("device=cpu", "threads=2"),
                                        prompts=4, steps=2, output_tokens=16, eval_tokens=8)
-    assert [r["step"] for r in rows if "perf/update_s" in r] == [1, 2]
-    assert (tmp_path / "run" / "checkpoints" / "step_2").is_dir()
+    steps = [r for r in rows if "perf/update_s" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    # one right answer in every group of G = 8: one sampling round fills the batch (at 16 tokens no attempt fits a
+    # context's 6-token budget; at the check's 1,024 every sample is conditioned)
+    assert all(r["rollout/generate_rounds"] == 1 and r["reward/accuracy"] == 1 / 8 for r in steps)
+    assert "resumed from" in capfd.readouterr().out  # the second leg started from the first leg's checkpoint
+    assert (tmp_path / "run" / "checkpoints" / "step_1").is_dir() and (tmp_path / "run" / "checkpoints" / "step_2").is_dir()
     assert results["final"]["eval/math500/num_problems"] == 2 and "cuda_max_reserved_gib" not in results
     out = gpu_check.summarise(rows, results, arch, 1.0, 1.0)
-    assert out["gpu_train_tokens_per_s"] > 0 and out["gpu_peak_vs_model"] is None
+    assert out["gpu_train_tokens_per_s"] > 0 and out["gpu_allocated_vs_model"] is None
+
+
+def test_a_phase_that_would_overrun_its_budget_is_stopped_and_says_so():
+    import sys
+
+    with pytest.raises(gpu_check.Cut, match="stopped at its budget of 1 s"):
+        gpu_check.run_phase("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"], {}, 1.0)
+    with pytest.raises(gpu_check.Cut, match="no time left"):
+        gpu_check.run_phase("late", [sys.executable, "-c", "pass"], {}, 0.0)
+    with pytest.raises(RuntimeError, match="failing exited 3"):
+        gpu_check.run_phase("failing", [sys.executable, "-c", "raise SystemExit(3)"], {}, 30.0)
