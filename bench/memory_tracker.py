@@ -32,6 +32,9 @@ import torch
 from bicc.memory import GIB, QWEN3_4B, Arch, Run, phases, run_of
 
 ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"qwen3_4b": QWEN3_4B,  # make gpu-check's rehearsal: Qwen3-0.6B's shape (bench.gpu_check.QWEN3_06B)
+          "qwen3_0.6b": Arch(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936,
+                             tied=True)}
 PRESET = ["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on", "rollout=hf", "train.steps=2"]
 PROMPT_CHARS = 300  # a long DAPO-Math prompt, one token per character under the character tokenizer
 
@@ -232,8 +235,9 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
 def predicted(cfg, arch: Arch, world: int, prompt_tokens: int) -> dict[str, float]:
     """``bicc.memory``'s phases for the traced run, without what the trace cannot see (runtime, fragmentation,
     vLLM): the update is the largest of its sub-phases."""
+    # the trace replays its rollout: no engine at all (as vLLM at a zero share: no HF sampler copy, no generate)
     run = dataclasses.replace(run_of(cfg, world, True, 80.0, prompt_tokens), runtime_gib=0.0, fragmentation=0.0,
-                              vllm=False, eval_vllm=False)
+                              vllm=True, vllm_utilization=0.0, eval_vllm=True)
     table = {name: sum(parts.values()) for name, parts in phases(arch, run).items()}
     update = max(v for k, v in table.items() if k.startswith("update"))
     return {"rollout": table["rollout"], "no-grad log-probs": table["no-grad log-probs"], "update": update,
@@ -243,22 +247,25 @@ def predicted(cfg, arch: Arch, world: int, prompt_tokens: int) -> dict[str, floa
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=QWEN3_4B.layers, help="decoder layers (the preset's 36)")
+    parser.add_argument("--shape", choices=["qwen3_4b", "qwen3_0.6b"], default="qwen3_4b",
+                        help="the model's width: the preset's, or make gpu-check's rehearsal's")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     parser.add_argument("--world", type=int, default=4, help="ranks the model is sharded over")
     parser.add_argument("--json", default=None, help="also write the traced and predicted peaks (bytes) here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides after the preset's")
     args = parser.parse_args()
     cfg = compose([*PRESET, *args.overrides])
-    arch = dataclasses.replace(QWEN3_4B, layers=args.layers)
+    arch = SHAPES[args.shape]
+    arch = dataclasses.replace(arch, layers=args.layers or arch.layers)
     start = time.perf_counter()
-    traced, breakdown = trace(cfg, arch, args.layers, args.world)
+    traced, breakdown = trace(cfg, arch, arch.layers, args.world)
     from bicc.tokenizer import build_char_tokenizer
     from bicc.validation import context_template_tokens, longest_training_prompt
 
     tokenizer = build_char_tokenizer()
     prompt = longest_training_prompt(HalfRightTask(), tokenizer, 1)[0] + context_template_tokens(cfg, tokenizer)
     model = predicted(cfg, arch, args.world, prompt)
-    print(f"\n{arch.params() / 1e9:.2f}B parameters ({args.layers} layers), {args.world} ranks, "
+    print(f"\n{arch.params() / 1e9:.2f}B parameters ({arch.layers} layers), {args.world} ranks, "
           f"{' '.join([*PRESET, *args.overrides])}; traced in {time.perf_counter() - start:.0f} s")
     print(f"  {'phase':<20} {'traced GiB':>10} {'bicc.memory':>12} {'model / traced':>15}")
     for name in ("rollout", "no-grad log-probs", "update", "optimizer step", "run"):

@@ -106,6 +106,7 @@ class Run:
     eval_new_tokens: int = 4096  # eval.max_new_tokens
     eval_rows: int = 0  # rows there are to evaluate at most (eval.limit x samples per problem); 0 = no fewer than fit
     flash: bool = True  # flash-attention 2 (the presets on a GPU with flash-attn); false: SDPA repeats K/V per head
+    rollout_batch: int = 64  # rollout.batch_size: most rows per HF generate call (rollout=hf)
 
 
 def _layer_bytes_per_token(arch: Arch, b: int) -> int:
@@ -137,6 +138,8 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     static = {"policy master weights (fp32, sharded)": master, "AdamW moments (sharded)": adam}
     if run.reference:
         static["reference (full, compute dtype)"] = b * n
+    if run.sharded and not run.vllm:  # rollout=hf beside FSDP2: the sampler is a full copy (bicc.models.compute_copy)
+        static["HF sampler copy (full, compute dtype)"] = b * n
     static["runtime"] = run.runtime_gib * GIB
     gathered = {}
     if not run.sharded and b < run.master_bytes:  # one process, autocast: compute-dtype copies of the weights
@@ -197,9 +200,12 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     optimizer = {**static, "gradients (fp32, sharded)": grads, "AdamW step temporaries": 2 * 4 * n / w}
     # between steps (rollout, evaluation): the update's backward has resharded every FSDP2 unit, the root included
     awake = dict(static)
-    rollout = dict(awake)
     if run.vllm:
-        rollout["vLLM (awake: weights + KV cache)"] = run.vllm_utilization * run.gpu_gib * GIB
+        rollout = {**awake, "vLLM (awake: weights + KV cache)": run.vllm_utilization * run.gpu_gib * GIB}
+    else:  # HF generate: rollout.batch_size rows at a time, from the sampler copy (FSDP2) or the policy (autocast)
+        rows = min(run.rows, run.rollout_batch)
+        rollout = {**awake, **({} if run.sharded else gathered),
+                   **_hf_generate(arch, run, rows, run.output_tokens, "rollout.batch_size")}
     out = {"rollout": rollout, "no-grad log-probs": logprob, "update: head backward": head_phase,
            "update: layers backward": update, "update: contexts backward": context_phase}
     if run.sharded:
@@ -214,19 +220,26 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     return out
 
 
-def _evaluation(arch: Arch, run: Run, awake: dict, gathered: dict) -> dict[str, float]:
-    """The initial and final evaluation: vLLM's share as in the rollout, or HF generate with calls of at most
-    ``eval_batch_tokens`` rows x (prompt + new tokens): their KV cache, the last position's fp32 logits
-    (sampling keeps two copies) and one layer's prefill activations."""
-    if run.eval_vllm:
-        return {**awake, "vLLM (awake: weights + KV cache)": run.vllm_utilization * run.gpu_gib * GIB}
+def _hf_generate(arch: Arch, run: Run, rows: int, new_tokens: int, knob: str) -> dict[str, float]:
+    """One HF generate call of ``rows`` rows x (prompt + ``new_tokens``): its KV cache (and, while it grows, one
+    layer's old copy beside the new), the last position's fp32 logits (sampling keeps two copies) and one layer's
+    prefill activations."""
     b = run.compute_bytes
-    rows = max(1, run.eval_batch_tokens // (run.prompt_tokens + run.eval_new_tokens))
-    rows = min(rows, run.eval_rows) if run.eval_rows else rows
-    kv = rows * (run.prompt_tokens + run.eval_new_tokens) * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
-    return {**awake, **gathered, "HF generate KV cache (eval.batch_tokens)": kv,
+    per_layer = rows * (run.prompt_tokens + new_tokens) * 2 * arch.kv_heads * arch.head_dim * b
+    return {f"HF generate KV cache ({knob})": (arch.layers + 1) * per_layer,
             "sampling logits (fp32, two copies)": 2 * 4 * rows * arch.vocab,
             "one layer's prefill activations": rows * run.prompt_tokens * _layer_bytes_per_token(arch, b) / 2}
+
+
+def _evaluation(arch: Arch, run: Run, awake: dict, gathered: dict) -> dict[str, float]:
+    """The initial and final evaluation: vLLM's share as in the rollout, or HF generate with calls of at most
+    ``eval_batch_tokens`` rows x (prompt + new tokens), from the sampler copy (FSDP2) or the policy itself."""
+    if run.eval_vllm:
+        return {**awake, "vLLM (awake: weights + KV cache)": run.vllm_utilization * run.gpu_gib * GIB}
+    rows = max(1, run.eval_batch_tokens // (run.prompt_tokens + run.eval_new_tokens))
+    rows = min(rows, run.eval_rows) if run.eval_rows else rows
+    return {**awake, **({} if run.sharded else gathered),
+            **_hf_generate(arch, run, rows, run.eval_new_tokens, "eval.batch_tokens")}
 
 
 def peak(arch: Arch, run: Run) -> tuple[str, float]:
@@ -265,7 +278,8 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
                delta_from_update=bool(cfg.rcc.enabled and cfg.rcc.delta_from_update),
                master_bytes=DTYPES[cfg.model.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
                eval_batch_tokens=cfg.eval.batch_tokens or Run.eval_batch_tokens, eval_new_tokens=cfg.eval.max_new_tokens,
-               flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2")
+               flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2",
+               rollout_batch=r.batch_size)
 
 
 def knob(phase: str, run: Run) -> str:

@@ -109,13 +109,18 @@ def test_memory_model_counts_every_phase_by_hand():
     from bench.memory_model import GIB, QWEN3_4B, Run, phases
 
     gib = lambda parts: sum(parts.values()) / GIB  # noqa: E731
-    hf = phases(QWEN3_4B, Run(vllm=False, eval_vllm=False))["evaluation"]
+    hf_phases = phases(QWEN3_4B, Run(vllm=False, eval_vllm=False))
+    hf = hf_phases["evaluation"]
     rows = 131_072 // (300 + 4096)  # 29 rows of a 300-token prompt and 4,096 new tokens
     assert rows == 29
-    # tokens x layers x K,V x kv heads x head dim x bf16
-    assert hf["HF generate KV cache (eval.batch_tokens)"] == 29 * 4396 * 36 * 2 * 8 * 128 * 2
+    # tokens x (layers + the one growing) x K,V x kv heads x head dim x bf16
+    assert hf["HF generate KV cache (eval.batch_tokens)"] == 29 * 4396 * 37 * 2 * 8 * 128 * 2
     assert hf["sampling logits (fp32, two copies)"] == 2 * 4 * 29 * 151_936
-    assert hf["FSDP2 gathered root (embeddings, head)"] == 2 * (151_936 * 2560 + 2560)
+    # rollout=hf beside FSDP2 samples from a full bf16 copy of the policy, the whole run long; no gathered root
+    assert hf["HF sampler copy (full, compute dtype)"] == 2 * QWEN3_4B.params()
+    assert "FSDP2 gathered root (embeddings, head)" not in hf
+    # the rollout's HF generate: this GPU's 64 rows (rollout.batch_size 64) x (300 + 2,048) tokens
+    assert hf_phases["rollout"]["HF generate KV cache (rollout.batch_size)"] == 64 * 2348 * 37 * 2 * 8 * 128 * 2
     run = Run()
     table = phases(QWEN3_4B, run)
     assert table["evaluation"]["vLLM (awake: weights + KV cache)"] == 0.4 * 80 * GIB
