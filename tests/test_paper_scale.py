@@ -94,22 +94,22 @@ def test_kv_space_is_computed_from_the_model_and_the_rows():
 
     tiny = SimpleNamespace(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                            hidden_size=32, max_position_embeddings=1024)
-    # 130 tokens take 2 blocks of 128 = 256 positions; a token is K + V x 2 layers x 1 KV head x 16 x 4 bytes = 256;
-    # 10 rows x 256 x 256 = 655,360 bytes, + 10% (65,536) = 720,896
-    assert kv_cache_bytes(tiny, "float32", 10, 130) == 720_896
-    assert kv_cache_bytes(tiny, "bfloat16", 10, 130) == 360_448  # 2 bytes a value
-    assert kv_cache_bytes(tiny, "float32", 10, 128) == 360_448  # one block
+    # 130 tokens take 2 blocks of 128; a token is K + V x 2 layers x 1 KV head x 16 x 4 bytes = 256; 10 rows x 2
+    # blocks + vLLM's null block = 21 blocks x 128 x 256 = 688,128 bytes, + 10% (68,813, rounded up) = 756,941
+    assert kv_cache_bytes(tiny, "float32", 10, 130) == 756_941
+    assert kv_cache_bytes(tiny, "bfloat16", 10, 130) == 344_064 + 34_407  # 2 bytes a value
+    assert kv_cache_bytes(tiny, "float32", 10, 128) == 360_448 + 36_045  # one block a row: 11 blocks
     assert kv_cache_bytes(tiny, "float32", 1000, 130) == kv_cache_bytes(tiny, "float32", 256, 130)  # vLLM runs 256
     # no head_dim / num_key_value_heads: hidden / heads and every head (2 x 2 x 2 x 16 x 4 = 512 a token)
     mha = SimpleNamespace(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, max_position_embeddings=1024)
-    assert kv_cache_bytes(mha, "float32", 10, 130) == 1_441_792
+    assert kv_cache_bytes(mha, "float32", 10, 130) == 1_376_256 + 137_626
     rollout = OmegaConf.structured(RolloutConfig(engine="vllm"))
     options = EngineOptions(max_model_len=130, rows=10)
-    assert kv_space(tiny, "float32", rollout, options, cuda=False) == 720_896
+    assert kv_space(tiny, "float32", rollout, options, cuda=False) == 756_941
     assert kv_space(tiny, "float32", rollout, options, cuda=True) is None  # gpu_memory_utilization decides
     assert kv_space(tiny, "float32", rollout, EngineOptions(), cuda=False) == kv_cache_bytes(tiny, "float32", 256, 1024)
     rollout.max_model_len = 300  # the rollout's own setting wins over the derived length: 3 blocks
-    assert kv_space(tiny, "float32", rollout, options, cuda=False) == 720_896 * 3 // 2
+    assert kv_space(tiny, "float32", rollout, options, cuda=False) == 1_015_808 + 101_581  # 31 blocks
     rollout.kv_cache_bytes = 12345  # an explicit size wins on either device
     assert kv_space(tiny, "float32", rollout, options, cuda=False) == kv_space(tiny, "float32", rollout, options, True) == 12345
     assert engine_args("m", "float32", rollout, options, cuda=False, kv_bytes=12345)["kv_cache_memory_bytes"] == 12345

@@ -57,11 +57,41 @@ def train_one_step(model):
 
 def test_the_engine_got_the_kv_space_the_run_needs(engines):
     """Built while the probe reports a 3.76 GiB node with 1 GiB resident, the engine holds exactly the KV space
-    computed from the model's shape: 256 rows (vLLM's most) x 1,024 positions x 2 (K, V) x 3 layers x 2 KV heads x
-    32 x 4 bytes = 402,653,184, + 10% = 442,918,503 bytes; vLLM's own sizing would be 0.1 x 3.76 GiB - 1 GiB < 0."""
+    computed from the model's shape: (256 rows (vLLM's most) x 8 blocks of 128 + vLLM's null block) x 128 x 2 (K, V)
+    x 3 layers x 2 KV heads x 32 x 4 bytes = 402,849,792, + 10% = 443,134,772 bytes; vLLM's own sizing would be
+    0.1 x 3.76 GiB - 1 GiB < 0."""
     vllm_engine = engines[2]
-    assert vllm_engine.kv_bytes == 442_918_503
+    assert vllm_engine.kv_bytes == 443_134_772
     assert vllm_engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == vllm_engine.kv_bytes
+
+
+def test_an_engine_sized_for_one_row_serves_one_row_of_its_whole_length(engines, tmp_path):
+    """One row of max_model_len = 256 (two whole blocks of 128): the computed KV space must hold that row and vLLM's
+    null block, which its block pool keeps for itself. Sized without it, vLLM refused to start ("the estimated
+    maximum model length is 128") whenever the 10% margin was less than a block (one row, few blocks). In a process
+    of its own: vLLM's in-process engine state is global, and this module's engine is still in use."""
+    save_hf(engines[0], engines[1], tmp_path / "policy")
+    script = f"""
+import os
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import torch
+from omegaconf import OmegaConf
+from bicc.config import ModelConfig, RolloutConfig
+from bicc.data import encode_prompt
+from bicc.models import load_pretrained
+from bicc.rollout import EngineOptions, SamplingParams, build_engine
+model, tok = load_pretrained({str(tmp_path / "policy")!r}, OmegaConf.structured(ModelConfig(name="t", path="x")),
+                             torch.device("cpu"))
+engine = build_engine("vllm", model, tok, OmegaConf.structured(RolloutConfig(engine="vllm", enforce_eager=True,
+                      max_model_len=256)), EngineOptions(rows=1))
+out = engine.generate([encode_prompt(tok, "Compute 1+2.")], SamplingParams(n=1, temperature=1.0, top_p=1.0,
+                      max_new_tokens=200, seed=0))
+print("ROWS", len(out.completion_ids), "KV", engine.kv_bytes)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # (2 blocks + the null block) x 128 x 2 (K, V) x 3 layers x 2 KV heads x 32 x 4 bytes = 589,824, + 10%
+    assert "ROWS 1 KV 648807" in proc.stdout
 
 
 def test_tied_output_projection_is_pushed_explicitly(engines):

@@ -74,14 +74,15 @@ KV_MARGIN_PERCENT = 10  # KV space above the computed need
 
 def kv_cache_bytes(hf_config, dtype: str, rows: int, max_model_len: int) -> int:
     """The KV space ``rows`` sequences of ``max_model_len`` tokens need: K and V x layers x KV heads x head dim
-    x the dtype's bytes per token, each row rounded up to whole blocks of ``CPU_BLOCK_TOKENS``, plus
-    ``KV_MARGIN_PERCENT``. ``rows`` is capped at ``CPU_MAX_ROWS``, the most the engine schedules at once."""
+    x the dtype's bytes per token, each row rounded up to whole blocks of ``CPU_BLOCK_TOKENS``, one block more
+    (vLLM's block pool keeps a null block for itself), plus ``KV_MARGIN_PERCENT``. ``rows`` is capped at
+    ``CPU_MAX_ROWS``, the most the engine schedules at once."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
     blocks = -(-max_model_len // CPU_BLOCK_TOKENS)  # [per row]
-    need = min(rows, CPU_MAX_ROWS) * blocks * CPU_BLOCK_TOKENS * per_token
+    need = (min(rows, CPU_MAX_ROWS) * blocks + 1) * CPU_BLOCK_TOKENS * per_token
     return need + -(-need * KV_MARGIN_PERCENT // 100)
 
 
