@@ -101,16 +101,18 @@ class Cut(RuntimeError):
     """A phase stopped at its budget."""
 
 
-def run_phase(name: str, cmd: list[str], env: dict, seconds: float) -> None:
-    """``cmd`` in the repo root with ``seconds`` to finish; Cut when it would overrun, RuntimeError when it fails."""
+def run_phase(name: str, cmd: list[str], env: dict, seconds: float, capture: bool = False) -> str:
+    """``cmd`` in the repo root with ``seconds`` to finish; Cut when it would overrun, RuntimeError when it fails.
+    ``capture``: its stdout is returned (and its stderr's tail told on failure) rather than printed."""
     if seconds <= 0:
         raise Cut(f"{name}: no time left in the budget")
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=seconds)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=seconds, capture_output=capture, text=capture)
     except subprocess.TimeoutExpired as err:
         raise Cut(f"{name}: stopped at its budget of {seconds:.0f} s") from err
     if proc.returncode:
-        raise RuntimeError(f"{name} exited {proc.returncode}")
+        raise RuntimeError(f"{name} exited {proc.returncode}" + (f": {proc.stderr[-2000:]}" if capture else ""))
+    return proc.stdout if capture else ""
 
 
 def rehearse(out: Path, arch: dict, env: dict, device: str = "cuda", extra: tuple = (), budget_s: float = BUDGET_S,
@@ -138,16 +140,11 @@ def rehearse(out: Path, arch: dict, env: dict, device: str = "cuda", extra: tupl
 def bare_baseline(env: dict, seconds: float, extra: tuple = ()) -> float:
     """``bench.update_vs_bare`` at the rehearsal's shape: our update's tokens/s over a bare transformers loop's."""
     cmd = [sys.executable, "-m", "bench.update_vs_bare", "--shape", "qwen3_0.6b", "--iters", "2", *extra]
-    if seconds <= 0:
-        raise Cut("bare baseline: no time left in the budget")
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=seconds, capture_output=True, text=True)
-    except subprocess.TimeoutExpired as err:
-        raise Cut(f"bare baseline: stopped at its budget of {seconds:.0f} s") from err
-    print(proc.stdout[-2000:], end="")
-    found = [line.split("=", 1)[1].split()[0] for line in proc.stdout.splitlines() if line.startswith("RESULT update_vs_bare=")]
-    if proc.returncode or not found:
-        raise RuntimeError(f"bare baseline exited {proc.returncode}: {proc.stderr[-2000:]}")
+    stdout = run_phase("bare baseline", cmd, env, seconds, capture=True)
+    print(stdout[-2000:], end="")
+    found = [line.split("=", 1)[1].split()[0] for line in stdout.splitlines() if line.startswith("RESULT update_vs_bare=")]
+    if not found:
+        raise RuntimeError("bare baseline printed no RESULT update_vs_bare line")
     return float(found[0])
 
 
