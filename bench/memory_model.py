@@ -20,7 +20,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 
-from bicc.memory import GIB, PHI4_MINI, QWEN3_4B, Arch, Run, peak, phases
+from bicc.memory import GIB, PHI4_MINI, QWEN3_4B, Arch, Run, peak, phases, prefix_tokens
 
 
 def print_table(title: str, arch: Arch, run: Run) -> float:
@@ -43,7 +43,7 @@ def step_seconds(arch: Arch, run: Run, mean_output: int, sequences: int = 64, pe
     twice that, checkpointing one more forward), the rollout as vLLM decode at the memory-bandwidth
     roofline (every decode step reads the weights and the KV cache once), ``sequences`` outputs per GPU."""
     n, hq = arch.params(), arch.heads * arch.head_dim
-    prefix = run.prompt_tokens + (int(run.context_ratio * run.output_tokens) if run.bicc else 0)
+    prefix = prefix_tokens(run)
     out_tokens = sequences * mean_output
 
     def forward_flops(tokens: int, context: int) -> float:

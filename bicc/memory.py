@@ -118,11 +118,16 @@ def _layer_bytes_per_token(arch: Arch, b: int) -> int:
     return per_token
 
 
+def prefix_tokens(run: Run) -> int:
+    """What an output attends to before itself: the prompt, and under BiCC the opposite attempts' budget."""
+    return run.prompt_tokens + (int(run.context_ratio * run.output_tokens) if run.bicc else 0)
+
+
 def _activations(arch: Arch, run: Run) -> tuple[int, int, int, int]:
     """(tokens in a micro-batch's forward, bytes of one recomputed layer, bytes of the micro-batch's gathered
     context K/V, context tokens held per minibatch)."""
     b, hkv = run.compute_bytes, arch.kv_heads * arch.head_dim
-    prefix = run.prompt_tokens + (int(run.context_ratio * run.output_tokens) if run.bicc else 0)
+    prefix = prefix_tokens(run)
     # KV-reuse packing: the contexts are computed apart, once per minibatch (bicc.rows.contexts_once)
     tokens = run.micro_batch * run.output_tokens if run.bicc else run.micro_batch * (run.output_tokens + run.prompt_tokens)
     kv = run.micro_batch * prefix * arch.layers * 2 * hkv * b if run.bicc else 0
@@ -169,9 +174,8 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
               "one layer's recomputed activations": layer_act,
               "BiCC prefix keys/values": prefix_kv, **contexts, **held}
     hq = arch.heads * arch.head_dim
-    prefix = run.prompt_tokens + int(run.context_ratio * run.output_tokens) if run.bicc else 0
     if not run.flash:  # SDPA: K/V repeated to every query head, and their gradient, in the recomputed layer
-        update["SDPA repeated K/V and their gradient"] = run.micro_batch * (prefix + run.output_tokens) * 4 * hq * b
+        update["SDPA repeated K/V and their gradient"] = run.micro_batch * (prefix_tokens(run) + run.output_tokens) * 4 * hq * b
     if run.sharded:
         update["unsharded layer gradient (compute dtype)"] = b * arch.layer_params()
         update["root gradient (compute dtype, unsharded)"] = b * arch.root_params()
