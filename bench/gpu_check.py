@@ -11,9 +11,10 @@ has a budget; no hub access, no vLLM, no flash-attn needed).
 
    on a Qwen3-0.6B-shaped model with random weights and a tokenizer built locally (the character tokenizer,
    its vocabulary filled to Qwen3's 151,936 ids), FSDP2 over one rank (bf16 compute over fp32 master weights),
-   activation checkpointing, outputs of up to 1,024 tokens (a random model rarely ends one early). Two legs: the
+   activation checkpointing, outputs of up to 512 tokens (a random model rarely ends one early). Two legs: the
    initial evaluation, steps 1-2 and a checkpoint; then a resume from that checkpoint, step 3, a checkpoint and
-   the final evaluation (``eval.limit``). The training reward is constructed (``tests.rewards:first_right``:
+   the final evaluation (MATH-500 alone, ``eval=math500``, 2 problems x 4 samples of 256 tokens: the four
+   benchmarks of ``eval=paper`` run the same code four times). The training reward is constructed (``tests.rewards:first_right``:
    every group mixed, whatever a random model samples), so one sampling round fills a batch and BiCC conditions
    every sample.
 3. The bare baseline: ``bench.update_vs_bare`` at the same shape (our update against a 40-line transformers loop).
@@ -23,15 +24,17 @@ Each phase runs under what is left of ``--budget-s`` (480): a phase that would o
 ``gpu_train_tokens_per_s`` (tokens the update computes, contexts once, per second of the update phase, steps
 after the first), ``gpu_train_mfu`` (6 FLOPs per parameter per such token plus the output projection's, over the
 GPU's dense bf16 peak; target >= 0.40), ``gpu_update_vs_bare``, ``gpu_allocated_vs_model`` (CUDA's allocated
-peak over ``bicc.memory``'s prediction, target 0.9-1.1), ``gpu_reserved_vs_allocated`` and ``gpu_check_wall_s``
+peak over ``bicc.memory``'s allocated bytes for the run's own config, target 0.9-1.1; each phase printed), ``gpu_reserved_vs_allocated`` and ``gpu_check_wall_s``
 (target <= 480). Without CUDA it says so and exits 2 at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,41 +46,51 @@ GIB = 1024**3
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                  intermediate_size=3072, vocab_size=151_936, tie_word_embeddings=True, max_position_embeddings=40_960)
-PROMPTS, STEPS, OUTPUT_TOKENS = 8, 3, 1024
+PROMPTS, STEPS, OUTPUT_TOKENS, EVAL_TOKENS = 8, 3, 512, 256
 BUDGET_S = 480  # make gpu-check's whole wall time
 NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
 
 
 def rehearsal_overrides(model_dir: Path, run_dir: Path, prompts: int = PROMPTS, output_tokens: int = OUTPUT_TOKENS,
-                        eval_tokens: int = 512) -> list[str]:
+                        eval_tokens: int = EVAL_TOKENS) -> list[str]:
     """The headline command's overrides for one GPU: the model, the sizes, the constructed reward (the steps and
     checkpoints are each leg's: ``rehearse``)."""
     return ["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on", "rollout=hf", f"model.path={model_dir}",
             "model.name=qwen3_0.6b_shape_random", f"rollout.prompts_per_step={prompts}",
             f"rollout.max_new_tokens={output_tokens}", f"bicc.max_tokens={output_tokens}", "optim.warmup_steps=1",
-            "rcc.diag_every=0", "eval.limit=2", "eval.samples_per_problem=4", f"eval.max_new_tokens={eval_tokens}",
+            "rcc.diag_every=0", "eval=math500", "eval.limit=2", "eval.samples_per_problem=4", f"eval.max_new_tokens={eval_tokens}",
             "eval.checker_workers=1",
             "data.reward=tests.rewards:first_right", "data.reward_batched=true", "logger.wandb_mode=disabled",
             "logger.progress=false", f"hydra.run.dir={run_dir}"]
 
 
-def build_model_dir(path: Path, arch: dict, device: str) -> Path:
-    """A random-weight Qwen3 of shape ``arch`` (fp32) and the character tokenizer filled to its vocabulary."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def shape_files(path: Path, arch: dict):
+    """The config.json of a Qwen3 of shape ``arch`` and the character tokenizer filled to its vocabulary, at ``path``
+    (what ``bicc.memory`` reads); the config."""
+    from transformers import Qwen3Config
 
     from bicc.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer(vocab_size=arch["vocab_size"])
     config = Qwen3Config(**arch, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=None)
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return config
+
+
+def build_model_dir(path: Path, arch: dict, device: str) -> Path:
+    """A random-weight Qwen3 of shape ``arch`` (fp32) and its tokenizer (``shape_files``)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    config = shape_files(path, arch)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3ForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
     return path
 
 
@@ -106,13 +119,22 @@ def run_phase(name: str, cmd: list[str], env: dict, seconds: float, capture: boo
     ``capture``: its stdout is returned (and its stderr's tail told on failure) rather than printed."""
     if seconds <= 0:
         raise Cut(f"{name}: no time left in the budget")
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=seconds, capture_output=capture, text=capture)
-    except subprocess.TimeoutExpired as err:
-        raise Cut(f"{name}: stopped at its budget of {seconds:.0f} s") from err
+    pipe = subprocess.PIPE if capture else None
+    # its own process group: a cut stops what it started too (torchrun's workers), not only the launcher
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=pipe, stderr=pipe, text=capture, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired as err:
+            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.communicate(timeout=grace)
+                    break
+            raise Cut(f"{name}: stopped at its budget of {seconds:.0f} s") from err
     if proc.returncode:
-        raise RuntimeError(f"{name} exited {proc.returncode}" + (f": {proc.stderr[-2000:]}" if capture else ""))
-    return proc.stdout if capture else ""
+        raise RuntimeError(f"{name} exited {proc.returncode}" + (f": {stderr[-2000:]}" if capture else ""))
+    return stdout if capture else ""
 
 
 def rehearse(out: Path, arch: dict, env: dict, device: str = "cuda", extra: tuple = (), budget_s: float = BUDGET_S,
@@ -157,9 +179,15 @@ def model_flops_per_token(arch: dict) -> float:
     return 6.0 * (arch["num_hidden_layers"] * layer + h * arch["vocab_size"])
 
 
-def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, predicted_gib: float) -> dict:
-    """Throughput, MFU and the peak against the model's prediction, from the run's metrics (steps after the first,
-    whose update pays for kernel selection and the allocator's growth)."""
+# the run's phases (results.json ``cuda_peaks_gib``) and the model's that fall in each
+PHASES = {"generate": ("rollout",), "log-probs": ("no-grad log-probs",), "evaluation": ("evaluation",),
+          "update": ("update: head backward", "update: layers backward", "update: contexts backward",
+                     "update: root reduce-scatter", "optimizer step")}
+
+
+def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, predicted: dict[str, float]) -> dict:
+    """Throughput and MFU from the run's metrics (steps after the first, whose update pays for kernel selection and
+    the allocator's growth); CUDA's allocated peaks against ``predicted`` (GiB per run phase, ``predicted_gib``)."""
     steps = [r for r in rows if "perf/update_s" in r]
     timed = steps[1:] or steps
     if not timed:
@@ -168,25 +196,31 @@ def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, p
     seconds = sum(r["perf/update_s"] - r.get("perf/diagnostics_s", 0.0) for r in timed)
     rate = tokens / seconds
     reserved, allocated = results.get("cuda_max_reserved_gib"), results.get("cuda_max_allocated_gib")
+    measured = results.get("cuda_peaks_gib", {})
     return {"gpu_train_tokens_per_s": rate, "gpu_train_mfu": rate * model_flops_per_token(arch) / (peak_tflops * 1e12),
-            "gpu_peak_gib": reserved, "gpu_model_gib": predicted_gib,
-            "gpu_allocated_vs_model": None if allocated is None else allocated / predicted_gib,
-            "gpu_reserved_vs_allocated": None if not allocated else reserved / allocated}
+            "gpu_peak_gib": reserved, "gpu_model_gib": max(predicted.values()),
+            "gpu_allocated_vs_model": None if allocated is None else allocated / max(predicted.values()),
+            "gpu_reserved_vs_allocated": None if not allocated else reserved / allocated,
+            "phases": {k: (measured[k]["allocated"], v) for k, v in predicted.items() if k in measured}}
 
 
-def predicted_peak_gib(arch: dict, prompts: int, output_tokens: int, eval_tokens: int, gpu_gib: float) -> tuple[str, float]:
-    """``bicc.memory`` for this configuration: one process under torchrun (FSDP2 over one rank: bf16 compute
-    parameters over the fp32 master), the HF engine for the rollout and the evaluation (``eval.limit=2`` x 4
-    samples a call), SDPA (no flash-attn on the lent GPU: the repeated K/V counted)."""
-    from bicc.memory import Arch, Run, peak
+def predicted_gib(model_dir: Path, gpu_gib: float, **sizes) -> dict[str, float]:
+    """``bicc.memory``'s allocated bytes (no runtime, no allocator slack: what ``max_memory_allocated`` counts) per
+    run phase, for the rehearsal's own config as ``train.py`` composes it: one process under torchrun (FSDP2 over one
+    rank), its longest training prompt, HF generate for the rollout and the evaluation, SDPA."""
+    from transformers import AutoConfig
 
-    shape = Arch(hidden=arch["hidden_size"], layers=arch["num_hidden_layers"], heads=arch["num_attention_heads"],
-                 kv_heads=arch["num_key_value_heads"], head_dim=arch["head_dim"], intermediate=arch["intermediate_size"],
-                 vocab=arch["vocab_size"], tied=arch["tie_word_embeddings"])
-    run = Run(world=1, sharded=True, flash=False, vllm=False, eval_vllm=False, output_tokens=output_tokens, prompt_tokens=60,
-              contexts=2 * prompts, rows=prompts * 8, eval_new_tokens=eval_tokens, eval_rows=2 * 4, gpu_gib=gpu_gib)
-    name, value = peak(shape, run)
-    return name, value / GIB
+    from bench.step_profile import compose_cfg
+    from bicc.data import build_task
+    from bicc.memory import allocated, arch_of, run_of
+    from bicc.models import tokenizer_and_positions
+    from bicc.validation import context_template_tokens, longest_training_prompt
+
+    cfg = compose_cfg([o for o in rehearsal_overrides(model_dir, model_dir, **sizes) if not o.startswith("hydra.")])
+    tokenizer = tokenizer_and_positions(cfg.model)[0]
+    prompt = longest_training_prompt(build_task(cfg.data), tokenizer)[0] + context_template_tokens(cfg, tokenizer)
+    table = allocated(arch_of(AutoConfig.from_pretrained(model_dir)), run_of(cfg, 1, True, gpu_gib, prompt))
+    return {phase: max(table[name] for name in names) / GIB for phase, names in PHASES.items()}
 
 
 def no_cuda_message() -> str | None:
@@ -247,10 +281,12 @@ def main() -> int:
     ratio = phase("bare baseline", lambda s: bare_baseline(env, s), 1.0)
     if done is not None:
         rows, results = done
-        phase_name, predicted = predicted_peak_gib(QWEN3_06B, PROMPTS, OUTPUT_TOKENS, 512, gpu_gib)
-        summary = summarise(rows, results, QWEN3_06B, peak_tflops or float("nan"), predicted)
-        print(f"[gpu-check] peak {results['cuda_max_allocated_gib']:.1f} GiB allocated, {summary['gpu_peak_gib']:.1f} "
-              f"reserved; bicc.memory {predicted:.1f} GiB ({phase_name}); per phase {results.get('cuda_peaks_gib')}")
+        os.environ["BICC_DAPO_MATH"] = str(out / "dapo_math.jsonl")
+        summary = summarise(rows, results, QWEN3_06B, peak_tflops or float("nan"), predicted_gib(out / "model", gpu_gib))
+        print(f"[gpu-check] peak {results['cuda_max_allocated_gib']:.2f} GiB allocated, {summary['gpu_peak_gib']:.2f} "
+              f"reserved; bicc.memory {summary['gpu_model_gib']:.2f} GiB allocated")
+        for name, (got, want) in summary["phases"].items():
+            print(f"[gpu-check]   {name:<11} allocated {got:6.2f} GiB, bicc.memory {want:6.2f} GiB ({got / want:.3f})")
         print(f"RESULT gpu_train_tokens_per_s={summary['gpu_train_tokens_per_s']:.0f}")
         print(f"RESULT gpu_train_mfu={summary['gpu_train_mfu']:.3f} target>=0.40")
         print(f"RESULT gpu_allocated_vs_model={summary['gpu_allocated_vs_model']:.3f} target>=0.9 target<=1.1")

@@ -23,23 +23,22 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   (tokens x H x b per layer), one layer's recomputed activations at a time (per token: 3H + 6Hq + 6Hkv + 4I
   values, plus fp32 copies in the RMSNorms when b < 4), counted at the backward's worst layer, where the
   gradients already produced and the inputs not yet released meet;
-- the chunked log-prob head: about four chunk x V fp32 buffers (logits, their log-softmax / exp for the
-  entropy, the gradient), plus the chunk's compute-dtype logits when b < 4; in its backward, the head's
-  V x H weight gradient and each chunk's contribution to it;
-- ``rcc.delta_from_update`` (false in the presets): the update's forwards all run before its backwards, so at
-  the first backward every other micro-batch's checkpointed layer inputs, gathered context K/V and final
-  hidden states are still held;
-- BiCC's KV-reuse packing: the step's distinct contexts (two per group, this GPU's share) computed once per
-  minibatch and held through all of its micro-batches: their checkpointed layer inputs, their keys/values
-  in every layer and the gradient that the micro-batches leave on those; each completion's gathered copy of
-  its context's keys and values, held for its micro-batch's backward; at the end, one backward through the
-  context forward (one recomputed layer over all context tokens).
+- the chunked log-prob head: about four chunk x V fp32 buffers (logits, their log-softmax / exp for the entropy,
+  the gradient), plus the chunk's compute-dtype logits when b < 4; in its backward, the head's V x H weight
+  gradient and each chunk's contribution to it;
+- ``rcc.delta_from_update`` (false in the presets): the update's forwards all run before its backwards, so at the
+  first backward every other micro-batch's checkpointed layer inputs, context K/V and final hidden states are held;
+- BiCC's KV-reuse packing: the step's distinct contexts (two per group, this GPU's share) computed once per minibatch
+  and held through all of its micro-batches: their checkpointed layer inputs, their keys/values in every layer and
+  the gradient that the micro-batches leave on those; each completion's gathered copy of its context's keys and
+  values, held for its micro-batch's backward; at the end, one backward through the context forward (one
+  recomputed layer over all context tokens).
 
 The peak of a phase is the sum of what is alive in it; the run's peak is the largest phase. Attention keeps no
 T x T scores (flash-attention 2, or SDPA's fused kernels); under SDPA (``flash`` false) transformers repeats the
 keys/values to every query head, so a recomputed layer also holds them and their gradient (4 x Hq per token).
-Under FSDP2 the root's gradient (V x H in the compute dtype, tied embeddings) is held unsharded from the head's
-backward to the embeddings', through every layer's.
+Under FSDP2 the root's gradient (V x H, compute dtype, tied embeddings) is held unsharded from the head's backward
+to the embeddings'. ``allocated``: what ``torch.cuda.max_memory_allocated`` sees (no runtime, no allocator slack).
 """
 
 from __future__ import annotations
@@ -102,9 +101,9 @@ class Run:
     runtime_gib: float = 2.5  # CUDA context, cuBLAS workspaces, NCCL buffers: 2-3 GiB on H100 (not measured here)
     fragmentation: float = 0.10  # the caching allocator's reserved-over-allocated, on the tensors counted
     eval_vllm: bool = True  # evaluation through vLLM (the presets), else HF generate under eval.batch_tokens
-    eval_batch_tokens: int = 131_072  # eval.batch_tokens (conf/eval/paper.yaml): rows x (prompt + new tokens)
+    eval_batch_tokens: int = 131_072  # eval.batch_tokens (conf/eval/paper.yaml): rows x (prompt + new tokens); 0: none
     eval_new_tokens: int = 4096  # eval.max_new_tokens
-    eval_rows: int = 0  # rows there are to evaluate at most (eval.limit x samples per problem); 0 = no fewer than fit
+    eval_rows: int = 0  # rows per HF generate call at most (eval.batch_size, eval.limit x samples); 0: no cap
     flash: bool = True  # flash-attention 2 (the presets on a GPU with flash-attn); false: SDPA repeats K/V per head
     rollout_batch: int = 64  # rollout.batch_size: most rows per HF generate call (rollout=hf)
 
@@ -236,14 +235,21 @@ def _hf_generate(arch: Arch, run: Run, rows: int, new_tokens: int, knob: str) ->
 
 
 def _evaluation(arch: Arch, run: Run, awake: dict, gathered: dict) -> dict[str, float]:
-    """The initial and final evaluation: vLLM's share as in the rollout, or HF generate with calls of at most
-    ``eval_batch_tokens`` rows x (prompt + new tokens), from the sampler copy (FSDP2) or the policy itself."""
+    """The initial and final evaluation: vLLM's share as in the rollout, or HF generate (from the sampler copy
+    under FSDP2) in calls of ``eval_rows`` rows, fewer where ``eval_batch_tokens`` caps rows x tokens."""
     if run.eval_vllm:
         return {**awake, "vLLM (awake: weights + KV cache)": run.vllm_utilization * run.gpu_gib * GIB}
-    rows = max(1, run.eval_batch_tokens // (run.prompt_tokens + run.eval_new_tokens))
-    rows = min(rows, run.eval_rows) if run.eval_rows else rows
+    rows = run.eval_batch_tokens // (run.prompt_tokens + run.eval_new_tokens) if run.eval_batch_tokens else run.eval_rows
+    rows = max(1, min(rows, run.eval_rows) if run.eval_rows else rows)
     return {**awake, **({} if run.sharded else gathered),
             **_hf_generate(arch, run, rows, run.eval_new_tokens, "eval.batch_tokens")}
+
+
+NOT_ALLOCATED = ("runtime", "allocator fragmentation")  # outside torch.cuda.max_memory_allocated
+
+
+def allocated(arch: Arch, run: Run) -> dict[str, float]:
+    return {name: sum(v for k, v in parts.items() if k not in NOT_ALLOCATED) for name, parts in phases(arch, run).items()}
 
 
 def peak(arch: Arch, run: Run) -> tuple[str, float]:
@@ -271,7 +277,7 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
     from bicc.models import DTYPES, resolve_attn_implementation
     from bicc.plan import StepPlan
 
-    r, t = cfg.rollout, cfg.train
+    r, t, e = cfg.rollout, cfg.train, cfg.eval
     compute = DTYPES[cfg.dist.param_dtype] if sharded and cfg.dist.param_dtype else DTYPES[cfg.model.dtype]
     vllm = r.engine == "vllm"
     return Run(world=world, micro_batch=t.micro_batch_size, output_tokens=r.max_new_tokens, prompt_tokens=prompt_tokens,
@@ -281,7 +287,8 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
                compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
                delta_from_update=bool(cfg.rcc.enabled and cfg.rcc.delta_from_update),
                master_bytes=DTYPES[cfg.model.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
-               eval_batch_tokens=cfg.eval.batch_tokens or Run.eval_batch_tokens, eval_new_tokens=cfg.eval.max_new_tokens,
+               eval_batch_tokens=e.batch_tokens, eval_new_tokens=e.max_new_tokens,
+               eval_rows=min(e.batch_size, e.limit * e.samples_per_problem if e.limit else e.batch_size),
                flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2",
                rollout_batch=r.batch_size)
 

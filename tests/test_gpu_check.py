@@ -31,19 +31,37 @@ def test_flops_and_summary_by_hand():
     rows = [{"step": 1, "perf/update_s": 9.0, "perf/update_tokens": 1000.0},  # the first step is not timed
             {"step": 2, "perf/update_s": 2.0, "perf/update_tokens": 30_000.0, "perf/diagnostics_s": 0.5},
             {"step": 3, "perf/update_s": 1.5, "perf/update_tokens": 40_000.0}, {"eval/x": 1.0}]
-    out = gpu_check.summarise(rows, {"cuda_max_reserved_gib": 30.0, "cuda_max_allocated_gib": 24.0}, gpu_check.QWEN3_06B,
-                              989.0, 25.0)
+    results = {"cuda_max_reserved_gib": 30.0, "cuda_max_allocated_gib": 24.0,
+               "cuda_peaks_gib": {"update": {"allocated": 24.0, "reserved": 30.0}, "run": {"allocated": 24.0}}}
+    out = gpu_check.summarise(rows, results, gpu_check.QWEN3_06B, 989.0, {"update": 25.0, "generate": 20.0})
     assert out["gpu_train_tokens_per_s"] == 70_000 / 3.0  # (30k + 40k) tokens over (2.0 - 0.5) + 1.5 s
     assert out["gpu_train_mfu"] == pytest.approx(70_000 / 3.0 * 3_575_906_304 / 989e12)
     assert out["gpu_allocated_vs_model"] == 24.0 / 25.0 and out["gpu_reserved_vs_allocated"] == 30.0 / 24.0
+    assert out["phases"] == {"update": (24.0, 25.0)}  # a phase the run did not record is left out
     with pytest.raises(RuntimeError, match="no training step"):
-        gpu_check.summarise([{"eval/x": 1.0}], {}, gpu_check.QWEN3_06B, 989.0, 25.0)
+        gpu_check.summarise([{"eval/x": 1.0}], {}, gpu_check.QWEN3_06B, 989.0, {"update": 25.0})
 
 
-def test_the_memory_model_prediction_for_the_check():
-    phase, gib = gpu_check.predicted_peak_gib(gpu_check.QWEN3_06B, 8, 1024, 512, 80.0)
-    # one process: fp32 master 4N + AdamW 8N + (update) fp32 gradients 4N of N = 596M, a bf16 reference 2N
-    assert 596e6 * 16 / 2**30 < gib < 40, (phase, gib)
+def test_the_memory_model_prediction_for_the_check(tmp_path, monkeypatch):
+    """The rehearsal's own config as train.py composes it, read from the model dir's config and tokenizer."""
+    from bicc.memory import GIB, Arch, Run, allocated
+
+    gpu_check.shape_files(tmp_path, gpu_check.QWEN3_06B)
+    monkeypatch.setenv("BICC_DAPO_MATH", str(gpu_check.dapo_file(tmp_path / "dapo.jsonl", rows=50)))
+    got = gpu_check.predicted_gib(tmp_path, 79.2)
+    assert set(got) == {"generate", "log-probs", "update", "evaluation"}
+    # one process: fp32 master 4N + AdamW 8N of N = 596M, a bf16 reference 2N and the bf16 sampler copy 2N in every
+    # phase, (update) + fp32 gradients 4N; the rollout's KV cache 64 rows x (prompt + 512) x 29 layers x 2 x 1024 x 2 B
+    n = 596_049_920
+    assert 16 * n / GIB < got["evaluation"] < got["log-probs"] < got["update"]
+    assert got["update"] > 20 * n / GIB
+    # the same numbers as bicc.memory for the sizes spelled out (the longest prompt with the contexts' framing: 153
+    # characters of the character tokenizer)
+    arch = Arch(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151_936, tied=True)
+    run = Run(world=1, micro_batch=8, output_tokens=512, prompt_tokens=153, contexts=16, rows=64, chunk_tokens=1024,
+              vllm=False, eval_vllm=False, eval_batch_tokens=0, eval_new_tokens=256, eval_rows=8, flash=False,
+              rollout_batch=64, gpu_gib=79.2)
+    assert got["generate"] == allocated(arch, run)["rollout"] / GIB
 
 
 def test_the_rehearsal_runs_on_cpu_at_a_small_shape(tmp_path, capfd):
@@ -64,15 +82,24 @@ def test_the_rehearsal_runs_on_cpu_at_a_small_shape(tmp_path, capfd):
     assert "resumed from" in capfd.readouterr().out  # the second leg started from the first leg's checkpoint
     assert (tmp_path / "run" / "checkpoints" / "step_1").is_dir() and (tmp_path / "run" / "checkpoints" / "step_2").is_dir()
     assert results["final"]["eval/math500/num_problems"] == 2 and "cuda_max_reserved_gib" not in results
-    out = gpu_check.summarise(rows, results, arch, 1.0, 1.0)
+    out = gpu_check.summarise(rows, results, arch, 1.0, {"update": 1.0})
     assert out["gpu_train_tokens_per_s"] > 0 and out["gpu_allocated_vs_model"] is None
 
 
-def test_a_phase_that_would_overrun_its_budget_is_stopped_and_says_so():
+def test_a_phase_that_would_overrun_its_budget_is_stopped_and_says_so(tmp_path):
     import sys
 
+    # a launcher whose worker outlives it unless the whole process group is stopped (torchrun and train.py)
+    launcher = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                "'import time; time.sleep(30); open(sys.argv[1], \"w\").close()', sys.argv[1]]); time.sleep(30)")
+    marker = tmp_path / "worker_finished"
+    start = time.perf_counter()
     with pytest.raises(gpu_check.Cut, match="stopped at its budget of 1 s"):
-        gpu_check.run_phase("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"], {}, 1.0)
+        gpu_check.run_phase("sleeper", [sys.executable, "-c", launcher, str(marker)], {}, 1.0)
+    assert time.perf_counter() - start < 15
+    time.sleep(0.5)
+    procs = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True).stdout.split()
+    assert procs == [], "the cut phase's worker is still running"
     with pytest.raises(gpu_check.Cut, match="no time left"):
         gpu_check.run_phase("late", [sys.executable, "-c", "pass"], {}, 0.0)
     with pytest.raises(RuntimeError, match="failing exited 3"):

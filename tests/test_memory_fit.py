@@ -20,7 +20,11 @@ def test_the_launchers_numbers_for_the_paper_preset_are_the_memory_tables():
 
     cfg = compose_cfg(["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on"])
     flash = resolve_attn_implementation("flash_attention_2") == "flash_attention_2"  # SDPA without flash-attn or CUDA
-    assert run_of(cfg, world=4, sharded=True, gpu_gib=80.0, prompt_tokens=300) == dataclasses.replace(Run(), flash=flash)
+    # an HF generate evaluation call holds eval.batch_size rows at most, fewer under eval.limit x samples per problem
+    expected = dataclasses.replace(Run(), flash=flash, eval_rows=cfg.eval.batch_size)
+    assert run_of(cfg, world=4, sharded=True, gpu_gib=80.0, prompt_tokens=300) == expected
+    limited = compose_cfg(["experiment=paper_qwen3_4b", "eval.limit=2", "eval.samples_per_problem=4"])
+    assert run_of(limited, 4, True, 80.0, 300).eval_rows == 8
     assert run_of(compose_cfg(["experiment=paper_qwen3_4b", "model.attn_implementation=sdpa"]), 4, True, 80.0, 300).flash is False
     # two GPUs: each holds twice the rows and contexts; one process without FSDP2 computes in model.dtype
     two = run_of(cfg, world=2, sharded=True, gpu_gib=80.0, prompt_tokens=300)
