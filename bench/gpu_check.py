@@ -11,13 +11,14 @@ has a budget; no hub access, no vLLM, no flash-attn needed).
 
    on a Qwen3-0.6B-shaped model with random weights and a tokenizer built locally (the character tokenizer,
    its vocabulary filled to Qwen3's 151,936 ids), FSDP2 over one rank (bf16 compute over fp32 master weights),
-   activation checkpointing, outputs of up to 512 tokens (a random model rarely ends one early). Two legs: the
+   activation checkpointing, outputs of up to 256 tokens (a random model rarely ends one early). Two legs: the
    initial evaluation, steps 1-2 and a checkpoint; then a resume from that checkpoint, step 3, a checkpoint and
-   the final evaluation (MATH-500 alone, ``eval=math500``, 2 problems x 4 samples of 256 tokens: the four
+   the final evaluation (MATH-500 alone, ``eval=math500``, 2 problems x 4 samples of 128 tokens: the four
    benchmarks of ``eval=paper`` run the same code four times). The training reward is constructed (``tests.rewards:first_right``:
    every group mixed, whatever a random model samples), so one sampling round fills a batch and BiCC conditions
    every sample.
-3. The bare baseline: ``bench.update_vs_bare`` at the same shape (our update against a 40-line transformers loop).
+3. The bare baseline: ``bench.update_vs_bare`` at the same shape, 512-token outputs (our update against a 40-line
+   transformers loop).
 
 Each phase runs under what is left of ``--budget-s`` (480): a phase that would overrun is stopped and says so
 (the RL loop stops at ``train.time_budget_s`` with a checkpoint). Ends with ``RESULT`` lines:
@@ -46,7 +47,7 @@ GIB = 1024**3
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                  intermediate_size=3072, vocab_size=151_936, tie_word_embeddings=True, max_position_embeddings=40_960)
-PROMPTS, STEPS, OUTPUT_TOKENS, EVAL_TOKENS = 8, 3, 512, 256
+PROMPTS, STEPS, OUTPUT_TOKENS, EVAL_TOKENS = 8, 3, 256, 128
 BUDGET_S = 480  # make gpu-check's whole wall time
 NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
 
@@ -161,7 +162,8 @@ def rehearse(out: Path, arch: dict, env: dict, device: str = "cuda", extra: tupl
 
 def bare_baseline(env: dict, seconds: float, extra: tuple = ()) -> float:
     """``bench.update_vs_bare`` at the rehearsal's shape: our update's tokens/s over a bare transformers loop's."""
-    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--shape", "qwen3_0.6b", "--iters", "2", *extra]
+    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--shape", "qwen3_0.6b", "--output-tokens", "512", "--iters", "1",
+           *extra]
     stdout = run_phase("bare baseline", cmd, env, seconds, capture=True)
     print(stdout[-2000:], end="")
     found = [line.split("=", 1)[1].split()[0] for line in stdout.splitlines() if line.startswith("RESULT update_vs_bare=")]

@@ -51,15 +51,15 @@ def test_the_memory_model_prediction_for_the_check(tmp_path, monkeypatch):
     got = gpu_check.predicted_gib(tmp_path, 79.2)
     assert set(got) == {"generate", "log-probs", "update", "evaluation"}
     # one process: fp32 master 4N + AdamW 8N of N = 596M, a bf16 reference 2N and the bf16 sampler copy 2N in every
-    # phase, (update) + fp32 gradients 4N; the rollout's KV cache 64 rows x (prompt + 512) x 29 layers x 2 x 1024 x 2 B
+    # phase, (update) + fp32 gradients 4N; the rollout's KV cache 64 rows x (prompt + 256) x 29 layers x 2 x 1024 x 2 B
     n = 596_049_920
     assert 16 * n / GIB < got["evaluation"] < got["log-probs"] < got["update"]
     assert got["update"] > 20 * n / GIB
     # the same numbers as bicc.memory for the sizes spelled out (the longest prompt with the contexts' framing: 153
     # characters of the character tokenizer)
     arch = Arch(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151_936, tied=True)
-    run = Run(world=1, micro_batch=8, output_tokens=512, prompt_tokens=153, contexts=16, rows=64, chunk_tokens=1024,
-              vllm=False, eval_vllm=False, eval_batch_tokens=0, eval_new_tokens=256, eval_rows=8, flash=False,
+    run = Run(world=1, micro_batch=8, output_tokens=256, prompt_tokens=153, contexts=16, rows=64, chunk_tokens=1024,
+              vllm=False, eval_vllm=False, eval_batch_tokens=0, eval_new_tokens=128, eval_rows=8, flash=False,
               rollout_batch=64, gpu_gib=79.2)
     assert got["generate"] == allocated(arch, run)["rollout"] / GIB
 
