@@ -214,7 +214,8 @@ def predicted_gib(model_dir: Path, gpu_gib: float, **sizes) -> dict[str, float]:
 
     from bench.step_profile import compose_cfg
     from bicc.data import build_task
-    from bicc.memory import allocated, arch_of, run_of
+    from bicc.fit import arch_of, run_of
+    from bicc.memory import allocated
     from bicc.models import tokenizer_and_positions
     from bicc.validation import context_template_tokens, longest_training_prompt
 

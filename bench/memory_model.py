@@ -58,8 +58,8 @@ def step_seconds(arch: Arch, run: Run, mean_output: int, sequences: int = 64, pe
     phases = {"rollout (vLLM decode, roofline)": decode, "pi_old on q (no grad)": plain / rate}
     if run.reference:
         phases["pi_ref on q (no grad)"] = plain / rate
-    if run.bicc:
-        phases["theta_old on x^c for RCC's delta (no grad)"] = conditioned / rate
+    if run.no_grad_on_context:
+        phases["a no-grad pass on x^c (pi_old there, or RCC's delta on x^c)"] = conditioned / rate
     phases["update (forward + recompute + backward)"] = 4 * (conditioned if run.bicc else plain) / rate
     return phases
 

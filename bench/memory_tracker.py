@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from bicc.memory import GIB, QWEN3_4B, Arch, Run, phases, run_of
+from bicc.fit import run_of
+from bicc.memory import GIB, QWEN3_4B, Arch, Run, phases
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qwen3_4b": QWEN3_4B,  # make gpu-check's rehearsal: Qwen3-0.6B's shape (bench.gpu_check.QWEN3_06B)

@@ -1,24 +1,24 @@
-"""Per-GPU peak memory of a run, phase by phase, from the model's shape and the config (``phases``, ``peak``), and
-the check at launch that a run fits its GPU (``check_fit``). ``python -m bench.memory_model`` prints the tables
-for the paper presets and validates the model against measured peaks.
+"""Per-GPU peak memory of a run, phase by phase, from the model's shape and the config (``phases``, ``peak``,
+``allocated``); ``bicc.fit`` checks at launch that a run fits its GPU. ``python -m bench.memory_model`` prints
+the tables for the paper presets and validates the model against measured peaks.
 
 What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = master bytes):
 
-- sharded policy (FSDP2): fp32 master weights 4N/W, fp32 gradients 4N/W (update and optimizer step only),
-  AdamW moments 8N/W, and the optimizer step's foreach temporaries (two parameter-sized fp32 buffers / W);
-- FSDP2's gathered compute copies: the root's (embeddings, head) for the whole pass, two decoder layers
-  at a time (the current one and the prefetched one), and one layer's unsharded gradient in backward;
+- sharded policy (FSDP2): fp32 master weights 4N/W, fp32 gradients 4N/W (update and optimizer step only), AdamW
+  moments 8N/W, and the optimizer step's foreach temporaries (two parameter-sized fp32 buffers / W);
+- FSDP2's gathered compute copies: the root's (embeddings, head) for the whole pass, two decoder layers at a time
+  (the current one and the prefetched one), and one layer's unsharded gradient in backward;
 - the frozen reference: a full copy in the compute dtype on every rank (RCC's delta needs it);
-- vLLM: awake during the rollout at ``gpu_memory_utilization`` x the GPU's memory, asleep (level 2:
-  weights and KV cache dropped) during the update; the gradients are freed after the optimizer step, and
-  the root (embeddings, head), which FSDP2 leaves gathered after a no-grad forward, is resharded by the
-  update's backward before the next rollout (``bench.memory_tracker`` traces it so);
+- vLLM: awake during the rollout at ``gpu_memory_utilization`` x the GPU's memory, asleep (level 2: weights and KV
+  cache dropped) during the update; the gradients are freed after the optimizer step, and the root (embeddings,
+  head), which FSDP2 leaves gathered after a no-grad forward, is resharded by the update's backward before the
+  next rollout (``bench.memory_tracker`` traces it so);
 - FSDP2's fp32 reduce-scatter (``dist.reduce_dtype``): each layer's unsharded gradient cast to fp32 before it
   is reduced, and the root's at the end of the backward (a V x H fp32 copy);
-- evaluation: through vLLM as in the rollout, or through HF generate in calls of ``eval.batch_tokens`` rows x
-  (prompt + new tokens): their KV cache, the sampling logits and a layer's prefill;
-- a runtime of 2.5 GiB (CUDA context, cuBLAS workspaces, NCCL buffers) and 10% allocator fragmentation on
-  the tensors counted;
+- evaluation: through vLLM as in the rollout, or through HF generate in calls of ``eval.batch_size`` rows (fewer
+  under ``eval.batch_tokens``, ``eval.limit``): their KV cache, the sampling logits and a layer's prefill;
+- a runtime of 2.5 GiB (CUDA context, cuBLAS workspaces, NCCL buffers) and 10% allocator fragmentation on the
+  tensors counted;
 - activations of a micro-batch under activation checkpointing: every layer's input kept for the backward
   (tokens x H x b per layer), one layer's recomputed activations at a time (per token: 3H + 6Hq + 6Hkv + 4I
   values, plus fp32 copies in the RMSNorms when b < 4), counted at the backward's worst layer, where the
@@ -95,6 +95,7 @@ class Run:
     compute_bytes: int = 2  # bf16
     rows: int = 64  # this GPU's sequences per step: rollout.prompts_per_step x G / world
     delta_from_update: bool = False  # rcc.delta_from_update: every micro-batch's graph held until the advantages
+    no_grad_on_context: bool = False  # a no-grad pass on x^c (bicc.old_on_context, RCC's delta on x^c)
     master_bytes: int = 4  # fp32
     sharded: bool = True
     vllm: bool = True
@@ -192,8 +193,10 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
         context_phase["SDPA repeated K/V and their gradient"] = context_tokens * 4 * hq * b
     if run.sharded:
         context_phase["root gradient (compute dtype, unsharded)"] = b * arch.root_params()
-    logprob = {**static, **gathered, "one layer's activations (no grad)": layer_act / 2, "log-prob head chunk": head / 2,
-               "BiCC contexts' K/V (no grad)": context_kv}
+    # no grad, no entropy: the chunk's fp32 logits, exponentiated in place, beside the compute-dtype ones they came from
+    logprob = {**static, **gathered, "one layer's activations (no grad)": layer_act / 2,
+               "log-prob head chunk": chunk * arch.vocab * (4 + (b if b < 4 else 0)),
+               "BiCC contexts' K/V (no grad)": context_kv if run.no_grad_on_context else 0}
     if run.sharded:  # reduce_dtype fp32: the unsharded gradient is cast before the reduce-scatter
         update["fp32 reduce-scatter staging (one layer)"] = 4 * arch.layer_params()
     # the root's reduce-scatter, at the end of the backward: its compute-dtype gradient and the fp32 staging copy
@@ -253,99 +256,4 @@ def allocated(arch: Arch, run: Run) -> dict[str, float]:
 
 
 def peak(arch: Arch, run: Run) -> tuple[str, float]:
-    table = {name: sum(parts.values()) for name, parts in phases(arch, run).items()}
-    name = max(table, key=table.get)
-    return name, table[name]
-
-
-# ---- the run's own numbers, and the check at launch -----------------------------------------------------
-
-
-def arch_of(config) -> Arch:
-    """The shape of an HF model config (Qwen3, Llama, Phi-3 layouts)."""
-    heads = config.num_attention_heads
-    return Arch(hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
-                kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                intermediate=config.intermediate_size, vocab=config.vocab_size,
-                tied=bool(getattr(config, "tie_word_embeddings", False)))
-
-
-def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -> Run:
-    """What of the run's config sizes memory on one of ``world`` GPUs of ``gpu_gib`` (every output at
-    ``rollout.max_new_tokens``, the longest training prompt ``prompt_tokens``)."""
-    from bicc.models import DTYPES, resolve_attn_implementation
-    from bicc.plan import StepPlan
-
-    r, t, e = cfg.rollout, cfg.train, cfg.eval
-    compute = DTYPES[cfg.dist.param_dtype] if sharded and cfg.dist.param_dtype else DTYPES[cfg.model.dtype]
-    vllm = r.engine == "vllm"
-    return Run(world=world, micro_batch=t.micro_batch_size, output_tokens=r.max_new_tokens, prompt_tokens=prompt_tokens,
-               context_ratio=cfg.bicc.context_ratio, bicc=bool(cfg.bicc.enabled),
-               contexts=max(1, 2 * r.prompts_per_step // world), reference=StepPlan.loads_reference(cfg),
-               chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.gpu_memory_utilization, gpu_gib=gpu_gib,
-               compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
-               delta_from_update=bool(cfg.rcc.enabled and cfg.rcc.delta_from_update),
-               master_bytes=DTYPES[cfg.model.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
-               eval_batch_tokens=e.batch_tokens, eval_new_tokens=e.max_new_tokens,
-               eval_rows=min(e.batch_size, e.limit * e.samples_per_problem if e.limit else e.batch_size),
-               flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2",
-               rollout_batch=r.batch_size)
-
-
-def knob(phase: str, run: Run) -> str:
-    """The settings that shrink ``phase``'s peak."""
-    if phase in ("rollout", "evaluation") and run.vllm:
-        return "rollout.gpu_memory_utilization (vLLM's share of the GPU)"
-    if phase == "evaluation":
-        return "eval.batch_tokens (rows x tokens per HF generate call)"
-    if phase == "optimizer step":
-        return "more GPUs (torchrun --nproc_per_node, dist.strategy=fsdp2 shards weights, gradients and AdamW)"
-    if phase == "no-grad log-probs":
-        return "train.logprob_chunk_tokens"
-    update = "train.micro_batch_size or train.micro_batch_tokens, train.logprob_chunk_tokens"
-    return update + (", rcc.delta_from_update=false" if run.delta_from_update else "")
-
-
-def check_fit(arch: Arch, run: Run, budget_gib: float) -> str:
-    """The prediction against ``budget_gib`` as one line; raises ValueError naming the knob to turn when the
-    largest phase does not fit."""
-    phase, value = peak(arch, run)
-    line = (f"predicted peak {value / GIB:.1f} GiB per GPU ({phase}) of {budget_gib:.1f} GiB "
-            f"(every output at {run.output_tokens} tokens, micro-batch {run.micro_batch})")
-    if value > budget_gib * GIB:
-        raise ValueError(f"config field 'train.memory_gib': {line}: it does not fit. Lower {knob(phase, run)}; "
-                         "or set train.memory_check=false to start anyway")
-    return line
-
-
-def model_arch(model_cfg, vocab: int) -> Arch:
-    """The shape of the configured model, read without loading weights (``model.tiny``, or the config.json at
-    ``model.path``); ``vocab``: the tokenizer's size (a tiny model's vocabulary)."""
-    t = model_cfg.tiny
-    if t is not None:
-        return Arch(hidden=t.hidden_size, layers=t.num_hidden_layers, heads=t.num_attention_heads,
-                    kv_heads=t.num_key_value_heads, head_dim=t.head_dim, intermediate=t.intermediate_size, vocab=vocab,
-                    tied=bool(t.tie_word_embeddings))
-    from transformers import AutoConfig
-
-    return arch_of(AutoConfig.from_pretrained(model_cfg.path))
-
-
-def launch_check(cfg, d, device, task, tokenizer) -> str | None:
-    """Before any weights load: the run's predicted peak per GPU against ``train.memory_gib`` (null: the CUDA
-    device's total memory; on CPU nothing is checked). Returns the line to print, or None; raises ValueError
-    (naming the setting to lower) when it does not fit and ``train.memory_check`` is on."""
-    import torch
-
-    from bicc.validation import context_template_tokens, longest_training_prompt
-
-    budget = cfg.train.memory_gib
-    if budget is None and device.type == "cuda":
-        budget = torch.cuda.get_device_properties(device).total_memory / GIB
-    if budget is None or not cfg.train.memory_check:
-        return None
-    prompt = longest_training_prompt(task, tokenizer)[0] + context_template_tokens(cfg, tokenizer)
-    run = run_of(cfg, d.world, d.enabled and d.strategy == "fsdp2", budget, prompt)
-    return check_fit(model_arch(cfg.model, len(tokenizer)), run, budget)
-
+    return max(((name, sum(parts.values())) for name, parts in phases(arch, run).items()), key=lambda kv: kv[1])

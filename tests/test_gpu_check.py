@@ -104,3 +104,28 @@ def test_a_phase_that_would_overrun_its_budget_is_stopped_and_says_so(tmp_path):
         gpu_check.run_phase("late", [sys.executable, "-c", "pass"], {}, 0.0)
     with pytest.raises(RuntimeError, match="failing exited 3"):
         gpu_check.run_phase("failing", [sys.executable, "-c", "raise SystemExit(3)"], {}, 30.0)
+
+
+# CUDA's allocated peaks (GiB) of make gpu-check's rehearsal on one H100 80GB HBM3 (torch 2.11.0+cu130, transformers
+# 5.19.0, SDPA, expandable segments), 2026-11-25, results.json's cuda_peaks_gib: one process under torchrun, FSDP2
+# over one rank, 8 prompts x G 8, micro-batch 8, outputs and evaluation at the sizes given (the 1,024 row: four
+# benchmarks, the others MATH-500 alone; 2 problems x 4 samples each)
+H100_RUNS = {  # output tokens: (evaluation tokens, {phase: allocated GiB})
+    1024: (512, {"generate": 16.776, "log-probs": 10.188, "update": 16.898, "evaluation": 9.986}),
+    512: (256, {"generate": 13.025, "log-probs": 10.179, "update": 15.344, "evaluation": 9.496}),
+    256: (128, {"generate": 11.118, "log-probs": 10.143, "update": 14.678, "evaluation": 9.387}),
+}
+
+
+@pytest.mark.parametrize("output_tokens", sorted(H100_RUNS))
+def test_the_memory_model_holds_to_the_h100_runs(output_tokens, tmp_path, monkeypatch):
+    """bicc.memory's allocated bytes for the rehearsal's own config: the run's peak and each phase's within 10%
+    (docs/performance.md has the table)."""
+    eval_tokens, measured = H100_RUNS[output_tokens]
+    gpu_check.shape_files(tmp_path, gpu_check.QWEN3_06B)
+    monkeypatch.setenv("BICC_DAPO_MATH", str(gpu_check.dapo_file(tmp_path / "dapo.jsonl")))
+    predicted = gpu_check.predicted_gib(tmp_path, 79.2, output_tokens=output_tokens, eval_tokens=eval_tokens)
+    assert 0.9 <= max(measured.values()) / max(predicted.values()) <= 1.1, predicted
+    for phase, got in measured.items():
+        assert 0.9 <= got / predicted[phase] <= 1.1, (phase, got, predicted[phase])
+

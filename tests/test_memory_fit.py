@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from bicc.memory import QWEN3_4B, Run, check_fit, knob, peak, run_of
+from bicc.fit import check_fit, knob, run_of
+from bicc.memory import QWEN3_4B, Run, peak
 from tests.conftest import compose_cfg
 from tests.helpers import SMALL, run_train
 
@@ -30,6 +31,25 @@ def test_the_launchers_numbers_for_the_paper_preset_are_the_memory_tables():
     two = run_of(cfg, world=2, sharded=True, gpu_gib=80.0, prompt_tokens=300)
     assert (two.rows, two.contexts, two.world) == (128, 32, 2)
     assert run_of(compose_cfg(["experiment=paper_qwen3_4b", "rcc=off", "bicc=off"]), 4, True, 80.0, 300).reference is False
+
+
+def test_the_no_grad_passes_by_hand_and_what_max_memory_allocated_counts():
+    """A no-grad pass's head chunk is its fp32 logits beside the bf16 ones they came from (6 bytes per logit); the
+    contexts' K/V only where a no-grad pass runs on x^c; ``allocated`` drops the runtime and the allocator's slack."""
+    from bicc.memory import allocated, phases
+
+    run = Run()  # chunk 1,024 tokens, bf16
+    on_q = phases(QWEN3_4B, run)["no-grad log-probs"]
+    assert on_q["log-prob head chunk"] == 1024 * 151_936 * 6 and on_q["BiCC contexts' K/V (no grad)"] == 0
+    on_xc = phases(QWEN3_4B, dataclasses.replace(run, no_grad_on_context=True))["no-grad log-probs"]
+    # 16 contexts x (300 prompt + 0.4 x 2,048) tokens x 36 layers x K and V x 8 heads x 128 x 2 bytes
+    assert on_xc["BiCC contexts' K/V (no grad)"] == 16 * (300 + 819) * 36 * 2 * 8 * 128 * 2
+    rollout = phases(QWEN3_4B, run)["rollout"]
+    assert allocated(QWEN3_4B, run)["rollout"] == sum(rollout.values()) - rollout["runtime"] - rollout["allocator fragmentation"]
+    # the presets (pi_old and pi_ref on q) run no no-grad pass on x^c; RCC's delta on x^c (Algorithm 1's form) does
+    assert run_of(compose_cfg(["experiment=paper_qwen3_4b"]), 4, True, 80.0, 300).no_grad_on_context is False
+    xc = compose_cfg(["experiment=paper_qwen3_4b", "rcc.delta_context=xc"])
+    assert run_of(xc, 4, True, 80.0, 300).no_grad_on_context is True
 
 
 def test_a_config_that_fits_gets_its_line_and_one_that_does_not_names_the_knob():

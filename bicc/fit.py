@@ -1,0 +1,99 @@
+"""The check at launch that a run fits its GPU: the run's shape and sizes read from its config (``arch_of``,
+``model_arch``, ``run_of``), ``bicc.memory``'s peak against the memory it may use (``check_fit``), and the
+settings that shrink a phase (``knob``)."""
+
+from __future__ import annotations
+
+from bicc.memory import GIB, Arch, Run, peak
+
+
+def arch_of(config) -> Arch:
+    """The shape of an HF model config (Qwen3, Llama, Phi-3 layouts)."""
+    heads = config.num_attention_heads
+    return Arch(hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
+                kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                intermediate=config.intermediate_size, vocab=config.vocab_size,
+                tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -> Run:
+    """What of the run's config sizes memory on one of ``world`` GPUs of ``gpu_gib`` (every output at
+    ``rollout.max_new_tokens``, the longest training prompt ``prompt_tokens``)."""
+    from bicc.models import DTYPES, resolve_attn_implementation
+    from bicc.plan import StepPlan
+
+    r, t, e = cfg.rollout, cfg.train, cfg.eval
+    compute = DTYPES[cfg.dist.param_dtype] if sharded and cfg.dist.param_dtype else DTYPES[cfg.model.dtype]
+    vllm = r.engine == "vllm"
+    return Run(world=world, micro_batch=t.micro_batch_size, output_tokens=r.max_new_tokens, prompt_tokens=prompt_tokens,
+               context_ratio=cfg.bicc.context_ratio, bicc=bool(cfg.bicc.enabled),
+               contexts=max(1, 2 * r.prompts_per_step // world), reference=StepPlan.loads_reference(cfg),
+               chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.gpu_memory_utilization, gpu_gib=gpu_gib,
+               compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
+               delta_from_update=bool(cfg.rcc.enabled and cfg.rcc.delta_from_update),
+               no_grad_on_context=any("on x^c" in p and "no grad" in p for p in
+                                      StepPlan.from_config(cfg, vllm or bool(r.old_from_sampler)).passes()),
+               master_bytes=DTYPES[cfg.model.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
+               eval_batch_tokens=e.batch_tokens, eval_new_tokens=e.max_new_tokens,
+               eval_rows=min(e.batch_size, e.limit * e.samples_per_problem if e.limit else e.batch_size),
+               flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2",
+               rollout_batch=r.batch_size)
+
+
+def knob(phase: str, run: Run) -> str:
+    """The settings that shrink ``phase``'s peak."""
+    if phase in ("rollout", "evaluation") and run.vllm:
+        return "rollout.gpu_memory_utilization (vLLM's share of the GPU)"
+    if phase == "evaluation":
+        return "eval.batch_tokens (rows x tokens per HF generate call)"
+    if phase == "optimizer step":
+        return "more GPUs (torchrun --nproc_per_node, dist.strategy=fsdp2 shards weights, gradients and AdamW)"
+    if phase == "no-grad log-probs":
+        return "train.logprob_chunk_tokens"
+    update = "train.micro_batch_size or train.micro_batch_tokens, train.logprob_chunk_tokens"
+    return update + (", rcc.delta_from_update=false" if run.delta_from_update else "")
+
+
+def check_fit(arch: Arch, run: Run, budget_gib: float) -> str:
+    """The prediction against ``budget_gib`` as one line; raises ValueError naming the knob to turn when the
+    largest phase does not fit."""
+    phase, value = peak(arch, run)
+    line = (f"predicted peak {value / GIB:.1f} GiB per GPU ({phase}) of {budget_gib:.1f} GiB "
+            f"(every output at {run.output_tokens} tokens, micro-batch {run.micro_batch})")
+    if value > budget_gib * GIB:
+        raise ValueError(f"config field 'train.memory_gib': {line}: it does not fit. Lower {knob(phase, run)}; "
+                         "or set train.memory_check=false to start anyway")
+    return line
+
+
+def model_arch(model_cfg, vocab: int) -> Arch:
+    """The shape of the configured model, read without loading weights (``model.tiny``, or the config.json at
+    ``model.path``); ``vocab``: the tokenizer's size (a tiny model's vocabulary)."""
+    t = model_cfg.tiny
+    if t is not None:
+        return Arch(hidden=t.hidden_size, layers=t.num_hidden_layers, heads=t.num_attention_heads,
+                    kv_heads=t.num_key_value_heads, head_dim=t.head_dim, intermediate=t.intermediate_size, vocab=vocab,
+                    tied=bool(t.tie_word_embeddings))
+    from transformers import AutoConfig
+
+    return arch_of(AutoConfig.from_pretrained(model_cfg.path))
+
+
+def launch_check(cfg, d, device, task, tokenizer) -> str | None:
+    """Before any weights load: the run's predicted peak per GPU against ``train.memory_gib`` (null: the CUDA
+    device's total memory; on CPU nothing is checked). Returns the line to print, or None; raises ValueError
+    (naming the setting to lower) when it does not fit and ``train.memory_check`` is on."""
+    import torch
+
+    from bicc.validation import context_template_tokens, longest_training_prompt
+
+    budget = cfg.train.memory_gib
+    if budget is None and device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory / GIB
+    if budget is None or not cfg.train.memory_check:
+        return None
+    prompt = longest_training_prompt(task, tokenizer)[0] + context_template_tokens(cfg, tokenizer)
+    run = run_of(cfg, d.world, d.enabled and d.strategy == "fsdp2", budget, prompt)
+    return check_fit(model_arch(cfg.model, len(tokenizer)), run, budget)
+
