@@ -10,7 +10,9 @@ evenly in [``--output-tokens`` / 2, ``--output-tokens``] (a reasoning batch is r
 - **ours**: ``bicc.update.update_policy`` as a GRPO step runs it (pi_old from the update's own forward, the
   registered loss, micro-batches of ``train.micro_batch_size`` rows and ``train.micro_batch_tokens``, each prompt
   computed once for its G outputs under ``train.share_prompts``, the chunked log-prob head), then AdamW; fp32
-  master weights, bf16 compute on CUDA (the presets' setting), fp32 on CPU.
+  master weights, bf16 compute on CUDA (the presets' setting), fp32 on CPU. ``--fsdp``: wrapped as
+  ``torchrun --nproc_per_node=1 train.py`` wraps it (FSDP2 over a one-rank process group, bf16 parameters for
+  compute on CUDA), else unwrapped under autocast.
 - **bare**: what a user writes in 40 lines: micro-batches of the same rows in order, each one padded row per
   output (prompt included), ``model(...).logits``, a full-vocab fp32 log-softmax and gather, a masked mean,
   backward; then AdamW. The same weights and dtype policy (autocast to bf16 on CUDA), the same activation
@@ -25,12 +27,15 @@ row), the same count for both. Prints
 - on CUDA ``RESULT update_gpu_busy_share=`` (kernel time / wall time of a profiled update, target >= 0.9) and
   ``RESULT update_mfu=`` (PaLM count: 6 N + 12 x layers x heads x head_dim x T per token, T the mean row length,
   over the device's bf16 peak; target >= 0.40).
+
+``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import tempfile
 import time
 
 import torch
@@ -123,6 +128,20 @@ def bare_update(model, rows, micro_rows: int, device):
     return run
 
 
+def fsdp_one_rank(model, cfg, device, compute):
+    """``model`` sharded as ``bicc.distributed.wrap`` shards it under torchrun, in a process group of this one
+    process (NCCL on CUDA, gloo on CPU)."""
+    import torch.distributed as dist
+
+    from bicc.distributed import Dist, wrap
+
+    if not dist.is_initialized():
+        store = dist.FileStore(tempfile.mktemp(prefix="update_vs_bare_"), 1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    d = Dist(strategy="fsdp2", device=str(device) if device.type == "cuda" else "cpu", joined=True)
+    return wrap(model, cfg.dist, d, compute_dtype=compute)
+
+
 def timed(fn, device, iters: int) -> float:
     """Seconds per call, the median of ``iters`` after one warm-up call."""
     fn()
@@ -136,8 +155,9 @@ def timed(fn, device, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def profiled(fn, device) -> tuple[int, float, float]:
-    """One call under torch.profiler: (aten events, CUDA kernel seconds, wall seconds)."""
+def profiled(fn, device, top: int = 0) -> tuple[int, float, float]:
+    """One call under torch.profiler: (aten events, CUDA kernel seconds, wall seconds); ``top``: print its most
+    frequent aten ops and longest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -150,6 +170,21 @@ def profiled(fn, device) -> tuple[int, float, float]:
     events = prof.events()
     ops = sum(1 for e in events if e.name.startswith("aten::"))
     kernels = sum(e.device_time for e in events if e.device_type.name == "CUDA") / 1e6 if device.type == "cuda" else 0.0
+    if top:
+        table = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+        print(f"[update_vs_bare] the {top} most frequent of {ops} aten ops in one update:")
+        for e in sorted(table, key=lambda e: -e.count)[:top]:
+            print(f"    {e.count:8d}  {e.key}")
+        if device.type == "cuda":
+            kernels_by_name = {}
+            for e in events:
+                if e.device_type.name == "CUDA":
+                    count, total = kernels_by_name.get(e.name, (0, 0.0))
+                    kernels_by_name[e.name] = (count + 1, total + e.device_time / 1e3)
+            print(f"[update_vs_bare] the {top} longest kernels (ms in all, count) of {kernels * 1e3:.0f} ms, wall "
+                  f"{wall * 1e3:.0f} ms:")
+            for name, (count, ms) in sorted(kernels_by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+                print(f"    {ms:9.1f} ms {count:7d}  {name[:100]}")
     return ops, kernels, wall
 
 
@@ -176,6 +211,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--fsdp", action="store_true", help="ours wrapped in FSDP2 over one rank, as train.py under torchrun")
+    parser.add_argument("--top", type=int, default=0, help="print the profiled update's most frequent ops and kernels")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of our update's config (train.*)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -196,8 +233,15 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
     ours_model = build(arch, device, checkpointing)
-    if device.type == "cuda":
-        ours_model.bicc_compute_dtype = torch.bfloat16  # fp32 master weights, bf16 compute (bicc.models)
+    compute = torch.bfloat16 if device.type == "cuda" else None  # fp32 master weights, bf16 compute (bicc.models)
+    if args.fsdp:
+        ours_model = fsdp_one_rank(ours_model, cfg, device, compute)
+    elif compute is not None:
+        ours_model.bicc_compute_dtype = compute
+    from bicc.distributed import is_sharded
+
+    print("[update_vs_bare] ours: " + ("sharded by FSDP2 over a one-rank process group" if is_sharded(ours_model)
+                                      else "unwrapped" + (", under autocast" if compute is not None else "")))
     from bicc.logprobs import install_logprob_head
 
     install_logprob_head(ours_model, cfg.train.logprob_chunk_tokens)
@@ -208,7 +252,7 @@ def main() -> None:
         ours_s.append(timed(ours, device, args.iters))
         bare_s.append(timed(bare, device, args.iters))
     ours_rate, bare_rate = tokens / min(ours_s), tokens / min(bare_s)
-    ops, kernels, wall = profiled(ours, device)
+    ops, kernels, wall = profiled(ours, device, args.top)
     print(f"[update_vs_bare] ours {min(ours_s):.3f} s ({ours_rate:.0f} tokens/s), bare {min(bare_s):.3f} s "
           f"({bare_rate:.0f} tokens/s); ours launches {ops} aten ops in one update")
     print(f"RESULT update_vs_bare={ours_rate / bare_rate:.3f} target>={1.5 if device.type == 'cuda' else 1.0}")

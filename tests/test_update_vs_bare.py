@@ -1,0 +1,29 @@
+"""``bench.update_vs_bare`` end to end on CPU at a tiny shape: ours wrapped as ``train.py`` wraps it under torchrun
+(FSDP2 over a one-rank process group), its RESULT lines and the profiled update's op table."""
+
+import re
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops():
+    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--fsdp", "--top", "3", "--layers", "1", "--prompts", "1",
+           "--group", "2", "--prompt-tokens", "8", "--output-tokens", "16", "--iters", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "cpu, 1 layers x 256" in out and "ours: sharded by FSDP2 over a one-rank process group" in out
+    ratio = float(re.search(r"^RESULT update_vs_bare=([0-9.]+)", out, re.M).group(1))
+    per_1k = float(re.search(r"^RESULT update_ops_per_token=([0-9.]+)", out, re.M).group(1))
+    total = int(re.search(r"ours launches (\d+) aten ops", out).group(1))
+    tokens = int(re.search(r"(\d+) tokens; checkpointing", out).group(1))
+    assert ratio > 0 and per_1k == round(1000 * total / tokens, 1)
+    # the three most frequent ops, most frequent first, each counted within the update's total
+    table = out.split("most frequent of", 1)[1].splitlines()[1:4]
+    counts = [int(line.split()[0]) for line in table]
+    assert all(line.split()[1].startswith("aten::") for line in table)
+    assert counts == sorted(counts, reverse=True) and sum(counts) <= total
+    assert counts[0] >= 100  # the most frequent (views, copies) run per layer, per micro-batch, per recompute
+    assert "update_gpu_busy_share" not in out and "update_mfu" not in out  # CUDA only
