@@ -27,9 +27,9 @@ from bicc.checkpoint import (
 from bicc.conditioning import context_budget
 from bicc.data import build_task
 from bicc.evaluation import evaluate, format_eval
+from bicc.fit import launch_check
 from bicc.gguf import resolve_model_path
 from bicc.host import allocator_conf, torch_threads, usable_cores
-from bicc.fit import launch_check
 from bicc.models import DTYPES, num_parameters, tokenizer_and_positions
 from bicc.packing import padding_free
 from bicc.progress import progress
