@@ -31,7 +31,8 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
 - BiCC's KV-reuse packing: the step's distinct contexts (two per group, this GPU's share) computed once per minibatch
   and held through all of its micro-batches: their checkpointed layer inputs, their keys/values in every layer and
   the gradient that the micro-batches leave on those; each completion's gathered copy of its context's keys and
-  values, held for its micro-batch's backward; at the end, one backward through the context forward (one
+  values, held for its micro-batch's backward, and each finished layer's gradient of it (with its own K/V's) until
+  the gathers' backward at the micro-batch's end; at the end, one backward through the context forward (one
   recomputed layer over all context tokens).
 
 The peak of a phase is the sum of what is alive in it; the run's peak is the largest phase. Attention keeps no
@@ -167,12 +168,18 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
         others = -(-run.rows // run.micro_batch) - 1
         held["other micro-batches' graphs (rcc.delta_from_update)"] = others * (
             arch.layers * inputs_per_layer + prefix_kv + tokens * arch.hidden * b)
-    worst = max(range(arch.layers), key=lambda i: (i + 1) * inputs_per_layer + (arch.layers - 1 - i) * grads_per_layer)
+    # KV reuse: each finished layer's gradient of its gathered [prefix; own] K/V is held until the gathers' backward,
+    # at the end of the micro-batch's (the prefix's share is a view of it; the gathers run before the first layer)
+    kv_grads = run.micro_batch * (prefix_tokens(run) + run.output_tokens) * 2 * arch.kv_heads * arch.head_dim * b
+    kv_grads = kv_grads if run.bicc else 0
+    worst = max(range(arch.layers),
+                key=lambda i: (i + 1) * inputs_per_layer + (arch.layers - 1 - i) * (grads_per_layer + kv_grads))
     update = {**static, **gathered,
               "gradients so far (fp32, sharded)": head_grads + (arch.layers - 1 - worst) * grads_per_layer,
               "checkpointed layer inputs": (worst + 1) * inputs_per_layer,
               "one layer's recomputed activations": layer_act,
-              "BiCC prefix keys/values": prefix_kv, **contexts, **held}
+              "BiCC prefix keys/values": prefix_kv, **contexts, **held,
+              "gathered K/V gradients of the layers done": (arch.layers - 1 - worst) * kv_grads}
     hq = arch.heads * arch.head_dim
     if not run.flash:  # SDPA: K/V repeated to every query head, and their gradient, in the recomputed layer
         update["SDPA repeated K/V and their gradient"] = run.micro_batch * (prefix_tokens(run) + run.output_tokens) * 4 * hq * b

@@ -52,6 +52,20 @@ def test_the_no_grad_passes_by_hand_and_what_max_memory_allocated_counts():
     assert run_of(xc, 4, True, 80.0, 300).no_grad_on_context is True
 
 
+def test_the_gathered_kv_gradients_held_to_the_end_of_a_micro_batch_by_hand():
+    """Under KV reuse each finished layer's gradient of its gathered [prefix; own] K/V stays until the gathers'
+    backward at the micro-batch's end: in the preset the backward's worst point is its last layer (the layer
+    inputs released per layer, 8 x 2,048 x 2,560 x 2 B, weigh less than a layer's gradients), so 35 layers' worth."""
+    from bicc.memory import phases
+
+    update = phases(QWEN3_4B, Run())["update: layers backward"]
+    # 8 rows x (300 prompt + 819 context + 2,048 own tokens) x K and V x 8 heads x 128 x 2 bytes, per layer
+    assert update["gathered K/V gradients of the layers done"] == 35 * 8 * (300 + 819 + 2048) * 2 * 8 * 128 * 2
+    assert update["checkpointed layer inputs"] == 8 * 2048 * 2560 * 2  # the first layer's, alone left
+    plain = phases(QWEN3_4B, dataclasses.replace(Run(), bicc=False))["update: layers backward"]
+    assert plain["gathered K/V gradients of the layers done"] == 0
+
+
 def test_a_config_that_fits_gets_its_line_and_one_that_does_not_names_the_knob():
     run = Run()
     phase, value = peak(QWEN3_4B, run)
