@@ -17,8 +17,8 @@ has a budget; no hub access, no vLLM, no flash-attn needed).
    benchmarks of ``eval=paper`` run the same code four times). The training reward is constructed (``tests.rewards:first_right``:
    every group mixed, whatever a random model samples), so one sampling round fills a batch and BiCC conditions
    every sample.
-3. The bare baseline: ``bench.update_vs_bare`` at the same shape, 512-token outputs (our update against a 40-line
-   transformers loop).
+3. The bare baseline: ``bench.update_vs_bare --fsdp`` at the same shape, 512-token outputs (our update, sharded as
+   the rehearsal shards it, against a 40-line transformers loop).
 
 Each phase runs under what is left of ``--budget-s`` (480): a phase that would overrun is stopped and says so
 (the RL loop stops at ``train.time_budget_s`` with a checkpoint). Ends with ``RESULT`` lines:
@@ -163,8 +163,8 @@ def rehearse(out: Path, arch: dict, env: dict, device: str = "cuda", extra: tupl
 
 def bare_baseline(env: dict, seconds: float, extra: tuple = ()) -> float:
     """``bench.update_vs_bare`` at the rehearsal's shape: our update's tokens/s over a bare transformers loop's."""
-    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--shape", "qwen3_0.6b", "--output-tokens", "512", "--iters", "1",
-           *extra]
+    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--fsdp", "--shape", "qwen3_0.6b", "--output-tokens", "512",
+           "--iters", "1", *extra]
     stdout = run_phase("bare baseline", cmd, env, seconds, capture=True)
     print(stdout[-2000:], end="")
     found = [line.split("=", 1)[1].split()[0] for line in stdout.splitlines() if line.startswith("RESULT update_vs_bare=")]

@@ -86,6 +86,16 @@ def test_the_rehearsal_runs_on_cpu_at_a_small_shape(tmp_path, capfd):
     assert out["gpu_train_tokens_per_s"] > 0 and out["gpu_allocated_vs_model"] is None
 
 
+def test_the_bare_baseline_phase_runs_ours_sharded_and_reads_its_ratio(capfd):
+    """The check's third phase on CPU at a tiny shape (its later arguments override the check's own)."""
+    small = ("--shape", "cpu_small", "--layers", "1", "--prompts", "1", "--group", "2", "--prompt-tokens", "8",
+             "--output-tokens", "16")
+    ratio = gpu_check.bare_baseline({**os.environ, "OMP_NUM_THREADS": "1"}, 120.0, extra=small)
+    out = capfd.readouterr().out
+    assert "ours: sharded by FSDP2 over a one-rank process group" in out
+    assert ratio == float(out.split("RESULT update_vs_bare=", 1)[1].split()[0]) > 0
+
+
 def test_a_phase_that_would_overrun_its_budget_is_stopped_and_says_so(tmp_path):
     import sys
 
