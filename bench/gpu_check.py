@@ -211,19 +211,15 @@ def predicted_gib(model_dir: Path, gpu_gib: float, **sizes) -> dict[str, float]:
     """``bicc.memory``'s allocated bytes (no runtime, no allocator slack: what ``max_memory_allocated`` counts) per
     run phase, for the rehearsal's own config as ``train.py`` composes it: one process under torchrun (FSDP2 over one
     rank), its longest training prompt, HF generate for the rollout and the evaluation, SDPA."""
-    from transformers import AutoConfig
-
     from bench.step_profile import compose_cfg
     from bicc.data import build_task
-    from bicc.fit import arch_of, run_of
+    from bicc.fit import predicted_run
     from bicc.memory import allocated
     from bicc.models import tokenizer_and_positions
-    from bicc.validation import context_template_tokens, longest_training_prompt
 
     cfg = compose_cfg([o for o in rehearsal_overrides(model_dir, model_dir, **sizes) if not o.startswith("hydra.")])
     tokenizer = tokenizer_and_positions(cfg.model)[0]
-    prompt = longest_training_prompt(build_task(cfg.data), tokenizer)[0] + context_template_tokens(cfg, tokenizer)
-    table = allocated(arch_of(AutoConfig.from_pretrained(model_dir)), run_of(cfg, 1, True, gpu_gib, prompt))
+    table = allocated(*predicted_run(cfg, build_task(cfg.data), tokenizer, 1, True, gpu_gib))
     return {phase: max(table[name] for name in names) / GIB for phase, names in PHASES.items()}
 
 

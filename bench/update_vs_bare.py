@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -136,7 +137,7 @@ def fsdp_one_rank(model, cfg, device, compute):
     from bicc.distributed import Dist, wrap
 
     if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="update_vs_bare_"), 1)
+        store = dist.FileStore(f"{tempfile.mkdtemp(prefix='update_vs_bare_')}/store", 1)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
     d = Dist(strategy="fsdp2", device=str(device) if device.type == "cuda" else "cpu", joined=True)
     return wrap(model, cfg.dist, d, compute_dtype=compute)
@@ -167,24 +168,23 @@ def profiled(fn, device, top: int = 0) -> tuple[int, float, float]:
         fn()
         synchronize(device)
     wall = time.perf_counter() - start
-    events = prof.events()
-    ops = sum(1 for e in events if e.name.startswith("aten::"))
-    kernels = sum(e.device_time for e in events if e.device_type.name == "CUDA") / 1e6 if device.type == "cuda" else 0.0
+    op_counts, kernel_counts, kernel_ms = Counter(), Counter(), Counter()  # one pass over the events
+    for e in prof.events():
+        if e.name.startswith("aten::"):
+            op_counts[e.name] += 1
+        elif e.device_type.name == "CUDA":
+            kernel_counts[e.name] += 1
+            kernel_ms[e.name] += e.device_time / 1e3
+    ops, kernels = sum(op_counts.values()), sum(kernel_ms.values()) / 1e3
     if top:
-        table = [e for e in prof.key_averages() if e.key.startswith("aten::")]
         print(f"[update_vs_bare] the {top} most frequent of {ops} aten ops in one update:")
-        for e in sorted(table, key=lambda e: -e.count)[:top]:
-            print(f"    {e.count:8d}  {e.key}")
-        if device.type == "cuda":
-            kernels_by_name = {}
-            for e in events:
-                if e.device_type.name == "CUDA":
-                    count, total = kernels_by_name.get(e.name, (0, 0.0))
-                    kernels_by_name[e.name] = (count + 1, total + e.device_time / 1e3)
+        for name, count in op_counts.most_common(top):
+            print(f"    {count:8d}  {name}")
+        if kernel_ms:
             print(f"[update_vs_bare] the {top} longest kernels (ms in all, count) of {kernels * 1e3:.0f} ms, wall "
                   f"{wall * 1e3:.0f} ms:")
-            for name, (count, ms) in sorted(kernels_by_name.items(), key=lambda kv: -kv[1][1])[:top]:
-                print(f"    {ms:9.1f} ms {count:7d}  {name[:100]}")
+            for name, ms in kernel_ms.most_common(top):
+                print(f"    {ms:9.1f} ms {kernel_counts[name]:7d}  {name[:100]}")
     return ops, kernels, wall
 
 

@@ -80,20 +80,25 @@ def model_arch(model_cfg, vocab: int) -> Arch:
     return arch_of(AutoConfig.from_pretrained(model_cfg.path))
 
 
+def predicted_run(cfg, task, tokenizer, world: int, sharded: bool, gpu_gib: float) -> tuple[Arch, Run]:
+    """The shape and sizes ``bicc.memory`` counts for this run on one of ``world`` GPUs: the configured model, its
+    longest training prompt with the contexts' framing, the config's sizes."""
+    from bicc.validation import context_template_tokens, longest_training_prompt
+
+    prompt = longest_training_prompt(task, tokenizer)[0] + context_template_tokens(cfg, tokenizer)
+    return model_arch(cfg.model, len(tokenizer)), run_of(cfg, world, sharded, gpu_gib, prompt)
+
+
 def launch_check(cfg, d, device, task, tokenizer) -> str | None:
     """Before any weights load: the run's predicted peak per GPU against ``train.memory_gib`` (null: the CUDA
     device's total memory; on CPU nothing is checked). Returns the line to print, or None; raises ValueError
     (naming the setting to lower) when it does not fit and ``train.memory_check`` is on."""
     import torch
 
-    from bicc.validation import context_template_tokens, longest_training_prompt
-
     budget = cfg.train.memory_gib
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory / GIB
     if budget is None or not cfg.train.memory_check:
         return None
-    prompt = longest_training_prompt(task, tokenizer)[0] + context_template_tokens(cfg, tokenizer)
-    run = run_of(cfg, d.world, d.enabled and d.strategy == "fsdp2", budget, prompt)
-    return check_fit(model_arch(cfg.model, len(tokenizer)), run, budget)
+    return check_fit(*predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", budget), budget)
 
