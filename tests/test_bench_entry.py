@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -158,31 +160,74 @@ def test_task_fit_counts_pass_at_1_and_mixed_groups_by_hand():
         assert prompt.startswith("Example:\nCompute ") == ("example" in name), name
 
 
-def test_pretrained_compare_pairs_each_bicc_run_with_grpo_of_its_seed(tmp_path):
+def _fake_run(d, accuracy, initial=0.5, steps=20, **metrics):
+    """A run dir as train.py leaves it: per-problem accuracies of the final evaluation, results.json, and
+    metrics.jsonl with ``metrics`` (name -> value at step s, a function of s) at steps 1..``steps``."""
     import json
 
-    from bench.pretrained_compare import summarize
+    (d / "eval" / "arith").mkdir(parents=True)
+    (d / "eval" / "arith" / "per_problem.jsonl").write_text(
+        "".join(json.dumps({"id": f"p{i}", "n": 4, "correct": int(4 * a), "accuracy": a}) + "\n"
+                for i, a in enumerate(accuracy)))
+    final = {"eval/pass@1": sum(accuracy) / len(accuracy), "eval/pass@1_ci95": 0.1, "eval/greedy_acc": 0.5}
+    start = {**final, "eval/pass@1": initial}
+    (d / "results.json").write_text(json.dumps({"initial": start, "final": final}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **{k: f(s) for k, f in metrics.items()}}) + "\n"
+                                             for s in range(1, steps + 1)))
+    return d
 
-    def run(name, seed, accuracy, rewards):
-        d = tmp_path / name / f"s{seed}"
-        (d / "eval" / "arith").mkdir(parents=True)
-        (d / "eval" / "arith" / "per_problem.jsonl").write_text(
-            "".join(json.dumps({"id": f"p{i}", "n": 4, "correct": int(4 * a), "accuracy": a}) + "\n"
-                    for i, a in enumerate(accuracy)))
-        final = {"eval/pass@1": sum(accuracy) / len(accuracy), "eval/pass@1_ci95": 0.1, "eval/pass@1_T1": 0.5,
-                 "eval/greedy_acc": 0.5}
-        (d / "results.json").write_text(json.dumps({"initial": final, "final": final}))
-        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s + 1, "reward/accuracy": r}) + "\n"
-                                                 for s, r in enumerate(rewards)))
-        return d
 
-    dirs = {"GRPO": [run("GRPO", 0, [1, 0, 0.5, 0.25], [0.2, 0.3]), run("GRPO", 1, [0, 0, 0, 0], [0.1, 0.1])],
-            "BiCC-GRPO": [run("BiCC-GRPO", 0, [1, 0.5, 0.5, 0.25], [0.2, 0.4]),
-                          run("BiCC-GRPO", 1, [0, 0, 0, 1], [0.1, 0.2])]}
-    table, diffs = summarize(dirs)
-    # seed 0: +0.5 on one problem of four = +12.5 points; seed 1: +1 on one of four = +25 points (not paired across seeds)
-    assert diffs == [12.5, 25.0]
-    assert "| BiCC-GRPO | 1 |" in table and "+25.0 [" in table and "0.20 → 0.40" in table
+def test_pretrained_compare_pairs_rows_with_grpo_by_seed_and_problem(tmp_path):
+    from bench.pretrained_compare import cov_table, headline_table, main_table
+
+    per_step = dict(**{"reward/accuracy": lambda s: s / 100, "train/clip_frac_low": lambda s: 0.1,
+                       "train/clip_frac_high": lambda s: 0.02})
+    run = lambda name, seed, acc, **m: _fake_run(tmp_path / name / f"s{seed}", acc, **{**per_step, **m})  # noqa: E731
+    dirs = {"GRPO": [run("GRPO", 0, [1, 0.5, 0.5, 0.75]), run("GRPO", 1, [0.5] * 4)],
+            # +0.25 on one problem of seed 0, +0.5 on one of seed 1: (0.25 + 0.5) / 8 pairs = +9.375 points
+            "BiCC-GRPO": [run("BiCC-GRPO", 0, [1, 0.75, 0.5, 0.75], **{"bicc/attempts_shown": lambda s: 2.0,
+                                                                         "bicc/whole_attempts_shown": lambda s: 0.5}),
+                          run("BiCC-GRPO", 1, [0.5, 0.5, 0.5, 1], **{"bicc/attempts_shown": lambda s: 1.0,
+                                                                      "bicc/whole_attempts_shown": lambda s: 1.5})],
+            # -0.5 on every (seed, problem) pair: every bootstrap draw is -50 points
+            "GRPO+RCC": [run("GRPO+RCC", 0, [0.5, 0, 0, 0.25], **{"rcc/cov": lambda s: s / 100}),
+                         run("GRPO+RCC", 1, [0] * 4, **{"rcc/cov": lambda s: s / 100})]}
+    lines, deltas = main_table(dirs, 20)
+    table = "\n".join(lines)
+    assert deltas["BiCC-GRPO"][0] == pytest.approx(9.375)
+    assert deltas["BiCC-GRPO"][1] <= 0 < deltas["BiCC-GRPO"][2]  # draws of problems without a gain: no CI above 0
+    assert deltas["GRPO+RCC"] == pytest.approx((-50.0, -50.0, -50.0))
+    assert "| BiCC-GRPO | 50.0 → 75.0, 50.0 → 62.5 | 68.8 | +9.4 [" in table and "| no difference detected |" in table
+    assert "| -50.0 [-50.0, -50.0] | hurts |" in table
+    # training accuracy s/100 over steps 1-5 and 16-20; clipping 10% / 2%; attempts averaged over steps and seeds
+    assert "| 0.03 → 0.18 | 10.0% / 2.0% | 1.50 (1.00) |" in table and "| 0.03 → 0.18 | 10.0% / 2.0% | — |" in table
+    cov = "\n".join(cov_table(dirs))
+    assert "| GRPO+RCC | 0.010 | 0.035 | 0.080 | 0.130 | 0.180 |" in cov and "| BiCC-GRPO |" not in cov
+    lines, gains = headline_table([run("headline", 0, [0.75, 0.5]), run("headline", 1, [0.25, 0.25])])
+    assert gains == pytest.approx([12.5, -25.0])  # final pass@1 0.625 and 0.25 against an initial 0.5
+    assert "| 0 | 50.0 → 62.5 ± 10.0 |" in "\n".join(lines)
+
+
+def test_pretrained_compare_rows_compose_and_differ_only_where_named():
+    """Every row is a valid run of the preset and is what its name says: BiCC on or off (the stable form with
+    pi_old on x^c), RCC on (delta on q, ``rcc=on`` itself) or off, and the opposite attempts' budget; the headline
+    row is the headline command on its own preset."""
+    from bench.pretrained_compare import HEADLINE, ROWS, TASK
+    from bench.step_profile import compose_cfg
+    from bicc.conditioning import context_budget
+
+    cfgs = {name: compose_cfg([TASK, *overrides]) for name, overrides in ROWS.items()}
+    assert {name: (c.bicc.enabled, c.bicc.old_on_context, c.rcc.enabled, c.rcc.delta_context, context_budget(c.bicc))
+            for name, c in cfgs.items()} == {
+        "GRPO": (False, False, False, "q", 25), "GRPO+RCC": (False, False, True, "q", 25),
+        "BiCC-GRPO": (True, False, False, "q", 25), "BiCC-GRPO+RCC": (True, False, True, "q", 25),
+        "BiCC-GRPO stable": (True, True, False, "q", 25), "BiCC-GRPO ctx192": (True, False, False, "q", 192),
+        "BiCC-GRPO+RCC ctx192": (True, False, True, "q", 192)}
+    assert {(c.algo.name, c.data.arith.max_operand, c.eval.num_problems, c.train.steps) for c in cfgs.values()} == {
+        ("grpo", 20, 200, 20)}
+    headline = compose_cfg(HEADLINE[1])
+    assert (headline.algo.name, headline.bicc.enabled, headline.rcc.enabled, headline.data.arith.max_operand) == (
+        "dapo", True, True, 9)
 
 
 def test_peer_trl_counts_the_update_flops_of_the_rows_each_step_trained_on(monkeypatch):
@@ -199,17 +244,6 @@ def test_peer_trl_counts_the_update_flops_of_the_rows_each_step_trained_on(monke
     assert work.flops == [30.0, 90.0]  # forward + backward = 3 forwards
     assert work.achieved() == 120.0 / 4.0
     assert peer_trl.matmul_peak_flops(n=64, repeats=2) > 0
-
-
-def test_pretrained_compare_configs_compose_and_differ_only_where_named():
-    """Every row of the comparison is a valid run of the preset; the third reads RCC's delta on x^c (Algorithm 1),
-    the fourth on q (``rcc=on`` itself)."""
-    from bench.pretrained_compare import CONFIGS
-    from bench.step_profile import compose_cfg
-
-    cfgs = {name: compose_cfg(["experiment=smollm2_arith", *overrides]) for name, overrides in CONFIGS.items()}
-    assert [(c.bicc.enabled, c.rcc.enabled, c.rcc.delta_context) for c in cfgs.values()] == [
-        (False, False, "q"), (True, False, "q"), (True, True, "xc"), (True, True, "q")]
 
 
 def test_peer_trl_runs_trl_in_colocate_mode_only_beside_our_vllm_rollouts(monkeypatch):
