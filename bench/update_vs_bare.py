@@ -28,7 +28,9 @@ row), the same count for both. Prints
   ``RESULT update_mfu=`` (PaLM count: 6 N + 12 x layers x heads x head_dim x T per token, T the mean row length,
   over the device's bf16 peak; target >= 0.40).
 
-``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels.
+``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels. ``--compile``
+compiles ours' decoder layers (``model.compile=on``, ``bicc.compile``) before the timed calls; the warm-up call pays
+the compilation.
 """
 
 from __future__ import annotations
@@ -212,6 +214,7 @@ def main() -> None:
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--fsdp", action="store_true", help="ours wrapped in FSDP2 over one rank, as train.py under torchrun")
+    parser.add_argument("--compile", action="store_true", help="ours with its decoder layers compiled (model.compile=on)")
     parser.add_argument("--top", type=int, default=0, help="print the profiled update's most frequent ops and kernels")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of our update's config (train.*)")
     args = parser.parse_args()
@@ -233,6 +236,10 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
     ours_model = build(arch, device, checkpointing)
+    if args.compile:  # before the wrap, as bicc.state.build_rl_state does
+        from bicc.compile import compile_layers
+
+        compile_layers(ours_model)
     compute = torch.bfloat16 if device.type == "cuda" else None  # fp32 master weights, bf16 compute (bicc.models)
     if args.fsdp:
         ours_model = fsdp_one_rank(ours_model, cfg, device, compute)
@@ -241,7 +248,8 @@ def main() -> None:
     from bicc.distributed import is_sharded
 
     print("[update_vs_bare] ours: " + ("sharded by FSDP2 over a one-rank process group" if is_sharded(ours_model)
-                                      else "unwrapped" + (", under autocast" if compute is not None else "")))
+                                      else "unwrapped" + (", under autocast" if compute is not None else ""))
+          + (", decoder layers compiled" if args.compile else ""))
     from bicc.logprobs import install_logprob_head
 
     install_logprob_head(ours_model, cfg.train.logprob_chunk_tokens)

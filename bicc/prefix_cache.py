@@ -196,6 +196,7 @@ def _padded_rest(model, states, index, completions, grid, pad_id, temperature, w
             cache = DynamicCache()
             cache.layers = [_ReadLayer(k.index_select(0, index), v.index_select(0, index))
                             for k, v in zip(states.keys, states.values)]
+            cache.bicc_compile = True  # read-only: compiled layers (bicc.compile) take it
             mask = torch.cat([p_mask, c_mask], dim=1)  # [n, W + L]
             rest_logp, rest_entropy = forward_logprobs(
                 model, c_ids[:, 1:], temperature, with_entropy, input_ids=c_ids[:, :-1], attention_mask=mask[:, :-1],
@@ -257,6 +258,7 @@ def _ragged_forward(model, states, prefix_of, queries, temperature, with_entropy
     with _cache_through_checkpointing(model):
         cache = DynamicCache()
         cache.layers = [_GatherLayer(k, v, index_k) for k, v in zip(states.keys, states.values)]
+        cache.bicc_compile = True  # read-only: compiled layers (bicc.compile) take it
         logp, entropy = forward_logprobs(model, targets, temperature, with_entropy, input_ids=ids, position_ids=pos,
                                          past_key_values=cache, logits_to_keep=0, **_ragged(q_len, k_len, device))
     return logp[0], (entropy[0] if with_entropy else None)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from bicc import distributed
+from bicc.compile import compile_layers, should_compile
 from bicc.data import build_task
 from bicc.distributed import Dist
 from bicc.models import DTYPES, compute_copy, end_token_ids, frozen_copy, load_policy
@@ -81,6 +82,10 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     ref_model = frozen_copy(init_path, cfg.model, device) if StepPlan.loads_reference(cfg) else None
     sharded_hf = d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf"
     sampler = compute_copy(model, cfg.model) if sharded_hf else model
+    if should_compile(cfg.model.compile, device):  # the trainer's forwards only (generation stays eager)
+        layers = compile_layers(model)
+        if d.is_main:
+            print(f"[model] {layers} decoder layers compiled for the log-prob forwards (model.compile={cfg.model.compile})")
     end_ids = tuple(end_token_ids(tokenizer, model))
     model = distributed.wrap(model, cfg.dist, d, DTYPES[cfg.model.dtype])
     optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)

@@ -64,21 +64,24 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     model = state.model
     n = batch.input_ids.shape[0]
     generator = torch.Generator().manual_seed(step_seed)
-    sums: dict[str, float] = {}
+    # metrics summed as they come (0-d tensors on the model's device: no host sync per micro-batch), read once
+    sums: dict[str, torch.Tensor | float] = {}
     counts: dict[str, int] = {}
 
-    def add(name: str, value: float) -> None:
-        sums[name] = sums.get(name, 0.0) + value
+    def add(name: str, value: torch.Tensor | float) -> None:
+        sums[name] = sums.get(name, 0.0) + (value.detach().double() if isinstance(value, torch.Tensor) else value)
         counts[name] = counts.get(name, 0) + 1
 
-    first_pass = torch.zeros(n)
-    seen = torch.zeros(n, dtype=torch.bool)
+    device = batch.completion_mask.device
+    first_pass = torch.zeros(n, device=device)
+    seen = torch.zeros(n, dtype=torch.bool, device=device)
     timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for perf/ (not synchronised on CUDA)
     scale = loss_scale(state.dist)
     adv = None if deferred else advantages(delta_logp)
 
-    def finish(rows, logp, entropy, totals) -> float:
-        """Loss and backward of one micro-batch's forward; its loss (0 for a no-op forward, ``rows`` None)."""
+    def finish(rows, logp, entropy, totals):
+        """Loss and backward of one micro-batch's forward; its loss, detached (0 for a no-op forward, ``rows``
+        None)."""
         start = time.perf_counter()
         if rows is None:  # no rows here, but the other ranks' forward/backward are collectives
             (logp.sum() * 0.0).backward()
@@ -86,16 +89,17 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             return 0.0
         mask = batch.completion_mask[rows]
         loss, metrics, raw, old = rows_loss(logp, rows, mask, old_logp, ref_logp, adv.values, cfg, totals, is_weight)
-        first_pass[rows] = torch.where(seen[rows], first_pass[rows], ((raw - old) * mask).sum(-1).cpu().float())
-        seen[rows] = True
+        on = rows.to(device)
+        first_pass[on] = torch.where(seen[on], first_pass[on], ((raw - old) * mask).sum(-1).float())
+        seen[on] = True
         timers["forward"] += time.perf_counter() - start
         start = time.perf_counter()
         (loss * scale).backward()
         timers["backward"] += time.perf_counter() - start
         for name, value in metrics.items():
             add(name, value)
-        add("train/entropy", masked_mean(entropy, mask).item())
-        return loss.item()
+        add("train/entropy", masked_mean(entropy, mask))
+        return loss.detach().double()
 
     model.train()
     for _ in range(cfg.train.epochs_per_rollout):
@@ -133,11 +137,14 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                 start = time.perf_counter()
             timers["backward"] += time.perf_counter() - start  # the contexts' own backward, on leaving
             sync_gradients(model, state.dist)
-            step_loss = all_reduce_sum(step_loss, state.dist)
             grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad))
+            # the one host sync of the optimizer step: its loss and gradient norm decide whether it is taken
+            step_loss, norm = torch.stack([torch.as_tensor(step_loss, dtype=torch.float64, device=grad_norm.device),
+                                           grad_norm.double()]).tolist()
+            step_loss = all_reduce_sum(step_loss, state.dist)
             add("train/loss", step_loss)
-            add("train/grad_norm", grad_norm.item())
-            if not (math.isfinite(step_loss) and torch.isfinite(grad_norm)):
+            add("train/grad_norm", norm)
+            if not (math.isfinite(step_loss) and math.isfinite(norm)):
                 # numeric guard: a NaN/inf would poison the weights and Adam's moments for good; skip the
                 # step (the schedule does not advance either), count it, and let the loop stop the run
                 # after train.max_nonfinite_steps in a row
@@ -153,7 +160,9 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             state.optimizer.zero_grad(set_to_none=True)  # not held through the next rollout beside vLLM
             state.scheduler.step()
             timers["optimizer"] += time.perf_counter() - start
-    metrics = {name: sums[name] / counts[name] for name in sums}
+    names = list(sums)
+    means = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device) / counts[k] for k in names])
+    metrics = dict(zip(names, means.tolist())) if names else {}  # one read of every metric of the update
     metrics["train/lr"] = state.scheduler.get_last_lr()[0]
     metrics.update({f"perf/update_{name}_s": value for name, value in timers.items()})
-    return metrics, first_pass, adv
+    return metrics, first_pass.cpu(), adv

@@ -78,6 +78,7 @@ def test_unknown_key_is_rejected_by_the_schema():
         ("dist.param_dtype=fp8", "dist.param_dtype"),
         ("data.math.on_bad_row=ignore", "data.math.on_bad_row"),
         ("logger.wandb_mode=cloud", "logger.wandb_mode"),
+        ("model.compile=yes", "model.compile"),
     ],
 )
 def test_validation_names_the_field(override, field):

@@ -41,5 +41,5 @@ def aspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_w
     metrics = {**ratio_metrics(log_rho.detach(), ratio.detach(), adv, mask, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high),
                **kl_metrics}
     if cfg.dual_clip_c > 0:
-        metrics["train/dual_clip_frac"] = ((over & mask.bool()).float().sum() / mask.sum().clamp(min=1)).item()
+        metrics["train/dual_clip_frac"] = (over & mask.bool()).float().sum() / mask.sum().clamp(min=1)
     return pg_loss + kl_loss, metrics

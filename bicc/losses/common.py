@@ -29,7 +29,7 @@ def kl_term(logp, ref_logp, mask, cfg, totals: StepTotals):
         raise ValueError("algo.kl_coef > 0 needs reference log-probs, but none were computed")
     kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logp, ref_logp)  # [B, L]
     kl_loss = aggregate(kl, mask, cfg.loss_agg, totals)
-    return cfg.kl_coef * kl_loss, {"train/kl_ref": masked_mean(kl.detach(), mask).item()}
+    return cfg.kl_coef * kl_loss, {"train/kl_ref": masked_mean(kl.detach(), mask)}
 
 
 def importance_weighted(pg: torch.Tensor, is_weight: torch.Tensor | None) -> torch.Tensor:
@@ -47,18 +47,19 @@ def dual_clip(pg: torch.Tensor, adv: torch.Tensor, cfg) -> torch.Tensor:
 
 
 @torch.no_grad()
-def ratio_metrics(log_ratio, ratio, adv, mask, low: float, high: float) -> dict[str, float]:
-    """Clip fractions (low: ratio < low on A<0; high: ratio > high on A>0), approx KL, ratio stats."""
+def ratio_metrics(log_ratio, ratio, adv, mask, low: float, high: float) -> dict[str, torch.Tensor]:
+    """Clip fractions (low: ratio < low on A<0; high: ratio > high on A>0), approx KL, ratio stats: 0-d tensors on
+    the ratio's device, read once per optimizer step (``bicc.update``), not once per micro-batch."""
     a = adv.unsqueeze(-1).expand_as(ratio)
     clipped_low = (ratio < low) & (a < 0)
     clipped_high = (ratio > high) & (a > 0)
-    m = mask.bool()
+    top = ratio.masked_fill(~mask.bool(), -math.inf).amax()
     return {
-        "train/clip_frac_low": masked_mean(clipped_low.float(), mask).item(),
-        "train/clip_frac_high": masked_mean(clipped_high.float(), mask).item(),
-        "train/approx_kl_old": masked_mean(0.5 * log_ratio**2, mask).item(),
-        "train/ratio_mean": masked_mean(ratio, mask).item(),
-        "train/ratio_max": ratio.masked_fill(~m, -math.inf).max().item() if m.any() else 1.0,
+        "train/clip_frac_low": masked_mean(clipped_low.float(), mask),
+        "train/clip_frac_high": masked_mean(clipped_high.float(), mask),
+        "train/approx_kl_old": masked_mean(0.5 * log_ratio**2, mask),
+        "train/ratio_mean": masked_mean(ratio, mask),
+        "train/ratio_max": torch.where(top > -math.inf, top, torch.ones_like(top)),  # no output token: 1
     }
 
 

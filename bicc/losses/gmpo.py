@@ -36,5 +36,5 @@ def gmpo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_w
     with torch.no_grad():
         metrics = ratio_metrics(log_rho, log_rho.exp(), adv, mask, float(torch.tensor(-cfg.clip_eps_low).exp()),
                                 float(torch.tensor(cfg.clip_eps_high).exp()))
-        metrics["train/seq_ratio_mean"] = seq_ratio.mean().item()
+        metrics["train/seq_ratio_mean"] = seq_ratio.mean()
     return pg_loss + kl_loss, {**metrics, **kl_metrics}

@@ -1,0 +1,90 @@
+"""Regional compilation: each decoder layer's ``forward`` through ``torch.compile`` (``model.compile``).
+
+An HF decoder layer launches about a hundred small ops per forward (norms in fp32, rotary, SwiGLU, views and
+casts), and its checkpointed recompute and backward as many again: on a GPU the host's launches, not the
+matmuls, set the update's pace (``docs/performance.md``). Compiled, a layer's forward and backward are a few
+fused kernels around its matmuls and attention.
+
+What is compiled, and what is not:
+
+- each layer's ``forward`` only: the module's ``__call__`` (FSDP2's all-gather and reshard hooks, activation
+  checkpointing's wrapper) stays eager around it, so sharding and checkpointing work as they do uncompiled. The
+  embeddings, the final norm, the chunked log-prob head and the loss stay eager;
+- only the log-prob forwards (``bicc.logprobs``, ``bicc.prefix_cache``): a call with no cache, or with the
+  completions' read-only KV-reuse cache (marked ``bicc_compile``). Generation (HF's growing cache) and the
+  prefix pass (once per minibatch; ``_RecordLayer`` records its keys/values only outside a backward replay,
+  which Dynamo cannot trace) run eagerly, the same in a checkpoint's replay as in its forward;
+- with dynamic shapes from the first call (``dynamic=True``): micro-batches differ in rows and length, and one
+  graph serves them (a shape that specialises, one row say, adds another). Under KV reuse the cache is indexed
+  by the layer's number, which Dynamo specialises on: a graph per layer, all alike, so the compiler's caches make
+  all but the first cheap; the recompile limit is raised to hold them;
+- Dynamo's most-recently-used choice among a frame's graphs is turned off (graphs are tried in the order they
+  were made): under activation checkpointing the recompute must run the very graph the forward ran, and with
+  two graphs that match the MRU order could pick the other (pytorch/pytorch#166926; torchtitan's workaround).
+
+The compiled function takes the layer as an argument, so a copy of the model (``bicc.models.compute_copy``)
+runs its own weights. Fallback: a layer whose compilation fails (Dynamo or the backend raising) runs eagerly
+from then on, with one warning naming the error; a run never stops for it. ``torch.compile`` needs a C++
+compiler on CPU and Triton on CUDA.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+
+def should_compile(setting: str, device: torch.device) -> bool:
+    """``model.compile``: on | off | auto (CUDA only)."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def decoder_layers(model) -> list:
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def compile_layers(model, backend: str = "inductor") -> int:
+    """Compile every decoder layer's ``forward`` of ``model`` in place, each keeping its eager fallback; returns
+    how many layers were wrapped."""
+    import torch._dynamo
+
+    layers = decoder_layers(model)
+    torch._C._dynamo.eval_frame._set_lru_cache(False)
+    limit = 4 * len(layers) + 8  # a graph per layer and shape specialisation, with room
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    compiled = {}
+    for layer in layers:
+        cls = type(layer)
+        if cls not in compiled:
+            compiled[cls] = torch.compile(cls.forward, dynamic=True, backend=backend)
+        layer._bicc_compiled = compiled[cls]
+        layer._bicc_compile_ok = True
+        layer.forward = types.MethodType(_forward, layer)  # bound to each copy of the layer by deepcopy
+    return len(layers)
+
+
+def compiled_layers(model) -> int:
+    """How many decoder layers of ``model`` run compiled now (0 once they fell back, or were never compiled)."""
+    return sum(bool(getattr(m, "_bicc_compile_ok", False)) for m in decoder_layers(model))
+
+
+def _forward(self, *args, **kwargs):
+    """A layer's forward: compiled for the log-prob forwards (no cache, or a cache marked ``bicc_compile``),
+    eager for the rest and after a failed compilation."""
+    cache = kwargs.get("past_key_values")
+    if self._bicc_compile_ok and (cache is None or getattr(cache, "bicc_compile", False)):
+        import torch._dynamo
+        import torch._inductor.exc
+
+        try:
+            return self._bicc_compiled(self, *args, **kwargs)
+        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as error:
+            self._bicc_compile_ok = False
+            cause = getattr(error, "inner_exception", None) or error.__cause__ or error  # the backend's own error
+            text = (str(cause).strip().splitlines() or [""])[0][:300]
+            warnings.warn(f"model.compile: {type(self).__name__} did not compile ({type(error).__name__}, "
+                          f"{type(cause).__name__}: {text}); it runs eagerly from here on", stacklevel=2)
+    return type(self).forward(self, *args, **kwargs)

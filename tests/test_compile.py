@@ -1,0 +1,134 @@
+"""Compiled decoder layers (``model.compile``, ``bicc.compile``): the same update as eager under activation
+checkpointing and KV reuse, a fallback to eager when compilation fails, generation left eager, copies that run
+their own weights. Dynamo runs for real here; the backend is AOTAutograd over eager kernels (``aot_eager``: the
+graphs, the joint forward/backward and the checkpoint's replay of them, without Inductor's C++ build, which a slow
+test runs end to end)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from bicc.advantages import Advantages
+from bicc.batching import logprobs_no_grad
+from bicc.compile import compile_layers, compiled_layers, should_compile
+from bicc.logprobs import make_token_batch
+from bicc.models import build_tiny
+from bicc.optim import warmup_cosine
+from bicc.rows import QueryRows, query_rows
+from bicc.state import RLState
+from bicc.update import update_policy
+from tests.conftest import compose_cfg
+from tests.helpers import ARCH, rows, run_train
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def checkpointed_pair():
+    """Two equal fp64 tiny models in train mode with activation checkpointing: (eager, to be compiled)."""
+    models = [build_tiny(ARCH, seed=0)[0].double() for _ in range(2)]
+    for m in models:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return models
+
+
+def update(model, share: bool):
+    """Two epochs x two minibatches of three prompts x four outputs, micro-batches of 5 rows and by tokens (so their
+    shapes vary), SGD: the weights after it are the gradients' sum."""
+    cfg = compose_cfg(["train.minibatches_per_rollout=2", "train.epochs_per_rollout=2", "train.micro_batch_size=5",
+                       "train.micro_batch_tokens=40", "rollout.max_new_tokens=9", "optim.clip_grad=1e9"])
+    prompts, completions = rows()
+    prompts = [prompts[i // 4] for i in range(12)]
+    batch = make_token_batch(prompts, completions, 0)
+    numerator = query_rows(batch, prompts, completions, share, 0, torch.device("cpu"))
+    old = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
+    adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = RLState(model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 0, 100, 1.0))
+    metrics, _, _ = update_policy(state, batch, numerator, old, None, Advantages.given(adv), cfg, step_seed=7)
+    return metrics
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["kv-reuse", "one-row-per-output"])
+def test_compiled_layers_give_the_eager_update(share):
+    """The update through compiled layers equals the eager one in fp64 (weights after four optimizer steps, loss),
+    under activation checkpointing (the replay runs the forward's graph) and, with KV reuse, behind the eager
+    prefix pass; every layer stays compiled, and the compiled graphs did run."""
+    eager, compiled = checkpointed_pair()
+    counter = CompileCounterWithBackend("aot_eager")
+    assert compile_layers(compiled, backend=counter) == ARCH.num_hidden_layers
+    expected, got = update(eager, share), update(compiled, share)
+    assert counter.frame_count >= 1  # compiled graphs ran (the checks below would pass with none)
+    assert compiled_layers(compiled) == ARCH.num_hidden_layers
+    assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
+
+
+def test_a_layer_that_fails_to_compile_runs_eagerly():
+    """A backend that raises: one warning naming the error, every layer eager from then on, the eager update."""
+    eager, compiled = checkpointed_pair()
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler on this host")
+
+    compile_layers(compiled, backend=broken)
+    expected = update(eager, True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = update(compiled, True)
+    messages = [str(w.message) for w in caught if "model.compile" in str(w.message)]
+    assert len(messages) == ARCH.num_hidden_layers and "no compiler on this host" in messages[0]
+    assert compiled_layers(compiled) == 0
+    assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-12, rtol=0)
+
+
+def test_generation_stays_eager_and_a_copy_runs_its_own_weights():
+    """HF generate (its own growing cache) never enters the compiled graphs; a deep copy of a compiled model (the
+    HF sampler beside FSDP2, ``bicc.models.compute_copy``) computes with the copy's weights, not the original's."""
+    model, tok = build_tiny(ARCH, seed=0)
+    counter = CompileCounterWithBackend("eager")
+    compile_layers(model, backend=counter)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model.eval().generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert counter.frame_count == 0
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in copied.model.layers.parameters():
+            p.mul_(0.5)
+        out, out_copy = model(ids, use_cache=False).logits, copied(ids, use_cache=False).logits  # as the log-prob passes
+    assert counter.frame_count >= 1 and compiled_layers(copied) == ARCH.num_hidden_layers
+    assert not torch.allclose(out, out_copy)
+    fresh = build_tiny(ARCH, seed=0)[0].eval()
+    with torch.no_grad():
+        torch.testing.assert_close(out, fresh(ids, use_cache=False).logits)
+
+
+def test_model_compile_setting():
+    assert compose_cfg([]).model.compile == "off"
+    assert compose_cfg(["model.compile=auto"]).model.compile == "auto"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [should_compile(s, cpu) for s in ("off", "on", "auto")] == [False, True, False]
+    assert [should_compile(s, cuda) for s in ("off", "on", "auto")] == [False, True, True]
+
+
+@pytest.mark.slow
+def test_train_with_compiled_layers_under_inductor(tmp_path):
+    """The headline form (BiCC + RCC, KV reuse, checkpointing) through train.py with Inductor's compiled layers."""
+    proc = run_train(["model.compile=on", "model.gradient_checkpointing=true", "bicc=on", "rcc=on", "sft.steps=5",
+                      "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                      "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=4", "data.reward=tests.rewards:first_of_group",
+                      "data.reward_batched=true", "eval.num_problems=4", "eval.samples_per_problem=1",
+                      "eval.max_new_tokens=16", f"hydra.run.dir={tmp_path / 'run'}", f"sft.cache_dir={tmp_path / 'c'}",
+                      "logger.wandb_mode=disabled", "logger.progress=false"], tmp_path)
+    assert "decoder layers compiled" in proc.stdout and "did not compile" not in proc.stdout + proc.stderr
+    assert (tmp_path / "run" / "results.json").exists()
