@@ -20,6 +20,9 @@ has a budget; no hub access, no vLLM, no flash-attn needed).
 3. The bare baseline: ``bench.update_vs_bare --fsdp`` at the same shape, 512-token outputs (our update, sharded as
    the rehearsal shards it, against a 40-line transformers loop).
 
+``--compile`` runs the rehearsal with ``model.compile=on`` and the baseline with ``--compile`` (each decoder layer
+compiled, ``bicc.compile``): run the check once without and once with it to compare them on one GPU.
+
 Each phase runs under what is left of ``--budget-s`` (480): a phase that would overrun is stopped and says so
 (the RL loop stops at ``train.time_budget_s`` with a checkpoint). Ends with ``RESULT`` lines:
 ``gpu_train_tokens_per_s`` (tokens the update computes, contexts once, per second of the update phase, steps
@@ -240,6 +243,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="where the model, data and run go (default: a fresh dir under outputs/)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole check's wall time")
+    parser.add_argument("--compile", action="store_true", help="model.compile=on in the rehearsal, --compile in the baseline")
     args = parser.parse_args()
     message = no_cuda_message()
     if message:
@@ -277,8 +281,9 @@ def main() -> int:
     if not args.skip_tests:
         phase("GPU tests", lambda s: run_phase("GPU tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu",
                                                              "tests/test_gpu.py"], env, s), 0.25)
-    done = phase("rehearsal", lambda s: rehearse(out, QWEN3_06B, env, budget_s=s), 0.8)
-    ratio = phase("bare baseline", lambda s: bare_baseline(env, s), 1.0)
+    compiled = ("model.compile=on",) if args.compile else ()
+    done = phase("rehearsal", lambda s: rehearse(out, QWEN3_06B, env, extra=compiled, budget_s=s), 0.8)
+    ratio = phase("bare baseline", lambda s: bare_baseline(env, s, ("--compile",) if args.compile else ()), 1.0)
     if done is not None:
         rows, results = done
         os.environ["BICC_DAPO_MATH"] = str(out / "dapo_math.jsonl")

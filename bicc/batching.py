@@ -40,8 +40,8 @@ def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, tok
         raise ValueError(f"train.micro_batch_size must be >= 1, got {size}")
     if tokens <= 0:
         return list(rows.split(size))
-    parts = lengths if lengths.dim() == 2 else lengths[:, None]  # [N, k]
-    order = rows[parts.sum(-1)[rows].argsort(descending=True, stable=True)].tolist()
+    parts = (lengths if lengths.dim() == 2 else lengths[:, None]).tolist()  # [N][k], planned in Python: no tensor ops
+    order = sorted(rows.tolist(), key=lambda r: -sum(parts[r]))  # longest first, ties in order (a stable sort)
     plan, current = [], []
     for r in order:
         if current:
@@ -56,14 +56,15 @@ def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, tok
     return plan
 
 
-def _size(rows: list[int], parts: torch.Tensor) -> tuple[int, int]:
-    """(padded, real) tokens of a micro-batch of ``rows``."""
-    return len(rows) * int(parts[rows].max(0).values.sum()), int(parts[rows].sum())
+def _size(rows: list[int], parts: list[list[int]]) -> tuple[int, int]:
+    """(padded, real) tokens of a micro-batch of ``rows``: rows x the sum of each part's longest, and the sum."""
+    widest = [max(column) for column in zip(*(parts[r] for r in rows))]
+    return len(rows) * sum(widest), sum(sum(parts[r]) for r in rows)
 
 
 def padded_tokens(plan: list[torch.Tensor], lengths: torch.Tensor) -> int:
     """Tokens the forwards over ``plan`` compute, ``lengths`` as in ``plan_micro_batches``."""
-    parts = lengths if lengths.dim() == 2 else lengths[:, None]
+    parts = (lengths if lengths.dim() == 2 else lengths[:, None]).tolist()
     return sum(_size(mb.tolist(), parts)[0] for mb in plan if len(mb))
 
 

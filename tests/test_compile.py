@@ -9,11 +9,12 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from bicc.advantages import Advantages
 from bicc.batching import logprobs_no_grad
-from bicc.compile import compile_layers, compiled_layers, should_compile
+from bicc.compile import compile_layers, compiled_layers, decoder_layers, should_compile
 from bicc.logprobs import make_token_batch
 from bicc.models import build_tiny
 from bicc.optim import warmup_cosine
@@ -60,12 +61,24 @@ def update(model, share: bool):
 def test_compiled_layers_give_the_eager_update(share):
     """The update through compiled layers equals the eager one in fp64 (weights after four optimizer steps, loss),
     under activation checkpointing (the replay runs the forward's graph) and, with KV reuse, behind the eager
-    prefix pass; every layer stays compiled, and the compiled graphs did run."""
+    prefix pass; every layer stays compiled, and the compiled graphs did run. Dynamo's recompile limit is set to 1
+    first, as for a model deeper than its default of 8 graphs: under KV reuse each layer needs its own graph."""
     eager, compiled = checkpointed_pair()
-    counter = CompileCounterWithBackend("aot_eager")
-    assert compile_layers(compiled, backend=counter) == ARCH.num_hidden_layers
-    expected, got = update(eager, share), update(compiled, share)
-    assert counter.frame_count >= 1  # compiled graphs ran (the checks below would pass with none)
+    graph_runs, calls = [0], [0]
+
+    def backend(gm, example_inputs):  # aot_eager, counting each run of a compiled graph
+        run = lookup_backend("aot_eager")(gm, example_inputs)
+        return lambda *args: graph_runs.__setitem__(0, graph_runs[0] + 1) or run(*args)
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert compile_layers(compiled, backend=backend) == ARCH.num_hidden_layers
+        for layer in decoder_layers(compiled):  # count the calls that go to the compiled forward
+            inner = layer._bicc_compiled
+            layer._bicc_compiled = lambda *a, _inner=inner, **k: calls.__setitem__(0, calls[0] + 1) or _inner(*a, **k)
+        expected, got = update(eager, share), update(compiled, share)
+    # every call ran a compiled graph (Dynamo past its recompile limit would run the frame eagerly instead), in one
+    # graph (no graph break); and there were calls (the checks below would pass with none)
+    assert graph_runs[0] == calls[0] > 0
     assert compiled_layers(compiled) == ARCH.num_hidden_layers
     assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
     for p, q in zip(compiled.parameters(), eager.parameters()):

@@ -139,3 +139,23 @@ def test_the_memory_model_holds_to_the_h100_runs(output_tokens, tmp_path, monkey
     for phase, got in measured.items():
         assert 0.9 <= got / predicted[phase] <= 1.1, (phase, got, predicted[phase])
 
+
+
+@pytest.mark.parametrize("flag", [[], ["--compile"]])
+def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_path):
+    """``make gpu-check ARGS=--compile``: the rehearsal runs with model.compile=on and the baseline with --compile;
+    without the flag neither does (both phases stubbed: what each was asked to run)."""
+    import sys
+    import types
+
+    asked = {}
+    fake_cuda = types.SimpleNamespace(get_device_name=lambda i: "H100", get_device_properties=lambda i: types.SimpleNamespace(
+        total_memory=80 * gpu_check.GIB))
+    monkeypatch.setattr(gpu_check, "no_cuda_message", lambda: None)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=fake_cuda, __version__="2.11.0"))
+    monkeypatch.setattr(gpu_check, "rehearse", lambda out, arch, env, extra=(), budget_s=0: asked.update(rehearsal=extra))
+    monkeypatch.setattr(gpu_check, "bare_baseline", lambda env, s, extra=(): asked.update(baseline=extra))
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--skip-tests", "--out", str(tmp_path), *flag])
+    gpu_check.main()
+    assert asked == ({"rehearsal": ("model.compile=on",), "baseline": ("--compile",)} if flag else
+                     {"rehearsal": (), "baseline": ()})
