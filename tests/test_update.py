@@ -79,6 +79,38 @@ def test_update_equals_hand_sequenced_loop(algo, micro):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
 
 
+def test_update_metrics_are_the_micro_batch_means_read_once():
+    """The update's metrics, kept on the device and read once per optimizer step: the loss is the minibatch's (its
+    micro-batches' sum under the step's normalisers: the loss of one forward over all rows), the loss's own metrics
+    and the entropy are means over the micro-batches (by hand: three micro-batches of 4 rows, pi_old off the
+    policy, so that ratios and clipping are not all 1 and 0), and nothing is read per micro-batch."""
+    cfg = compose_cfg(["algo=grpo", "train.micro_batch_size=4", "rollout.max_new_tokens=12", "optim.clip_grad=1e9"])
+    prompts, completions = rows()
+    batch = make_token_batch(prompts, completions, 0)
+    model = build_tiny(ARCH, seed=0)[0].double()
+    old_logp = logprobs_no_grad(build_tiny(ARCH, seed=1)[0].double(), QueryRows(batch), 12, 12, 1.0)
+    adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
+    totals = StepTotals.of(batch.completion_mask, cfg.rollout.max_new_tokens)
+    with torch.no_grad():
+        logp, entropy = QueryRows(batch).logprobs(model, torch.arange(12), 1.0, with_entropy=True)
+        loss, _ = LOSSES.get("grpo")(logp, old_logp, None, adv, batch.completion_mask, cfg.algo, totals)
+        parts = [(r, LOSSES.get("grpo")(logp[r], old_logp[r], None, adv[r], batch.completion_mask[r], cfg.algo, totals)[1])
+                 for r in torch.arange(12).split(4)]
+    reads = []
+    item = torch.Tensor.item
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or item(t))
+        metrics, _, _ = update_policy(sgd_state(model), batch, QueryRows(batch), old_logp, None, Advantages.given(adv),
+                                      cfg, step_seed=0)
+    assert reads == []  # no scalar read per micro-batch (the two reads of a step are one tolist each)
+    assert metrics["train/loss"] == pytest.approx(loss.item(), abs=1e-9)
+    for name in ("train/clip_frac_low", "train/clip_frac_high", "train/ratio_mean", "train/ratio_max"):
+        assert metrics[name] == pytest.approx(sum(m[name].item() for _, m in parts) / 3, abs=1e-9), name
+    assert 0 < metrics["train/clip_frac_low"] + metrics["train/clip_frac_high"]  # some clipping: the means are not 0
+    per_micro = [(entropy[r] * batch.completion_mask[r]).sum() / batch.completion_mask[r].sum() for r, _ in parts]
+    assert metrics["train/entropy"] == pytest.approx(sum(per_micro).item() / 3, abs=1e-9)
+
+
 def bicc_setup(form):
     cfg = compose_cfg([f"bicc={form}", "algo=dr_grpo", "rollout.max_new_tokens=9", "rcc=on"])  # dr_grpo: KL on
     prompts, completions = rows(4)
