@@ -150,3 +150,14 @@ def test_aggregation_modes_hand_computed():
     assert agg("seq-mean-token-mean")(x, mask, t).item() == pytest.approx((2 + 4) / 2)  # seq means 2, 4 -> 3
     assert agg("seq-mean-token-sum")(x, mask, t).item() == pytest.approx((6 + 4) / 2)  # 5
     assert agg("seq-mean-token-sum-norm")(x, mask, t).item() == pytest.approx(10 / (2 * 3))  # 1.667
+
+
+def test_clip_fractions_tell_low_from_high():
+    """A ratio above 1 + eps on A > 0 is clipped high, one below 1 - eps on A < 0 clipped low: here two tokens of
+    six high (e^0.3 and e^0.4 > 1.2 on A = +1) and one low (e^-0.3 < 0.8 on A = -1); e^-0.3 on A = +1 and e^0.3 on
+    A = -1 are inside the objective's min and count in neither."""
+    logp = torch.tensor([[0.3, 0.4, -0.3], [-0.3, 0.0, 0.3]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.float64)
+    _, metrics = LOSSES.get("grpo")(logp, torch.zeros_like(logp), None, adv, mask, Cfg, StepTotals.of(mask, 3))
+    assert metrics["train/clip_frac_high"] == pytest.approx(2 / 6) and metrics["train/clip_frac_low"] == pytest.approx(1 / 6)
