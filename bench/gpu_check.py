@@ -20,8 +20,10 @@ has a budget; no hub access, no vLLM, no flash-attn needed).
 3. The bare baseline: ``bench.update_vs_bare --fsdp`` at the same shape, 512-token outputs (our update, sharded as
    the rehearsal shards it, against a 40-line transformers loop).
 
-``--compile`` runs the rehearsal with ``model.compile=on`` and the baseline with ``--compile`` (each decoder layer
-compiled, ``bicc.compile``): run the check once without and once with it to compare them on one GPU.
+``--compile`` runs the rehearsal with ``model.compile=on`` (each decoder layer compiled for the update and the
+log-prob passes, ``bicc.compile``) and ``rollout.static_cache=true`` (HF generate into a static KV cache, whose
+decoding steps transformers compiles), and the baseline with ``--compile``: run the check once without and once
+with it to compare them on one GPU (``perf/generate_s`` and ``perf/update_s`` tell the two apart).
 
 Each phase runs under what is left of ``--budget-s`` (480): a phase that would overrun is stopped and says so
 (the RL loop stops at ``train.time_budget_s`` with a checkpoint). Ends with ``RESULT`` lines:
@@ -243,7 +245,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="where the model, data and run go (default: a fresh dir under outputs/)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole check's wall time")
-    parser.add_argument("--compile", action="store_true", help="model.compile=on in the rehearsal, --compile in the baseline")
+    parser.add_argument("--compile", action="store_true",
+                        help="model.compile=on and rollout.static_cache=true in the rehearsal, --compile in the baseline")
     args = parser.parse_args()
     message = no_cuda_message()
     if message:
@@ -281,7 +284,7 @@ def main() -> int:
     if not args.skip_tests:
         phase("GPU tests", lambda s: run_phase("GPU tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu",
                                                              "tests/test_gpu.py"], env, s), 0.25)
-    compiled = ("model.compile=on",) if args.compile else ()
+    compiled = ("model.compile=on", "rollout.static_cache=true") if args.compile else ()
     done = phase("rehearsal", lambda s: rehearse(out, QWEN3_06B, env, extra=compiled, budget_s=s), 0.8)
     ratio = phase("bare baseline", lambda s: bare_baseline(env, s, ("--compile",) if args.compile else ()), 1.0)
     if done is not None:

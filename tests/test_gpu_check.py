@@ -143,7 +143,8 @@ def test_the_memory_model_holds_to_the_h100_runs(output_tokens, tmp_path, monkey
 
 @pytest.mark.parametrize("flag", [[], ["--compile"]])
 def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_path):
-    """``make gpu-check ARGS=--compile``: the rehearsal runs with model.compile=on and the baseline with --compile;
+    """``make gpu-check ARGS=--compile``: the rehearsal runs with model.compile=on and a static generate cache, the
+    baseline with --compile;
     without the flag neither does (both phases stubbed: what each was asked to run)."""
     import sys
     import types
@@ -157,5 +158,5 @@ def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_p
     monkeypatch.setattr(gpu_check, "bare_baseline", lambda env, s, extra=(): asked.update(baseline=extra))
     monkeypatch.setattr(sys, "argv", ["gpu_check", "--skip-tests", "--out", str(tmp_path), *flag])
     gpu_check.main()
-    assert asked == ({"rehearsal": ("model.compile=on",), "baseline": ("--compile",)} if flag else
+    assert asked == ({"rehearsal": ("model.compile=on", "rollout.static_cache=true"), "baseline": ("--compile",)} if flag else
                      {"rehearsal": (), "baseline": ()})

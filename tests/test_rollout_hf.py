@@ -89,3 +89,31 @@ def test_sampling_at_top_p_1_draws_from_the_whole_vocabulary():
     nucleus = torch.sort(probs, descending=True)
     keep = set(nucleus.indices[: int((nucleus.values.cumsum(0) < 0.5).sum()) + 1].tolist())
     assert set(first(0.5).tolist()) <= keep
+
+
+def test_a_static_cache_samples_what_the_growing_cache_samples(engine):
+    """rollout.static_cache: the same greedy and seeded samples and the same sampling log-probs as transformers'
+    growing cache, over ragged left-padded prompts in several chunks (the cache allocated whole for each call)."""
+    from types import SimpleNamespace
+
+    tok, model = engine.tokenizer, engine.model
+    ps = prompts(tok)
+    engines = [build_engine("hf", model, tok, SimpleNamespace(batch_size=6, old_from_sampler=True, static_cache=static))
+               for static in (False, True)]
+    assert [e.cache for e in engines] == [None, "static"]
+    caches = []  # the cache each forward of generate got: the check below would pass with the same kind twice
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: caches.append(type(kwargs["past_key_values"]).__name__),
+                                           with_kwargs=True)
+    for sampling in (SamplingParams(n=2, temperature=0.0, top_p=1.0, max_new_tokens=10, seed=0),
+                     SamplingParams(n=4, temperature=1.0, top_p=0.9, max_new_tokens=10, seed=3)):
+        caches.clear()
+        growing = engines[0].generate(ps, sampling)
+        assert set(caches) == {"DynamicCache"}
+        caches.clear()
+        static = engines[1].generate(ps, sampling)
+        assert set(caches) == {"StaticCache"}
+        assert static.completion_ids == growing.completion_ids and static.finished == growing.finished
+        if growing.logprobs is not None:
+            flat = lambda out: torch.tensor([x for row in out.logprobs for x in row])  # noqa: E731  (rows are ragged)
+            torch.testing.assert_close(flat(static), flat(growing), atol=1e-5, rtol=0)
+    hook.remove()

@@ -122,6 +122,7 @@ class RolloutConfig:
     kv_cache_bytes: Optional[int] = None
     tis_cap: float = 0.0
     old_from_sampler: bool = False
+    static_cache: bool = False
 
     @staticmethod
     def check(r) -> None:

@@ -5,7 +5,8 @@ copy. Under FSDP2 the trained module is sharded and the engine holds a full copy
 ``update_weights`` refreshes from the gathered full state dict. Prompts are left-padded per chunk of at most
 ``rollout.batch_size`` output rows. With ``rollout.old_from_sampler`` it also returns each sampled token's
 log-prob, log softmax(logits / T), recorded during sampling (``_RecordLogprobs``) so that the trainer can
-skip its own pi_old pass.
+skip its own pi_old pass. ``rollout.static_cache`` generates into a KV cache allocated whole for each call (rows x
+(longest prompt + max new tokens)), the form transformers compiles the decoding steps for on CUDA.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class HFEngine:
         self.max_rows = rollout_cfg.batch_size
         self.end_ids = end_ids_of(tokenizer, options)
         self.returns_logprobs = bool(getattr(rollout_cfg, "old_from_sampler", False))
+        # a KV cache of the whole length up front, which transformers compiles the decoding steps for on CUDA
+        self.cache = "static" if getattr(rollout_cfg, "static_cache", False) else None
 
     def update_weights(self, model) -> None:
         if model is not self.model:
@@ -68,6 +71,7 @@ class HFEngine:
                         pad_token_id=pad_id,
                         eos_token_id=end_ids,
                         logits_processor=LogitsProcessorList([record] if record else []),
+                        cache_implementation=self.cache,
                     )  # [P*n, W + L]
                 token_logprobs = record.finish(sequences[:, width:]).tolist() if record else None
                 new_tokens = sequences[:, width:].tolist()
