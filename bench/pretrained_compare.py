@@ -21,7 +21,9 @@ difference to GRPO (pass@1 at T 0.6 per seed and problem, seeds and problems res
 Writes ``docs/pretrained/compare.md`` (the tables) and ``docs/pretrained/curves.png``; the run dirs go under
 ``outputs/pretrained/arith20/`` and are reused when their ``results.json`` exists (variance measurements under
 ``variance/``), so an interrupted call continues where it stopped. Checkpoints are kept only where the variance
-is measured (``--keep-checkpoints`` keeps every run's).
+is measured (``--keep-checkpoints`` keeps every run's). A grid cut to fit a sitting says so in its table:
+``--row-seeds 'BiCC-GRPO ctx192=1'`` runs a row on fewer seeds (paired with GRPO's runs of those seeds),
+``--variance-steps 20`` measures the variance at the end only.
 
 Run: ``.venv/bin/python -m bench.pretrained_compare [--seeds 3] [--rows GRPO,BiCC-GRPO] [hydra overrides...]``.
 Ends with ``RESULT pretrained_bicc_minus_grpo=<paired difference, points> target>0`` and
@@ -32,8 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import shlex
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -101,8 +106,8 @@ def main_table(dirs: dict[str, list[Path]], steps: int) -> tuple[list[str], dict
         res = [results(d) for d in runs]
         seeds = ", ".join(f"{100 * r['initial']['eval/pass@1']:.1f} → {100 * r['final']['eval/pass@1']:.1f}" for r in res)
         delta, word = "—", "—"
-        if name != "GRPO" and "GRPO" in dirs:
-            deltas[name] = paired(dirs["GRPO"], runs)
+        if name != "GRPO" and "GRPO" in dirs:  # a row cut to fewer seeds: against GRPO's runs of those seeds
+            deltas[name] = paired(dirs["GRPO"][: len(runs)], runs)
             delta, word = "{:+.1f} [{:+.1f}, {:+.1f}]".format(*deltas[name]), verdict(*deltas[name][1:])
         first, last = mean_of(runs, "reward/accuracy", head), mean_of(runs, "reward/accuracy", tail)
         clip = f"{100 * mean_of(runs, 'train/clip_frac_low'):.1f}% / {100 * mean_of(runs, 'train/clip_frac_high'):.1f}%"
@@ -220,12 +225,25 @@ def plot_curves(dirs: dict[str, list[Path]], path: Path) -> Path:
     return path
 
 
+def parse_row_seeds(text: str, names: list[str], error) -> dict[str, int]:
+    """``--row-seeds``: 'NAME=N,NAME=N' -> {NAME: N}, each NAME one of ``names``."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, n = item.rpartition("=")
+        if name not in names or not n.isdigit() or int(n) < 1:
+            error(f"--row-seeds: {item!r} is not NAME=N with NAME one of {names} and N >= 1")
+        out[name] = int(n)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    parser.add_argument("--row-seeds", default="", help="rows cut to fewer seeds, e.g. 'BiCC-GRPO ctx192=1'")
     parser.add_argument("--variance-batches", type=int, default=2, help="rollout batches per checkpoint (0: skip)")
+    parser.add_argument("--variance-steps", default=None, help="checkpoints measured, e.g. '20' (default: half, end)")
     parser.add_argument("--no-headline", action="store_true")
     parser.add_argument("--keep-checkpoints", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
@@ -236,13 +254,18 @@ def main() -> None:
     names = args.rows.split(",")
     if unknown := [n for n in names if n not in ROWS]:
         parser.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
+    seeds_of = {name: args.seeds for name in names} | parse_row_seeds(args.row_seeds, names, parser.error)
+    measured_steps = variance_steps(args.steps) if args.variance_steps is None else tuple(
+        int(s) for s in args.variance_steps.split(","))
+    if bad := [s for s in measured_steps if not 0 < s <= args.steps]:
+        parser.error(f"--variance-steps: {bad} not among the runs' steps 1..{args.steps}")
     extra = ["rcc.diag_every=0", *args.extra]
     start = time.perf_counter()
     dirs: dict[str, list[Path]] = {name: [] for name in names}
     for seed in range(args.seeds):  # seed-major: an interrupted call leaves whole comparisons behind
-        for name in names:
+        for name in (n for n in names if seed < seeds_of[n]):
             keep = args.keep_checkpoints or (name in VARIANCE_ROWS and args.variance_batches > 0)
-            saves = [f"train.save_every={variance_steps(args.steps)[0]}", "train.keep_last=0"] if keep else []
+            saves = [f"train.save_every={math.gcd(*measured_steps)}", "train.keep_last=0"] if keep else []
             run_dir = run_one(name, [TASK, *ROWS[name], *saves], seed, args.steps, args.threads, args.out, extra)
             if not keep:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -256,14 +279,16 @@ def main() -> None:
                 shutil.rmtree(d / "checkpoints", ignore_errors=True)
     pooled, variance_s = {}, 0.0
     if args.variance_batches:
-        pooled, variance_s = measure_variance(dirs, args.out, variance_steps(args.steps), args.variance_batches, args.extra)
+        pooled, variance_s = measure_variance(dirs, args.out, measured_steps, args.variance_batches, args.extra)
 
     table, deltas = main_table(dirs, args.steps)
     run_s = sum(float((d / "wall_s.txt").read_text()) for d in [*sum(dirs.values(), []), *headline]
                 if (d / "wall_s.txt").exists())
-    text = [f"`python -m bench.pretrained_compare --seeds {args.seeds} --steps {args.steps}`: {args.seeds} seeds x "
-            f"{args.steps} steps per row; runs {run_s / 60:.0f} min, variance {variance_s / 60:.0f} min of this call "
-            f"(cached measurements count 0), this call {(time.perf_counter() - start) / 60:.0f} min.", "", *table, "",
+    command = shlex.join(["python", "-m", "bench.pretrained_compare", *sys.argv[1:]])
+    cut = "".join(f", {name} {n} seed{'s' * (n != 1)}" for name, n in seeds_of.items() if n != args.seeds)
+    text = [f"`{command}`: {args.seeds} seeds x {args.steps} steps per row{cut}; runs {run_s / 60:.0f} min, variance "
+            f"{variance_s / 60:.0f} min of this call (cached measurements count 0), this call "
+            f"{(time.perf_counter() - start) / 60:.0f} min.", "", *table, "",
             *cov_table(dirs)]
     if pooled:
         text += ["", *variance_table(pooled)]

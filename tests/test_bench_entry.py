@@ -2,6 +2,7 @@
 shows here, not at the first timing run."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,7 +192,9 @@ def test_pretrained_compare_pairs_rows_with_grpo_by_seed_and_problem(tmp_path):
                                                                       "bicc/whole_attempts_shown": lambda s: 1.5})],
             # -0.5 on every (seed, problem) pair: every bootstrap draw is -50 points
             "GRPO+RCC": [run("GRPO+RCC", 0, [0.5, 0, 0, 0.25], **{"rcc/cov": lambda s: s / 100}),
-                         run("GRPO+RCC", 1, [0] * 4, **{"rcc/cov": lambda s: s / 100})]}
+                         run("GRPO+RCC", 1, [0] * 4, **{"rcc/cov": lambda s: s / 100})],
+            # a row cut to one seed (--row-seeds): against GRPO's seed 0 only, +0.25 on two of 4 problems
+            "ctx": [run("ctx", 0, [1, 0.75, 0.5, 1])]}
     lines, deltas = main_table(dirs, 20)
     table = "\n".join(lines)
     assert deltas["BiCC-GRPO"][0] == pytest.approx(9.375)
@@ -199,6 +202,7 @@ def test_pretrained_compare_pairs_rows_with_grpo_by_seed_and_problem(tmp_path):
     assert deltas["GRPO+RCC"] == pytest.approx((-50.0, -50.0, -50.0))
     assert "| BiCC-GRPO | 50.0 → 75.0, 50.0 → 62.5 | 68.8 | +9.4 [" in table and "| no difference detected |" in table
     assert "| -50.0 [-50.0, -50.0] | hurts |" in table
+    assert deltas["ctx"][0] == pytest.approx(12.5) and "| ctx | 50.0 → 81.2 | 81.2 | +12.5 [" in table
     # training accuracy s/100 over steps 1-5, 0.5 over 16-20; clipping 10% / 2%; attempts averaged over steps and seeds
     assert "| 0.03 → 0.50 | 10.0% / 2.0% | 1.50 (1.00) |" in table and "| 0.03 → 0.50 | 10.0% / 2.0% | — |" in table
     cov = "\n".join(cov_table(dirs))
@@ -206,6 +210,20 @@ def test_pretrained_compare_pairs_rows_with_grpo_by_seed_and_problem(tmp_path):
     lines, gains = headline_table([run("headline", 0, [0.75, 0.5]), run("headline", 1, [0.25, 0.25])])
     assert gains == pytest.approx([12.5, -25.0])  # final pass@1 0.625 and 0.25 against an initial 0.5
     assert "| 0 | 50.0 → 62.5 ± 10.0 |" in "\n".join(lines)
+
+
+def test_pretrained_compare_row_seeds_name_rows_and_counts():
+    from bench.pretrained_compare import parse_row_seeds
+
+    names = ["GRPO", "BiCC-GRPO ctx192"]
+    assert parse_row_seeds("BiCC-GRPO ctx192=1", names, pytest.fail) == {"BiCC-GRPO ctx192": 1}
+    assert parse_row_seeds("", names, pytest.fail) == {}
+    def error(message):  # argparse's parser.error exits; this raises
+        raise ValueError(message)
+
+    for bad in ("BiCC-GRPO=1", "GRPO=0", "GRPO=x", "GRPO"):
+        with pytest.raises(ValueError, match="--row-seeds: " + re.escape(repr(bad))):
+            parse_row_seeds(bad, names, error)
 
 
 def test_pretrained_compare_rows_compose_and_differ_only_where_named():
