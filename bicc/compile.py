@@ -17,8 +17,9 @@ What is compiled, and what is not:
 - with dynamic shapes from the first call (``dynamic=True``): micro-batches differ in rows and length, and one
   graph serves them (a shape that specialises, one row say, adds another). Under KV reuse a layer is handed its
   own layer of the cache (``_OneLayer``), not the cache and its number: indexing the cache by the layer's number
-  inside the graph made Dynamo specialise on it, a graph per layer (16 graphs at 4 layers, over 4 minutes of
-  compilation at 8 layers of Qwen3-4B's width on an H200), where now every layer runs the same few graphs;
+  inside the graph made Dynamo specialise on it, a graph per layer (16 graphs at 4 layers; on an H200 an 8-layer
+  update of Qwen3-4B's width had not finished compiling after 4 minutes), where now every layer runs the same few
+  graphs;
 - Dynamo's most-recently-used choice among a frame's graphs is turned off (graphs are tried in the order they
   were made): under activation checkpointing the recompute must run the very graph the forward ran, and with
   two graphs that match the MRU order could pick the other (pytorch/pytorch#166926; torchtitan's workaround).
