@@ -210,11 +210,11 @@ def plot_curves(dirs: dict[str, list[Path]], path: Path) -> Path:
               ("train/clip_frac_low", "clipped tokens, A < 0"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
     for ax, (key, title) in zip(axes, panels):
-        for name, runs in dirs.items():
+        for i, (name, runs) in enumerate(dirs.items()):  # a row keeps its colour in every panel
             curves = [series(d, key) for d in runs]
             steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
             if steps:
-                ax.plot(steps, [np.mean([c[s] for c in curves]) for s in steps], label=name,
+                ax.plot(steps, [np.mean([c[s] for c in curves]) for s in steps], label=name, color=f"C{i % 10}",
                         linestyle="-" if "BiCC" in name else "--")
         ax.set_title(title)
         ax.set_xlabel("step")
