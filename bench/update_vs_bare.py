@@ -28,7 +28,8 @@ row), the same count for both. Prints
   ``RESULT update_mfu=`` (PaLM count: 6 N + 12 x layers x heads x head_dim x T per token, T the mean row length,
   over the device's bf16 peak; target >= 0.40).
 
-``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels. ``--compile``
+``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels; ``--stacks
+aten::item`` where an op is launched from (Python stacks, its most frequent call sites). ``--compile``
 compiles ours' decoder layers (``model.compile=on``, ``bicc.compile``) before the timed calls; the warm-up call pays
 the compilation.
 """
@@ -190,6 +191,36 @@ def profiled(fn, device, top: int = 0) -> tuple[int, float, float]:
     return ops, kernels, wall
 
 
+def stacks(fn, device, op: str, top: int = 6, depth: int = 8) -> None:
+    """One call under torch.profiler with Python stacks: print where ``op`` (an aten op's name) is launched from,
+    the ``top`` most frequent call sites, each as the outermost aten op it runs inside and ``depth`` Python frames
+    (innermost first; nn.Module's call wrappers left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        fn()
+        synchronize(device)
+    sites = Counter()
+    for e in prof.events():
+        if e.name != op:
+            continue
+        frames, outer, parent = [], op, e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                outer = parent.name
+            elif "(" in parent.name and "_call_impl" not in parent.name and "_wrapped_call_impl" not in parent.name:
+                frames.append(parent.name)
+            parent = parent.cpu_parent
+        sites[(outer, *frames[:depth])] += 1
+    print(f"[update_vs_bare] {op}: {sum(sites.values())} calls in one update, from {len(sites)} call sites; "
+          f"the {top} most frequent (inside the outermost aten op, then Python frames innermost first):")
+    for (outer, *frames), count in sites.most_common(top):
+        print(f"    {count:8d}  {outer}")
+        for frame in frames:
+            print(f"              {frame[:150]}")
+
+
 def palm_flops_per_token(arch: dict, mean_len: float) -> float:
     """6 N (non-embedding parameters plus the output projection) + 12 x layers x heads x head_dim x T."""
     h, i = arch["hidden_size"], arch["intermediate_size"]
@@ -216,6 +247,8 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true", help="ours wrapped in FSDP2 over one rank, as train.py under torchrun")
     parser.add_argument("--compile", action="store_true", help="ours with its decoder layers compiled (model.compile=on)")
     parser.add_argument("--top", type=int, default=0, help="print the profiled update's most frequent ops and kernels")
+    parser.add_argument("--stacks", action="append", default=[], metavar="OP",
+                        help="print where the update launches this aten op from (e.g. aten::item); repeatable")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of our update's config (train.*)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -261,6 +294,8 @@ def main() -> None:
         bare_s.append(timed(bare, device, args.iters))
     ours_rate, bare_rate = tokens / min(ours_s), tokens / min(bare_s)
     ops, kernels, wall = profiled(ours, device, args.top)
+    for op in args.stacks:
+        stacks(ours, device, op)
     print(f"[update_vs_bare] ours {min(ours_s):.3f} s ({ours_rate:.0f} tokens/s), bare {min(bare_s):.3f} s "
           f"({bare_rate:.0f} tokens/s); ours launches {ops} aten ops in one update")
     print(f"RESULT update_vs_bare={ours_rate / bare_rate:.3f} target>={1.5 if device.type == 'cuda' else 1.0}")

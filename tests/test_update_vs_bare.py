@@ -1,5 +1,5 @@
 """``bench.update_vs_bare`` end to end on CPU at a tiny shape: ours wrapped as ``train.py`` wraps it under torchrun
-(FSDP2 over a one-rank process group), its RESULT lines and the profiled update's op table."""
+(FSDP2 over a one-rank process group), its RESULT lines, the profiled update's op table and an op's call sites."""
 
 import re
 import subprocess
@@ -10,7 +10,8 @@ from tests.helpers import ROOT
 
 def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops():
     cmd = [sys.executable, "-m", "bench.update_vs_bare", "--fsdp", "--top", "3", "--layers", "1", "--prompts", "1",
-           "--group", "2", "--prompt-tokens", "8", "--output-tokens", "16", "--iters", "1"]
+           "--group", "2", "--prompt-tokens", "8", "--output-tokens", "16", "--iters", "1",
+           "--stacks", "aten::lift_fresh"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -26,4 +27,10 @@ def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops():
     assert all(line.split()[1].startswith("aten::") for line in table)
     assert counts == sorted(counts, reverse=True) and sum(counts) <= total
     assert counts[0] >= 100  # the most frequent (views, copies) run per layer, per micro-batch, per recompute
+    # where an op is launched from: its call sites, most frequent first, each with the Python frames above it
+    head = re.search(r"aten::lift_fresh: (\d+) calls in one update, from (\d+) call sites", out)
+    sites = out.split(head.group(0), 1)[1].split("[update_vs_bare] ours", 1)[0]
+    site_counts = [int(line.split()[0]) for line in sites.splitlines()[1:] if line.split() and line.split()[0].isdigit()]
+    assert site_counts == sorted(site_counts, reverse=True) and 0 < sum(site_counts) <= int(head.group(1))
+    assert "bicc/prefix_cache.py" in sites and "bicc/update.py" in sites  # ours, as the update's callers
     assert "update_gpu_busy_share" not in out and "update_mfu" not in out  # CUDA only
