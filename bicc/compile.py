@@ -10,10 +10,11 @@ What is compiled, and what is not:
 - each layer's ``forward`` only: the module's ``__call__`` (FSDP2's all-gather and reshard hooks, activation
   checkpointing's wrapper) stays eager around it, so sharding and checkpointing work as they do uncompiled. The
   embeddings, the final norm, the chunked log-prob head and the loss stay eager;
-- only the log-prob forwards (``bicc.logprobs``, ``bicc.prefix_cache``): a call with no cache, or with the
-  completions' read-only KV-reuse cache (marked ``bicc_compile``). Generation (HF's growing cache) and the
-  prefix pass (once per minibatch; ``_RecordLayer`` records its keys/values only outside a backward replay,
-  which Dynamo cannot trace) run eagerly, the same in a checkpoint's replay as in its forward;
+- only the log-prob forwards (``bicc.logprobs``, ``bicc.prefix_cache``): a call with no cache, with the
+  completions' read-only KV-reuse cache (marked ``bicc_compile``), or with the prefix pass's recording cache
+  (``bicc_record``: the graph hands each layer's keys/values out, and the cache keeps them after the call,
+  outside the graph, only outside a checkpoint's replay, which Dynamo could not tell inside it; eager, this pass
+  was 2,000 of a 2-layer CPU update's 9,533 ops). Generation (HF's growing cache) runs eagerly;
 - with dynamic shapes from the first call (``dynamic=True``): micro-batches differ in rows and length, and one
   graph serves them (a shape that specialises, one row say, adds another). Under KV reuse a layer is handed its
   own layer of the cache (``_OneLayer``), not the cache and its number: indexing the cache by the layer's number
@@ -78,19 +79,24 @@ def compiled_layers(model) -> int:
 
 
 def _forward(self, *args, **kwargs):
-    """A layer's forward: compiled for the log-prob forwards (no cache, or a cache marked ``bicc_compile``),
-    eager for the rest and after a failed compilation."""
+    """A layer's forward: compiled for the log-prob forwards (no cache, or a cache marked ``bicc_compile`` or
+    ``bicc_record``), eager for the rest and after a failed compilation."""
     cache = kwargs.get("past_key_values")
-    if self._bicc_compile_ok and (cache is None or getattr(cache, "bicc_compile", False)):
+    record = getattr(cache, "bicc_record", False)
+    if self._bicc_compile_ok and (cache is None or record or getattr(cache, "bicc_compile", False)):
         import torch._dynamo
         import torch._inductor.exc
 
         index = getattr(getattr(self, "self_attn", None), "layer_idx", None)
-        inputs = kwargs if cache is None or index is None else {**kwargs, "past_key_values": _OneLayer(cache, index)}
+        one = None if cache is None or index is None else (_Recorder if record else _OneLayer)(cache, index)
+        inputs = kwargs if one is None else {**kwargs, "past_key_values": one}
         config = torch._dynamo.config
         prior, config.specialize_float = config.specialize_float, True  # see the module's docstring
         try:
-            return self._bicc_compiled(self, *args, **inputs)
+            out = self._bicc_compiled(self, *args, **inputs)
+            if isinstance(one, _Recorder):
+                one.keep()
+            return out
         except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as error:
             self._bicc_compile_ok = False
             cause = getattr(error, "inner_exception", None) or error.__cause__ or error  # the backend's own error
@@ -114,3 +120,25 @@ class _OneLayer:
 
     def __getattr__(self, name):
         return getattr(self.cache, name)
+
+
+class _Recorder(_OneLayer):
+    """Layer ``index`` of the prefix pass's recording cache (``bicc_record``): the graph hands its keys/values
+    out through a list, and the layer's own ``update`` keeps them after the call, outside the graph (it keeps
+    nothing in a checkpoint's replay, which Dynamo could not tell inside it; a replay usually ends inside the
+    call anyway, at the checkpoint's early stop). A replay thus runs the very graph its forward ran."""
+
+    def __init__(self, cache, index: int):
+        while len(cache.layers) <= index:  # the cache makes its layers on their first update
+            cache.layers.append(cache.layer_class_to_replicate())
+        super().__init__(cache, index)
+        self.seen = []
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.seen.append((key_states, value_states))
+        return key_states, value_states
+
+    def keep(self):
+        for keys, values in self.seen:
+            self.layer.update(keys, values)
+

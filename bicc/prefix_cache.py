@@ -127,18 +127,16 @@ def encode_prefixes(model, prefixes: list[list[int]], pad_id: int, detach: bool 
         inputs = dict(input_ids=ids, position_ids=pos, logits_to_keep=last, **_ragged(lengths, lengths, device))
         mask = None
     else:
-        U, width = len(prefixes), max(lengths)
-        ids = torch.full((U, width), pad_id, dtype=torch.long)  # [U, W]
-        mask = torch.zeros((U, width), dtype=torch.long)  # [U, W]
-        for u, p in enumerate(prefixes):
-            ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[u, width - len(p) :] = 1
+        width = max(lengths)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + [*p] for p in prefixes], dtype=torch.long)  # [U, W]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes], dtype=torch.long)  # [U, W]
         pos = (mask.cumsum(1) - 1).clamp(min=0)  # [U, W]
         mask = mask.to(device)
         inputs = dict(input_ids=ids.to(device), attention_mask=mask, position_ids=pos.to(device), logits_to_keep=1)
     with _cache_through_checkpointing(model):
         cache = DynamicCache()
         cache.layer_class_to_replicate = _RecordLayer
+        cache.bicc_record = True  # compiled layers (bicc.compile) record through their graph's outputs
         with compute_precision(model):
             logits = model(**inputs, past_key_values=cache, use_cache=True).logits
     first_logits = logits[0] if mask is None else logits[:, -1]  # [U, V]
@@ -177,17 +175,13 @@ def completion_logprobs(model, states: PrefixStates, prefix_of: list[int], compl
 def _padded_rest(model, states, index, completions, grid, pad_id, temperature, with_entropy, first_logp, first_entropy):
     """``completion_logprobs`` on left-padded prefixes: the completions right-padded to their longest, each
     reading a copy of its prefix's keys/values."""
-    device, n = index.device, len(completions)
+    device = index.device
     # computed to the longest here; sharded, at least two wide: the model runs even when every output is one
     # token, so FSDP2 ranks gather (and reduce-scatter) every layer in step
     length = max(2 if is_sharded(model) else 1, min(grid, max(len(c) for c in completions)))
-    c_ids = torch.full((n, length), pad_id, dtype=torch.long)  # [n, L]
-    c_mask = torch.zeros((n, length), dtype=torch.long)  # [n, L]
-    for i, c in enumerate(completions):
-        if c:
-            c_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-            c_mask[i, : len(c)] = 1
-    c_ids, c_mask = c_ids.to(device), c_mask.to(device)
+    # built as Python lists, one tensor each (not a copy per row: a few ops per row on the host, each launched)
+    c_ids = torch.tensor([[*c] + [pad_id] * (length - len(c)) for c in completions], dtype=torch.long).to(device)  # [n, L]
+    c_mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in completions], dtype=torch.long).to(device)
     p_mask = states.mask[index]  # [n, W]
     c_pos = p_mask.sum(1)[:, None] + torch.arange(length, device=device)[None]  # [n, L]: after the real prefix
     if length > 1:

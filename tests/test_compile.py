@@ -75,6 +75,27 @@ def test_every_layer_runs_the_same_graphs_under_kv_reuse():
     assert frames[0] == frames[1] > 0, frames
 
 
+def test_the_prompts_prefix_pass_runs_compiled_too():
+    """Under KV reuse the prompts' prefix pass (which records each layer's keys/values for the completions) runs
+    the compiled layers as the completions' pass does: no decoder layer's eager forward runs in the update, its
+    checkpointed replays included."""
+    model = checkpointed_pair()[1]
+    compile_layers(model, backend=CompileCounterWithBackend("aot_eager"))
+    cls = type(decoder_layers(model)[0])
+    eager, forward = [], cls.forward
+
+    def counted(self, *args, **kwargs):
+        eager.append(type(kwargs.get("past_key_values")).__name__)
+        return forward(self, *args, **kwargs)
+
+    cls.forward = counted
+    try:
+        update(model, share=True)
+    finally:
+        cls.forward = forward
+    assert compiled_layers(model) == ARCH.num_hidden_layers and eager == [], eager
+
+
 def test_the_layers_floats_are_constants_of_its_graphs():
     """A layer's Python floats (its norms' eps, the attention's scale) are constants of its graphs, not inputs:
     Dynamo's default lifts each into a 0-d tensor on every call (``aten::lift_fresh``), and on CUDA Inductor's
