@@ -141,4 +141,3 @@ class _Recorder(_OneLayer):
     def keep(self):
         for keys, values in self.seen:
             self.layer.update(keys, values)
-
