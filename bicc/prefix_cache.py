@@ -36,32 +36,32 @@ class _RecordLayer(DynamicLayer):
         return key_states, value_states
 
 
-class _GatherLayer(DynamicLayer):
-    """Padding-free completion pass: the keys/values each query sequence attends to, laid end to end:
-    ``index`` picks, from [every prefix's tokens; every completion's tokens], each completion's prefix and
-    then its own tokens. Reads the prefixes and never changes them (replay-safe like ``_ReadLayer``)."""
+class _ReadLayer(DynamicLayer):
+    """Padded completion pass: each completion attends to its prefix's keys/values, ``keys``/``values`` [U,
+    kv_heads, W, d] of the distinct prefixes and ``index`` [n] each completion's row among them, then causally to
+    itself. The rows are picked inside the layer's call (compiled, in the layer's graph: no copy per micro-batch
+    outside it, and the gradient's scatter back to the prefixes runs in the layer's backward). Never changes the
+    prefixes, so a checkpointed layer's replay reads exactly what its forward read."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor):
         super().__init__()
-        self.lazy_initialization(keys, values)
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True  # as lazy_initialization leaves it
         self.keys, self.values, self.index = keys, values, index
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        gather = lambda old, new: torch.cat([old, new], dim=-2).index_select(-2, self.index)  # noqa: E731
-        return gather(self.keys, key_states), gather(self.values, value_states)
-
-
-class _ReadLayer(DynamicLayer):
-    """Completion pass: attends to the gathered prefix keys/values [n, heads, W, d] and never changes
-    them, so a checkpointed layer's replay reads exactly what its forward read."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.lazy_initialization(keys, values)
-        self.keys, self.values = keys, values
+    def _read(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return torch.cat([old.index_select(0, self.index), new], dim=-2)
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+        return self._read(self.keys, key_states), self._read(self.values, value_states)
+
+
+class _GatherLayer(_ReadLayer):
+    """Padding-free completion pass: the keys/values each query sequence attends to, laid end to end: ``index``
+    picks, from [every prefix's tokens; every completion's tokens], each completion's prefix and then its own
+    tokens (replay-safe like ``_ReadLayer``)."""
+
+    def _read(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return torch.cat([old, new], dim=-2).index_select(-2, self.index)
 
 
 @contextlib.contextmanager
@@ -186,10 +186,9 @@ def _padded_rest(model, states, index, completions, grid, pad_id, temperature, w
     c_pos = p_mask.sum(1)[:, None] + torch.arange(length, device=device)[None]  # [n, L]: after the real prefix
     if length > 1:
         with _cache_through_checkpointing(model):
-            # one (shared, differentiable) copy of its prefix's keys/values per completion: [U, ...] -> [n, ...]
+            # each completion reads its prefix's keys/values [U, ...] (row ``index``), differentiably
             cache = DynamicCache()
-            cache.layers = [_ReadLayer(k.index_select(0, index), v.index_select(0, index))
-                            for k, v in zip(states.keys, states.values)]
+            cache.layers = [_ReadLayer(k, v, index) for k, v in zip(states.keys, states.values)]
             cache.bicc_compile = True  # read-only: compiled layers (bicc.compile) take it
             mask = torch.cat([p_mask, c_mask], dim=1)  # [n, W + L]
             rest_logp, rest_entropy = forward_logprobs(
