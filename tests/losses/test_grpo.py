@@ -41,6 +41,11 @@ def test_grpo_hand_computed_value_and_gradient():
     assert metrics["train/clip_frac_low"] == pytest.approx(0.2)
     # the largest ratio over real tokens: e^0.3 (the padded token's e^5 is not one of them)
     assert metrics["train/ratio_max"] == pytest.approx(math.exp(0.3))
+    # approx KL = mean of log_ratio^2 / 2 over the 5 real tokens = (4 x 0.09) / 2 / 5 = 0.036; the ratio's mean
+    # (e^0.3 + 1 + e^-0.3 + e^0.3 + e^-0.3) / 5 = (2.69972 + 1 + 1.48164) / 5 = 1.03627
+    assert metrics["train/approx_kl_old"] == pytest.approx(0.036, abs=1e-12)
+    assert metrics["train/ratio_mean"] == pytest.approx((1 + 2 * math.exp(0.3) + 2 * math.exp(-0.3)) / 5, abs=1e-12)
+    assert metrics["train/ratio_mean"] == pytest.approx(1.03627, abs=1e-5)
 
 
 def test_zero_advantage_gives_zero_loss_and_gradient():
