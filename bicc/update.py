@@ -64,24 +64,26 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     model = state.model
     n = batch.input_ids.shape[0]
     generator = torch.Generator().manual_seed(step_seed)
-    # metrics summed as they come (0-d tensors on the model's device: no host sync per micro-batch), read once
+    # metrics summed as they come (0-d tensors on the model's device: no host sync per micro-batch, one add each,
+    # in fp32 at least), read once
     sums: dict[str, torch.Tensor | float] = {}
     counts: dict[str, int] = {}
 
     def add(name: str, value: torch.Tensor | float) -> None:
-        sums[name] = sums.get(name, 0.0) + (value.detach().double() if isinstance(value, torch.Tensor) else value)
+        if isinstance(value, torch.Tensor):
+            value = value.detach() if value.dtype in (torch.float32, torch.float64) else value.detach().float()
+        sums[name] = sums[name] + value if name in sums else value
         counts[name] = counts.get(name, 0) + 1
 
     device = batch.completion_mask.device
-    first_pass = torch.zeros(n, device=device)
-    seen = torch.zeros(n, dtype=torch.bool, device=device)
+    first_pass = torch.zeros(n, device=device)  # written in the first epoch, where each row comes once
     timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for perf/ (not synchronised on CUDA)
     scale = loss_scale(state.dist)
     adv = None if deferred else advantages(delta_logp)
 
-    def finish(rows, logp, entropy, totals):
+    def finish(rows, logp, entropy, totals, first: bool):
         """Loss and backward of one micro-batch's forward; its loss, detached (0 for a no-op forward, ``rows``
-        None)."""
+        None). ``first``: the first epoch's, whose log ratios are the first pass's."""
         start = time.perf_counter()
         if rows is None:  # no rows here, but the other ranks' forward/backward are collectives
             (logp.sum() * 0.0).backward()
@@ -89,9 +91,8 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             return 0.0
         mask = batch.completion_mask[rows]
         loss, metrics, raw, old = rows_loss(logp, rows, mask, old_logp, ref_logp, adv.values, cfg, totals, is_weight)
-        on = rows.to(device)
-        first_pass[on] = torch.where(seen[on], first_pass[on], ((raw - old) * mask).sum(-1).float())
-        seen[on] = True
+        if first:
+            first_pass[rows.to(device)] = ((raw - old) * mask).sum(-1).float()
         timers["forward"] += time.perf_counter() - start
         start = time.perf_counter()
         (loss * scale).backward()
@@ -102,7 +103,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
         return loss.detach().double()
 
     model.train()
-    for _ in range(cfg.train.epochs_per_rollout):
+    for epoch in range(cfg.train.epochs_per_rollout):
         order = torch.randperm(n, generator=generator) if cfg.train.minibatches_per_rollout > 1 else torch.arange(n)
         for mb_rows in order.tensor_split(cfg.train.minibatches_per_rollout):
             # normalised by the whole step's counts (all micro-batches, all ranks); gradients summed over ranks
@@ -124,7 +125,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                         held.append((rows, *numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)))
                     timers["forward"] += time.perf_counter() - start
                     if not deferred:
-                        step_loss += finish(*held.pop(), totals)
+                        step_loss += finish(*held.pop(), totals, epoch == 0)
                 if deferred:  # every row's first-forward log-probs are known: the advantages, then the backwards
                     dtype = next((logp.dtype for rows, logp, _ in held if rows is not None), torch.float32)
                     grid = batch.completion_mask.new_zeros(batch.completion_mask.shape, dtype=dtype)
@@ -133,7 +134,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                             grid[rows] = logp.detach()
                     adv = advantages(grid)  # what finish() reads
                     while held:
-                        step_loss += finish(*held.pop(0), totals)
+                        step_loss += finish(*held.pop(0), totals, epoch == 0)
                 start = time.perf_counter()
             timers["backward"] += time.perf_counter() - start  # the contexts' own backward, on leaving
             sync_gradients(model, state.dist)
