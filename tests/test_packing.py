@@ -80,6 +80,28 @@ def test_prefix_cache_equals_unpacked(attn):
     assert torch.all(a[~m] == 0) and torch.all(ent[m] > 0)
 
 
+def test_the_completions_sdpa_mask_is_the_one_transformers_builds():
+    """Under SDPA the completions' pass hands the layers its own 4-D mask; it must be the one transformers makes
+    of the 2-D key mask: left-padded prefixes (W = 5) then right-padded completions, each query causal."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+
+    from bicc.prefix_cache import _reading_mask, _ReadLayer
+
+    model, _ = tiny()
+    prefix = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    completion = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    keys = torch.cat([prefix, completion], 1)
+    cache = DynamicCache()
+    cache.layers = [_ReadLayer(torch.zeros(3, 1, 5, 4), torch.zeros(3, 1, 5, 4), torch.arange(3))]
+    theirs = create_causal_mask(config=model.config, inputs_embeds=torch.zeros(3, 4, 8), attention_mask=keys,
+                                past_key_values=cache, position_ids=torch.arange(4)[None].expand(3, -1))
+    ours = _reading_mask(keys, 5)
+    assert ours.shape == (3, 1, 4, 9) and torch.equal(ours, theirs)
+    # row 0, query 1 (its second completion token): prefix keys 2-4 and completion keys 5-6
+    assert ours[0, 0, 1].tolist() == [False, False, True, True, True, True, True, False, False]
+
+
 def test_prefix_cache_gradients_equal_unpacked():
     from bicc.prefix_cache import prefix_cache_logprobs
 
