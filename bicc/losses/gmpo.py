@@ -13,6 +13,8 @@ multiplied by -A_i. Here ``clip_eps_low``/``clip_eps_high`` are LOG-ratio bounds
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from bicc.losses import LOSSES
@@ -34,7 +36,6 @@ def gmpo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_w
     pg_loss = aggregate(importance_weighted(pg, is_weight), mask, cfg.loss_agg, totals)
     kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, cfg, totals)
     with torch.no_grad():
-        metrics = ratio_metrics(log_rho, log_rho.exp(), adv, mask, float(torch.tensor(-cfg.clip_eps_low).exp()),
-                                float(torch.tensor(cfg.clip_eps_high).exp()))
+        metrics = ratio_metrics(log_rho, log_rho.exp(), adv, mask, math.exp(-cfg.clip_eps_low), math.exp(cfg.clip_eps_high))
         metrics["train/seq_ratio_mean"] = seq_ratio.mean()
     return pg_loss + kl_loss, {**metrics, **kl_metrics}
