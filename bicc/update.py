@@ -11,20 +11,23 @@ import torch
 
 from bicc.advantages import AdvantageFn, Advantages
 from bicc.batching import micro_batches
+from bicc.compile import loss_function
 from bicc.distributed import all_reduce_sum, full_tensor, global_totals, loss_scale, sync_gradients
 from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
 from bicc.state import RLState
 
 
-def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=None):
+def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=None, loss_fn=None):
     """The update's loss on ``rows`` (one micro-batch; ``mask`` [n, L] their completion mask) from their
     log-probs ``logp`` [n, L] (with their graph), normalised by ``totals``: (differentiable loss, the loss's
     metrics, ``logp`` detached, pi_old [n, L]). ``old_logp`` None: pi_old is
-    this forward (``bicc.plan.StepPlan`` old_source "update"), detached."""
+    this forward (``bicc.plan.StepPlan`` old_source "update"), detached. ``loss_fn``: the registered
+    ``cfg.algo.loss`` or its compiled form (``bicc.compile.loss_function``); None: the registered one."""
     old = logp.detach() if old_logp is None else old_logp[rows]
-    loss, metrics = LOSSES.get(cfg.algo.loss)(logp, old, None if ref_logp is None else ref_logp[rows], adv[rows], mask,
-                                              cfg.algo, totals, is_weight=None if is_weight is None else is_weight[rows])
+    loss_fn = loss_fn or LOSSES.get(cfg.algo.loss)
+    loss, metrics = loss_fn(logp, old, None if ref_logp is None else ref_logp[rows], adv[rows], mask, cfg.algo, totals,
+                            is_weight=None if is_weight is None else is_weight[rows])
     return loss, metrics, logp.detach(), old
 
 
@@ -79,6 +82,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     first_pass = torch.zeros(n, device=device)  # written in the first epoch, where each row comes once
     timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for perf/ (not synchronised on CUDA)
     scale = loss_scale(state.dist)
+    loss_fn = loss_function(model, cfg.algo.loss)  # compiled where the layers are (model.compile)
     adv = None if deferred else advantages(delta_logp)
 
     def finish(rows, logp, entropy, totals, first: bool):
@@ -90,7 +94,8 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             timers["backward"] += time.perf_counter() - start
             return 0.0
         mask = batch.completion_mask[rows]
-        loss, metrics, raw, old = rows_loss(logp, rows, mask, old_logp, ref_logp, adv.values, cfg, totals, is_weight)
+        loss, metrics, raw, old = rows_loss(logp, rows, mask, old_logp, ref_logp, adv.values, cfg, totals, is_weight,
+                                            loss_fn)
         if first:
             first_pass[rows.to(device)] = ((raw - old) * mask).sum(-1).float()
         timers["forward"] += time.perf_counter() - start

@@ -15,8 +15,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from bicc.advantages import Advantages
 from bicc.batching import logprobs_no_grad
-from bicc.compile import compile_layers, compiled_layers, decoder_layers, should_compile
+from bicc.compile import _CompiledLoss, compile_layers, compiled_layers, decoder_layers, loss_function, should_compile
 from bicc.logprobs import make_token_batch
+from bicc.losses import LOSSES, StepTotals
 from bicc.models import build_tiny
 from bicc.optim import warmup_cosine
 from bicc.rows import QueryRows, query_rows
@@ -24,6 +25,7 @@ from bicc.state import RLState
 from bicc.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, rows, run_train
+from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
 
 
 @pytest.fixture(autouse=True)
@@ -85,8 +87,9 @@ def test_the_prefix_pass_runs_compiled_and_the_floats_are_constants():
     graphs = []
 
     def backend(gm, example_inputs):
-        scalars = [x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point()]
-        graphs.append(len(scalars))
+        if "scaled_dot_product_attention" in gm.code:  # a layer's graph (the loss's takes the step's totals)
+            scalars = [x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point()]
+            graphs.append(len(scalars))
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     model = checkpointed_pair()[1]
@@ -115,11 +118,12 @@ def test_compiled_layers_give_the_eager_update(share):
     prefix pass; every layer stays compiled, and the compiled graphs did run. Dynamo's recompile limit is set to 1
     first: the shapes of the micro-batches and passes (cache or none) need more graphs than that."""
     eager, compiled = checkpointed_pair()
-    graph_runs, calls = [0], [0]
+    graph_runs, calls, loss_runs = [0], [0], [0]
 
-    def backend(gm, example_inputs):  # aot_eager, counting each run of a compiled graph
+    def backend(gm, example_inputs):  # aot_eager, counting each run of a layer's compiled graph and the loss's
         run = lookup_backend("aot_eager")(gm, example_inputs)
-        return lambda *args: graph_runs.__setitem__(0, graph_runs[0] + 1) or run(*args)
+        runs = graph_runs if "scaled_dot_product_attention" in gm.code else loss_runs
+        return lambda *args: runs.__setitem__(0, runs[0] + 1) or run(*args)
 
     with torch._dynamo.config.patch(recompile_limit=1):
         assert compile_layers(compiled, backend=backend) == ARCH.num_hidden_layers
@@ -130,10 +134,64 @@ def test_compiled_layers_give_the_eager_update(share):
     # every call ran a compiled graph (Dynamo past its recompile limit would run the frame eagerly instead), in one
     # graph (no graph break); and there were calls (the checks below would pass with none)
     assert graph_runs[0] == calls[0] > 0
+    assert loss_runs[0] > 0  # the loss ran compiled too (bicc.compile.loss_function)
     assert compiled_layers(compiled) == ARCH.num_hidden_layers
     assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
     for p, q in zip(compiled.parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_compiled_loss_is_the_registered_one(variant):
+    """Each preset's loss through ``torch.compile`` (aot_eager: Dynamo's trace and AOT autograd's backward) gives
+    the registered loss's value, metrics and gradient in fp64, on two micro-batches of other shapes and step
+    totals, with the sampler's weights; in one graph (no break), which the second call reuses: the totals are
+    the graph's inputs, not constants that would recompile it every step."""
+    fn = LOSSES.get(LOSS_OF[variant])
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = _CompiledLoss(fn, counter)
+    torch._dynamo.utils.counters.clear()
+    frames = []
+    for seed, n, length in ((0, 8, 6), (1, 5, 9)):
+        logp, old, ref, adv, mask = random_case(seed, n, length)
+        weight = 0.5 + torch.rand(n, length, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        totals = StepTotals.of(mask, 12)
+        ours, theirs = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+        got, got_metrics = compiled(ours, old, ref, adv, mask, VARIANTS[variant], totals, is_weight=weight)
+        want, want_metrics = fn(theirs, old, ref, adv, mask, VARIANTS[variant], totals, is_weight=weight)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-12, rtol=0)
+        assert got_metrics.keys() == want_metrics.keys()
+        for name, value in want_metrics.items():
+            torch.testing.assert_close(got_metrics[name], value, atol=1e-12, rtol=0, msg=name)
+        frames.append(counter.frame_count)
+    assert compiled.ok and frames[0] > 0 and frames[1] == frames[0]  # the second call compiled nothing
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_the_loss_is_compiled_where_the_layers_are():
+    """``loss_function``: the registered loss for an eager model, one compiled form per loss and backend where the
+    layers run compiled; and a loss whose compilation fails warns once and gives the registered loss's value."""
+    model = build_tiny(ARCH, seed=0)[0]
+    assert loss_function(model, "grpo") is LOSSES.get("grpo")
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler on this host")
+
+    compile_layers(model, backend=broken)
+    compiled = loss_function(model, "grpo")
+    assert isinstance(compiled, _CompiledLoss) and loss_function(model, "grpo") is compiled
+    logp, old, ref, adv, mask = random_case(0)
+    totals = StepTotals.of(mask, 6)
+    with pytest.warns(UserWarning, match="the loss grpo_loss did not compile.*no compiler on this host"):
+        got, _ = compiled(logp, old, ref, adv, mask, VARIANTS["grpo"], totals)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: eager from then on
+        again, _ = compiled(logp, old, ref, adv, mask, VARIANTS["grpo"], totals)
+    want, _ = LOSSES.get("grpo")(logp, old, ref, adv, mask, VARIANTS["grpo"], totals)
+    assert not compiled.ok and got.item() == want.item() == again.item()
 
 
 def test_a_layer_that_fails_to_compile_runs_eagerly():
@@ -149,6 +207,7 @@ def test_a_layer_that_fails_to_compile_runs_eagerly():
         warnings.simplefilter("always")
         got = update(compiled, True)
     messages = [str(w.message) for w in caught if "model.compile" in str(w.message)]
+    # the layers fell back in the old policy's pass, before the update: its loss is the registered one, eager
     assert len(messages) == ARCH.num_hidden_layers and "no compiler on this host" in messages[0]
     assert compiled_layers(compiled) == 0
     assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
