@@ -191,6 +191,13 @@ def loss_scale(d: Dist) -> float:
     return float(d.world) if d.enabled and d.strategy == "fsdp2" else 1.0
 
 
+def reduce_after_backward(model, on: bool) -> None:
+    """FSDP2 (``dist.reduce_grads=step``): whether the next backwards reduce-scatter the gradients (on) or
+    accumulate them unreduced for a later one (off); a no-op unsharded."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(on)
+
+
 def sync_gradients(model, d: Dist, bucket_numel: int = 1 << 24) -> None:
     """DDP: sum every gradient over ranks, in flat buckets of at most ``bucket_numel`` elements."""
     if not d.enabled or d.strategy != "ddp":

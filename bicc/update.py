@@ -12,7 +12,8 @@ import torch
 from bicc.advantages import AdvantageFn, Advantages
 from bicc.batching import micro_batches
 from bicc.compile import loss_function
-from bicc.distributed import all_reduce_sum, full_tensor, global_totals, loss_scale, sync_gradients
+from bicc.distributed import (all_reduce_sum, full_tensor, global_totals, loss_scale, reduce_after_backward,
+                               sync_gradients)
 from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
 from bicc.state import RLState
@@ -83,6 +84,12 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for perf/ (not synchronised on CUDA)
     scale = loss_scale(state.dist)
     loss_fn = loss_function(model, cfg.algo.loss)  # compiled where the layers are (model.compile)
+    once = cfg.dist.reduce_grads == "step"  # FSDP2 reduces only in a minibatch's last backward
+    prefix_backward = bool(getattr(numerator, "kv", False))  # which is then the contexts' own, on leaving them
+
+    def last_backward(last: bool) -> None:
+        if once:
+            reduce_after_backward(model, last)
     adv = None if deferred else advantages(delta_logp)
 
     def finish(rows, logp, entropy, totals, first: bool):
@@ -119,8 +126,9 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             with numerator.contexts_once(model, mb_rows):  # shared contexts or prompts: once per minibatch (KV reuse)
                 timers["forward"] += time.perf_counter() - start
                 held = []  # (rows or None, log-probs with their graph, entropies) awaiting loss and backward
-                for rows in micro_batches(mb_rows, numerator, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens,
-                                          model, state.dist):
+                plan = micro_batches(mb_rows, numerator, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens, model,
+                                     state.dist)
+                for i, rows in enumerate(plan):
                     start = time.perf_counter()
                     if len(rows) == 0:
                         logp, _ = numerator.logprobs(model, mb_rows[:1] if len(mb_rows) else torch.arange(0, 1),
@@ -130,6 +138,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                         held.append((rows, *numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)))
                     timers["forward"] += time.perf_counter() - start
                     if not deferred:
+                        last_backward(i == len(plan) - 1 and not prefix_backward)
                         step_loss += finish(*held.pop(), totals, epoch == 0)
                 if deferred:  # every row's first-forward log-probs are known: the advantages, then the backwards
                     dtype = next((logp.dtype for rows, logp, _ in held if rows is not None), torch.float32)
@@ -139,7 +148,9 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                             grid[rows] = logp.detach()
                     adv = advantages(grid)  # what finish() reads
                     while held:
+                        last_backward(len(held) == 1 and not prefix_backward)
                         step_loss += finish(*held.pop(0), totals, epoch == 0)
+                last_backward(True)
                 start = time.perf_counter()
             timers["backward"] += time.perf_counter() - start  # the contexts' own backward, on leaving
             sync_gradients(model, state.dist)

@@ -70,15 +70,22 @@ def test_fsdp2_with_dynamic_sampling_and_uneven_ranks_matches_one_process(runs):
     """Under FSDP2 every forward and backward is a collective: ranks with fewer micro-batches used to leave
     the others waiting for ever. A timeout (600 s) fails this test."""
     tmp, _ = runs
-    single, multi = tmp / "dapo_single", tmp / "dapo_fsdp2"
+    single, multi, once = tmp / "dapo_single", tmp / "dapo_fsdp2", tmp / "dapo_fsdp2_once"
     one_process([f"hydra.run.dir={single}", *DAPO], tmp)
     two_processes([f"hydra.run.dir={multi}", "dist.strategy=fsdp2", *DAPO], tmp)
+    # and reducing the gradients once per optimizer step: in the prompts' prefix backward (KV reuse), the empty
+    # micro-batches' no-op backwards before it; or, one row per output, in the last micro-batch's backward
+    two_processes([f"hydra.run.dir={once}", "dist.strategy=fsdp2", "dist.reduce_grads=step", *DAPO], tmp)
+    rows_once = tmp / "dapo_fsdp2_once_rows"
+    two_processes([f"hydra.run.dir={rows_once}", "dist.strategy=fsdp2", "dist.reduce_grads=step",
+                   "train.share_prompts=false", "bicc.packing=false", *DAPO], tmp)
     rows = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
     groups = [r["rollout/groups"] for r in rows if "rollout/groups" in r]
     assert groups == [3.5, 4.5], f"ranks' mean group counts {groups}: expected (4 + 3) / 2 and (4 + 5) / 2"
-    a, b = losses(single), losses(multi)
-    assert len(a) == len(b) == 2 and all(abs(x - y) <= 1e-5 for x, y in zip(a, b)), (a, b)
-    assert max_diff(weights(single, 2), weights(multi, 2)) <= 1e-5
+    for run_dir in (multi, once, rows_once):
+        a, b = losses(single), losses(run_dir)
+        assert len(a) == len(b) == 2 and all(abs(x - y) <= 1e-5 for x, y in zip(a, b)), (run_dir.name, a, b)
+        assert max_diff(weights(single, 2), weights(run_dir, 2)) <= 1e-5, run_dir.name
 
 
 def test_the_update_is_not_trivial(runs):
