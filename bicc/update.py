@@ -12,8 +12,7 @@ import torch
 from bicc.advantages import AdvantageFn, Advantages
 from bicc.batching import micro_batches
 from bicc.compile import loss_function
-from bicc.distributed import (all_reduce_sum, full_tensor, global_totals, loss_scale, reduce_after_backward,
-                               sync_gradients)
+from bicc.distributed import all_reduce_sum, full_tensor, global_totals, loss_scale, reduce_after_backward, sync_gradients
 from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
 from bicc.state import RLState
