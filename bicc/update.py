@@ -89,6 +89,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     def last_backward(last: bool) -> None:
         if once:
             reduce_after_backward(model, last)
+
     adv = None if deferred else advantages(delta_logp)
 
     def finish(rows, logp, entropy, totals, first: bool):
