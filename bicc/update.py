@@ -84,7 +84,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     scale = loss_scale(state.dist)
     loss_fn = loss_function(model, cfg.algo.loss)  # compiled where the layers are (model.compile)
     once = cfg.dist.reduce_grads == "step"  # FSDP2 reduces only in a minibatch's last backward
-    prefix_backward = bool(getattr(numerator, "kv", False))  # which is then the contexts' own, on leaving them
+    prefix_backward = numerator.kv  # which is then the contexts' own, on leaving them
 
     def last_backward(last: bool) -> None:
         if once:
