@@ -217,3 +217,30 @@ def test_first_pass_log_ratio_is_each_row_before_any_update():
     after = ((logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0) - old_logp) * batch.completion_mask).sum(-1)
     assert (after - before).abs().max() > 1e-3  # theta moved: the epochs' passes differ
     torch.testing.assert_close(first_pass.double(), before, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["one-row-per-output", "kv-reuse"])
+def test_reduce_grads_step_reduces_in_a_minibatch_last_backward_only(share, monkeypatch):
+    """``dist.reduce_grads=step``: FSDP2 is told to reduce in a minibatch's last backward only: its last
+    micro-batch's, or under KV reuse the prompts' prefix backward on leaving the contexts (then every micro-batch's
+    is off). The default (micro_batch) never touches the setting. (Two ranks against one process:
+    ``tests/test_distributed.py``.)"""
+    import bicc.update
+    from bicc.batching import micro_batches
+    from bicc.distributed import Dist
+    from bicc.rows import query_rows
+
+    prompts, completions = rows()
+    batch = make_token_batch(prompts, completions, 0)
+    numerator = query_rows(batch, prompts, completions, share, 0, torch.device("cpu"))
+    adv = Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64))
+    calls = []
+    monkeypatch.setattr(bicc.update, "reduce_after_backward", lambda model, on: calls.append(on))
+    for setting in ("micro_batch", "step"):
+        cfg = compose_cfg(["train.micro_batch_size=4", "rollout.max_new_tokens=12", f"dist.reduce_grads={setting}"])
+        model = build_tiny(ARCH, seed=0)[0].double()
+        update_policy(sgd_state(model), batch, numerator, None, None, adv, cfg, step_seed=0)
+        if setting == "micro_batch":
+            assert calls == []
+    k = len(micro_batches(torch.arange(12), numerator, 4, cfg.train.micro_batch_tokens, model, Dist()))
+    assert k >= 2 and calls == [False] * (k - 1) + [not share, True]
