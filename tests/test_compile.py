@@ -171,6 +171,29 @@ def test_the_compiled_loss_is_the_registered_one(variant):
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_under_inductor_is_the_registered_one(dtype):
+    """The loss as ``model.compile`` runs it (Inductor's generated kernels, not only the trace): DAPO's (token-mean,
+    clip-higher, importance weights) value and gradient equal the registered loss's in fp32, and from bf16
+    log-probs (a GPU's compute dtype; the head hands the loss fp32) to bf16's precision."""
+    fn = LOSSES.get("grpo")
+    compiled = _CompiledLoss(fn, "inductor")
+    logp, old, ref, adv, mask = (t.to(dtype) for t in random_case(3, n=6, length=7))
+    weight = (0.5 + torch.rand(6, 7, generator=torch.Generator().manual_seed(3))).to(dtype)
+    totals = StepTotals.of(mask, 7)
+    ours, theirs = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    got, got_metrics = compiled(ours, old, ref, adv, mask, VARIANTS["dapo"], totals, is_weight=weight)
+    want, want_metrics = fn(theirs, old, ref, adv, mask, VARIANTS["dapo"], totals, is_weight=weight)
+    got.backward()
+    want.backward()
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert compiled.ok
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(ours.grad, theirs.grad, **tol)
+    for name, value in want_metrics.items():
+        torch.testing.assert_close(got_metrics[name].to(value.dtype), value, **tol, msg=name)
+
+
 def test_the_loss_is_compiled_where_the_layers_are():
     """``loss_function``: the registered loss for an eager model, one compiled form per loss and backend where the
     layers run compiled; and a loss whose compilation fails warns once and gives the registered loss's value."""
