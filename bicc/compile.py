@@ -126,13 +126,10 @@ class _CompiledLoss:
 
     def __call__(self, logp, old_logp, ref_logp, adv, mask, cfg, totals, is_weight=None):
         if self.ok:
-            import torch._dynamo
-            import torch._inductor.exc
-
             try:
                 return self.compiled(self.fn, logp, old_logp, ref_logp, adv, mask, self._plain(cfg), totals.tokens,
                                      totals.seqs, totals.max_len, is_weight)
-            except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as error:
+            except _compile_errors() as error:
                 self.ok = False
                 warnings.warn(f"model.compile: the loss {self.fn.__name__} did not compile ({_cause(error)}); it runs "
                               "eagerly from here on", stacklevel=2)
@@ -145,9 +142,6 @@ def _forward(self, *args, **kwargs):
     cache = kwargs.get("past_key_values")
     record = getattr(cache, "bicc_record", False)
     if self._bicc_compile_ok and (cache is None or record or getattr(cache, "bicc_compile", False)):
-        import torch._dynamo
-        import torch._inductor.exc
-
         index = getattr(getattr(self, "self_attn", None), "layer_idx", None)
         one = None if cache is None or index is None else (_Recorder if record else _OneLayer)(cache, index)
         inputs = kwargs if one is None else {**kwargs, "past_key_values": one}
@@ -158,13 +152,21 @@ def _forward(self, *args, **kwargs):
             if isinstance(one, _Recorder):
                 one.keep()
             return out
-        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as error:
+        except _compile_errors() as error:
             self._bicc_compile_ok = False
             warnings.warn(f"model.compile: {type(self).__name__} did not compile ({_cause(error)}); it runs eagerly "
                           "from here on", stacklevel=2)
         finally:
             config.specialize_float = prior
     return type(self).forward(self, *args, **kwargs)
+
+
+def _compile_errors() -> tuple:
+    """What a failed compilation raises (Dynamo's errors, the backend's wrapped in them, Inductor's)."""
+    import torch._dynamo
+    import torch._inductor.exc
+
+    return torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError
 
 
 def _cause(error: Exception) -> str:
