@@ -3,7 +3,8 @@
 An HF decoder layer launches about a hundred small ops per forward (norms in fp32, rotary, SwiGLU, views and
 casts), and its checkpointed recompute and backward as many again: on a GPU the host's launches, not the
 matmuls, set the update's pace (``docs/performance.md``). Compiled, a layer's forward and backward are a few
-fused kernels around its matmuls and attention.
+fused kernels around its matmuls and attention; and the linears that share an input are one matmul (``bicc.fuse``:
+q, k and v one, gate and up one), four a layer forward where there were seven.
 
 What is compiled, and what is not:
 
@@ -47,6 +48,7 @@ import warnings
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from bicc.fuse import fusing
 from bicc.losses.agg import StepTotals
 
 
@@ -72,7 +74,7 @@ def compile_layers(model, backend: str = "inductor") -> int:
     for layer in layers:
         cls = type(layer)
         if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, dynamic=True, backend=backend)
+            compiled[cls] = torch.compile(cls.forward, dynamic=True, backend=fusing(backend))
         layer._bicc_compiled = compiled[cls]
         layer._bicc_compile_ok = True
         layer._bicc_backend = backend  # the loss's too (``loss_function``)
