@@ -9,8 +9,11 @@ q, k and v one, gate and up one), four a layer forward where there were seven.
 What is compiled, and what is not:
 
 - each layer's ``forward`` only: the module's ``__call__`` (FSDP2's all-gather and reshard hooks, activation
-  checkpointing's wrapper) stays eager around it, so sharding and checkpointing work as they do uncompiled. The
-  embeddings, the final norm and the chunked log-prob head stay eager;
+  checkpointing's wrapper) stays eager around it, so sharding and checkpointing work as they do uncompiled;
+- the base model's final norm and rotary embedding, which run once per forward outside the layers (eager, about
+  500 of a CPU update's 10,000 ops with the norm's backward), in the passes where the layers run compiled: the
+  base model's forward tells them (``_Switch``), as they see no cache. The embeddings and the chunked log-prob
+  head stay eager;
 - the update's loss (``loss_function``: the registered loss with its metrics, forward and backward) where the
   layers run compiled: eager, it was about 1,900 of a CPU update's 14,000 ops, a hundred small ops per
   micro-batch. Its algo config goes in as plain values (constants of the graph) and the step's totals as floats
@@ -62,8 +65,8 @@ def decoder_layers(model) -> list:
 
 
 def compile_layers(model, backend: str = "inductor") -> int:
-    """Compile every decoder layer's ``forward`` of ``model`` in place, each keeping its eager fallback; returns
-    how many layers were wrapped."""
+    """Compile every decoder layer's ``forward`` of ``model`` in place, and its base model's final norm and rotary
+    embedding, each keeping its eager fallback; returns how many layers were wrapped."""
     import torch._dynamo
 
     layers = decoder_layers(model)
@@ -71,14 +74,28 @@ def compile_layers(model, backend: str = "inductor") -> int:
     limit = 4 * len(layers) + 8  # room for shape specialisations (a few graphs, whatever the depth)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     compiled = {}
-    for layer in layers:
-        cls = type(layer)
+
+    def wrap(module, forward):
+        cls = type(module)
         if cls not in compiled:
             compiled[cls] = torch.compile(cls.forward, dynamic=True, backend=fusing(backend))
-        layer._bicc_compiled = compiled[cls]
-        layer._bicc_compile_ok = True
-        layer._bicc_backend = backend  # the loss's too (``loss_function``)
-        layer.forward = types.MethodType(_forward, layer)  # bound to each copy of the layer by deepcopy
+        module._bicc_compiled = compiled[cls]
+        module._bicc_compile_ok = True
+        module._bicc_backend = backend  # the loss's too (``loss_function``)
+        module.forward = types.MethodType(forward, module)  # bound to each copy of the module by deepcopy
+
+    for layer in layers:
+        wrap(layer, _forward)
+    base = getattr(model, "base_model", None)
+    glue = [getattr(base, name, None) for name in ("norm", "rotary_emb")]
+    glue = [m for m in glue if isinstance(m, torch.nn.Module)]
+    if glue:
+        switch = _Switch()  # one per model: a deep copy copies it with the modules
+        base._bicc_switch = switch
+        base.forward = types.MethodType(_base_forward, base)
+        for module in glue:
+            wrap(module, _glue_forward)
+            module._bicc_switch = switch
     return len(layers)
 
 
@@ -143,24 +160,64 @@ def _forward(self, *args, **kwargs):
     ``bicc_record``), eager for the rest and after a failed compilation."""
     cache = kwargs.get("past_key_values")
     record = getattr(cache, "bicc_record", False)
-    if self._bicc_compile_ok and (cache is None or record or getattr(cache, "bicc_compile", False)):
+    if self._bicc_compile_ok and _compiled_pass(cache):
         index = getattr(getattr(self, "self_attn", None), "layer_idx", None)
         one = None if cache is None or index is None else (_Recorder if record else _OneLayer)(cache, index)
-        inputs = kwargs if one is None else {**kwargs, "past_key_values": one}
-        config = torch._dynamo.config
-        prior, config.specialize_float = config.specialize_float, True  # see the module's docstring
-        try:
-            out = self._bicc_compiled(self, *args, **inputs)
+        ok, out = _compiled_call(self, args, kwargs if one is None else {**kwargs, "past_key_values": one})
+        if ok:
             if isinstance(one, _Recorder):
                 one.keep()
             return out
-        except _compile_errors() as error:
-            self._bicc_compile_ok = False
-            warnings.warn(f"model.compile: {type(self).__name__} did not compile ({_cause(error)}); it runs eagerly "
-                          "from here on", stacklevel=2)
-        finally:
-            config.specialize_float = prior
     return type(self).forward(self, *args, **kwargs)
+
+
+def _compiled_pass(cache) -> bool:
+    """Whether a forward with ``cache`` is a log-prob forward, which runs compiled."""
+    return cache is None or getattr(cache, "bicc_record", False) or getattr(cache, "bicc_compile", False)
+
+
+class _Switch:
+    """Whether the base model's forward now running is a compiled pass (its final norm and rotary embedding read
+    it: they see no cache)."""
+
+    on = False
+
+
+def _base_forward(self, *args, **kwargs):
+    """The base model's forward, telling its final norm and rotary embedding whether this pass runs compiled."""
+    switch, prior = self._bicc_switch, self._bicc_switch.on
+    switch.on = _compiled_pass(kwargs.get("past_key_values"))
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        switch.on = prior
+
+
+def _glue_forward(self, *args, **kwargs):
+    """The final norm's or the rotary embedding's forward: once per model forward, outside the layers (eager, a
+    few dozen small ops each with the norm's backward); compiled in the passes the layers run compiled."""
+    if self._bicc_compile_ok and self._bicc_switch.on:
+        ok, out = _compiled_call(self, args, kwargs)
+        if ok:
+            return out
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _compiled_call(module, args, kwargs) -> tuple[bool, object]:
+    """(True, ``module``'s compiled forward on the inputs), its Python floats constants of the graph (see the
+    module's docstring); (False, None) where compilation failed: it warns once, and the module runs eagerly
+    from then on."""
+    config = torch._dynamo.config
+    prior, config.specialize_float = config.specialize_float, True
+    try:
+        return True, module._bicc_compiled(module, *args, **kwargs)
+    except _compile_errors() as error:
+        module._bicc_compile_ok = False
+        warnings.warn(f"model.compile: {type(module).__name__} did not compile ({_cause(error)}); it runs eagerly "
+                      "from here on", stacklevel=3)
+        return False, None
+    finally:
+        config.specialize_float = prior
 
 
 def _compile_errors() -> tuple:

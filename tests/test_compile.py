@@ -114,6 +114,29 @@ def test_the_prefix_pass_runs_compiled_and_the_floats_are_constants():
     assert torch._dynamo.config.specialize_float is False  # the setting is the layers' own, not the process's
 
 
+def test_the_final_norm_and_rotary_embedding_run_compiled_in_the_log_prob_passes():
+    """The base model's final norm and rotary embedding run once per model forward, outside the layers. In the
+    update (each of its forwards a log-prob pass) each runs its compiled graph once per forward, with its floats
+    (the norm's eps, the rotary's scaling) constants; generation leaves them eager (the test below)."""
+    runs, floats = {"norm": 0, "rotary": 0}, []
+
+    def backend(gm, example_inputs):
+        run = lookup_backend("aot_eager")(gm, example_inputs)
+        if "scaled_dot_product_attention" in gm.code or not (".cos()" in gm.code or "rsqrt" in gm.code):
+            return run  # a layer's or the loss's
+        kind = "rotary" if ".cos()" in gm.code else "norm"
+        floats.extend(x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point())
+        return lambda *args: runs.__setitem__(kind, runs[kind] + 1) or run(*args)
+
+    model = checkpointed_pair()[1]
+    compile_layers(model, backend=backend)
+    forwards = []
+    model.model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    update(model, share=True)
+    assert runs["norm"] == runs["rotary"] == len(forwards) > 0, (runs, len(forwards))
+    assert floats == []
+
+
 @pytest.mark.parametrize("share", [True, False], ids=["kv-reuse", "one-row-per-output"])
 def test_compiled_layers_give_the_eager_update(share):
     """The update through compiled layers equals the eager one in fp64 (weights after four optimizer steps, loss),
@@ -221,7 +244,8 @@ def test_the_loss_is_compiled_where_the_layers_are():
 
 
 def test_a_layer_that_fails_to_compile_runs_eagerly():
-    """A backend that raises: one warning naming the error, every layer eager from then on, the eager update."""
+    """A backend that raises: one warning naming the error per compiled module (each layer, the final norm, the
+    rotary embedding), every one eager from then on, the eager update."""
     eager, compiled = checkpointed_pair()
 
     def broken(gm, example_inputs):
@@ -234,7 +258,9 @@ def test_a_layer_that_fails_to_compile_runs_eagerly():
         got = update(compiled, True)
     messages = [str(w.message) for w in caught if "model.compile" in str(w.message)]
     # the layers fell back in the old policy's pass, before the update: its loss is the registered one, eager
-    assert len(messages) == ARCH.num_hidden_layers and "no compiler on this host" in messages[0]
+    modules = sorted(m.split()[1] for m in messages)
+    assert modules == ["Qwen3DecoderLayer"] * ARCH.num_hidden_layers + ["Qwen3RMSNorm", "Qwen3RotaryEmbedding"]
+    assert all("no compiler on this host" in m for m in messages)
     assert compiled_layers(compiled) == 0
     assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
     for p, q in zip(compiled.parameters(), eager.parameters()):
