@@ -35,7 +35,7 @@ def _logits(hidden, weight, bias, temperature: float) -> tuple[torch.Tensor, tor
     matmul ran in: bf16 under autocast or bf16 parameters)."""
     z = torch.nn.functional.linear(hidden, weight, bias)
     dtype = z.dtype
-    z = z if z.dtype == torch.float64 else z.float()
+    z = z if z.dtype == torch.float64 else _as(z, torch.float32)
     return (z.div_(temperature) if temperature != 1.0 else z), dtype
 
 
@@ -66,19 +66,24 @@ class ChunkLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse, e, total = ctx.saved_tensors
         if e is None:
             z = _logits(hidden, weight, bias, ctx.temperature)[0]
-            g = grad_logp.to(z.dtype)[:, None]
+            g = _as(grad_logp, z.dtype)[:, None]
             grad = z.sub_(lse[:, None].to(z.dtype)).exp_().mul_(-g)  # -g softmax(z)
         else:
-            g = grad_logp.to(e.dtype)[:, None]
+            g = _as(grad_logp, e.dtype)[:, None]
             grad = e.mul_(-g / total)  # -g softmax(z)
         grad.scatter_add_(-1, targets[:, None], g)  # + g at the target
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
-        grad = grad.to(ctx.compute_dtype)
-        grad_hidden = (grad @ weight.to(grad.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = (grad.T @ hidden.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        grad = _as(grad, ctx.compute_dtype)
+        grad_hidden = _as(grad @ _as(weight, grad.dtype), hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = _as(grad.T @ _as(hidden, grad.dtype), weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = _as(grad.sum(0), bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: itself where it is already (a no-op cast is still an op the host launches)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class LogprobHead(torch.nn.Linear):
@@ -99,7 +104,7 @@ class LogprobHead(torch.nn.Linear):
         if not parts:
             empty = flat_h.new_zeros(0, dtype=torch.float32)
             parts = [(empty, empty)]
-        logp, ent = (torch.cat([p[i] for p in parts]) for i in (0, 1))
+        logp, ent = parts[0] if len(parts) == 1 else (torch.cat([p[i] for p in parts]) for i in (0, 1))
         return torch.stack([logp.view(shape), ent.view(shape)], dim=-1)  # a fresh tensor, not a view
 
 
