@@ -84,26 +84,34 @@ def test_the_prefix_pass_runs_compiled_and_the_floats_are_constants():
     constants of its graphs, not inputs: Dynamo's default lifts each into a 0-d tensor on every call
     (``aten::lift_fresh``), and on CUDA Inductor's wrapper reads each back with ``.item()`` (7,506 of an update's
     131,665 ops on an H200 at 28 layers). Each layer's graph runs four matmuls forward, not seven (``bicc.fuse``:
-    q, k and v one, gate and up one)."""
-    graphs, linears = [], []
+    q, k and v one, gate and up one). The base model's final norm and rotary embedding, outside the layers, run
+    their compiled graphs once per model forward, their floats (the norm's eps, the rotary's scaling) constants
+    too; generation leaves them eager (``test_generation_stays_eager_and_a_copy_runs_its_own_weights``)."""
+    graphs, linears, glue = [], [], {"norm": 0, "rotary": 0}
 
     def backend(gm, example_inputs):
+        run = lookup_backend("aot_eager")(gm, example_inputs)
+        scalars = [x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point()]
         if "scaled_dot_product_attention" in gm.code:  # a layer's graph (the loss's takes the step's totals)
-            scalars = [x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point()]
             graphs.append(len(scalars))
             linears.append(sum(n.target is torch._C._nn.linear for n in gm.graph.nodes))
-        return lookup_backend("aot_eager")(gm, example_inputs)
+        elif ".cos()" in gm.code or "rsqrt" in gm.code:  # the rotary embedding's or the final norm's
+            graphs.append(len(scalars))
+            kind = "rotary" if ".cos()" in gm.code else "norm"
+            return lambda *args: glue.__setitem__(kind, glue[kind] + 1) or run(*args)
+        return run
 
     model = checkpointed_pair()[1]
     compile_layers(model, backend=backend)
     cls = type(decoder_layers(model)[0])
-    eager, forward = [], cls.forward
+    eager, forward, forwards = [], cls.forward, []
 
     def counted(self, *args, **kwargs):
         eager.append(type(kwargs.get("past_key_values")).__name__)
         return forward(self, *args, **kwargs)
 
     cls.forward = counted
+    model.model.register_forward_pre_hook(lambda *args: forwards.append(1))
     try:
         update(model, share=True)
     finally:
@@ -111,30 +119,8 @@ def test_the_prefix_pass_runs_compiled_and_the_floats_are_constants():
     assert compiled_layers(model) == ARCH.num_hidden_layers and eager == [], eager
     assert graphs and set(graphs) == {0}, graphs  # no graph takes a float scalar as an input
     assert set(linears) == {4}, linears
+    assert glue["norm"] == glue["rotary"] == len(forwards) > 0, (glue, len(forwards))
     assert torch._dynamo.config.specialize_float is False  # the setting is the layers' own, not the process's
-
-
-def test_the_final_norm_and_rotary_embedding_run_compiled_in_the_log_prob_passes():
-    """The base model's final norm and rotary embedding run once per model forward, outside the layers. In the
-    update (each of its forwards a log-prob pass) each runs its compiled graph once per forward, with its floats
-    (the norm's eps, the rotary's scaling) constants; generation leaves them eager (the test below)."""
-    runs, floats = {"norm": 0, "rotary": 0}, []
-
-    def backend(gm, example_inputs):
-        run = lookup_backend("aot_eager")(gm, example_inputs)
-        if "scaled_dot_product_attention" in gm.code or not (".cos()" in gm.code or "rsqrt" in gm.code):
-            return run  # a layer's or the loss's
-        kind = "rotary" if ".cos()" in gm.code else "norm"
-        floats.extend(x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point())
-        return lambda *args: runs.__setitem__(kind, runs[kind] + 1) or run(*args)
-
-    model = checkpointed_pair()[1]
-    compile_layers(model, backend=backend)
-    forwards = []
-    model.model.register_forward_pre_hook(lambda *args: forwards.append(1))
-    update(model, share=True)
-    assert runs["norm"] == runs["rotary"] == len(forwards) > 0, (runs, len(forwards))
-    assert floats == []
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["kv-reuse", "one-row-per-output"])
