@@ -11,7 +11,7 @@ What is compiled, and what is not:
 - each layer's ``forward`` only: the module's ``__call__`` (FSDP2's all-gather and reshard hooks, activation
   checkpointing's wrapper) stays eager around it, so sharding and checkpointing work as they do uncompiled;
 - the base model's final norm and rotary embedding, which run once per forward outside the layers (eager, about
-  500 of a CPU update's 10,000 ops with the norm's backward), in the passes where the layers run compiled: the
+  750 of a CPU update's 10,600 ops with the norm's backward), in the passes where the layers run compiled: the
   base model's forward tells them (``_Switch``), as they see no cache. The embeddings and the chunked log-prob
   head stay eager;
 - the update's loss (``loss_function``: the registered loss with its metrics, forward and backward) where the
