@@ -244,6 +244,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     if cfg.stage == "sft":
         print(f"[sft] warm start at {init_path}")
         return {"init_path": init_path}
+    torch.manual_seed(cfg.seed)  # RL draws the same numbers whether its warm start was built here or cached
 
     tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
                       cfg.logger.wandb_project, enabled=d.is_main)

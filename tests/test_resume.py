@@ -31,9 +31,8 @@ def train(args, tmp_path):
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
-    train(["stage=sft", *RUN, f"hydra.run.dir={tmp_path / 'sft'}"], tmp_path)  # shared warm start, built once
     reference = tmp_path / "reference"
-    train([*RUN, f"hydra.run.dir={reference}"], tmp_path)
+    train([*RUN, f"hydra.run.dir={reference}"], tmp_path)  # builds the warm start the other runs reuse
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "train.py", *RUN, f"hydra.run.dir={killed}"], cwd=ROOT, env=env(tmp_path),
@@ -130,14 +129,14 @@ def test_no_pickle_outside_weights_only_loads():
 
 def test_resume_restores_the_global_rng(tmp_path):
     """Attention dropout draws from the global RNG in every training forward: a resume that skipped restoring
-    the RNG state would train on other dropout masks and end elsewhere."""
+    the RNG state would train on other dropout masks and end elsewhere. The straight run builds the warm start in
+    its process and the others reuse it: RL draws the same numbers either way (the SFT's draws used to shift them)."""
     from tests.helpers import MIXED_RUN as MIXED  # groups that hold right and wrong answers by construction
 
     args = [*[a for a in MIXED if not a.startswith(("train.", "rollout.shards"))], "train.steps=2", "train.save_every=1",
             "train.keep_last=0", "model.tiny.attention_dropout=0.3"]
-    train(["stage=sft", *args, f"hydra.run.dir={tmp_path / 'sft'}"], tmp_path)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train([*args, f"hydra.run.dir={straight}"], tmp_path)
+    train([*args, f"hydra.run.dir={straight}"], tmp_path)  # builds the warm start the other runs reuse
     one = [a if not a.startswith("train.steps") else "train.steps=1" for a in args]
     train([*one, f"hydra.run.dir={resumed}"], tmp_path)
     train([*args, "resume=auto", f"hydra.run.dir={resumed}"], tmp_path)
