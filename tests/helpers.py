@@ -50,7 +50,7 @@ def conditioned_steps(run_dir: Path) -> list[float]:
 # trained model samples on this CPU); two prompt shards and two evaluation shards, so one process samples and
 # evaluates exactly what two processes do.
 MIXED_RUN = [*CONSTRUCTED_REWARD, "bicc=stable", "rcc=mean", "optim.lr=3e-4", "data.arith.max_operands=2",
-             "data.arith.max_operand=19", "data.arith.test_size=50", "sft.steps=300", "sft.batch_size=16", "train.steps=2",
+             "data.arith.max_operand=19", "data.arith.test_size=50", "sft.steps=30", "sft.batch_size=16", "train.steps=2",
              "train.save_every=1", "train.keep_last=0", "rollout.prompts_per_step=8", "rollout.group_size=4",
              "rollout.max_new_tokens=64", "rollout.shards=2", "eval.shards=2", "rcc.diag_every=0", "optim.warmup_steps=0",
              "eval.num_problems=4", "eval.samples_per_problem=1", "eval.greedy=false", "eval.max_new_tokens=64",

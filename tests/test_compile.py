@@ -43,11 +43,13 @@ def checkpointed_pair():
     return models
 
 
-def update(model, share: bool):
+def update(model, share: bool, one_pass: bool = False):
     """Two epochs x two minibatches of three prompts x four outputs, micro-batches of 5 rows and by tokens (so their
-    shapes vary), SGD: the weights after it are the gradients' sum."""
-    cfg = compose_cfg(["train.minibatches_per_rollout=2", "train.epochs_per_rollout=2", "train.micro_batch_size=5",
-                       "train.micro_batch_tokens=40", "rollout.max_new_tokens=9", "optim.clip_grad=1e9"])
+    shapes vary), SGD: the weights after it are the gradients' sum. ``one_pass``: one micro-batch of all 12 rows."""
+    shapes = (["train.micro_batch_size=12"] if one_pass else
+              ["train.minibatches_per_rollout=2", "train.epochs_per_rollout=2", "train.micro_batch_size=5",
+               "train.micro_batch_tokens=40"])
+    cfg = compose_cfg([*shapes, "rollout.max_new_tokens=9", "optim.clip_grad=1e9"])
     prompts, completions = rows()
     prompts = [prompts[i // 4] for i in range(12)]
     batch = make_token_batch(prompts, completions, 0)
@@ -71,7 +73,7 @@ def test_every_layer_runs_the_same_graphs_under_kv_reuse():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         counter = CompileCounterWithBackend("aot_eager")
         compile_layers(model, backend=counter)
-        update(model, share=True)
+        update(model, share=True, one_pass=True)
         assert compiled_layers(model) == layers
         frames.append(counter.frame_count)
     assert frames[0] == frames[1] > 0, frames

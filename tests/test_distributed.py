@@ -52,9 +52,8 @@ def max_diff(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
-    one_process(["stage=sft", f"hydra.run.dir={tmp / 'sft'}"], tmp)
     out = {"single": tmp / "single", "fsdp2": tmp / "fsdp2", "ddp": tmp / "ddp"}
-    one_process([f"hydra.run.dir={out['single']}"], tmp)
+    one_process([f"hydra.run.dir={out['single']}"], tmp)  # builds the warm start the others reuse
     two_processes([f"hydra.run.dir={out['fsdp2']}", "dist.strategy=fsdp2"], tmp)
     two_processes([f"hydra.run.dir={out['ddp']}", "dist.strategy=ddp"], tmp)
     return tmp, out

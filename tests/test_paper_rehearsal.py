@@ -30,7 +30,7 @@ from tests.helpers import CONSTRUCTED_REWARD, ROOT  # noqa: E402
 
 ARITH = ["data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50",
          "model.tiny.max_position_embeddings=1024"]
-WARM = [*ARITH, "eval.num_problems=4", "stage=sft", "sft.steps=300", "sft.batch_size=16", "logger.wandb_mode=disabled",
+WARM = [*ARITH, "eval.num_problems=4", "stage=sft", "sft.steps=100", "sft.batch_size=16", "logger.wandb_mode=disabled",
         "logger.progress=false", "threads=2"]
 SHRINK = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "bicc.max_tokens=40",
           "rollout.gpu_memory_utilization=0.15", "rollout.enforce_eager=true", "train.micro_batch_size=3",

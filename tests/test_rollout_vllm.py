@@ -200,9 +200,8 @@ def test_sigkill_then_resume_with_vllm_rollouts(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc
 
-    train("stage=sft", f"hydra.run.dir={tmp_path / 'sft'}")
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    train(f"hydra.run.dir={reference}")
+    train(f"hydra.run.dir={reference}")  # builds the warm start the other runs reuse
     proc = subprocess.Popen([sys.executable, "train.py", *args, f"hydra.run.dir={killed}"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
