@@ -14,21 +14,23 @@ cuda_allocator_default()  # before torch is imported: it reads the CUDA allocato
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
 
-from bicc import distributed  # noqa: E402
 from bicc.config import register_configs  # noqa: E402
-from bicc.loop import run  # noqa: E402
 from bicc.validation import validate  # noqa: E402
 
-register_configs()
-hf_logging.disable_progress_bar()
+register_configs()  # torch and the run's modules are imported in main: an unknown config choice fails at once
 console_never_fails()
 
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg) -> dict:
     validate(cfg)
+    from transformers.utils import logging as hf_logging
+
+    from bicc import distributed
+    from bicc.loop import run
+
+    hf_logging.disable_progress_bar()
     d = distributed.init(cfg.dist)
     try:
         runtime = HydraConfig.get().runtime

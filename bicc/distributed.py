@@ -82,23 +82,6 @@ def init(dist_cfg) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist_cfg.strategy, device, cpu_group, joined=True)
 
 
-def launch_time(pattern: str) -> str:
-    """Now, formatted by ``pattern``, as rank 0 read it: under torchrun every rank takes rank 0's value from the
-    launcher's store, so that ranks started seconds apart (other nodes, slow imports) name one run dir.
-    One process: its own clock."""
-    from datetime import datetime
-
-    now = datetime.now().strftime(pattern)
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "MASTER_ADDR" not in os.environ:
-        return now
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(minutes=10))
-    key = f"bicc/launch_time/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{pattern}"
-    if int(os.environ.get("RANK", "0")) == 0:
-        store.set(key, now)
-    return store.get(key).decode()
-
-
 def shutdown(d: Dist) -> None:
     """Leave the process group. The run's model sits in reference cycles (modules and their FSDP/DDP hooks) that
     still hold the groups and their pending work; collecting them first frees all of it while the groups and the

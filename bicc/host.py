@@ -56,3 +56,22 @@ def cuda_allocator_default(environ=os.environ) -> None:
 def allocator_conf(environ=os.environ) -> str:
     """The allocator setting this process runs with, as ``NAME=value`` (for the start-up line)."""
     return next((f"{name}={environ[name]}" for name in ALLOC_CONF_NAMES if environ.get(name)), "allocator defaults")
+
+
+def launch_time(pattern: str) -> str:
+    """Now, formatted by ``pattern``, as rank 0 read it: under torchrun every rank takes rank 0's value from the
+    launcher's store, so that ranks started seconds apart (other nodes, slow imports) name one run dir.
+    One process: its own clock."""
+    from datetime import datetime, timedelta
+
+    now = datetime.now().strftime(pattern)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "MASTER_ADDR" not in os.environ:
+        return now
+    import torch.distributed as dist  # (here: one process resolves its run dir without importing torch)
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(minutes=10))
+    key = f"bicc/launch_time/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{pattern}"
+    if int(os.environ.get("RANK", "0")) == 0:
+        store.set(key, now)
+    return store.get(key).decode()

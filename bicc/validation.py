@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from bicc.conditioning import context_budget
 from bicc.config import RunConfig
 from bicc.config.fields import check_schema, need
 
@@ -87,6 +86,7 @@ def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field:
             f"LongRoPE: vLLM uses the long RoPE factors for every position once max_model_len exceeds "
             f"original_max_position_embeddings={longrope}, transformers only past it; evaluate longer outputs "
             f"with rollout=hf")
+    from bicc.conditioning import context_budget
     from bicc.evaluation import benchmark_source
 
     train_len, train_id = longest_training_prompt(task, tokenizer, sample) if train else (0, None)

@@ -84,7 +84,7 @@ def register_configs() -> None:
     rank under torchrun, where Hydra's ``${now:}`` is read by each process); ``${repo:}``, this repository's
     root (the data files' home, whatever the working directory); ``${job_dirname:OVERRIDES}``, a sweep job's dir
     name (``job_dirname``)."""
-    from bicc.distributed import launch_time
+    from bicc.host import launch_time
 
     OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("repo", lambda: str(REPO), replace=True)
