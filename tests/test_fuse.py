@@ -129,3 +129,29 @@ def test_backward_concatenates_again_rather_than_keep_a_copy_of_the_weights():
     assert received and (7, 4) not in received and (2, 4) in received and (5, 4) in received, received
     for g, w in zip(grads, torch.autograd.grad(two(x, w1, w2).sum(), (x, w1, w2))):
         torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+def test_in_bf16_the_fused_graph_is_as_close_to_fp64_as_eager():
+    """bf16 weights, as FSDP2's compute copies are: the fused q/k/v's values and every gradient stay within bf16's
+    tolerance of the fp64 computation on the same bf16 numbers, as eager's do (one matmul accumulates over the
+    fused outputs in fp32 where eager adds three rounded products in x's gradient)."""
+
+    def attention_like(x, wq, wk, wv):
+        q, k, v = F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
+        return q * k + v
+
+    exact = leaves((4, 6, 64), (48, 64), (48, 64), (48, 64), seed=1)
+    low = [t.detach().bfloat16().requires_grad_() for t in exact]
+    exact = [t.detach().double().requires_grad_() for t in low]  # the same numbers, in fp64
+    fused, kept = through_graph(attention_like, *low)
+    assert kept == [1] and fused.dtype == torch.bfloat16
+    eager = attention_like(*low)
+    want = attention_like(*exact)
+    weights = torch.linspace(0.5, 2, want.numel(), dtype=torch.float64).view(want.shape)
+    wanted = torch.autograd.grad((want * weights).sum(), exact)
+    for got in (fused, eager):
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=1e-2 * want.abs().max().item())
+        grads = torch.autograd.grad((got.double() * weights).sum(), low)
+        for g, w in zip(grads, wanted, strict=True):
+            assert g.dtype == torch.bfloat16
+            torch.testing.assert_close(g.double(), w, rtol=2e-2, atol=1e-2 * w.abs().max().item())
