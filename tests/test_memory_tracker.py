@@ -23,8 +23,9 @@ def trace(tmp_path, *args):
 def test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_the_models(tmp_path):
     """Between steps (the rollout) a rank holds its fp32 master shard, AdamW's two moments and the bf16 reference
     (FSDP2's root is resharded by then): that much the model counts by formula and the trace by tensors, within 5%.
-    The update holds more than the no-grad passes, which hold more than the rollout."""
-    got, stdout = trace(tmp_path, "--layers", "4")
+    The update holds more than the no-grad passes, which hold more than the rollout. (Half the preset's prompts per
+    step: four micro-batches a rank, not eight, each of the preset's size, and eight contexts.)"""
+    got, stdout = trace(tmp_path, "--layers", "4", "rollout.prompts_per_step=16")
     traced, model = got["traced"], got["model"]
     assert abs(model["rollout"] / traced["rollout"] - 1) < 0.05
     assert abs(model["update"] / traced["update"] - 1) < 0.10  # the update's terms, SDPA's repeated K/V among them
