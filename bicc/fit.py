@@ -38,7 +38,7 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
                eval_batch_tokens=e.batch_tokens, eval_new_tokens=e.max_new_tokens,
                eval_rows=min(e.batch_size, e.limit * e.samples_per_problem if e.limit else e.batch_size),
                flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2",
-               rollout_batch=r.batch_size)
+               rollout_batch=r.batch_size, compiled=cfg.model.compile in ("on", "auto"))  # auto: on a GPU
 
 
 def knob(phase: str, run: Run) -> str:

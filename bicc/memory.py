@@ -33,7 +33,9 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   the gradient that the micro-batches leave on those; each completion's gathered copy of its context's keys and
   values, held for its micro-batch's backward, and each finished layer's gradient of it (with its own K/V's) until
   the gathers' backward at the micro-batch's end; at the end, one backward through the context forward (one
-  recomputed layer over all context tokens).
+  recomputed layer over all context tokens);
+- ``model.compile`` (``bicc.fuse``): a layer's q/k/v and gate/up weights concatenated in its forward (again in the
+  recompute) and, in its backward, their gradient before it is split, one layer at a time.
 
 The peak of a phase is the sum of what is alive in it; the run's peak is the largest phase. Attention keeps no
 T x T scores (flash-attention 2, or SDPA's fused kernels); under SDPA (``flash`` false) transformers repeats the
@@ -72,6 +74,10 @@ class Arch:
     def params(self) -> int:
         return self.layers * self.layer_params() + self.root_params()
 
+    def fused_params(self) -> int:
+        """A layer's q/k/v and gate/up weights: what ``model.compile`` concatenates (``bicc.fuse``)."""
+        return self.hidden * ((self.heads + 2 * self.kv_heads) * self.head_dim + 2 * self.intermediate)
+
 
 # Shapes from the models' config.json (Qwen/Qwen3-4B-Instruct-2507, microsoft/Phi-4-mini-instruct).
 QWEN3_4B = Arch(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936, tied=True)
@@ -108,6 +114,7 @@ class Run:
     eval_rows: int = 0  # rows per HF generate call at most (eval.batch_size, eval.limit x samples); 0: no cap
     flash: bool = True  # flash-attention 2 (the presets on a GPU with flash-attn); false: SDPA repeats K/V per head
     rollout_batch: int = 64  # rollout.batch_size: most rows per HF generate call (rollout=hf)
+    compiled: bool = False  # model.compile on (or auto, on a GPU): a layer's fused projection weights (bicc.fuse)
 
 
 def _layer_bytes_per_token(arch: Arch, b: int) -> int:
@@ -154,6 +161,8 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
         gathered = {"FSDP2 gathered root (embeddings, head)": b * arch.root_params(),
                     "FSDP2 gathered layers (current + prefetch)": 2 * b * arch.layer_params()}
     tokens, layer_act, prefix_kv, context_tokens = _activations(arch, run)
+    fused = (b if run.sharded else run.master_bytes) * arch.fused_params() if run.compiled else 0
+    fused_pair = {"fused projection weights + their gradient (model.compile)": 2 * fused} if fused else {}
     context_kv = context_tokens * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
     # held through the minibatch: the context forward's checkpointed inputs, its K/V and their gradient
     contexts = {"BiCC contexts (inputs, K/V, K/V gradient)": context_tokens * arch.layers * arch.hidden * b + 2 * context_kv}
@@ -179,7 +188,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
               "checkpointed layer inputs": (worst + 1) * inputs_per_layer,
               "one layer's recomputed activations": layer_act,
               "BiCC prefix keys/values": prefix_kv, **contexts, **held,
-              "gathered K/V gradients of the layers done": (arch.layers - 1 - worst) * kv_grads}
+              "gathered K/V gradients of the layers done": (arch.layers - 1 - worst) * kv_grads, **fused_pair}
     hq = arch.heads * arch.head_dim
     if not run.flash:  # SDPA: K/V repeated to every query head, and their gradient, in the recomputed layer
         update["SDPA repeated K/V and their gradient"] = run.micro_batch * (prefix_tokens(run) + run.output_tokens) * 4 * hq * b
@@ -195,7 +204,8 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     # the contexts' own backward, after the last micro-batch: one recomputed layer over all context tokens
     context_phase = {**static, **gathered, "gradients so far (fp32, sharded)": grads,
                      "BiCC contexts (inputs, K/V, K/V gradient)": contexts and sum(contexts.values()),
-                     "one context layer's recomputed activations": context_tokens * _layer_bytes_per_token(arch, b)}
+                     "one context layer's recomputed activations": context_tokens * _layer_bytes_per_token(arch, b),
+                     **fused_pair}
     if not run.flash:
         context_phase["SDPA repeated K/V and their gradient"] = context_tokens * 4 * hq * b
     if run.sharded:
@@ -203,7 +213,8 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     # no grad, no entropy: the chunk's fp32 logits, exponentiated in place, beside the compute-dtype ones they came from
     logprob = {**static, **gathered, "one layer's activations (no grad)": layer_act / 2,
                "log-prob head chunk": chunk * arch.vocab * (4 + (b if b < 4 else 0)),
-               "BiCC contexts' K/V (no grad)": context_kv if run.no_grad_on_context else 0}
+               "BiCC contexts' K/V (no grad)": context_kv if run.no_grad_on_context else 0,
+               **({"fused projection weights (model.compile)": fused} if fused else {})}
     if run.sharded:  # reduce_dtype fp32: the unsharded gradient is cast before the reduce-scatter
         update["fp32 reduce-scatter staging (one layer)"] = 4 * arch.layer_params()
     # the root's reduce-scatter, at the end of the backward: its compute-dtype gradient and the fp32 staging copy

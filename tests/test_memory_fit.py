@@ -66,6 +66,28 @@ def test_the_gathered_kv_gradients_held_to_the_end_of_a_micro_batch_by_hand():
     assert plain["gathered K/V gradients of the layers done"] == 0
 
 
+def test_the_compiled_layers_fused_weights_by_hand():
+    """``model.compile`` concatenates a layer's q/k/v (2,560 x (32 + 2 x 8) heads x 128) and gate/up (2 x 2,560 x
+    9,728) weights: 65,536,000 bf16 values under FSDP2, held with their gradient in a layer's backward (the layers'
+    and the contexts'), alone in a no-grad forward; fp32 in one process (its master weights); nothing when off."""
+    from bicc.memory import phases
+
+    key, pair = "fused projection weights (model.compile)", "fused projection weights + their gradient (model.compile)"
+    on = phases(QWEN3_4B, dataclasses.replace(Run(), compiled=True))
+    off = phases(QWEN3_4B, Run())
+    assert on["update: layers backward"][pair] == on["update: contexts backward"][pair] == 2 * 65_536_000 * 2
+    assert on["no-grad log-probs"][key] == 65_536_000 * 2
+    one = phases(QWEN3_4B, dataclasses.replace(Run(), compiled=True, sharded=False, world=1))
+    assert one["update: layers backward"][pair] == 2 * 65_536_000 * 4
+    for phase in ("update: layers backward", "update: contexts backward", "no-grad log-probs", "rollout"):
+        assert not {key, pair} & set(off[phase]) and not {key, pair} & set(on["rollout"])
+    assert sum(on["update: layers backward"].values()) - sum(off["update: layers backward"].values()) == pytest.approx(
+        1.1 * 4 * 65_536_000)  # with the allocator's 10% on it
+    for setting, compiled in (("on", True), ("auto", True), ("off", False)):
+        cfg = compose_cfg(["experiment=paper_qwen3_4b", f"model.compile={setting}"])
+        assert run_of(cfg, 4, True, 80.0, 300).compiled is compiled
+
+
 def test_a_config_that_fits_gets_its_line_and_one_that_does_not_names_the_knob():
     run = Run()
     phase, value = peak(QWEN3_4B, run)
