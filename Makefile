@@ -64,15 +64,19 @@ train-dist: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
 # The default test set (CPU, 2 cores; see the note in docs/results.md for the last quiet timing); `make test-all` adds the slow ones.
+# TEST_WORKERS pytest-xdist workers (0: one process), each pinned to its share of the cores (tests/conftest.py); a
+# test file runs whole on one worker, so its module fixtures are built once.
+TEST_WORKERS ?= 2
+PYTEST := VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP) $(VLLM_STAMP)
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -m "not slow and not gpu" tests
+	$(PYTEST) -m "not slow and not gpu" tests
 
 # Ruff (pyproject.toml): pycodestyle, pyflakes, import order; CI runs it before the tests.
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test-all: $(STAMP) $(VLLM_STAMP)
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 bench: $(STAMP)
 	$(PY) -m bench.step_profile

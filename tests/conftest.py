@@ -49,3 +49,18 @@ def tests_write_only_under_tmp():
     yield
     added = sorted(repo_files() - before)
     assert not added, f"tests wrote into the checkout (use tmp_path): {added[:10]}"
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test``: ``-n 2 --dist loadfile``) each worker runs on its own share of the cores,
+    and so does every process its tests start: torch sizes its threads from the cores it may use, and two workers'
+    threads spinning on the same cores ran the suite slower than one worker did."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and workers and hasattr(os, "sched_setaffinity"):
+        import torch
+
+        from tests.helpers import worker_cores  # helpers imports this module
+
+        mine = worker_cores(sorted(os.sched_getaffinity(0)), worker, int(workers))
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))

@@ -101,6 +101,13 @@ def small_numa_node():
         yield
 
 
+def worker_cores(cores: list[int], worker: str, workers: int) -> set[int]:
+    """The cores pytest-xdist's worker ``worker`` ("gw0", "gw1", ...) of ``workers`` keeps (``tests/conftest.py``):
+    every ``workers``-th core from its index, so that the workers' torch threads and the processes their tests start
+    never share a core; all of them where there are fewer cores than workers."""
+    return set(cores[int(worker.removeprefix("gw")) % workers::workers]) or set(cores)
+
+
 # ---- Tiny models and random rows -----------------------------------------------------------------
 
 ARCH = TinyArchConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from bicc.host import torch_threads, usable_cores
-from tests.helpers import ROOT, SMALL
+from tests.helpers import ROOT, SMALL, worker_cores
 
 
 def test_usable_cores_follow_the_affinity_mask_and_the_cgroup_quota(tmp_path, monkeypatch):
@@ -30,6 +30,26 @@ def test_torch_threads_share_the_usable_cores(monkeypatch):
     monkeypatch.setattr("bicc.host.CGROUP_CPU_MAX", ROOT / "absent")
     assert torch_threads(0) == 5 and torch_threads(0, processes=2) == 2 and torch_threads(0, processes=8) == 1
     assert torch_threads(3, processes=2) == 3  # the config's threads, as given
+
+
+def test_test_workers_split_the_cores_among_them():
+    assert worker_cores([0, 1], "gw0", 2) == {0} and worker_cores([0, 1], "gw1", 2) == {1}
+    assert worker_cores([0, 1, 2, 3, 4], "gw1", 2) == {1, 3} and worker_cores([0, 1, 2, 3, 4], "gw0", 2) == {0, 2, 4}
+    assert worker_cores([5], "gw1", 2) == {5}  # fewer cores than workers: they share
+    shares = [worker_cores(list(range(7)), f"gw{i}", 3) for i in range(3)]
+    assert set().union(*shares) == set(range(7)) and sum(map(len, shares)) == 7  # every core, each once
+
+
+def test_this_test_worker_runs_on_its_share_of_the_cores():
+    """Under ``make test`` (pytest-xdist), the worker running this test is pinned as ``tests/conftest.py`` pins it,
+    and torch's threads match: its share of the cores the controller (its parent process) may use."""
+    import torch
+
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker:
+        pytest.skip("not under pytest-xdist")
+    assert os.sched_getaffinity(0) == worker_cores(sorted(os.sched_getaffinity(os.getppid())), worker, int(workers))
+    assert torch.get_num_threads() == len(os.sched_getaffinity(0))
 
 
 def test_a_run_pinned_to_one_core_uses_one_thread(tmp_path):
