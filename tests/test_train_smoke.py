@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from safetensors.torch import load_file
 
 from tests.helpers import ROOT, SMALL, conditioned_steps, run_train
@@ -62,9 +63,16 @@ def test_unknown_algo_fails_with_choices(tmp_path):
     assert "grpo" in proc.stderr and "algo" in proc.stderr
 
 
-def test_invalid_value_fails_before_loading(tmp_path):
-    proc = run_train([*SMALL, "rollout.group_size=1"], tmp_path, check=False)
-    assert proc.returncode != 0 and "config field 'rollout.group_size'" in proc.stderr
+@pytest.mark.parametrize("bad", ["rollout.group_size=1", "algo.loss=nope"])
+def test_invalid_value_fails_before_loading(tmp_path, monkeypatch, bad):
+    """A value out of range or a name no registry holds fails validation before transformers or vLLM is imported
+    (importing them is seconds of a run's start, before anything of the run is done)."""
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # each import a line on stderr
+    proc = run_train([*SMALL, bad], tmp_path, check=False)
+    assert proc.returncode != 0 and f"config field '{bad.split('=')[0]}'" in proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    heavy = {"transformers", "vllm", "bicc.models"}
+    assert "torch" in imported and not imported & heavy, sorted(imported & heavy)
 
 
 def test_multirun_makes_one_dir_per_job(tmp_path):

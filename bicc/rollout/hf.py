@@ -12,7 +12,6 @@ skip its own pi_old pass. ``rollout.static_cache`` generates into a KV cache all
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 from bicc.logprobs import compute_precision
 from bicc.rollout import ENGINES, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
@@ -57,6 +56,8 @@ class HFEngine:
                 for i, p in enumerate(chunk):
                     input_ids[i, width - len(p) :] = torch.tensor(p)
                     attention_mask[i, width - len(p) :] = 1
+                from transformers import LogitsProcessorList  # here: the engine registry is read before a run loads
+
                 record = _RecordLogprobs(sampling.temperature) if out.logprobs is not None else None
                 with compute_precision(self.model):
                     sequences = self.model.generate(
@@ -93,10 +94,11 @@ class HFEngine:
         return out
 
 
-class _RecordLogprobs(LogitsProcessor):
-    """Each sampled token's log softmax(logits / T). Called with the logits of step t (before the
-    temperature warper, which HF applies after custom processors), it keeps their log-softmax and reads
-    the previous step's at the token sampled since (the last column of ``input_ids``)."""
+class _RecordLogprobs:
+    """A logits processor for HF generate (a callable ``(input_ids, scores) -> scores``): each sampled token's log
+    softmax(logits / T). Called with the logits of step t (before the temperature warper, which HF applies after
+    custom processors), it keeps their log-softmax and reads the previous step's at the token sampled since (the
+    last column of ``input_ids``)."""
 
     def __init__(self, temperature: float):
         self.temperature, self.last, self.steps = temperature, None, []

@@ -43,7 +43,6 @@ import sys
 
 import torch
 
-from bicc.distributed import full_tensor
 from bicc.rollout import ENGINES, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
 
 
@@ -51,6 +50,8 @@ def named_parameters_full(model, dtype: torch.dtype | None = None):
     """(name, full tensor) pairs of the policy, HF names, gathered one at a time under FSDP2 and cast to
     the engine's ``dtype`` (the fp32 master weights are not what it computes in); the tied output
     projection is added as ``lm_head.weight``."""
+    from bicc.distributed import full_tensor  # here: the engine registry is read before a run loads
+
     names = set()
     for name, tensor in model.state_dict().items():
         names.add(name)
