@@ -6,6 +6,11 @@ test runs end to end)."""
 
 import copy
 import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -24,7 +29,7 @@ from bicc.rows import QueryRows, query_rows
 from bicc.state import RLState
 from bicc.update import update_policy
 from tests.conftest import compose_cfg
-from tests.helpers import ARCH, rows, run_train
+from tests.helpers import ARCH, ROOT, rows
 from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
 
 
@@ -284,14 +289,25 @@ def test_model_compile_setting():
     assert [should_compile(s, cuda) for s in ("off", "on", "auto")] == [False, True, True]
 
 
-@pytest.mark.slow
-def test_train_with_compiled_layers_under_inductor(tmp_path):
-    """The headline form (BiCC + RCC, KV reuse, checkpointing) through train.py with Inductor's compiled layers."""
-    proc = run_train(["model.compile=on", "model.gradient_checkpointing=true", "bicc=on", "rcc=on", "sft.steps=5",
-                      "sft.batch_size=8", "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
-                      "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=4", "data.reward=tests.rewards:first_of_group",
-                      "data.reward_batched=true", "eval.num_problems=4", "eval.samples_per_problem=1",
-                      "eval.max_new_tokens=16", f"hydra.run.dir={tmp_path / 'run'}", f"sft.cache_dir={tmp_path / 'c'}",
-                      "logger.wandb_mode=disabled", "logger.progress=false"], tmp_path)
-    assert "decoder layers compiled" in proc.stdout and "did not compile" not in proc.stdout + proc.stderr
-    assert (tmp_path / "run" / "results.json").exists()
+def test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2(tmp_path):
+    """What ``make gpu-check ARGS=--compile`` runs on a GPU, on this CPU: ``torchrun --nproc_per_node=1 train.py``
+    (a process group, FSDP2 with bf16 parameters over fp32 master weights) with ``model.compile=on`` (Inductor's
+    compiled layers and loss), the headline form (DAPO, BiCC + RCC, KV reuse, checkpointing): two steps trained
+    and both evaluations."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(ROOT / "train.py"),
+         "model.compile=on", "model.gradient_checkpointing=true", "algo=dapo", "bicc=on", "rcc=on",
+         "dist.strategy=fsdp2", "dist.param_dtype=bfloat16", "sft.steps=5", "sft.batch_size=8", "train.steps=2",
+         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=4",
+         "data.reward=tests.rewards:first_of_group", "data.reward_batched=true", "eval.num_problems=4",
+         "eval.samples_per_problem=1", "eval.max_new_tokens=16", f"hydra.run.dir={run_dir}", "logger.wandb_mode=disabled",
+         "logger.progress=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[dist] rank 0/1" in proc.stdout and "decoder layers compiled" in proc.stdout
+    assert "did not compile" not in proc.stdout + proc.stderr  # no layer fell back to eager
+    trained = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+    assert [r["step"] for r in trained] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in trained)
+    assert any(r["train/grad_norm"] > 0 for r in trained), "no gradient: every group was degenerate"
+    assert "final" in json.loads((run_dir / "results.json").read_text())

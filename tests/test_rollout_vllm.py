@@ -220,7 +220,6 @@ def test_sigkill_then_resume_with_vllm_rollouts(tmp_path):
     assert conditioned_steps(killed) == conditioned_steps(reference) and all(s > 0 for s in conditioned_steps(killed))
 
 
-@pytest.mark.slow
 def test_eval_entry_point_with_vllm(tmp_path):
     """``eval.py rollout=vllm`` builds its engine from the run's rollout settings plus evaluation's (it used to
     hand the eval config to the engine, which has no ``sleep``, and raise), sized to the evaluation's longest
