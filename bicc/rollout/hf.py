@@ -36,6 +36,8 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        from transformers import LogitsProcessorList  # here: the engine registry is read before a run loads
+
         device = next(self.model.parameters()).device
         pad_id, end_ids = self.tokenizer.pad_token_id, self.end_ids
         greedy = sampling.temperature == 0
@@ -56,8 +58,6 @@ class HFEngine:
                 for i, p in enumerate(chunk):
                     input_ids[i, width - len(p) :] = torch.tensor(p)
                     attention_mask[i, width - len(p) :] = 1
-                from transformers import LogitsProcessorList  # here: the engine registry is read before a run loads
-
                 record = _RecordLogprobs(sampling.temperature) if out.logprobs is not None else None
                 with compute_precision(self.model):
                     sequences = self.model.generate(
