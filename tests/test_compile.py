@@ -8,9 +8,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -29,7 +26,7 @@ from bicc.rows import QueryRows, query_rows
 from bicc.state import RLState
 from bicc.update import update_policy
 from tests.conftest import compose_cfg
-from tests.helpers import ARCH, ROOT, rows
+from tests.helpers import ARCH, rows, run_train
 from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
 
 
@@ -295,16 +292,13 @@ def test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2(tmp_path):
     compiled layers and loss), the headline form (DAPO, BiCC + RCC, KV reuse, checkpointing): two steps trained
     and both evaluations."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(ROOT / "train.py"),
-         "model.compile=on", "model.gradient_checkpointing=true", "algo=dapo", "bicc=on", "rcc=on",
-         "dist.strategy=fsdp2", "dist.param_dtype=bfloat16", "sft.steps=5", "sft.batch_size=8", "train.steps=2",
-         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=4",
-         "data.reward=tests.rewards:first_of_group", "data.reward_batched=true", "eval.num_problems=4",
-         "eval.samples_per_problem=1", "eval.max_new_tokens=16", f"hydra.run.dir={run_dir}", "logger.wandb_mode=disabled",
-         "logger.progress=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_train(["model.compile=on", "model.gradient_checkpointing=true", "algo=dapo", "bicc=on", "rcc=on",
+                      "dist.strategy=fsdp2", "dist.param_dtype=bfloat16", "sft.steps=5", "sft.batch_size=8",
+                      "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=16",
+                      "bicc.min_attempt_tokens=4", "data.reward=tests.rewards:first_of_group", "data.reward_batched=true",
+                      "eval.num_problems=4", "eval.samples_per_problem=1", "eval.max_new_tokens=16",
+                      f"hydra.run.dir={run_dir}", "logger.wandb_mode=disabled", "logger.progress=false"],
+                     tmp_path, torchrun=1, timeout=600)
     assert "[dist] rank 0/1" in proc.stdout and "decoder layers compiled" in proc.stdout
     assert "did not compile" not in proc.stdout + proc.stderr  # no layer fell back to eager
     trained = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
