@@ -181,6 +181,13 @@ def reduce_after_backward(model, on: bool) -> None:
         model.set_requires_gradient_sync(on)
 
 
+def reshard_after_backward(model, on: bool) -> None:
+    """FSDP2 (``dist.reshard_after_backward=false``): whether the next backwards free the gathered parameters
+    (on) or keep them for the next micro-batch's forward (off); a no-op unsharded."""
+    if is_sharded(model):
+        model.set_reshard_after_backward(on)
+
+
 def sync_gradients(model, d: Dist, bucket_numel: int = 1 << 24) -> None:
     """DDP: sum every gradient over ranks, in flat buckets of at most ``bucket_numel`` elements."""
     if not d.enabled or d.strategy != "ddp":

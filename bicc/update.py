@@ -12,7 +12,15 @@ import torch
 from bicc.advantages import AdvantageFn, Advantages
 from bicc.batching import micro_batches
 from bicc.compile import loss_function
-from bicc.distributed import all_reduce_sum, full_tensor, global_totals, loss_scale, reduce_after_backward, sync_gradients
+from bicc.distributed import (
+    all_reduce_sum,
+    full_tensor,
+    global_totals,
+    loss_scale,
+    reduce_after_backward,
+    reshard_after_backward,
+    sync_gradients,
+)
 from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
 from bicc.state import RLState
@@ -84,11 +92,14 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     scale = loss_scale(state.dist)
     loss_fn = loss_function(model, cfg.algo.loss)  # compiled where the layers are (model.compile)
     once = cfg.dist.reduce_grads == "step"  # FSDP2 reduces only in a minibatch's last backward
+    keep = not cfg.dist.reshard_after_backward  # FSDP2 keeps the gathered weights until then
     prefix_backward = numerator.kv  # which is then the contexts' own, on leaving them
 
     def last_backward(last: bool) -> None:
         if once:
             reduce_after_backward(model, last)
+        if keep:
+            reshard_after_backward(model, last)
 
     adv = None if deferred else advantages(delta_logp)
 

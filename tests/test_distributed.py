@@ -72,11 +72,13 @@ def test_fsdp2_with_dynamic_sampling_and_uneven_ranks_matches_one_process(runs):
     single, multi, once = tmp / "dapo_single", tmp / "dapo_fsdp2", tmp / "dapo_fsdp2_once"
     one_process([f"hydra.run.dir={single}", *DAPO], tmp)
     two_processes([f"hydra.run.dir={multi}", "dist.strategy=fsdp2", *DAPO], tmp)
-    # and reducing the gradients once per optimizer step: in the prompts' prefix backward (KV reuse), the empty
-    # micro-batches' no-op backwards before it; or, one row per output, in the last micro-batch's backward
-    two_processes([f"hydra.run.dir={once}", "dist.strategy=fsdp2", "dist.reduce_grads=step", *DAPO], tmp)
+    # and reducing the gradients and freeing the gathered weights once per optimizer step: in the prompts' prefix
+    # backward (KV reuse), the empty micro-batches' no-op backwards before it; or, one row per output, in the last
+    # micro-batch's backward (weights kept past that would be stale at the next step)
+    keep = ["dist.reduce_grads=step", "dist.reshard_after_backward=false"]
+    two_processes([f"hydra.run.dir={once}", "dist.strategy=fsdp2", *keep, "dist.reshard_after_forward=false", *DAPO], tmp)
     rows_once = tmp / "dapo_fsdp2_once_rows"
-    two_processes([f"hydra.run.dir={rows_once}", "dist.strategy=fsdp2", "dist.reduce_grads=step",
+    two_processes([f"hydra.run.dir={rows_once}", "dist.strategy=fsdp2", *keep,
                    "train.share_prompts=false", "bicc.packing=false", *DAPO], tmp)
     rows = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
     groups = [r["rollout/groups"] for r in rows if "rollout/groups" in r]

@@ -79,6 +79,54 @@ def test_update_equals_hand_sequenced_loop(algo, micro):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
 
 
+FSDP2_ONE_RANK = """
+import sys
+import torch
+from bench.update_vs_bare import fsdp_one_rank
+from bicc.advantages import Advantages
+from bicc.batching import logprobs_no_grad
+from bicc.logprobs import make_token_batch
+from bicc.models import build_tiny
+from bicc.rows import QueryRows
+from bicc.update import update_policy
+from tests.conftest import compose_cfg
+from tests.helpers import ARCH, rows
+from tests.test_update import hand_loop, sgd_state
+
+cfg = compose_cfg(["algo=dapo", "train.minibatches_per_rollout=2", "train.epochs_per_rollout=2", "train.micro_batch_size=4",
+                   "rollout.max_new_tokens=12", "optim.clip_grad=1e9", *sys.argv[1:]])
+prompts, completions = rows()
+batch = make_token_batch(prompts, completions, 0)
+model, reference = build_tiny(ARCH, seed=0)[0].double(), build_tiny(ARCH, seed=0)[0].double()
+old_logp = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
+adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
+model = fsdp_one_rank(model, cfg, torch.device("cpu"), None)
+update_policy(sgd_state(model), batch, QueryRows(batch), old_logp, None, Advantages.given(adv), cfg, step_seed=7)
+hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
+# DTensor shards once resharded; the gathered copies themselves where FSDP2 still holds them
+full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+print(max((p - q).abs().max().item() for p, q in zip(full, reference.parameters())))
+"""
+
+
+@pytest.mark.parametrize("options", [[], ["dist.reshard_after_forward=false", "dist.reshard_after_backward=false",
+                                          "dist.reduce_grads=step"]], ids=["default", "kept-and-unreduced"])
+def test_the_update_under_fsdp2_equals_the_hand_loop_with_its_options(options):
+    """Four SGD steps (2 epochs x 2 minibatches of 3 micro-batches) under FSDP2 over a one-rank process group
+    (a process of its own) equal the unwrapped hand loop, with FSDP2's options that keep the gathered weights
+    across micro-batches and reduce once per minibatch: weights kept gathered past a minibatch's last backward
+    would be the ones before its optimizer step, which the next minibatch's forward would then use."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    out = subprocess.run([sys.executable, "-c", FSDP2_ONE_RANK, *options], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split()[-1]) <= 1e-6, out.stdout
+
+
 def test_update_metrics_are_the_micro_batch_means_read_once():
     """The update's metrics, kept on the device and read once per optimizer step: the loss is the minibatch's (its
     micro-batches' sum under the step's normalisers: the loss of one forward over all rows), the loss's own metrics
@@ -220,11 +268,14 @@ def test_first_pass_log_ratio_is_each_row_before_any_update():
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["one-row-per-output", "kv-reuse"])
-def test_reduce_grads_step_reduces_in_a_minibatch_last_backward_only(share, monkeypatch):
-    """``dist.reduce_grads=step``: FSDP2 is told to reduce in a minibatch's last backward only: its last
-    micro-batch's, or under KV reuse the prompts' prefix backward on leaving the contexts (then every micro-batch's
-    is off). The default (micro_batch) never touches the setting. (Two ranks against one process:
-    ``tests/test_distributed.py``.)"""
+@pytest.mark.parametrize("field, hook, default, option", [
+    ("dist.reduce_grads", "reduce_after_backward", "micro_batch", "step"),
+    ("dist.reshard_after_backward", "reshard_after_backward", "true", "false")], ids=["reduce", "reshard"])
+def test_fsdp2_options_act_in_a_minibatch_last_backward_only(share, field, hook, default, option, monkeypatch):
+    """``dist.reduce_grads=step`` / ``dist.reshard_after_backward=false``: FSDP2 is told to reduce the gradients /
+    free the gathered weights in a minibatch's last backward only: its last micro-batch's, or under KV reuse the
+    prompts' prefix backward on leaving the contexts (then every micro-batch's is off). The default never touches
+    the setting. (Two ranks against one process: ``tests/test_distributed.py``.)"""
     import bicc.update
     from bicc.batching import micro_batches
     from bicc.distributed import Dist
@@ -235,12 +286,12 @@ def test_reduce_grads_step_reduces_in_a_minibatch_last_backward_only(share, monk
     numerator = query_rows(batch, prompts, completions, share, 0, torch.device("cpu"))
     adv = Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64))
     calls = []
-    monkeypatch.setattr(bicc.update, "reduce_after_backward", lambda model, on: calls.append(on))
-    for setting in ("micro_batch", "step"):
-        cfg = compose_cfg(["train.micro_batch_size=4", "rollout.max_new_tokens=12", f"dist.reduce_grads={setting}"])
+    monkeypatch.setattr(bicc.update, hook, lambda model, on: calls.append(on))
+    for setting in (default, option):
+        cfg = compose_cfg(["train.micro_batch_size=4", "rollout.max_new_tokens=12", f"{field}={setting}"])
         model = build_tiny(ARCH, seed=0)[0].double()
         update_policy(sgd_state(model), batch, numerator, None, None, adv, cfg, step_seed=0)
-        if setting == "micro_batch":
+        if setting == default:
             assert calls == []
     k = len(micro_batches(torch.arange(12), numerator, 4, cfg.train.micro_batch_tokens, model, Dist()))
     assert k >= 2 and calls == [False] * (k - 1) + [not share, True]

@@ -195,6 +195,7 @@ class DistConfig:
     param_dtype: Optional[str] = choice(Optional[Dtype], None)
     reduce_dtype: str = choice(Dtype, "float32")
     reshard_after_forward: bool = True
+    reshard_after_backward: bool = True
     reduce_grads: str = choice(Literal["micro_batch", "step"], "micro_batch")
     timeout_minutes: float = 60.0
 
