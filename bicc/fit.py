@@ -26,19 +26,21 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
     r, t, e = cfg.rollout, cfg.train, cfg.eval
     compute = DTYPES[cfg.dist.param_dtype] if sharded and cfg.dist.param_dtype else DTYPES[cfg.model.dtype]
     vllm = r.engine == "vllm"
+    plan = StepPlan.from_config(cfg, vllm or bool(r.old_from_sampler))
     return Run(world=world, micro_batch=t.micro_batch_size, output_tokens=r.max_new_tokens, prompt_tokens=prompt_tokens,
                context_ratio=cfg.bicc.context_ratio, bicc=bool(cfg.bicc.enabled),
                contexts=max(1, 2 * r.prompts_per_step // world), reference=StepPlan.loads_reference(cfg),
                chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.gpu_memory_utilization, gpu_gib=gpu_gib,
                compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
-               delta_from_update=bool(cfg.rcc.enabled and cfg.rcc.delta_from_update),
-               no_grad_on_context=any("on x^c" in p and "no grad" in p for p in
-                                      StepPlan.from_config(cfg, vllm or bool(r.old_from_sampler)).passes()),
+               delta_from_update=plan.delta_from_update,  # where the plan defers (delta on the update's own context)
+               no_grad_on_context=any("on x^c" in p and "no grad" in p for p in plan.passes()),
                master_bytes=DTYPES[cfg.model.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
                eval_batch_tokens=e.batch_tokens, eval_new_tokens=e.max_new_tokens,
                eval_rows=min(e.batch_size, e.limit * e.samples_per_problem if e.limit else e.batch_size),
                flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2",
-               rollout_batch=r.batch_size, compiled=cfg.model.compile in ("on", "auto"))  # auto: on a GPU
+               rollout_batch=r.batch_size, compiled=cfg.model.compile in ("on", "auto"),  # auto: on a GPU
+               reshard_after_forward=cfg.dist.reshard_after_forward, reshard_after_backward=cfg.dist.reshard_after_backward,
+               reduce_per_step=cfg.dist.reduce_grads == "step")
 
 
 def knob(phase: str, run: Run) -> str:
@@ -49,10 +51,15 @@ def knob(phase: str, run: Run) -> str:
         return "eval.batch_tokens (rows x tokens per HF generate call)"
     if phase == "optimizer step":
         return "more GPUs (torchrun --nproc_per_node, dist.strategy=fsdp2 shards weights, gradients and AdamW)"
+    # FSDP2's options that hold more than the default (bicc.memory)
+    fsdp2 = {"dist.reshard_after_forward=true": not run.reshard_after_forward,
+             "dist.reshard_after_backward=true": not run.reshard_after_backward,
+             "dist.reduce_grads=micro_batch": run.reduce_per_step} if run.sharded else {}
     if phase == "no-grad log-probs":
-        return "train.logprob_chunk_tokens"
-    update = "train.micro_batch_size or train.micro_batch_tokens, train.logprob_chunk_tokens"
-    return update + (", rcc.delta_from_update=false" if run.delta_from_update else "")
+        return ", ".join(["train.logprob_chunk_tokens", *[k for k in fsdp2 if fsdp2[k] and "forward" in k]])
+    update = ["train.micro_batch_size or train.micro_batch_tokens, train.logprob_chunk_tokens"]
+    update += ["rcc.delta_from_update=false"] if run.delta_from_update else []
+    return ", ".join(update + [k for k, on in fsdp2.items() if on])
 
 
 def check_fit(arch: Arch, run: Run, budget_gib: float) -> str:

@@ -5,9 +5,13 @@ the tables for the paper presets and validates the model against measured peaks.
 What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = master bytes):
 
 - sharded policy (FSDP2): fp32 master weights 4N/W, fp32 gradients 4N/W (update and optimizer step only), AdamW
-  moments 8N/W, and the optimizer step's foreach temporaries (two parameter-sized fp32 buffers / W);
+  moments 8N/W (AdamW is fused, ``bicc.optim``: its step allocates no parameter-sized temporaries);
 - FSDP2's gathered compute copies: the root's (embeddings, head) for the whole pass, two decoder layers at a time
-  (the current one and the prefetched one), and one layer's unsharded gradient in backward;
+  (the current one and the prefetched one), and one layer's unsharded gradient in backward. Kept gathered
+  (``dist.reshard_after_forward=false``): every layer from the no-grad passes and each forward to its backward;
+  (``dist.reshard_after_backward=false``): every layer through a minibatch's backwards but its last;
+- ``dist.reduce_grads=step``: from the second micro-batch of a minibatch every gradient is held unreduced (fp32,
+  unsharded) until the minibatch's last backward reduce-scatters it;
 - the frozen reference: a full copy in the compute dtype on every rank (RCC's delta needs it);
 - vLLM: awake during the rollout at ``gpu_memory_utilization`` x the GPU's memory, asleep (level 2: weights and KV
   cache dropped) during the update; the gradients are freed after the optimizer step, and the root (embeddings,
@@ -21,19 +25,19 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   tensors counted;
 - activations of a micro-batch under activation checkpointing: every layer's input kept for the backward
   (tokens x H x b per layer), one layer's recomputed activations at a time (per token: 3H + 6Hq + 6Hkv + 4I
-  values, plus fp32 copies in the RMSNorms when b < 4), counted at the backward's worst layer, where the
-  gradients already produced and the inputs not yet released meet;
-- the chunked log-prob head: about four chunk x V fp32 buffers (logits, their log-softmax / exp for the entropy,
-  the gradient), plus the chunk's compute-dtype logits when b < 4; in its backward, the head's V x H weight
-  gradient and each chunk's contribution to it;
+  values, plus fp32 copies in the RMSNorms when b < 4), counted at the backward's worst point: the top layer's
+  backward in a minibatch's second micro-batch or later, where every layer's input is kept and the earlier
+  micro-batches' gradients are held (``bench.memory_tracker`` traces the peak there);
+- the chunked log-prob head (``bicc.head``): in the update, three chunk x V fp32 buffers (the logits, their
+  exponentials, and the entropy's product of the two: ``linalg.vecdot`` multiplies before it sums, on any device);
+  in its backward, the head's V x H weight gradient and each chunk's contribution to it;
 - ``rcc.delta_from_update`` (false in the presets): the update's forwards all run before its backwards, so at the
-  first backward every other micro-batch's checkpointed layer inputs, context K/V and final hidden states are held;
+  first backward every other micro-batch's checkpointed layer inputs and final hidden states are held;
 - BiCC's KV-reuse packing: the step's distinct contexts (two per group, this GPU's share) computed once per minibatch
   and held through all of its micro-batches: their checkpointed layer inputs, their keys/values in every layer and
-  the gradient that the micro-batches leave on those; each completion's gathered copy of its context's keys and
-  values, held for its micro-batch's backward, and each finished layer's gradient of it (with its own K/V's) until
-  the gathers' backward at the micro-batch's end; at the end, one backward through the context forward (one
-  recomputed layer over all context tokens);
+  the gradient that the micro-batches leave on those (each completion's rows of its context's keys/values are picked
+  inside its layer's call, and their gradient scattered back in the layer's backward: nothing of them outlives the
+  layer); at the end, one backward through the context forward (one recomputed layer over all context tokens);
 - ``model.compile`` (``bicc.fuse``): a layer's q/k/v and gate/up weights concatenated in its forward (again in the
   recompute) and, in its backward, their gradient before it is split, one layer at a time.
 
@@ -115,6 +119,9 @@ class Run:
     flash: bool = True  # flash-attention 2 (the presets on a GPU with flash-attn); false: SDPA repeats K/V per head
     rollout_batch: int = 64  # rollout.batch_size: most rows per HF generate call (rollout=hf)
     compiled: bool = False  # model.compile on (or auto, on a GPU): a layer's fused projection weights (bicc.fuse)
+    reshard_after_forward: bool = True  # dist.reshard_after_forward (FSDP2)
+    reshard_after_backward: bool = True  # dist.reshard_after_backward (FSDP2)
+    reduce_per_step: bool = False  # dist.reduce_grads=step (FSDP2): gradients unreduced until a minibatch's last backward
 
 
 def _layer_bytes_per_token(arch: Arch, b: int) -> int:
@@ -131,15 +138,11 @@ def prefix_tokens(run: Run) -> int:
     return run.prompt_tokens + (int(run.context_ratio * run.output_tokens) if run.bicc else 0)
 
 
-def _activations(arch: Arch, run: Run) -> tuple[int, int, int, int]:
-    """(tokens in a micro-batch's forward, bytes of one recomputed layer, bytes of the micro-batch's gathered
-    context K/V, context tokens held per minibatch)."""
-    b, hkv = run.compute_bytes, arch.kv_heads * arch.head_dim
-    prefix = prefix_tokens(run)
+def _activations(arch: Arch, run: Run) -> tuple[int, int, int]:
+    """(tokens in a micro-batch's forward, bytes of one recomputed layer, context tokens held per minibatch)."""
     # KV-reuse packing: the contexts are computed apart, once per minibatch (bicc.rows.contexts_once)
     tokens = run.micro_batch * run.output_tokens if run.bicc else run.micro_batch * (run.output_tokens + run.prompt_tokens)
-    kv = run.micro_batch * prefix * arch.layers * 2 * hkv * b if run.bicc else 0
-    return tokens, tokens * _layer_bytes_per_token(arch, b), kv, (run.contexts * prefix if run.bicc else 0)
+    return tokens, tokens * _layer_bytes_per_token(arch, run.compute_bytes), run.contexts * prefix_tokens(run) if run.bicc else 0
 
 
 def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
@@ -160,35 +163,38 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     if run.sharded:
         gathered = {"FSDP2 gathered root (embeddings, head)": b * arch.root_params(),
                     "FSDP2 gathered layers (current + prefetch)": 2 * b * arch.layer_params()}
-    tokens, layer_act, prefix_kv, context_tokens = _activations(arch, run)
+    layer_bytes, keep_fwd = b * arch.layer_params(), run.sharded and not run.reshard_after_forward
+    keep_bwd = run.sharded and not run.reshard_after_backward
+
+    def kept(layers: int) -> dict:
+        """``gathered`` with ``layers`` decoder layers held gathered (FSDP2's reshard options off)."""
+        if layers <= 2:
+            return gathered
+        return {"FSDP2 gathered root (embeddings, head)": b * arch.root_params(),
+                "FSDP2 gathered layers (kept: dist.reshard_after_*=false)": layers * layer_bytes}
+
+    # dist.reduce_grads=step: from a minibatch's second micro-batch on every gradient is held unreduced
+    unreduced = {"unreduced gradients (fp32, unsharded: dist.reduce_grads=step)": 4 * n} if run.reduce_per_step else {}
+    tokens, layer_act, context_tokens = _activations(arch, run)
     fused = (b if run.sharded else run.master_bytes) * arch.fused_params() if run.compiled else 0
     fused_pair = {"fused projection weights + their gradient (model.compile)": 2 * fused} if fused else {}
     context_kv = context_tokens * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
     # held through the minibatch: the context forward's checkpointed inputs, its K/V and their gradient
     contexts = {"BiCC contexts (inputs, K/V, K/V gradient)": context_tokens * arch.layers * arch.hidden * b + 2 * context_kv}
     chunk = min(run.chunk_tokens, tokens)
-    head = chunk * arch.vocab * (4 * 4 + (b if b < 4 else 0))
-    # the backward's worst layer: gradients of the layers above it done, inputs of the layers below it kept
-    inputs_per_layer, grads_per_layer = tokens * arch.hidden * b, 4 * arch.layer_params() / w
-    head_grads = 4 * arch.root_params() / w
+    head = chunk * arch.vocab * 3 * 4  # fp32 logits, exponentials, their product (the entropy)
+    inputs = arch.layers * tokens * arch.hidden * b  # every layer's checkpointed input
     # rcc.delta_from_update: at the first backward every other micro-batch's graph is still held
     held = {}
     if run.delta_from_update:
         others = -(-run.rows // run.micro_batch) - 1
-        held["other micro-batches' graphs (rcc.delta_from_update)"] = others * (
-            arch.layers * inputs_per_layer + prefix_kv + tokens * arch.hidden * b)
-    # KV reuse: each finished layer's gradient of its gathered [prefix; own] K/V is held until the gathers' backward,
-    # at the end of the micro-batch's (the prefix's share is a view of it; the gathers run before the first layer)
-    kv_grads = run.micro_batch * (prefix_tokens(run) + run.output_tokens) * 2 * arch.kv_heads * arch.head_dim * b
-    kv_grads = kv_grads if run.bicc else 0
-    worst = max(range(arch.layers),
-                key=lambda i: (i + 1) * inputs_per_layer + (arch.layers - 1 - i) * (grads_per_layer + kv_grads))
-    update = {**static, **gathered,
-              "gradients so far (fp32, sharded)": head_grads + (arch.layers - 1 - worst) * grads_per_layer,
-              "checkpointed layer inputs": (worst + 1) * inputs_per_layer,
-              "one layer's recomputed activations": layer_act,
-              "BiCC prefix keys/values": prefix_kv, **contexts, **held,
-              "gathered K/V gradients of the layers done": (arch.layers - 1 - worst) * kv_grads, **fused_pair}
+        held["other micro-batches' graphs (rcc.delta_from_update)"] = others * (inputs + tokens * arch.hidden * b)
+    # from a minibatch's second micro-batch on, the gradients of the ones before are held throughout its backward;
+    # its worst point is the top layer's backward: every layer's input kept, every layer gathered that is kept so
+    held_grads = unreduced or {"gradients (fp32, sharded)": grads}
+    update = {**static, **kept(arch.layers if keep_fwd or keep_bwd else 2), **held_grads,
+              "checkpointed layer inputs": inputs, "one layer's recomputed activations": layer_act, **contexts, **held,
+              **fused_pair}
     hq = arch.heads * arch.head_dim
     if not run.flash:  # SDPA: K/V repeated to every query head, and their gradient, in the recomputed layer
         update["SDPA repeated K/V and their gradient"] = run.micro_batch * (prefix_tokens(run) + run.output_tokens) * 4 * hq * b
@@ -198,11 +204,11 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     # the head's weight gradient (unsharded, in the compute dtype, until FSDP2 reduce-scatters it at the end of the
     # root's backward; fp32 in one process) and each chunk's V x H contribution before it is accumulated
     head_grad_bytes = (b if run.sharded else 4) * arch.vocab * arch.hidden
-    head_phase = {**static, **gathered, "head weight gradient + one chunk's": 2 * head_grad_bytes,
-                  "checkpointed layer inputs": arch.layers * inputs_per_layer,
-                  "log-prob head chunk": head, "BiCC prefix keys/values": prefix_kv, **contexts, **held}
+    head_phase = {**static, **kept(arch.layers if keep_fwd or keep_bwd else 2), **held_grads,
+                  "head weight gradient + one chunk's": 2 * head_grad_bytes, "checkpointed layer inputs": inputs,
+                  "log-prob head chunk": head, **contexts, **held}
     # the contexts' own backward, after the last micro-batch: one recomputed layer over all context tokens
-    context_phase = {**static, **gathered, "gradients so far (fp32, sharded)": grads,
+    context_phase = {**static, **kept(arch.layers if keep_bwd else 2), **held_grads,
                      "BiCC contexts (inputs, K/V, K/V gradient)": contexts and sum(contexts.values()),
                      "one context layer's recomputed activations": context_tokens * _layer_bytes_per_token(arch, b),
                      **fused_pair}
@@ -211,17 +217,17 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     if run.sharded:
         context_phase["root gradient (compute dtype, unsharded)"] = b * arch.root_params()
     # no grad, no entropy: the chunk's fp32 logits, exponentiated in place, beside the compute-dtype ones they came from
-    logprob = {**static, **gathered, "one layer's activations (no grad)": layer_act / 2,
+    logprob = {**static, **kept(arch.layers if keep_fwd else 2), "one layer's activations (no grad)": layer_act / 2,
                "log-prob head chunk": chunk * arch.vocab * (4 + (b if b < 4 else 0)),
                "BiCC contexts' K/V (no grad)": context_kv if run.no_grad_on_context else 0,
                **({"fused projection weights (model.compile)": fused} if fused else {})}
     if run.sharded:  # reduce_dtype fp32: the unsharded gradient is cast before the reduce-scatter
         update["fp32 reduce-scatter staging (one layer)"] = 4 * arch.layer_params()
     # the root's reduce-scatter, at the end of the backward: its compute-dtype gradient and the fp32 staging copy
-    root_phase = {**static, **gathered, "gradients so far (fp32, sharded)": grads - head_grads,
+    root_phase = {**static, **kept(arch.layers if keep_bwd else 2), **held_grads,
                   "root gradient (compute dtype, unsharded)": b * arch.root_params(),
                   "fp32 reduce-scatter staging (root)": 4 * arch.root_params(), **contexts}
-    optimizer = {**static, "gradients (fp32, sharded)": grads, "AdamW step temporaries": 2 * 4 * n / w}
+    optimizer = {**static, "gradients (fp32, sharded)": grads}
     # between steps (rollout, evaluation): the update's backward has resharded every FSDP2 unit, the root included
     awake = dict(static)
     if run.vllm:

@@ -31,6 +31,11 @@ def test_the_launchers_numbers_for_the_paper_preset_are_the_memory_tables():
     two = run_of(cfg, world=2, sharded=True, gpu_gib=80.0, prompt_tokens=300)
     assert (two.rows, two.contexts, two.world) == (128, 32, 2)
     assert run_of(compose_cfg(["experiment=paper_qwen3_4b", "rcc=off", "bicc=off"]), 4, True, 80.0, 300).reference is False
+    # rcc.delta_from_update holds the update's graphs only where the step defers to it: delta on x^c under BiCC (the
+    # preset reads delta on q, from a no-grad pass before the update, and ignores the setting)
+    deferred = ["experiment=paper_qwen3_4b", "rcc.delta_from_update=true"]
+    assert run_of(compose_cfg(deferred), 4, True, 80.0, 300).delta_from_update is False
+    assert run_of(compose_cfg([*deferred, "rcc.delta_context=xc"]), 4, True, 80.0, 300).delta_from_update is True
 
 
 def test_the_no_grad_passes_by_hand_and_what_max_memory_allocated_counts():
@@ -52,18 +57,23 @@ def test_the_no_grad_passes_by_hand_and_what_max_memory_allocated_counts():
     assert run_of(xc, 4, True, 80.0, 300).no_grad_on_context is True
 
 
-def test_the_gathered_kv_gradients_held_to_the_end_of_a_micro_batch_by_hand():
-    """Under KV reuse each finished layer's gradient of its gathered [prefix; own] K/V stays until the gathers'
-    backward at the micro-batch's end: in the preset the backward's worst point is its last layer (the layer
-    inputs released per layer, 8 x 2,048 x 2,560 x 2 B, weigh less than a layer's gradients), so 35 layers' worth."""
+def test_the_update_peak_by_hand():
+    """The update's worst point is the top layer's backward in a minibatch's second micro-batch or later: every
+    layer's checkpointed input is kept, and the earlier micro-batches' gradients are all held (sharded over the 4
+    GPUs). Each completion's rows of its context's keys/values are picked inside its layer's call, so nothing of
+    them outlives the layer. The head's chunk holds three fp32 [1,024, V] buffers: logits, exponentials, and the
+    entropy's product of the two."""
     from bicc.memory import phases
 
-    update = phases(QWEN3_4B, Run())["update: layers backward"]
-    # 8 rows x (300 prompt + 819 context + 2,048 own tokens) x K and V x 8 heads x 128 x 2 bytes, per layer
-    assert update["gathered K/V gradients of the layers done"] == 35 * 8 * (300 + 819 + 2048) * 2 * 8 * 128 * 2
-    assert update["checkpointed layer inputs"] == 8 * 2048 * 2560 * 2  # the first layer's, alone left
+    preset = phases(QWEN3_4B, Run())
+    update, head = preset["update: layers backward"], preset["update: head backward"]
+    assert update["gradients (fp32, sharded)"] == head["gradients (fp32, sharded)"] == 4 * 4_022_468_096 / 4
+    assert update["checkpointed layer inputs"] == head["checkpointed layer inputs"] == 36 * 8 * 2048 * 2560 * 2
+    assert head["log-prob head chunk"] == 1024 * 151_936 * 12
+    assert not [k for p in preset.values() for k in p if "prefix keys" in k or "gathered K/V" in k]
+    # without BiCC every row carries its prompt: 8 x (300 + 2,048) tokens a micro-batch
     plain = phases(QWEN3_4B, dataclasses.replace(Run(), bicc=False))["update: layers backward"]
-    assert plain["gathered K/V gradients of the layers done"] == 0
+    assert plain["checkpointed layer inputs"] == 36 * 8 * (300 + 2048) * 2560 * 2
 
 
 def test_the_compiled_layers_fused_weights_by_hand():
@@ -87,6 +97,43 @@ def test_the_compiled_layers_fused_weights_by_hand():
     for setting, compiled in (("on", True), ("auto", True), ("off", False)):
         cfg = compose_cfg(["experiment=paper_qwen3_4b", f"model.compile={setting}"])
         assert run_of(cfg, 4, True, 80.0, 300).compiled is compiled
+
+
+def test_fsdp2_options_that_hold_more_by_hand():
+    """FSDP2 over 4 GPUs, bf16 gathered layers of 100,930,816 parameters (2 x 2,560 x 4,096 + 2 x 2,560 x 1,024 + 3 x
+    2,560 x 9,728 + 2 x 2,560 + 2 x 128). By default two are gathered at a time. ``dist.reshard_after_forward=false``
+    keeps all 36 from the no-grad passes, and in the update from the forward until each layer's backward (the
+    head's backward and the top layer's see all 36); ``dist.reshard_after_backward=false`` keeps them through a
+    minibatch's backwards but its last (the layers' and the root's backward see all 36); ``dist.reduce_grads=step``
+    holds every gradient unreduced in fp32, unsharded (4 bytes x 4,022,468,096 parameters) in place of the sharded
+    ones."""
+    from bicc.memory import phases
+
+    layer, kept = 100_930_816 * 2, "FSDP2 gathered layers (kept: dist.reshard_after_*=false)"
+    assert QWEN3_4B.layer_params() == 100_930_816 and QWEN3_4B.params() == 4_022_468_096
+    base = phases(QWEN3_4B, Run())
+    assert all(p["FSDP2 gathered layers (current + prefetch)"] == 2 * layer for k, p in base.items() if "update" in k)
+    fwd = phases(QWEN3_4B, dataclasses.replace(Run(), reshard_after_forward=False))
+    bwd = phases(QWEN3_4B, dataclasses.replace(Run(), reshard_after_backward=False))
+    assert fwd["no-grad log-probs"][kept] == fwd["update: head backward"][kept] == 36 * layer
+    for phase in ("update: head backward", "update: layers backward", "update: contexts backward", "update: root reduce-scatter"):
+        assert bwd[phase][kept] == 36 * layer, phase
+    assert kept not in bwd["no-grad log-probs"] and kept not in fwd["update: contexts backward"]
+    for phases_ in (fwd, bwd):  # resharded by the last backward: nothing more between steps
+        assert phases_["optimizer step"] == base["optimizer step"] and phases_["rollout"] == base["rollout"]
+    assert fwd["update: layers backward"][kept] == 36 * layer  # at the top layer's backward, the first
+    unreduced = phases(QWEN3_4B, dataclasses.replace(Run(), reduce_per_step=True))
+    name = "unreduced gradients (fp32, unsharded: dist.reduce_grads=step)"
+    for phase in ("update: head backward", "update: layers backward", "update: contexts backward", "update: root reduce-scatter"):
+        assert unreduced[phase][name] == 4 * 4_022_468_096 and "gradients (fp32, sharded)" not in unreduced[phase]
+    one_process = dataclasses.replace(Run(), sharded=False, world=1, reshard_after_forward=False, reshard_after_backward=False)
+    assert not any(kept in p for p in phases(QWEN3_4B, one_process).values())  # no FSDP2, nothing kept
+    cfg = compose_cfg(["experiment=paper_qwen3_4b", "dist.reshard_after_forward=false", "dist.reduce_grads=step"])
+    run = run_of(cfg, 4, True, 80.0, 300)
+    assert (run.reshard_after_forward, run.reshard_after_backward, run.reduce_per_step) == (False, True, True)
+    assert knob("update: layers backward", run).endswith("dist.reshard_after_forward=true, dist.reduce_grads=micro_batch")
+    assert knob("no-grad log-probs", run) == "train.logprob_chunk_tokens, dist.reshard_after_forward=true"
+    assert "dist." not in knob("update: layers backward", Run()) + knob("no-grad log-probs", Run())
 
 
 def test_a_config_that_fits_gets_its_line_and_one_that_does_not_names_the_knob():

@@ -20,15 +20,21 @@ def trace(tmp_path, *args):
     return json.loads(out.read_text(encoding="utf-8")), proc.stdout
 
 
-def test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_the_models(tmp_path):
+@pytest.mark.parametrize("options", [[], ["dist.reshard_after_forward=false", "dist.reshard_after_backward=false",
+                                          "dist.reduce_grads=step"]], ids=["default", "fsdp2-options"])
+def test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_the_models(options, tmp_path):
     """Between steps (the rollout) a rank holds its fp32 master shard, AdamW's two moments and the bf16 reference
-    (FSDP2's root is resharded by then): that much the model counts by formula and the trace by tensors, within 5%.
-    The update holds more than the no-grad passes, which hold more than the rollout. (Half the preset's prompts per
-    step: four micro-batches a rank, not eight, each of the preset's size, and eight contexts.)"""
-    got, stdout = trace(tmp_path, "--layers", "4", "rollout.prompts_per_step=16")
+    (FSDP2's root is resharded by then), and in the optimizer step its sharded gradients too (fused AdamW: nothing
+    parameter-sized besides): that much the model counts by formula and the trace by tensors, within 5%. The
+    update's model is at most 10% above the trace and never below it, with FSDP2's options that keep the gathered
+    layers and the unreduced gradients too. The update holds more than the no-grad passes, which hold more than
+    the rollout. (Half the preset's prompts per step: four micro-batches a rank, not eight, each of the preset's
+    size, and eight contexts.)"""
+    got, stdout = trace(tmp_path, "--layers", "4", "rollout.prompts_per_step=16", *options)
     traced, model = got["traced"], got["model"]
     assert abs(model["rollout"] / traced["rollout"] - 1) < 0.05
-    assert abs(model["update"] / traced["update"] - 1) < 0.10  # the update's terms, SDPA's repeated K/V among them
+    assert abs(model["optimizer step"] / traced["optimizer step"] - 1) < 0.05
+    assert 1.0 <= model["update"] / traced["update"] < 1.10  # the update's terms, SDPA's repeated K/V among them
     assert traced["update"] > traced["no-grad log-probs"] > traced["rollout"] > 0
     assert traced["run"] == max(traced[k] for k in ("rollout", "no-grad log-probs", "update", "optimizer step"))
     assert "RESULT memory_model_vs_tracker=" in stdout
@@ -38,8 +44,8 @@ def test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_
 def test_the_paper_preset_fits_an_80_gib_gpu_with_a_tenth_to_spare(tmp_path):
     """experiment=paper_qwen3_4b algo=dapo bicc=on rcc=on on 4 GPUs, every output at 2,048 tokens: the traced peak
     with the allocator's 10% and the 2.5 GiB CUDA runtime stays under 72 GiB (vLLM sleeps through the update), and
-    bicc.memory's update is the trace's within 10%."""
+    bicc.memory's update is the trace's within 5%, and not below it."""
     got, stdout = trace(tmp_path)
     assert got["on_gpu"] <= 72 * GIB, stdout[-2000:]
-    assert abs(got["model"]["update"] / got["traced"]["update"] - 1) < 0.10, stdout[-2000:]
+    assert 1.0 <= got["model"]["update"] / got["traced"]["update"] < 1.05, stdout[-2000:]
     assert got["traced"]["rollout"] + 0.4 * 80 * GIB <= 72 * GIB  # the rollout beside vLLM's share, awake
