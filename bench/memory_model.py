@@ -159,7 +159,8 @@ def main() -> None:
     phi = print_table("paper_phi4_mini (rollout=vllm, bicc=on rcc=on)", PHI4_MINI, Run())
     for name, arch in (("paper_qwen3_4b", QWEN3_4B), ("paper_phi4_mini", PHI4_MINI)):
         phase, value = peak(arch, Run(delta_from_update=True))
-        print(f"{name} with rcc.delta_context=xc rcc.delta_from_update=true (the presets read delta on q): peak {value / GIB:.2f} GiB ({phase})")
+        print(f"{name} with rcc.delta_context=xc rcc.delta_from_update=true (the presets read delta on q): "
+              f"peak {value / GIB:.2f} GiB ({phase})")
         hf = Run(vllm=False, eval_vllm=False)
         evaluation = sum(phases(arch, hf)["evaluation"].values())
         print(f"{name} with rollout=hf: evaluation {evaluation / GIB:.2f} GiB (HF generate, eval.batch_tokens="
