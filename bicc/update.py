@@ -142,9 +142,8 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                 for i, rows in enumerate(plan):
                     start = time.perf_counter()
                     if len(rows) == 0:
-                        logp, _ = numerator.logprobs(model, mb_rows[:1] if len(mb_rows) else torch.arange(0, 1),
-                                                     cfg.rollout.temperature)
-                        held.append((None, logp, None))
+                        held.append((None, numerator.logprobs(model, mb_rows[:1] if len(mb_rows) else torch.arange(0, 1),
+                                                              cfg.rollout.temperature)[0], None))
                     else:
                         held.append((rows, *numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)))
                     timers["forward"] += time.perf_counter() - start
@@ -154,9 +153,10 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                 if deferred:  # every row's first-forward log-probs are known: the advantages, then the backwards
                     dtype = next((logp.dtype for rows, logp, _ in held if rows is not None), torch.float32)
                     grid = batch.completion_mask.new_zeros(batch.completion_mask.shape, dtype=dtype)
-                    for rows, logp, _ in held:
-                        if rows is not None:
-                            grid[rows] = logp.detach()
+                    # no name outlives the loop bound to a log-prob with its graph: the autograd nodes would keep
+                    # tensors they hold past their backward, through the optimizer step
+                    for rows, first in [(rows, logp.detach()) for rows, logp, _ in held if rows is not None]:
+                        grid[rows] = first
                     adv = advantages(grid)  # what finish() reads
                     while held:
                         last_backward(len(held) == 1 and not prefix_backward)

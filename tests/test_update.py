@@ -127,6 +127,34 @@ def test_the_update_under_fsdp2_equals_the_hand_loop_with_its_options(options):
     assert float(out.stdout.split()[-1]) <= 1e-6, out.stdout
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["advantages-first", "delta-from-update"])
+def test_no_micro_batch_graph_is_alive_at_the_optimizer_step(deferred):
+    """Every micro-batch's log-probs, and the graph behind them, are released by the optimizer step, whether the
+    backwards follow each forward or, under ``delta_from_update``, all the forwards first. A name still bound to the
+    last micro-batch's log-probs would keep its autograd nodes, and the tensors they hold past their backward,
+    through the step (1.2 GiB of the trace's optimizer step at 8 layers of the preset, fixed)."""
+    import weakref
+
+    cfg = compose_cfg(["algo=grpo", "train.micro_batch_size=4", "rollout.max_new_tokens=12"])
+    prompts, completions = rows()
+    batch = make_token_batch(prompts, completions, 0)
+    model = build_tiny(ARCH, seed=0)[0].double()
+    numerator, made, alive = QueryRows(batch), [], []
+    logprobs = numerator.logprobs
+
+    def recorded(*args, **kwargs):
+        out = logprobs(*args, **kwargs)
+        made.append(weakref.ref(out[0]))
+        return out
+
+    numerator.logprobs = recorded
+    state = sgd_state(model)
+    state.optimizer.register_step_pre_hook(lambda *_: alive.append(sum(r() is not None for r in made)))
+    adv = Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64))
+    update_policy(state, batch, numerator, None, None, adv, cfg, step_seed=0, delta_from_update=deferred)
+    assert len(made) == 3 and alive == [0]
+
+
 def test_update_metrics_are_the_micro_batch_means_read_once():
     """The update's metrics, kept on the device and read once per optimizer step: the loss is the minibatch's (its
     micro-batches' sum under the step's normalisers: the loss of one forward over all rows), the loss's own metrics
