@@ -23,7 +23,11 @@ has a budget; no hub access, no vLLM, no flash-attn needed).
 ``--compile`` runs the rehearsal with ``model.compile=on`` (each decoder layer compiled for the update and the
 log-prob passes, ``bicc.compile``) and ``rollout.static_cache=true`` (HF generate into a static KV cache, whose
 decoding steps transformers compiles), and the baseline with ``--compile``: run the check once without and once
-with it to compare them on one GPU (``perf/generate_s`` and ``perf/update_s`` tell the two apart).
+with it to compare them on one GPU (``perf/generate_s`` and ``perf/update_s`` tell the two apart). Hydra overrides
+after the flags reach the rehearsal, the baseline's update and the memory model's prediction alike, e.g. FSDP2's
+options that keep the gathered layers (``docs/distributed.md``)::
+
+    make gpu-check ARGS="--compile dist.reshard_after_forward=false dist.reshard_after_backward=false"
 
 Each phase runs under what is left of ``--budget-s`` (480): a phase that would overrun is stopped and says so
 (the RL loop stops at ``train.time_budget_s`` with a checkpoint). Ends with ``RESULT`` lines:
@@ -212,17 +216,18 @@ def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, p
             "phases": {k: (measured[k]["allocated"], v) for k, v in predicted.items() if k in measured}}
 
 
-def predicted_gib(model_dir: Path, gpu_gib: float, **sizes) -> dict[str, float]:
+def predicted_gib(model_dir: Path, gpu_gib: float, extra: tuple = (), **sizes) -> dict[str, float]:
     """``bicc.memory``'s allocated bytes (no runtime, no allocator slack: what ``max_memory_allocated`` counts) per
-    run phase, for the rehearsal's own config as ``train.py`` composes it: one process under torchrun (FSDP2 over one
-    rank), its longest training prompt, HF generate for the rollout and the evaluation, SDPA."""
+    run phase, for the rehearsal's own config (with the overrides ``extra``) as ``train.py`` composes it: one process
+    under torchrun (FSDP2 over one rank), its longest training prompt, HF generate for the rollout and the
+    evaluation, SDPA."""
     from bench.step_profile import compose_cfg
     from bicc.data import build_task
     from bicc.fit import predicted_run
     from bicc.memory import allocated
     from bicc.models import tokenizer_and_positions
 
-    cfg = compose_cfg([o for o in rehearsal_overrides(model_dir, model_dir, **sizes) if not o.startswith("hydra.")])
+    cfg = compose_cfg([o for o in rehearsal_overrides(model_dir, model_dir, **sizes) if not o.startswith("hydra.")] + list(extra))
     tokenizer = tokenizer_and_positions(cfg.model)[0]
     table = allocated(*predicted_run(cfg, build_task(cfg.data), tokenizer, 1, True, gpu_gib))
     return {phase: max(table[name] for name in names) / GIB for phase, names in PHASES.items()}
@@ -247,6 +252,8 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole check's wall time")
     parser.add_argument("--compile", action="store_true",
                         help="model.compile=on and rollout.static_cache=true in the rehearsal, --compile in the baseline")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for the rehearsal, the baseline's update and the "
+                        "memory model (e.g. dist.reshard_after_forward=false)")
     args = parser.parse_args()
     message = no_cuda_message()
     if message:
@@ -285,12 +292,15 @@ def main() -> int:
         phase("GPU tests", lambda s: run_phase("GPU tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu",
                                                              "tests/test_gpu.py"], env, s), 0.25)
     compiled = ("model.compile=on", "rollout.static_cache=true") if args.compile else ()
-    done = phase("rehearsal", lambda s: rehearse(out, QWEN3_06B, env, extra=compiled, budget_s=s), 0.8)
-    ratio = phase("bare baseline", lambda s: bare_baseline(env, s, ("--compile",) if args.compile else ()), 1.0)
+    overrides = tuple(args.overrides)
+    done = phase("rehearsal", lambda s: rehearse(out, QWEN3_06B, env, extra=compiled + overrides, budget_s=s), 0.8)
+    ratio = phase("bare baseline", lambda s: bare_baseline(env, s, (("--compile",) if args.compile else ()) + overrides),
+                  1.0)
     if done is not None:
         rows, results = done
         os.environ["BICC_DAPO_MATH"] = str(out / "dapo_math.jsonl")
-        summary = summarise(rows, results, QWEN3_06B, peak_tflops or float("nan"), predicted_gib(out / "model", gpu_gib))
+        summary = summarise(rows, results, QWEN3_06B, peak_tflops or float("nan"),
+                            predicted_gib(out / "model", gpu_gib, compiled + overrides))
         print(f"[gpu-check] peak {results['cuda_max_allocated_gib']:.2f} GiB allocated, {summary['gpu_peak_gib']:.2f} "
               f"reserved; bicc.memory {summary['gpu_model_gib']:.2f} GiB allocated")
         for name, (got, want) in summary["phases"].items():

@@ -141,11 +141,11 @@ def test_the_memory_model_holds_to_the_h100_runs(output_tokens, tmp_path, monkey
 
 
 
-@pytest.mark.parametrize("flag", [[], ["--compile"]])
+@pytest.mark.parametrize("flag", [[], ["--compile"], ["--compile", "dist.reshard_after_backward=false"]])
 def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_path):
     """``make gpu-check ARGS=--compile``: the rehearsal runs with model.compile=on and a static generate cache, the
-    baseline with --compile;
-    without the flag neither does (both phases stubbed: what each was asked to run)."""
+    baseline with --compile; without the flag neither does; Hydra overrides after it reach both and the memory
+    model's prediction (the phases stubbed: what each was asked to run)."""
     import sys
     import types
 
@@ -154,9 +154,28 @@ def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_p
         total_memory=80 * gpu_check.GIB))
     monkeypatch.setattr(gpu_check, "no_cuda_message", lambda: None)
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=fake_cuda, __version__="2.11.0"))
-    monkeypatch.setattr(gpu_check, "rehearse", lambda out, arch, env, extra=(), budget_s=0: asked.update(rehearsal=extra))
+    done = ([], {"cuda_max_allocated_gib": 1.0})
+    monkeypatch.setattr(gpu_check, "rehearse",
+                        lambda out, arch, env, extra=(), budget_s=0: asked.update(rehearsal=extra) or done)
     monkeypatch.setattr(gpu_check, "bare_baseline", lambda env, s, extra=(): asked.update(baseline=extra))
+    monkeypatch.setattr(gpu_check, "predicted_gib", lambda model_dir, gib, extra=(): asked.update(predicted=extra))
+    summary = dict.fromkeys(["gpu_peak_gib", "gpu_model_gib", "gpu_train_tokens_per_s", "gpu_train_mfu",
+                             "gpu_allocated_vs_model", "gpu_reserved_vs_allocated"], 1.0)
+    monkeypatch.setattr(gpu_check, "summarise", lambda *args: {**summary, "phases": {}})
     monkeypatch.setattr(sys, "argv", ["gpu_check", "--skip-tests", "--out", str(tmp_path), *flag])
     gpu_check.main()
-    assert asked == ({"rehearsal": ("model.compile=on", "rollout.static_cache=true"), "baseline": ("--compile",)} if flag else
-                     {"rehearsal": (), "baseline": ()})
+    rehearsal = ("model.compile=on", "rollout.static_cache=true", *flag[1:]) if flag else ()
+    assert asked == {"rehearsal": rehearsal, "baseline": ("--compile", *flag[1:]) if flag else (), "predicted": rehearsal}
+
+
+def test_the_memory_prediction_reads_the_checks_overrides(tmp_path, monkeypatch):
+    """``predicted_gib`` composes the rehearsal's config with the check's overrides: keeping every layer of the
+    0.6B shape gathered through the update adds its 26 layers beyond the two FSDP2 holds anyway (bf16, 15,730,944
+    parameters a layer: 2 x 1,024 x 2,048 + 2 x 1,024 x 1,024 + 3 x 1,024 x 3,072 + 2 x 1,024 + 2 x 128) to the update's
+    peak, and not to the rollout's."""
+    gpu_check.shape_files(tmp_path, gpu_check.QWEN3_06B)
+    monkeypatch.setenv("BICC_DAPO_MATH", str(gpu_check.dapo_file(tmp_path / "dapo.jsonl")))
+    base = gpu_check.predicted_gib(tmp_path, 79.2)
+    kept = gpu_check.predicted_gib(tmp_path, 79.2, ("dist.reshard_after_backward=false",))
+    assert kept["update"] - base["update"] == pytest.approx(26 * 2 * 15_730_944 / gpu_check.GIB)
+    assert kept["generate"] == base["generate"]
