@@ -52,14 +52,13 @@ def knob(phase: str, run: Run) -> str:
     if phase == "optimizer step":
         return "more GPUs (torchrun --nproc_per_node, dist.strategy=fsdp2 shards weights, gradients and AdamW)"
     # FSDP2's options that hold more than the default (bicc.memory)
-    fsdp2 = {"dist.reshard_after_forward=true": not run.reshard_after_forward,
-             "dist.reshard_after_backward=true": not run.reshard_after_backward,
-             "dist.reduce_grads=micro_batch": run.reduce_per_step} if run.sharded else {}
+    keep_fwd = ["dist.reshard_after_forward=true"] if run.sharded and not run.reshard_after_forward else []
     if phase == "no-grad log-probs":
-        return ", ".join(["train.logprob_chunk_tokens", *[k for k in fsdp2 if fsdp2[k] and "forward" in k]])
+        return ", ".join(["train.logprob_chunk_tokens", *keep_fwd])
     update = ["train.micro_batch_size or train.micro_batch_tokens, train.logprob_chunk_tokens"]
     update += ["rcc.delta_from_update=false"] if run.delta_from_update else []
-    return ", ".join(update + [k for k, on in fsdp2.items() if on])
+    update += keep_fwd + (["dist.reshard_after_backward=true"] if run.sharded and not run.reshard_after_backward else [])
+    return ", ".join(update + (["dist.reduce_grads=micro_batch"] if run.sharded and run.reduce_per_step else []))
 
 
 def check_fit(arch: Arch, run: Run, budget_gib: float) -> str:

@@ -142,7 +142,8 @@ def _activations(arch: Arch, run: Run) -> tuple[int, int, int]:
     """(tokens in a micro-batch's forward, bytes of one recomputed layer, context tokens held per minibatch)."""
     # KV-reuse packing: the contexts are computed apart, once per minibatch (bicc.rows.contexts_once)
     tokens = run.micro_batch * run.output_tokens if run.bicc else run.micro_batch * (run.output_tokens + run.prompt_tokens)
-    return tokens, tokens * _layer_bytes_per_token(arch, run.compute_bytes), run.contexts * prefix_tokens(run) if run.bicc else 0
+    contexts = run.contexts * prefix_tokens(run) if run.bicc else 0
+    return tokens, tokens * _layer_bytes_per_token(arch, run.compute_bytes), contexts
 
 
 def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
@@ -166,12 +167,12 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     layer_bytes, keep_fwd = b * arch.layer_params(), run.sharded and not run.reshard_after_forward
     keep_bwd = run.sharded and not run.reshard_after_backward
 
-    def kept(layers: int) -> dict:
-        """``gathered`` with ``layers`` decoder layers held gathered (FSDP2's reshard options off)."""
-        if layers <= 2:
+    def kept(every_layer: bool) -> dict:
+        """``gathered``, or with every decoder layer held gathered (where FSDP2's reshard options keep them)."""
+        if not every_layer:
             return gathered
         return {"FSDP2 gathered root (embeddings, head)": b * arch.root_params(),
-                "FSDP2 gathered layers (kept: dist.reshard_after_*=false)": layers * layer_bytes}
+                "FSDP2 gathered layers (kept: dist.reshard_after_*=false)": arch.layers * layer_bytes}
 
     # dist.reduce_grads=step: from a minibatch's second micro-batch on every gradient is held unreduced
     unreduced = {"unreduced gradients (fp32, unsharded: dist.reduce_grads=step)": 4 * n} if run.reduce_per_step else {}
@@ -192,7 +193,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     # from a minibatch's second micro-batch on, the gradients of the ones before are held throughout its backward;
     # its worst point is the top layer's backward: every layer's input kept, every layer gathered that is kept so
     held_grads = unreduced or {"gradients (fp32, sharded)": grads}
-    update = {**static, **kept(arch.layers if keep_fwd or keep_bwd else 2), **held_grads,
+    update = {**static, **kept(keep_fwd or keep_bwd), **held_grads,
               "checkpointed layer inputs": inputs, "one layer's recomputed activations": layer_act, **contexts, **held,
               **fused_pair}
     hq = arch.heads * arch.head_dim
@@ -204,11 +205,11 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     # the head's weight gradient (unsharded, in the compute dtype, until FSDP2 reduce-scatters it at the end of the
     # root's backward; fp32 in one process) and each chunk's V x H contribution before it is accumulated
     head_grad_bytes = (b if run.sharded else 4) * arch.vocab * arch.hidden
-    head_phase = {**static, **kept(arch.layers if keep_fwd or keep_bwd else 2), **held_grads,
+    head_phase = {**static, **kept(keep_fwd or keep_bwd), **held_grads,
                   "head weight gradient + one chunk's": 2 * head_grad_bytes, "checkpointed layer inputs": inputs,
                   "log-prob head chunk": head, **contexts, **held}
     # the contexts' own backward, after the last micro-batch: one recomputed layer over all context tokens
-    context_phase = {**static, **kept(arch.layers if keep_bwd else 2), **held_grads,
+    context_phase = {**static, **kept(keep_bwd), **held_grads,
                      "BiCC contexts (inputs, K/V, K/V gradient)": contexts and sum(contexts.values()),
                      "one context layer's recomputed activations": context_tokens * _layer_bytes_per_token(arch, b),
                      **fused_pair}
@@ -217,14 +218,14 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     if run.sharded:
         context_phase["root gradient (compute dtype, unsharded)"] = b * arch.root_params()
     # no grad, no entropy: the chunk's fp32 logits, exponentiated in place, beside the compute-dtype ones they came from
-    logprob = {**static, **kept(arch.layers if keep_fwd else 2), "one layer's activations (no grad)": layer_act / 2,
+    logprob = {**static, **kept(keep_fwd), "one layer's activations (no grad)": layer_act / 2,
                "log-prob head chunk": chunk * arch.vocab * (4 + (b if b < 4 else 0)),
                "BiCC contexts' K/V (no grad)": context_kv if run.no_grad_on_context else 0,
                **({"fused projection weights (model.compile)": fused} if fused else {})}
     if run.sharded:  # reduce_dtype fp32: the unsharded gradient is cast before the reduce-scatter
         update["fp32 reduce-scatter staging (one layer)"] = 4 * arch.layer_params()
     # the root's reduce-scatter, at the end of the backward: its compute-dtype gradient and the fp32 staging copy
-    root_phase = {**static, **kept(arch.layers if keep_bwd else 2), **held_grads,
+    root_phase = {**static, **kept(keep_bwd), **held_grads,
                   "root gradient (compute dtype, unsharded)": b * arch.root_params(),
                   "fp32 reduce-scatter staging (root)": 4 * arch.root_params(), **contexts}
     optimizer = {**static, "gradients (fp32, sharded)": grads}
