@@ -52,7 +52,8 @@ class ChunkLogprobs(torch.autograd.Function):
         total = e.sum(-1, keepdim=True)  # [n, 1]
         log_total = total.log()
         logp = (picked - log_total)[:, 0]
-        ent = (log_total - torch.linalg.vecdot(e, z)[:, None] / total)[:, 0] if entropy else torch.zeros_like(logp)
+        # sum e z as a product and a sum, in fp32: autocast runs a dot product (linalg.vecdot) in bf16
+        ent = (log_total - (e * z).sum(-1, keepdim=True) / total)[:, 0] if entropy else torch.zeros_like(logp)
         ctx.mark_non_differentiable(ent)
         ctx.temperature = temperature
         lse = (top + log_total)[:, 0]

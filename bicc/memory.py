@@ -29,7 +29,7 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   backward in a minibatch's second micro-batch or later, where every layer's input is kept and the earlier
   micro-batches' gradients are held (``bench.memory_tracker`` traces the peak there);
 - the chunked log-prob head (``bicc.head``): in the update, three chunk x V fp32 buffers (the logits, their
-  exponentials, and the entropy's product of the two: ``linalg.vecdot`` multiplies before it sums, on any device);
+  exponentials, and the entropy's product of the two, multiplied before it is summed);
   in its backward, the head's V x H weight gradient and each chunk's contribution to it;
 - ``rcc.delta_from_update`` (false in the presets): the update's forwards all run before its backwards, so at the
   first backward every other micro-batch's checkpointed layer inputs and final hidden states are held;

@@ -52,8 +52,9 @@ def test_chunked_head_equals_full_logits(chunk):
 
 @pytest.mark.parametrize("chunk", [5, 4096])
 def test_bf16_compute_head_equals_full_logits(chunk):
-    """fp32 master weights computing in bf16 (the presets' policy): the head's log-probs and gradients equal full
-    bf16 logits upcast to an fp32 log-softmax, the matmuls in bf16 both ways (a chunk kept or recomputed)."""
+    """fp32 master weights computing in bf16 (the presets' policy): the head's log-probs, entropies and gradients
+    equal full bf16 logits upcast to an fp32 log-softmax, the matmuls in bf16 both ways (a chunk kept or
+    recomputed)."""
     from bicc.logprobs import make_token_batch
     from tests.helpers import full_vocab_logprobs
 
@@ -66,11 +67,16 @@ def test_bf16_compute_head_equals_full_logits(chunk):
     prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (5, 3, 7)]
     outputs = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (9, 4, 6)]
     batch = make_token_batch(prompts, outputs, 0)
-    a, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.position_ids, 9, temperature=0.7)
+    a, ent_a = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.position_ids, 9, temperature=0.7,
+                              with_entropy=True)
     b = full_vocab_logprobs(ref, batch, 0.7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the entropy of the same bf16 logits, upcast
+        _, ent_b = reference_logprobs(ref, batch.input_ids, batch.attention_mask, batch.position_ids, 9, 0.7)
     m = batch.completion_mask
-    assert a.dtype == torch.float32
+    assert a.dtype == ent_a.dtype == torch.float32
     torch.testing.assert_close(a * m, b, atol=1e-5, rtol=0)
+    # fp32 sums over the vocabulary (autocast would run a dot product in bf16: 5e-3 off here)
+    torch.testing.assert_close(ent_a * m, ent_b * m, atol=1e-5, rtol=0)
     w = torch.randn(3, 9, generator=torch.Generator().manual_seed(2)) * m
     for ga, gb in zip(torch.autograd.grad((a * w).sum(), list(model.parameters())),
                       torch.autograd.grad((b * w).sum(), list(ref.parameters()))):
