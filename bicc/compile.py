@@ -12,8 +12,9 @@ What is compiled, and what is not:
   checkpointing's wrapper) stays eager around it, so sharding and checkpointing work as they do uncompiled;
 - the base model's final norm and rotary embedding, which run once per forward outside the layers (eager, about
   750 of a CPU update's 10,600 ops with the norm's backward), in the passes where the layers run compiled: the
-  base model's forward tells them (``_Switch``), as they see no cache. The embeddings and the chunked log-prob
-  head stay eager;
+  base model's forward tells them (``_Switch``), as they see no cache. The embeddings stay eager;
+- the chunked log-prob head's forward and backward math (``bicc.head.compile_head``), in every pass that asks it
+  for log-probs: one fused pass over each chunk's [n, V] logits where eager makes a dozen;
 - the update's loss (``loss_function``: the registered loss with its metrics, forward and backward) where the
   layers run compiled: eager, it was about 1,900 of a CPU update's 14,000 ops, a hundred small ops per
   micro-batch. Its algo config goes in as plain values (constants of the graph) and the step's totals as floats
@@ -52,6 +53,7 @@ import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from bicc.fuse import fusing
+from bicc.head import compile_head
 from bicc.losses.agg import StepTotals
 
 
@@ -86,6 +88,7 @@ def compile_layers(model, backend: str = "inductor") -> int:
 
     for layer in layers:
         wrap(layer, _forward)
+    compile_head(model, backend)  # the log-prob head's chunks, in every pass that asks for log-probs
     base = getattr(model, "base_model", None)
     glue = [getattr(base, name, None) for name in ("norm", "rotary_emb")]
     glue = [m for m in glue if isinstance(m, torch.nn.Module)]

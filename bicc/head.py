@@ -19,67 +19,136 @@ Each chunk of ``chunk_tokens`` positions is one autograd function (``ChunkLogpro
 Memory: with one chunk (a micro-batch of at most ``chunk_tokens`` tokens) e is kept for the backward (the same peak
 as recomputing the logits there, one matmul and one exp fewer); with several, each chunk keeps only its inputs and
 log-sum-exp and recomputes exp(z - lse) in the backward, so the peak stays one chunk's [chunk, V].
+
+Compiled (``model.compile``, ``compile_head``): the same two functions through ``torch.compile``. Eager, the [n, V]
+work between the matmuls is a dozen ops, each a pass over the chunk (the upcast, max, shift, exp, sum; in the
+backward the scale, the scatter, the downcast); on a GPU those passes move about as many bytes as the matmul
+computes at Qwen3-4B's width. Compiled, the forward's is one fused reduction over the matmul's output, and the
+backward's dz one pass that writes it in the compute dtype (the onehot as a comparison with the column index,
+which Inductor fuses, where a scatter would stop the fusion). The values are the eager head's (tests hold both to
+the full logits).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
 DEFAULT_CHUNK_TOKENS = 1024
 
 
-def _logits(hidden, weight, bias, temperature: float) -> tuple[torch.Tensor, torch.dtype]:
-    """[n, H] -> ([n, V] fp32 logits over the temperature (fp64 kept: the probe's exact checks), the dtype the
-    matmul ran in: bf16 under autocast or bf16 parameters)."""
+def _logits(hidden, weight, bias, temperature: float) -> torch.Tensor:
+    """[n, H] -> [n, V] fp32 logits over the temperature (fp64 kept: the probe's exact checks), from the matmul in
+    the compute dtype (bf16 under autocast or bf16 parameters)."""
     z = torch.nn.functional.linear(hidden, weight, bias)
-    dtype = z.dtype
     z = z if z.dtype == torch.float64 else _as(z, torch.float32)
-    return (z.div_(temperature) if temperature != 1.0 else z), dtype
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def chunk_forward(hidden, weight, bias, targets, temperature: float, keep: bool, entropy: bool):
+    """A chunk's forward: (log p [n], entropy [n] or zeros, log-sum-exp [n], and for a kept chunk the softmax's
+    numerator e [n, V] and its sum [n, 1], else None twice)."""
+    z = _logits(hidden, weight, bias, temperature)  # [n, V]
+    top = z.amax(-1, keepdim=True)  # [n, 1]
+    picked = z.gather(-1, targets[:, None]) - top  # [n, 1]
+    z.sub_(top)  # shifted logits, in place
+    e = torch.exp(z) if entropy else z.exp_()  # [n, V] unnormalised softmax
+    total = e.sum(-1, keepdim=True)  # [n, 1]
+    log_total = total.log()
+    logp = (picked - log_total)[:, 0]
+    # sum e z as a product and a sum, in fp32: autocast runs a dot product (linalg.vecdot) in bf16
+    ent = (log_total - (e * z).sum(-1, keepdim=True) / total)[:, 0] if entropy else torch.zeros_like(logp)
+    lse = (top + log_total)[:, 0]
+    return logp, ent, lse, (e if keep else None), (total if keep else None)
+
+
+def chunk_backward(hidden, weight, bias, targets, lse, e, total, grad_logp, temperature: float,
+                   dtype: torch.dtype, needs: tuple, fused: bool):
+    """A chunk's backward: (d hidden, d weight, d bias), each None where ``needs`` says no. dz = g (onehot(target) -
+    softmax(z)) / T from the kept numerator (its buffer becomes the gradient's) or recomputed from the log-sum-exp;
+    the two matmuls in ``dtype``, the forward's. ``fused``: the onehot as a comparison with the column index, so
+    that Inductor builds dz in one pass over [n, V] (eager, a scatter of n values is cheaper than that pass)."""
+    if e is None:
+        z = _logits(hidden, weight, bias, temperature)
+        g = _as(grad_logp, z.dtype)[:, None]
+        grad = z.sub_(lse[:, None].to(z.dtype)).exp_().mul_(-g)  # -g softmax(z)
+    else:
+        g = _as(grad_logp, e.dtype)[:, None]
+        grad = e * (-g / total) if fused else e.mul_(-g / total)  # -g softmax(z); compiled, e is an input: unwritten
+    if fused:
+        columns = torch.arange(grad.shape[-1], device=grad.device)
+        grad = grad + torch.where(columns == targets[:, None], g, 0.0)
+    else:
+        grad.scatter_add_(-1, targets[:, None], g)  # + g at the target
+    if temperature != 1.0:
+        grad.div_(temperature)
+    grad = _as(grad, dtype)
+    grad_hidden = _as(grad @ _as(weight, grad.dtype), hidden.dtype) if needs[0] else None
+    grad_weight = _as(grad.T @ _as(hidden, grad.dtype), weight.dtype) if needs[1] else None
+    grad_bias = _as(grad.sum(0), bias.dtype) if bias is not None and needs[2] else None
+    return grad_hidden, grad_weight, grad_bias
 
 
 class ChunkLogprobs(torch.autograd.Function):
-    """(hidden [n, H], weight [V, H], bias [V] | None, targets [n]) -> (log-probs [n], entropies [n] or zeros)."""
+    """(hidden [n, H], weight [V, H], bias [V] | None, targets [n]) -> (log-probs [n], entropies [n] or zeros);
+    ``head``: the ``LogprobHead`` whose compiled math runs it (``model.compile``), or None for eager."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, keep: bool, entropy: bool):
-        z, ctx.compute_dtype = _logits(hidden, weight, bias, temperature)  # [n, V]
-        top = z.amax(-1, keepdim=True)  # [n, 1]
-        picked = z.gather(-1, targets[:, None]) - top  # [n, 1]
-        z.sub_(top)  # shifted logits, in place
-        e = torch.exp(z) if entropy else z.exp_()  # [n, V] unnormalised softmax
-        total = e.sum(-1, keepdim=True)  # [n, 1]
-        log_total = total.log()
-        logp = (picked - log_total)[:, 0]
-        # sum e z as a product and a sum, in fp32: autocast runs a dot product (linalg.vecdot) in bf16
-        ent = (log_total - (e * z).sum(-1, keepdim=True) / total)[:, 0] if entropy else torch.zeros_like(logp)
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, keep: bool, entropy: bool, head=None):
+        ctx.compute_dtype = _matmul_dtype(hidden, weight)
+        args = (hidden, weight, bias, targets, temperature, keep, entropy)
+        logp, ent, lse, e, total = _compiled(head, 0, args) or chunk_forward(*args)
         ctx.mark_non_differentiable(ent)
-        ctx.temperature = temperature
-        lse = (top + log_total)[:, 0]
+        ctx.temperature, ctx.head = temperature, head
         # kept: the softmax's numerator and its sum (the backward needs no exp); else the inputs, recomputed
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, e if keep else None, total if keep else None)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, e, total)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         """Once per forward (the kept softmax's buffer becomes the gradient's); the matmuls in the forward's dtype."""
-        hidden, weight, bias, targets, lse, e, total = ctx.saved_tensors
-        if e is None:
-            z = _logits(hidden, weight, bias, ctx.temperature)[0]
-            g = _as(grad_logp, z.dtype)[:, None]
-            grad = z.sub_(lse[:, None].to(z.dtype)).exp_().mul_(-g)  # -g softmax(z)
-        else:
-            g = _as(grad_logp, e.dtype)[:, None]
-            grad = e.mul_(-g / total)  # -g softmax(z)
-        grad.scatter_add_(-1, targets[:, None], g)  # + g at the target
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        grad = _as(grad, ctx.compute_dtype)
-        grad_hidden = _as(grad @ _as(weight, grad.dtype), hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = _as(grad.T @ _as(hidden, grad.dtype), weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = _as(grad.sum(0), bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        args = (*ctx.saved_tensors, grad_logp, ctx.temperature, ctx.compute_dtype, tuple(ctx.needs_input_grad[:3]))
+        grads = _compiled(ctx.head, 1, (*args, True)) or chunk_backward(*args, False)
+        return *grads, None, None, None, None, None
+
+
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``linear(hidden, weight)`` computes in: autocast's (fp32 master weights, bf16 compute) or the
+    inputs'."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _compiled(head, which: int, args):
+    """``chunk_forward`` (``which`` 0) or ``chunk_backward`` (1) through ``torch.compile`` with ``head``'s backend
+    (``bicc.compile``) and its floats as constants; None where ``head`` is eager or its compilation failed (it
+    warns once, and the head runs eagerly from then on)."""
+    if head is None or not getattr(head, "_bicc_compile_ok", False):
+        return None
+    from bicc.compile import _cause, _compile_errors
+
+    backend = head._bicc_backend
+    if backend not in _COMPILED:
+        _COMPILED[backend] = tuple(torch.compile(fn, dynamic=True, backend=backend)
+                                   for fn in (chunk_forward, chunk_backward))
+    config = torch._dynamo.config
+    prior, config.specialize_float = config.specialize_float, True
+    try:
+        return _COMPILED[backend][which](*args)
+    except _compile_errors() as error:
+        head._bicc_compile_ok = False
+        warnings.warn(f"model.compile: the log-prob head did not compile ({_cause(error)}); it runs eagerly from "
+                      "here on", stacklevel=3)
+        return None
+    finally:
+        config.specialize_float = prior
+
+
+_COMPILED: dict = {}  # backend -> (compiled chunk_forward, compiled chunk_backward): one pair per process
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -100,13 +169,23 @@ class LogprobHead(torch.nn.Linear):
         shape = hidden.shape[:-1]  # [B, T']
         flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         keep = flat_h.shape[0] <= chunk  # one chunk: its logits are kept for the backward
+        head = self if getattr(self, "_bicc_compile_ok", False) else None  # model.compile (bicc.compile)
         parts = [ChunkLogprobs.apply(flat_h[start : start + chunk], self.weight, self.bias, flat_t[start : start + chunk],
-                                     temperature, keep, entropy) for start in range(0, flat_h.shape[0], chunk)]
+                                     temperature, keep, entropy, head) for start in range(0, flat_h.shape[0], chunk)]
         if not parts:
             empty = flat_h.new_zeros(0, dtype=torch.float32)
             parts = [(empty, empty)]
         logp, ent = parts[0] if len(parts) == 1 else (torch.cat([p[i] for p in parts]) for i in (0, 1))
         return torch.stack([logp.view(shape), ent.view(shape)], dim=-1)  # a fresh tensor, not a view
+
+
+def compile_head(model, backend) -> None:
+    """Run the chunks of ``model``'s log-prob head through ``torch.compile`` with ``backend`` (``model.compile``):
+    the forward's [n, V] work in one fused reduction after its matmul, the backward's dz in one pass before its two,
+    where eager launches a dozen ops over [n, V]."""
+    head = model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear):  # a LogprobHead, or the Linear it becomes (its attributes stay)
+        head._bicc_backend, head._bicc_compile_ok = backend, True
 
 
 def install_logprob_head(model, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bool:

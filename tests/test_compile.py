@@ -134,11 +134,12 @@ def test_compiled_layers_give_the_eager_update(share):
     prefix pass; every layer stays compiled, and the compiled graphs did run. Dynamo's recompile limit is set to 1
     first: the shapes of the micro-batches and passes (cache or none) need more graphs than that."""
     eager, compiled = checkpointed_pair()
-    graph_runs, calls, loss_runs = [0], [0], [0]
+    graph_runs, calls, loss_runs, head_runs = [0], [0], [0], [0]
 
-    def backend(gm, example_inputs):  # aot_eager, counting each run of a layer's compiled graph and the loss's
+    def backend(gm, example_inputs):  # aot_eager, counting each run of a layer's compiled graph, the loss's, the head's
         run = lookup_backend("aot_eager")(gm, example_inputs)
-        runs = graph_runs if "scaled_dot_product_attention" in gm.code else loss_runs
+        runs = (graph_runs if "scaled_dot_product_attention" in gm.code else head_runs if "L_hidden_" in gm.code
+                else loss_runs)
         return lambda *args: runs.__setitem__(0, runs[0] + 1) or run(*args)
 
     with torch._dynamo.config.patch(recompile_limit=1):
@@ -151,6 +152,7 @@ def test_compiled_layers_give_the_eager_update(share):
     # graph (no graph break); and there were calls (the checks below would pass with none)
     assert graph_runs[0] == calls[0] > 0
     assert loss_runs[0] > 0  # the loss ran compiled too (bicc.compile.loss_function)
+    assert head_runs[0] > 0  # and the log-prob head's chunks, forward and backward (bicc.head.compile_head)
     assert compiled_layers(compiled) == ARCH.num_hidden_layers
     assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
     for p, q in zip(compiled.parameters(), eager.parameters()):
@@ -235,7 +237,7 @@ def test_the_loss_is_compiled_where_the_layers_are():
 
 def test_a_layer_that_fails_to_compile_runs_eagerly():
     """A backend that raises: one warning naming the error per compiled module (each layer, the final norm, the
-    rotary embedding), every one eager from then on, the eager update."""
+    rotary embedding, the log-prob head), every one eager from then on, the eager update."""
     eager, compiled = checkpointed_pair()
 
     def broken(gm, example_inputs):
@@ -248,8 +250,9 @@ def test_a_layer_that_fails_to_compile_runs_eagerly():
         got = update(compiled, True)
     messages = [str(w.message) for w in caught if "model.compile" in str(w.message)]
     # the layers fell back in the old policy's pass, before the update: its loss is the registered one, eager
-    modules = sorted(m.split()[1] for m in messages)
+    modules = sorted(m.split()[1] for m in messages if "log-prob head" not in m)
     assert modules == ["Qwen3DecoderLayer"] * ARCH.num_hidden_layers + ["Qwen3RMSNorm", "Qwen3RotaryEmbedding"]
+    assert sum("the log-prob head did not compile" in m for m in messages) == 1
     assert all("no compiler on this host" in m for m in messages)
     assert compiled_layers(compiled) == 0
     assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)

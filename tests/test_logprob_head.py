@@ -87,6 +87,45 @@ def test_bf16_compute_head_equals_full_logits(chunk):
         torch.testing.assert_close(ga, gb, atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-compute"])
+@pytest.mark.parametrize("chunk", [5, 4096], ids=["recomputed", "kept"])
+def test_the_compiled_head_equals_full_logits(chunk, bf16):
+    """The head's chunks as ``model.compile`` runs them (Inductor's generated kernels: the forward's reductions and
+    the backward's one-pass dz with the onehot as a comparison): log-probs and entropies equal the full logits' at
+    temperature 0.7, a chunk kept or recomputed, in fp32 and in bf16 compute over fp32 weights; the gradients equal
+    the full logits' in fp32 and the eager head's in bf16 (both round each chunk's bf16 partial sums: the
+    full logits' gradient rounds once). The compiled forward and backward both ran, and nothing fell back."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import bicc.head
+
+    torch._dynamo.reset()
+    bicc.head._COMPILED.clear()
+    model, eager, ref = (build_tiny(ARCH, seed=0)[0] for _ in range(3))
+    for m in (model, eager, ref):
+        m.bicc_compute_dtype = torch.bfloat16 if bf16 else None
+    counter = CompileCounterWithBackend("inductor")
+    for m in (model, eager):
+        install_logprob_head(m, chunk)
+    bicc.head.compile_head(model, counter)
+    ids, mask, pos = inputs()
+    a, ent_a = token_logprobs(model, ids, mask, pos, 9, temperature=0.7, with_entropy=True)
+    c, _ = token_logprobs(eager, ids, mask, pos, 9, temperature=0.7)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # full logits in the compute dtype, upcast
+        b, ent_b = reference_logprobs(ref, ids, mask, pos, 9, 0.7)
+    tol = dict(atol=1e-5, rtol=0) if bf16 else dict(atol=1e-6, rtol=2e-6)
+    torch.testing.assert_close(a, b, **tol)
+    torch.testing.assert_close(ent_a, ent_b, **tol)
+    w = torch.randn(3, 9, generator=torch.Generator().manual_seed(2))
+    grads = zip(torch.autograd.grad((a * w).sum(), list(model.parameters())),
+                torch.autograd.grad(((c if bf16 else b) * w).sum(), list((eager if bf16 else ref).parameters())))
+    for ga, gb in grads:
+        assert ga.dtype == torch.float32
+        torch.testing.assert_close(ga, gb, atol=1e-5 * max(1.0, gb.abs().max().item()), rtol=0)
+    assert model.lm_head._bicc_compile_ok and counter.frame_count >= 2
+    torch._dynamo.reset()
+
+
 def test_entropy_is_computed_only_when_asked():
     """The entropy's own [n, V] work (the softmax's numerator in a buffer of its own, its dot with the logits)
     runs only for a caller that asks; without it the numerator is exponentiated in the logits' buffer."""
