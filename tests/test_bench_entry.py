@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BENCHES = ["bench.step_profile", "bench.peer_trl", "bench.bicc_overhead", "bench.checker_agreement", "bench.memory_model",
            "bench.rcc_variance", "bench.results", "bench.rollout_throughput", "bench.soak", "bench.step_model",
-           "bench.task_fit", "bench.pretrained_compare"]
+           "bench.task_fit", "bench.pretrained_compare", "bench.head_speed"]
 HELP = """
 import runpy, sys
 for module in sys.argv[1:]:
@@ -34,6 +34,24 @@ def test_every_bench_starts_as_a_module():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok ")] == BENCHES
     assert proc.stdout.count("usage:") == len(BENCHES)
+
+
+def test_the_head_bench_checks_every_variant_then_times_it():
+    """``bench.head_speed`` on CPU at 32 tokens: each of the head's four forms checked against the eager kept head
+    (log-probs, weight gradient) before it is timed, then its RESULT lines, each the ratio of the times printed."""
+    cmd = [sys.executable, "-m", "bench.head_speed", "--tokens", "32", "--chunks", "2", "--iters", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    forms = ["eager kept", "compiled kept", "eager recomputed", "compiled recomputed"]
+    for form in forms:
+        assert re.search(rf"^\[head_speed\] {form}: log-probs within [0-9.e+-]+ of the eager kept head's", out, re.M), form
+    ms = {name: float(v) for name, v in re.findall(r"^\[head_speed\] (\w+(?: \w+)?) +([0-9.]+) ms", out, re.M)}
+    assert sorted(ms) == sorted([*forms, "matmuls"])
+    results = dict(re.findall(r"^RESULT (\w+)=([0-9.]+)", out, re.M))
+    assert float(results["head_compiled_vs_eager"]) == pytest.approx(ms["eager kept"] / ms["compiled kept"], rel=0.02)
+    assert float(results["head_eager_vs_matmul"]) == pytest.approx(ms["eager kept"] / ms["matmuls"], rel=0.02)
+    assert "head_liger_vs_compiled" not in results  # CUDA only
 
 
 def test_step_model_phases_follow_the_plan():
