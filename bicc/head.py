@@ -168,7 +168,8 @@ class LogprobHead(torch.nn.Linear):
         targets, temperature, chunk, entropy = self.request
         shape = hidden.shape[:-1]  # [B, T']
         flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        keep = flat_h.shape[0] <= chunk  # one chunk: its logits are kept for the backward
+        # one chunk: its softmax is kept for the backward; a no-grad pass keeps nothing (compiled, nor writes it)
+        keep = flat_h.shape[0] <= chunk and torch.is_grad_enabled()
         head = self if getattr(self, "_bicc_compile_ok", False) else None  # model.compile (bicc.compile)
         parts = [ChunkLogprobs.apply(flat_h[start : start + chunk], self.weight, self.bias, flat_t[start : start + chunk],
                                      temperature, keep, entropy, head) for start in range(0, flat_h.shape[0], chunk)]

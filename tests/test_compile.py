@@ -134,12 +134,12 @@ def test_compiled_layers_give_the_eager_update(share):
     prefix pass; every layer stays compiled, and the compiled graphs did run. Dynamo's recompile limit is set to 1
     first: the shapes of the micro-batches and passes (cache or none) need more graphs than that."""
     eager, compiled = checkpointed_pair()
-    graph_runs, calls, loss_runs, head_runs = [0], [0], [0], [0]
+    graph_runs, calls, loss_runs, head_runs, glue_runs = [0], [0], [0], [0], [0]
 
-    def backend(gm, example_inputs):  # aot_eager, counting each run of a layer's compiled graph, the loss's, the head's
+    def backend(gm, example_inputs):  # aot_eager, counting each run of a compiled graph: a layer's, the head's, ...
         run = lookup_backend("aot_eager")(gm, example_inputs)
-        runs = (graph_runs if "scaled_dot_product_attention" in gm.code else head_runs if "L_hidden_" in gm.code
-                else loss_runs)
+        runs = (graph_runs if "scaled_dot_product_attention" in gm.code else head_runs if "L_targets_" in gm.code
+                else loss_runs if "L_logp_" in gm.code else glue_runs)  # by their inputs' names; glue: norm, rotary
         return lambda *args: runs.__setitem__(0, runs[0] + 1) or run(*args)
 
     with torch._dynamo.config.patch(recompile_limit=1):

@@ -87,14 +87,14 @@ def test_bf16_compute_head_equals_full_logits(chunk):
         torch.testing.assert_close(ga, gb, atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-compute"])
-@pytest.mark.parametrize("chunk", [5, 4096], ids=["recomputed", "kept"])
+@pytest.mark.parametrize("chunk,bf16", [(4096, False), (5, True)], ids=["kept-fp32", "recomputed-bf16-compute"])
 def test_the_compiled_head_equals_full_logits(chunk, bf16):
     """The head's chunks as ``model.compile`` runs them (Inductor's generated kernels: the forward's reductions and
     the backward's one-pass dz with the onehot as a comparison): log-probs and entropies equal the full logits' at
-    temperature 0.7, a chunk kept or recomputed, in fp32 and in bf16 compute over fp32 weights; the gradients equal
-    the full logits' in fp32 and the eager head's in bf16 (both round each chunk's bf16 partial sums: the
-    full logits' gradient rounds once). The compiled forward and backward both ran, and nothing fell back."""
+    temperature 0.7, a chunk kept in fp32, chunks recomputed in bf16 compute over fp32 weights (a GPU's path: the
+    presets' micro-batches span several chunks); the gradients equal the full logits' in fp32 and the eager head's
+    in bf16 (both round each chunk's bf16 partial sums: the full logits' gradient rounds once). The compiled forward
+    and backward both ran, and nothing fell back."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     import bicc.head
