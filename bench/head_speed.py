@@ -30,14 +30,14 @@ import torch
 from bench.update_vs_bare import SHAPES, synchronize
 
 
-def variants(device: torch.device, chunks: int):
+def variants(device: torch.device, chunks: int, backend: str = "inductor"):
     """name -> fn(hidden, weight, targets) -> log-probs [n], each through the project's head or Liger's."""
     import types
 
     from bicc.head import ChunkLogprobs, compile_head
 
     compiled = torch.nn.Linear(1, 1)  # what ChunkLogprobs reads of a head: compile_head's marks
-    compile_head(types.SimpleNamespace(get_output_embeddings=lambda: compiled), "inductor")
+    compile_head(types.SimpleNamespace(get_output_embeddings=lambda: compiled), backend)
 
     def ours(head, k: int):
         def run(hidden, weight, targets):
@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None, help="default: 2,048 on CPU, 8,192 on CUDA")
     parser.add_argument("--chunks", type=int, default=4, help="the recomputed variants' chunks")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--backend", default="inductor", help="the compiled forms' torch.compile backend (aot_eager: "
+                        "Dynamo's and AOT autograd's trace over eager kernels, no code generation)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(torch_threads(0))
@@ -100,7 +102,7 @@ def main() -> None:
         (logp * w).sum().backward()
         return logp
 
-    fns = variants(device, args.chunks)
+    fns = variants(device, args.chunks, args.backend)
     want = step(fns["eager kept"]).detach()
     want_grad = weight.grad.float().clone()
     for name, fn in fns.items():  # each variant's values, before any timing
