@@ -23,11 +23,10 @@ Every variant's log-probs and weight gradient are checked against the eager kept
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from bench.update_vs_bare import SHAPES, synchronize
+from bench.update_vs_bare import SHAPES, timed
 
 
 def variants(device: torch.device, chunks: int, backend: str = "inductor"):
@@ -56,20 +55,6 @@ def variants(device: torch.device, chunks: int, backend: str = "inductor"):
             out["liger"] = lambda hidden, weight, targets: -liger_fused_linear_cross_entropy(
                 hidden, weight, targets, reduction="none", accum_dtype=torch.float32)
     return out
-
-
-def timed(fn, device, iters: int) -> float:
-    """Median seconds of ``iters`` calls after two warm-up calls (the first compiles)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -105,7 +90,7 @@ def main() -> None:
     fns = variants(device, args.chunks, args.backend)
     want = step(fns["eager kept"]).detach()
     want_grad = weight.grad.float().clone()
-    for name, fn in fns.items():  # each variant's values, before any timing
+    for name, fn in fns.items():  # each variant's values, before any timing (the compiled ones compile here)
         got = step(fn).detach()
         value_err = (got.float() - want.float()).abs().max().item()
         grad_err = ((weight.grad.float() - want_grad).abs().max() / want_grad.abs().max()).item()
