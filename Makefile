@@ -67,7 +67,7 @@ train-dist: $(STAMP)
 # TEST_WORKERS pytest-xdist workers (0: one process), each pinned to its share of the cores (tests/conftest.py); a
 # test file runs whole on one worker, so its module fixtures are built once.
 TEST_WORKERS ?= 2
-PYTEST := VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP) $(VLLM_STAMP)
 	$(PYTEST) -m "not slow and not gpu" tests
 

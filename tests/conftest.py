@@ -64,3 +64,15 @@ def pytest_configure(config):
         mine = worker_cores(sorted(os.sched_getaffinity(0)), worker, int(workers))
         os.sched_setaffinity(0, mine)
         torch.set_num_threads(len(mine))
+
+
+# The longest test files (seconds on two workers, 2026-11-26), started first: a file runs whole on one worker, so
+# one of these left to the end kept a worker busy for minutes after the other had finished. `make test` passes
+# `--no-loadscope-reorder`, without which pytest-xdist queues the files with the most tests first instead.
+LONGEST_FIRST = ("test_paper_rehearsal.py", "test_compile.py", "test_distributed.py", "test_rollout_vllm.py",
+                 "test_train_smoke.py", "test_gpu_check.py", "test_resume.py", "test_memory_tracker.py", "test_host.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
