@@ -33,7 +33,8 @@ def variants(device: torch.device, chunks: int, backend: str = "inductor"):
     """name -> fn(hidden, weight, targets) -> log-probs [n], each through the project's head or Liger's."""
     import types
 
-    from bicc.head import ChunkLogprobs, compile_head
+    from bicc.compile import compile_head
+    from bicc.head import ChunkLogprobs
 
     compiled = torch.nn.Linear(1, 1)  # what ChunkLogprobs reads of a head: compile_head's marks
     compile_head(types.SimpleNamespace(get_output_embeddings=lambda: compiled), backend)

@@ -13,7 +13,7 @@ What is compiled, and what is not:
 - the base model's final norm and rotary embedding, which run once per forward outside the layers (eager, about
   750 of a CPU update's 10,600 ops with the norm's backward), in the passes where the layers run compiled: the
   base model's forward tells them (``_Switch``), as they see no cache. The embeddings stay eager;
-- the chunked log-prob head's forward and backward math (``bicc.head.compile_head``), in every pass that asks it
+- the chunked log-prob head's forward and backward math (``compile_head``), in every pass that asks it
   for log-probs: one fused pass over each chunk's [n, V] logits where eager makes a dozen;
 - the update's loss (``loss_function``: the registered loss with its metrics, forward and backward) where the
   layers run compiled: eager, it was about 1,900 of a CPU update's 14,000 ops, a hundred small ops per
@@ -53,7 +53,7 @@ import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from bicc.fuse import fusing
-from bicc.head import compile_head
+from bicc.head import chunk_backward, chunk_forward
 from bicc.losses.agg import StepTotals
 
 
@@ -105,6 +105,32 @@ def compile_layers(model, backend: str = "inductor") -> int:
 def compiled_layers(model) -> int:
     """How many decoder layers of ``model`` run compiled now (0 once they fell back, or were never compiled)."""
     return sum(bool(getattr(m, "_bicc_compile_ok", False)) for m in decoder_layers(model))
+
+
+def compile_head(model, backend) -> None:
+    """Run the chunks of ``model``'s log-prob head (``bicc.head``) through ``torch.compile`` with ``backend``: the
+    forward's [n, V] work in one fused reduction after its matmul, the backward's dz in one pass before its two,
+    where eager launches a dozen ops over [n, V]."""
+    head = model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear):  # a LogprobHead, or the Linear it becomes (its attributes stay)
+        if backend not in _HEADS:
+            _HEADS[backend] = _HeadCalls(backend)
+        head._bicc_compiled, head._bicc_compile_ok = _HEADS[backend], True
+
+
+class _HeadCalls:
+    """The head's ``chunk_forward`` and ``chunk_backward`` compiled (dynamic shapes), called as ``bicc.head``
+    asks: the outputs, or None after a failed compilation (the head then runs eagerly)."""
+
+    def __init__(self, backend):
+        self.fns = tuple(torch.compile(fn, dynamic=True, backend=backend) for fn in (chunk_forward, chunk_backward))
+
+    def __call__(self, head, which: int, args):
+        ok, out = _compiled_call(head, self.fns[which], args, {}, "the log-prob head")
+        return out if ok else None
+
+
+_HEADS: dict = {}  # backend -> its _HeadCalls: one compiled pair per process, whatever the number of heads
 
 
 def loss_function(model, name: str):
@@ -166,7 +192,8 @@ def _forward(self, *args, **kwargs):
     if self._bicc_compile_ok and _compiled_pass(cache):
         index = getattr(getattr(self, "self_attn", None), "layer_idx", None)
         one = None if cache is None or index is None else (_Recorder if record else _OneLayer)(cache, index)
-        ok, out = _compiled_call(self, args, kwargs if one is None else {**kwargs, "past_key_values": one})
+        ok, out = _compiled_call(self, self._bicc_compiled, (self, *args),
+                                 kwargs if one is None else {**kwargs, "past_key_values": one}, type(self).__name__)
         if ok:
             if isinstance(one, _Recorder):
                 one.keep()
@@ -200,24 +227,24 @@ def _glue_forward(self, *args, **kwargs):
     """The final norm's or the rotary embedding's forward: once per model forward, outside the layers (eager, a
     few dozen small ops each with the norm's backward); compiled in the passes the layers run compiled."""
     if self._bicc_compile_ok and self._bicc_switch.on:
-        ok, out = _compiled_call(self, args, kwargs)
+        ok, out = _compiled_call(self, self._bicc_compiled, (self, *args), kwargs, type(self).__name__)
         if ok:
             return out
     return type(self).forward(self, *args, **kwargs)
 
 
-def _compiled_call(module, args, kwargs) -> tuple[bool, object]:
-    """(True, ``module``'s compiled forward on the inputs), its Python floats constants of the graph (see the
-    module's docstring); (False, None) where compilation failed: it warns once, and the module runs eagerly
-    from then on."""
+def _compiled_call(owner, fn, args, kwargs, what: str) -> tuple[bool, object]:
+    """(True, ``fn`` (a compiled function of ``owner``) on the inputs), Python floats constants of the graph (see the
+    module's docstring); (False, None) where compilation failed: it warns once, naming ``what`` did not compile,
+    and ``owner`` runs eagerly from then on."""
     config = torch._dynamo.config
     prior, config.specialize_float = config.specialize_float, True
     try:
-        return True, module._bicc_compiled(module, *args, **kwargs)
+        return True, fn(*args, **kwargs)
     except _compile_errors() as error:
-        module._bicc_compile_ok = False
-        warnings.warn(f"model.compile: {type(module).__name__} did not compile ({_cause(error)}); it runs eagerly "
-                      "from here on", stacklevel=3)
+        owner._bicc_compile_ok = False
+        warnings.warn(f"model.compile: {what} did not compile ({_cause(error)}); it runs eagerly from here on",
+                      stacklevel=3)
         return False, None
     finally:
         config.specialize_float = prior

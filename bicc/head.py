@@ -20,7 +20,7 @@ Memory: with one chunk (a micro-batch of at most ``chunk_tokens`` tokens) e is k
 as recomputing the logits there, one matmul and one exp fewer); with several, each chunk keeps only its inputs and
 log-sum-exp and recomputes exp(z - lse) in the backward, so the peak stays one chunk's [chunk, V].
 
-Compiled (``model.compile``, ``compile_head``): the same two functions through ``torch.compile``. Eager, the [n, V]
+Compiled (``model.compile``, ``bicc.compile.compile_head``): the same two functions through ``torch.compile``. Eager, the [n, V]
 work between the matmuls is a dozen ops, each a pass over the chunk (the upcast, max, shift, exp, sum; in the
 backward the scale, the scatter, the downcast), about 46 bytes read and written per logit in bf16 compute.
 Compiled, the forward's is one fused reduction over the matmul's output, and the
@@ -32,7 +32,6 @@ the full logits).
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
@@ -124,31 +123,11 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def _compiled(head, which: int, args):
-    """``chunk_forward`` (``which`` 0) or ``chunk_backward`` (1) through ``torch.compile`` with ``head``'s backend
-    (``bicc.compile``) and its floats as constants; None where ``head`` is eager or its compilation failed (it
-    warns once, and the head runs eagerly from then on)."""
+    """``chunk_forward`` (``which`` 0) or ``chunk_backward`` (1) as ``bicc.compile.compile_head`` compiled them for
+    ``head``; None where ``head`` is eager or its compilation failed (it then runs eagerly)."""
     if head is None or not getattr(head, "_bicc_compile_ok", False):
         return None
-    from bicc.compile import _cause, _compile_errors
-
-    backend = head._bicc_backend
-    if backend not in _COMPILED:
-        _COMPILED[backend] = tuple(torch.compile(fn, dynamic=True, backend=backend)
-                                   for fn in (chunk_forward, chunk_backward))
-    config = torch._dynamo.config
-    prior, config.specialize_float = config.specialize_float, True
-    try:
-        return _COMPILED[backend][which](*args)
-    except _compile_errors() as error:
-        head._bicc_compile_ok = False
-        warnings.warn(f"model.compile: the log-prob head did not compile ({_cause(error)}); it runs eagerly from "
-                      "here on", stacklevel=3)
-        return None
-    finally:
-        config.specialize_float = prior
-
-
-_COMPILED: dict = {}  # backend -> (compiled chunk_forward, compiled chunk_backward): one pair per process
+    return head._bicc_compiled(head, which, args)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -178,15 +157,6 @@ class LogprobHead(torch.nn.Linear):
             parts = [(empty, empty)]
         logp, ent = parts[0] if len(parts) == 1 else (torch.cat([p[i] for p in parts]) for i in (0, 1))
         return torch.stack([logp.view(shape), ent.view(shape)], dim=-1)  # a fresh tensor, not a view
-
-
-def compile_head(model, backend) -> None:
-    """Run the chunks of ``model``'s log-prob head through ``torch.compile`` with ``backend`` (``model.compile``):
-    the forward's [n, V] work in one fused reduction after its matmul, the backward's dz in one pass before its two,
-    where eager launches a dozen ops over [n, V]."""
-    head = model.get_output_embeddings()
-    if isinstance(head, torch.nn.Linear):  # a LogprobHead, or the Linear it becomes (its attributes stay)
-        head._bicc_backend, head._bicc_compile_ok = backend, True
 
 
 def install_logprob_head(model, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bool:

@@ -152,7 +152,7 @@ def test_compiled_layers_give_the_eager_update(share):
     # graph (no graph break); and there were calls (the checks below would pass with none)
     assert graph_runs[0] == calls[0] > 0
     assert loss_runs[0] > 0  # the loss ran compiled too (bicc.compile.loss_function)
-    assert head_runs[0] > 0  # and the log-prob head's chunks, forward and backward (bicc.head.compile_head)
+    assert head_runs[0] > 0  # and the log-prob head's chunks, forward and backward (bicc.compile.compile_head)
     assert compiled_layers(compiled) == ARCH.num_hidden_layers
     assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
     for p, q in zip(compiled.parameters(), eager.parameters()):

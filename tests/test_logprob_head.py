@@ -88,26 +88,33 @@ def test_bf16_compute_head_equals_full_logits(chunk):
 
 
 @pytest.mark.parametrize("chunk,bf16", [(4096, False), (5, True)], ids=["kept-fp32", "recomputed-bf16-compute"])
-def test_the_compiled_head_equals_full_logits(chunk, bf16):
+def test_the_compiled_head_equals_full_logits(chunk, bf16, monkeypatch):
     """The head's chunks as ``model.compile`` runs them (Inductor's generated kernels: the forward's reductions and
     the backward's one-pass dz with the onehot as a comparison): log-probs and entropies equal the full logits' at
     temperature 0.7, a chunk kept in fp32, chunks recomputed in bf16 compute over fp32 weights (a GPU's path: the
     presets' micro-batches span several chunks); the gradients equal the full logits' in fp32 and the eager head's
     in bf16 (both round each chunk's bf16 partial sums: the full logits' gradient rounds once). The compiled forward
-    and backward both ran, and nothing fell back."""
+    and backward both ran, their outputs the compiled head's (the eager functions never ran), and nothing fell back."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    import bicc.compile
     import bicc.head
 
+    eager_calls = []  # the eager path's calls on the compiled model's head (the compiled pair holds the originals)
+    for name in ("chunk_forward", "chunk_backward"):
+        fn = getattr(bicc.head, name)
+        monkeypatch.setattr(bicc.head, name, lambda *a, _fn=fn, _name=name:
+                            (a[1] is model.lm_head.weight and eager_calls.append(_name)) or _fn(*a))
+
     torch._dynamo.reset()
-    bicc.head._COMPILED.clear()
+    bicc.compile._HEADS.clear()
     model, eager, ref = (build_tiny(ARCH, seed=0)[0] for _ in range(3))
     for m in (model, eager, ref):
         m.bicc_compute_dtype = torch.bfloat16 if bf16 else None
     counter = CompileCounterWithBackend("inductor")
     for m in (model, eager):
         install_logprob_head(m, chunk)
-    bicc.head.compile_head(model, counter)
+    bicc.compile.compile_head(model, counter)
     ids, mask, pos = inputs()
     a, ent_a = token_logprobs(model, ids, mask, pos, 9, temperature=0.7, with_entropy=True)
     c, _ = token_logprobs(eager, ids, mask, pos, 9, temperature=0.7)
@@ -122,7 +129,7 @@ def test_the_compiled_head_equals_full_logits(chunk, bf16):
     for ga, gb in grads:
         assert ga.dtype == torch.float32
         torch.testing.assert_close(ga, gb, atol=1e-5 * max(1.0, gb.abs().max().item()), rtol=0)
-    assert model.lm_head._bicc_compile_ok and counter.frame_count >= 2
+    assert model.lm_head._bicc_compile_ok and counter.frame_count >= 2 and not eager_calls, eager_calls
     torch._dynamo.reset()
 
 
