@@ -54,7 +54,9 @@ def seq_mean_token_sum(x, mask, totals: StepTotals):
 
 @AGGREGATIONS.register("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(x, mask, totals: StepTotals):
-    return (x * mask).sum() / (totals.seqs * totals.max_len)
+    # two divisions, not one by the product: compiled on torch 2.11, a product of the two floats made Dynamo specialise
+    # on their values, a new graph for every other step total
+    return (x * mask).sum() / totals.seqs / totals.max_len
 
 
 def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str, totals: StepTotals) -> torch.Tensor:
