@@ -150,6 +150,7 @@ def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_p
     import types
 
     asked = {}
+    monkeypatch.setenv("BICC_DAPO_MATH", str(tmp_path / "dapo_math.jsonl"))  # main sets it: restored after the test
     fake_cuda = types.SimpleNamespace(get_device_name=lambda i: "H100", get_device_properties=lambda i: types.SimpleNamespace(
         total_memory=80 * gpu_check.GIB))
     monkeypatch.setattr(gpu_check, "no_cuda_message", lambda: None)
