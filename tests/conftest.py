@@ -51,6 +51,20 @@ def tests_write_only_under_tmp():
     assert not added, f"tests wrote into the checkout (use tmp_path): {added[:10]}"
 
 
+# What libraries set of themselves: pytest (the test running), vLLM's import, Inductor's first C++ module.
+LIBRARIES_SET = {"PYTEST_CURRENT_TEST", "LD_LIBRARY_PATH", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+
+
+@pytest.fixture(autouse=True)
+def tests_leave_the_environment_as_they_found_it():
+    """A variable a test sets stays set for every later test of its worker, which then depend on the order the
+    files ran in (``monkeypatch.setenv`` restores what it set)."""
+    before = dict(os.environ)
+    yield
+    changed = sorted(k for k in (before.keys() | os.environ.keys()) - LIBRARIES_SET if before.get(k) != os.environ.get(k))
+    assert not changed, f"the test left these environment variables changed: {changed}"
+
+
 def pytest_configure(config):
     """Under pytest-xdist (``make test``: ``-n 2 --dist loadfile``) each worker runs on its own share of the cores,
     and so does every process its tests start: torch sizes its threads from the cores it may use, and two workers'
