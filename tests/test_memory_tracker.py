@@ -20,6 +20,13 @@ def trace(tmp_path, *args):
     return json.loads(out.read_text(encoding="utf-8")), proc.stdout
 
 
+def test_it_refuses_a_torch_whose_tracker_miscounts():
+    from bench.memory_tracker import unsupported
+
+    assert "found 2.11.0+cu130" in unsupported("2.11.0+cu130") and "2.13 or newer" in unsupported("2.12.1")
+    assert unsupported("2.13.0+cpu") is None and unsupported("2.14.1") is None and unsupported("3.0.0") is None
+
+
 @pytest.mark.parametrize("options", [[], ["dist.reshard_after_forward=false", "dist.reshard_after_backward=false",
                                           "dist.reduce_grads=step"]], ids=["default", "fsdp2-options"])
 def test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_the_models(options, tmp_path):
