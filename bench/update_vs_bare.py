@@ -213,12 +213,22 @@ def stacks(fn, device, op: str, top: int = 6, depth: int = 8) -> None:
                 frames.append(parent.name)
             parent = parent.cpu_parent
         sites[(outer, *frames[:depth])] += 1
+    print_sites(op, sites, top)
+
+
+def print_sites(op: str, sites: Counter, top: int) -> None:
+    """``stacks``' table: (outermost aten op, *frames) -> calls, the ``top`` most frequent; and a warning where no
+    site has a Python frame (torch 2.11's CUDA build on a host without a GPU records none for any op, so a missing
+    frame says nothing of where an op ran)."""
     print(f"[update_vs_bare] {op}: {sum(sites.values())} calls in one update, from {len(sites)} call sites; "
           f"the {top} most frequent (inside the outermost aten op, then Python frames innermost first):")
     for (outer, *frames), count in sites.most_common(top):
         print(f"    {count:8d}  {outer}")
         for frame in frames:
             print(f"              {frame[:150]}")
+    if sites and not any(".py(" in frame for _, *frames in sites for frame in frames):
+        print(f"[update_vs_bare] no call site of {op} has a Python frame: this profiler (torch {torch.__version__}) "
+              "may have recorded none at all")
 
 
 def palm_flops_per_token(arch: dict, mean_len: float) -> float:

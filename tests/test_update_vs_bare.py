@@ -34,3 +34,20 @@ def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops():
     assert site_counts == sorted(site_counts, reverse=True) and 0 < sum(site_counts) <= int(head.group(1))
     assert "bicc/prefix_cache.py" in sites and "bicc/update.py" in sites  # ours, as the update's callers
     assert "update_gpu_busy_share" not in out and "update_mfu" not in out  # CUDA only
+
+
+def test_call_sites_without_a_python_frame_say_the_profiler_may_have_recorded_none(capsys):
+    """torch 2.11's CUDA build on a host without a GPU records no Python frames: the table then says so, where a
+    missing frame would otherwise read as an op launched outside Python."""
+    from collections import Counter
+
+    from bench.update_vs_bare import print_sites
+
+    named = Counter({("aten::copy_", "FSDP::pre_forward (model.layers.0)"): 33, ("aten::mul",): 51})
+    print_sites("aten::copy_", named, 6)
+    out = capsys.readouterr().out
+    assert "84 calls in one update, from 2 call sites" in out and "may have recorded none" in out
+    assert out.index("51  aten::mul") < out.index("33  aten::copy_")  # most frequent first
+    framed = Counter({**named, ("aten::copy_", "bicc/update.py(54): update_policy"): 2})
+    print_sites("aten::copy_", framed, 6)
+    assert "may have recorded none" not in capsys.readouterr().out
