@@ -190,6 +190,10 @@ def _forward(self, *args, **kwargs):
     cache = kwargs.get("past_key_values")
     record = getattr(cache, "bicc_record", False)
     if self._bicc_compile_ok and _compiled_pass(cache):
+        if args and not torch.is_grad_enabled() and args[0].requires_grad:
+            # under checkpointing HF's input hook makes the embeddings' output require grad even under no_grad: the
+            # first layer's input would differ from the others' in what Dynamo guards on, two graphs where one does
+            args = (args[0].detach(), *args[1:])
         index = getattr(getattr(self, "self_attn", None), "layer_idx", None)
         one = None if cache is None or index is None else (_Recorder if record else _OneLayer)(cache, index)
         ok, out = _compiled_call(self, self._bicc_compiled, (self, *args),

@@ -81,6 +81,29 @@ def test_every_layer_runs_the_same_graphs_under_kv_reuse():
     assert frames[0] == frames[1] > 0, frames
 
 
+def test_a_no_grad_pass_compiles_one_graph_for_all_its_layers():
+    """Under activation checkpointing HF makes the embeddings' output require grad even under no_grad (an input
+    hook), so in the no-grad passes (pi_old, pi_ref) the first layer's input required grad and the others' did
+    not: Dynamo guards on that, and each of those passes compiled every layer twice (two of a run's eight layer
+    graphs on a GPU's cold start). The no-grad passes give the layers an input that does not require grad."""
+    layer_graphs = []
+
+    def backend(gm, example_inputs):
+        if "scaled_dot_product_attention" in gm.code:
+            layer_graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    model = checkpointed_pair()[1]
+    compile_layers(model, backend=backend)
+    prompts, completions = rows()
+    batch = make_token_batch(prompts[:2], completions[:2], 0)
+    first = logprobs_no_grad(model, QueryRows(batch), 2, 2, 1.0)
+    assert len(layer_graphs) == 1, len(layer_graphs)  # every layer, its input requiring grad or not
+    torch.testing.assert_close(logprobs_no_grad(checkpointed_pair()[0], QueryRows(batch), 2, 2, 1.0), first,
+                               atol=1e-12, rtol=0)
+    assert compiled_layers(model) == ARCH.num_hidden_layers
+
+
 def test_the_prefix_pass_runs_compiled_and_the_floats_are_constants():
     """Under KV reuse the prompts' prefix pass (which records each layer's keys/values for the completions) runs
     the compiled layers as the completions' pass does: no decoder layer's eager forward runs in the update, its
