@@ -20,13 +20,12 @@ Memory: with one chunk (a micro-batch of at most ``chunk_tokens`` tokens) e is k
 as recomputing the logits there, one matmul and one exp fewer); with several, each chunk keeps only its inputs and
 log-sum-exp and recomputes exp(z - lse) in the backward, so the peak stays one chunk's [chunk, V].
 
-Compiled (``model.compile``, ``bicc.compile.compile_head``): the same two functions through ``torch.compile``. Eager, the [n, V]
-work between the matmuls is a dozen ops, each a pass over the chunk (the upcast, max, shift, exp, sum; in the
-backward the scale, the scatter, the downcast), about 46 bytes read and written per logit in bf16 compute.
-Compiled, the forward's is one fused reduction over the matmul's output, and the
-backward's dz one pass that writes it in the compute dtype (the onehot as a comparison with the column index,
-which Inductor fuses, where a scatter would stop the fusion). The values are the eager head's (tests hold both to
-the full logits).
+Compiled (``model.compile``, ``bicc.compile.compile_head``): the same two functions through ``torch.compile``.
+Eager, the [n, V] work between the matmuls is a dozen ops, each a pass over the chunk (the upcast, max, shift, exp,
+sum; in the backward the scale, the scatter, the downcast), about 46 bytes read and written per logit in bf16
+compute. Compiled, the forward's is one fused reduction over the matmul's output, and the backward's dz one pass
+that writes it in the compute dtype (the onehot as a comparison with the column index, which Inductor fuses, where
+a scatter would stop the fusion). The values are the eager head's (tests hold both to the full logits).
 """
 
 from __future__ import annotations

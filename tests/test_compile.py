@@ -93,14 +93,13 @@ def test_a_no_grad_pass_compiles_one_graph_for_all_its_layers():
             layer_graphs.append(gm)
         return lookup_backend("aot_eager")(gm, example_inputs)
 
-    model = checkpointed_pair()[1]
+    eager, model = checkpointed_pair()
     compile_layers(model, backend=backend)
     prompts, completions = rows()
     batch = make_token_batch(prompts[:2], completions[:2], 0)
-    first = logprobs_no_grad(model, QueryRows(batch), 2, 2, 1.0)
+    got = logprobs_no_grad(model, QueryRows(batch), 2, 2, 1.0)
     assert len(layer_graphs) == 1, len(layer_graphs)  # every layer, its input requiring grad or not
-    torch.testing.assert_close(logprobs_no_grad(checkpointed_pair()[0], QueryRows(batch), 2, 2, 1.0), first,
-                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(got, logprobs_no_grad(eager, QueryRows(batch), 2, 2, 1.0), atol=1e-12, rtol=0)
     assert compiled_layers(model) == ARCH.num_hidden_layers
 
 
