@@ -19,7 +19,9 @@ Run: ``.venv/bin/python -m bench.rollout_throughput [--hidden 256] [--prompts 32
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -66,7 +68,9 @@ def main() -> None:
     else:
         arch = TinyArchConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
                               num_attention_heads=args.hidden // 32, num_key_value_heads=max(1, args.hidden // 64))
-        path = Path(tempfile.mkdtemp()) / "policy"
+        tmp = tempfile.mkdtemp(prefix="rollout_throughput_")
+        atexit.register(shutil.rmtree, tmp, True)  # the saved policy, read by both engines until the end
+        path = Path(tmp) / "policy"
         model, tokenizer = build_tiny(arch, seed=0)
         with torch.no_grad():
             for p in model.parameters():

@@ -37,7 +37,9 @@ the compilation.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -140,7 +142,9 @@ def fsdp_one_rank(model, cfg, device, compute):
     from bicc.distributed import Dist, wrap
 
     if not dist.is_initialized():
-        store = dist.FileStore(f"{tempfile.mkdtemp(prefix='update_vs_bare_')}/store", 1)
+        tmp = tempfile.mkdtemp(prefix="update_vs_bare_")
+        atexit.register(shutil.rmtree, tmp, True)
+        store = dist.FileStore(f"{tmp}/store", 1)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
     d = Dist(strategy="fsdp2", device=str(device) if device.type == "cuda" else "cpu", joined=True)
     return wrap(model, cfg.dist, d, compute_dtype=compute)

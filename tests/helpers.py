@@ -265,14 +265,16 @@ BPE_FIXTURE = ROOT / "tests" / "fixtures" / "smollm2_tokenizer"
 @functools.cache
 def bpe_tokenizer():
     """SmolLM2-135M-Instruct's byte-level BPE tokenizer and ChatML template (tests/fixtures/smollm2_tokenizer),
-    unpacked once per session into a temp dir; left padding, as ``bicc.models.load_pretrained`` sets it."""
+    unpacked once per session into a temp dir that is gone once it is read; left padding, as
+    ``bicc.models.load_pretrained`` sets it."""
     from transformers import AutoTokenizer
 
-    unpacked = Path(tempfile.mkdtemp(prefix="bicc-bpe-"))
-    (unpacked / "tokenizer.json").write_bytes(gzip.decompress((BPE_FIXTURE / "tokenizer.json.gz").read_bytes()))
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(BPE_FIXTURE / name, unpacked / name)
-    tokenizer = AutoTokenizer.from_pretrained(unpacked)
+    with tempfile.TemporaryDirectory(prefix="bicc-bpe-") as tmp:
+        unpacked = Path(tmp)
+        (unpacked / "tokenizer.json").write_bytes(gzip.decompress((BPE_FIXTURE / "tokenizer.json.gz").read_bytes()))
+        for name in ("tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(BPE_FIXTURE / name, unpacked / name)
+        tokenizer = AutoTokenizer.from_pretrained(unpacked)
     tokenizer.padding_side = "left"
     return tokenizer
 

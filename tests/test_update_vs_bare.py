@@ -1,6 +1,7 @@
 """``bench.update_vs_bare`` end to end on CPU at a tiny shape: ours wrapped as ``train.py`` wraps it under torchrun
 (FSDP2 over a one-rank process group), its RESULT lines, the profiled update's op table and an op's call sites."""
 
+import os
 import re
 import subprocess
 import sys
@@ -8,12 +9,15 @@ import sys
 from tests.helpers import ROOT
 
 
-def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops():
+def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops(tmp_path):
+    tmp = tmp_path / "tmp"  # the process's temp dir: the one-rank process group's store leaves nothing in it
+    tmp.mkdir()
     cmd = [sys.executable, "-m", "bench.update_vs_bare", "--fsdp", "--top", "3", "--layers", "1", "--prompts", "1",
            "--group", "2", "--prompt-tokens", "8", "--output-tokens", "16", "--iters", "1",
            "--stacks", "aten::lift_fresh"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(tmp.iterdir()) == []
     out = proc.stdout
     assert "cpu, 1 layers x 256" in out and "ours: sharded by FSDP2 over a one-rank process group" in out
     ratio = float(re.search(r"^RESULT update_vs_bare=([0-9.]+)", out, re.M).group(1))
