@@ -150,9 +150,14 @@ def fsdp_one_rank(model, cfg, device, compute):
     return wrap(model, cfg.dist, d, compute_dtype=compute)
 
 
-def timed(fn, device, iters: int) -> float:
-    """Seconds per call, the median of ``iters`` after one warm-up call."""
+def timed(fn, device, iters: int, label: str = "") -> float:
+    """Seconds per call, the median of ``iters`` after one warm-up call; ``label``: print both as they come (a run
+    cut short still says how far it got, and what compiling cost the first call)."""
+    synchronize(device)
+    start = time.perf_counter()
     fn()
+    synchronize(device)
+    warm_up = time.perf_counter() - start
     times = []
     for _ in range(iters):
         synchronize(device)
@@ -160,7 +165,10 @@ def timed(fn, device, iters: int) -> float:
         fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    median = sorted(times)[len(times) // 2]
+    if label:
+        print(f"[update_vs_bare] {label}: {median:.3f} s per update, its warm-up call {warm_up:.1f} s", flush=True)
+    return median
 
 
 def profiled(fn, device, top: int = 0) -> tuple[int, float, float]:
@@ -296,17 +304,18 @@ def main() -> None:
 
     print("[update_vs_bare] ours: " + ("sharded by FSDP2 over a one-rank process group" if is_sharded(ours_model)
                                       else "unwrapped" + (", under autocast" if compute is not None else ""))
-          + (", decoder layers compiled" if args.compile else ""))
+          + (", decoder layers compiled" if args.compile else ""), flush=True)
     from bicc.logprobs import install_logprob_head
 
     install_logprob_head(ours_model, cfg.train.logprob_chunk_tokens)
     ours = our_update(ours_model, rows, cfg, device)
     bare = bare_update(build(arch, device, checkpointing), rows, args.micro_rows, device)
     ours_s, bare_s = [], []
-    for _ in range(2):  # alternate, so that drift hits both
-        ours_s.append(timed(ours, device, args.iters))
-        bare_s.append(timed(bare, device, args.iters))
+    for round_ in (1, 2):  # alternate, so that drift hits both
+        ours_s.append(timed(ours, device, args.iters, f"round {round_}, ours"))
+        bare_s.append(timed(bare, device, args.iters, f"round {round_}, bare"))
     ours_rate, bare_rate = tokens / min(ours_s), tokens / min(bare_s)
+    print("[update_vs_bare] profiling one update of ours", flush=True)
     ops, kernels, wall = profiled(ours, device, args.top)
     for op in args.stacks:
         stacks(ours, device, op)

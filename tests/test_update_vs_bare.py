@@ -25,6 +25,12 @@ def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops(tmp_
     total = int(re.search(r"ours launches (\d+) aten ops", out).group(1))
     tokens = int(re.search(r"(\d+) tokens; checkpointing", out).group(1))
     assert ratio > 0 and per_1k == round(1000 * total / tokens, 1)
+    # each timing round as it ends (a run cut short says how far it got); the result is each loop's best round
+    rounds = re.findall(r"^\[update_vs_bare\] round (\d), (ours|bare): ([0-9.]+) s per update, its warm-up call", out, re.M)
+    assert [r[:2] for r in rounds] == [("1", "ours"), ("1", "bare"), ("2", "ours"), ("2", "bare")]
+    best = re.search(r"\] ours ([0-9.]+) s \(\d+ tokens/s\), bare ([0-9.]+) s", out)
+    fastest = [min(float(r[2]) for r in rounds if r[1] == name) for name in ("ours", "bare")]
+    assert [float(best.group(1)), float(best.group(2))] == fastest
     # the three most frequent ops, most frequent first, each counted within the update's total
     table = out.split("most frequent of", 1)[1].splitlines()[1:4]
     counts = [int(line.split()[0]) for line in table]
