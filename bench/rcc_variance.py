@@ -23,14 +23,11 @@ Ends with ``RESULT rcc_grad_var_ratio=<RCC/baseline> target<1.0``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 # name -> what each per-batch ratio divides (relative variance unless "_abs")

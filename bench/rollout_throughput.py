@@ -20,27 +20,24 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import os
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+import torch
+from omegaconf import OmegaConf
 
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from bicc.checkpoint import save_hf
+from bicc.config import ModelConfig, RolloutConfig, TinyArchConfig
+from bicc.data import encode_prompt
+from bicc.gguf import resolve_model_path
+from bicc.logprobs import batch_logprobs, make_token_batch
+from bicc.models import build_tiny, load_pretrained
+from bicc.rollout import EngineOptions, SamplingParams, build_engine
 
 ROOT = Path(__file__).resolve().parents[1]
-
-from bicc.checkpoint import save_hf  # noqa: E402
-from bicc.config import ModelConfig, RolloutConfig, TinyArchConfig  # noqa: E402
-from bicc.data import encode_prompt  # noqa: E402
-from bicc.gguf import resolve_model_path  # noqa: E402
-from bicc.logprobs import batch_logprobs, make_token_batch  # noqa: E402
-from bicc.models import build_tiny, load_pretrained  # noqa: E402
-from bicc.rollout import EngineOptions, SamplingParams, build_engine  # noqa: E402
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:

@@ -18,22 +18,19 @@ setting of a run: ``rollout.temperature``). Ends with ``RESULT mixed_group_share
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+import torch
 
-import torch  # noqa: E402
-
-from bench.step_profile import compose_cfg  # noqa: E402
-from bicc.data import build_task  # noqa: E402
-from bicc.gguf import resolve_model_path  # noqa: E402
-from bicc.models import end_token_ids, load_policy  # noqa: E402
-from bicc.rewards import extract_answer  # noqa: E402
-from bicc.rollout import EngineOptions, build_engine  # noqa: E402
-from bicc.rollout.collect import Collection, DataCursor, collect_rollout  # noqa: E402
-from bicc.stats import bootstrap_ci  # noqa: E402
+from bench.step_profile import compose_cfg
+from bicc.data import build_task
+from bicc.gguf import resolve_model_path
+from bicc.models import end_token_ids, load_policy
+from bicc.rewards import extract_answer
+from bicc.rollout import EngineOptions, build_engine
+from bicc.rollout.collect import Collection, DataCursor, collect_rollout
+from bicc.stats import bootstrap_ci
 
 BOXED = "data.arith.instruction='Put your final answer within \\boxed{}.'"  # Hydra keeps the backslash
 SMALL = ["data.arith.min_operands=2", "data.arith.max_operands=2", "data.arith.max_operand=20"]

@@ -51,8 +51,9 @@ def tests_write_only_under_tmp():
     assert not added, f"tests wrote into the checkout (use tmp_path): {added[:10]}"
 
 
-# What libraries set of themselves: pytest (the test running), vLLM's import, Inductor's first C++ module.
-LIBRARIES_SET = {"PYTEST_CURRENT_TEST", "LD_LIBRARY_PATH", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+# What libraries set of themselves: pytest (the test running), vLLM's import, Inductor's first C++ module and the
+# cache dir Inductor settles on at its first use.
+LIBRARIES_SET = {"PYTEST_CURRENT_TEST", "LD_LIBRARY_PATH", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "TORCHINDUCTOR_CACHE_DIR"}
 
 
 @pytest.fixture(autouse=True)
