@@ -51,9 +51,12 @@ def tests_write_only_under_tmp():
     assert not added, f"tests wrote into the checkout (use tmp_path): {added[:10]}"
 
 
-# What libraries set of themselves: pytest (the test running), vLLM's import, Inductor's first C++ module and the
-# cache dir Inductor settles on at its first use.
-LIBRARIES_SET = {"PYTEST_CURRENT_TEST", "LD_LIBRARY_PATH", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "TORCHINDUCTOR_CACHE_DIR"}
+# What libraries set of themselves, for the whole process: pytest (the test running), Inductor (its first C++
+# module, the cache dir it settles on at first use), vLLM's import, and bicc's vLLM engine (in-process, as `make test`
+# sets it). A file run alone imports vLLM inside its first test that needs it, not at collection.
+LIBRARIES_SET = {"PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "TORCHINDUCTOR_CACHE_DIR",
+                 "LD_LIBRARY_PATH", "PYTORCH_NVML_BASED_CUDA_CHECK", "TILELANG_CLEANUP_TEMP_FILES",
+                 "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING", "VLLM_ENABLE_V1_MULTIPROCESSING"}
 
 
 @pytest.fixture(autouse=True)
