@@ -153,19 +153,15 @@ def fsdp_one_rank(model, cfg, device, compute):
 def timed(fn, device, iters: int, label: str = "") -> float:
     """Seconds per call, the median of ``iters`` after one warm-up call; ``label``: print both as they come (a run
     cut short still says how far it got, and what compiling cost the first call)."""
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    warm_up = time.perf_counter() - start
     times = []
-    for _ in range(iters):
+    for _ in range(iters + 1):
         synchronize(device)
         start = time.perf_counter()
         fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    median = sorted(times)[len(times) // 2]
+    warm_up, times = times[0], sorted(times[1:])
+    median = times[len(times) // 2]
     if label:
         print(f"[update_vs_bare] {label}: {median:.3f} s per update, its warm-up call {warm_up:.1f} s", flush=True)
     return median
