@@ -26,7 +26,8 @@ row), the same count for both. Prints
   every ``aten::`` event, nested ones included);
 - on CUDA ``RESULT update_gpu_busy_share=`` (kernel time / wall time of a profiled update, target >= 0.9) and
   ``RESULT update_mfu=`` (PaLM count: 6 N + 12 x layers x heads x head_dim x T per token, T the mean row length,
-  over the device's bf16 peak; target >= 0.40).
+  over the device's bf16 peak; target >= 0.40), per token ours computes: under ``train.share_prompts`` each
+  distinct prompt counts once, not once per output.
 
 ``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels; ``--stacks
 aten::item`` where an op is launched from (Python stacks, its most frequent call sites). ``--compile``
@@ -239,12 +240,26 @@ def print_sites(op: str, sites: Counter, top: int) -> None:
               "may have recorded none at all")
 
 
+def computed_tokens(prompt_ids: list[list[int]], completion_ids: list[list[int]], share: bool) -> int:
+    """The tokens ours' forward runs over: every output's, and each distinct prompt's once under
+    ``train.share_prompts`` (its keys and values read by its G outputs), else each row's prompt."""
+    prompts = {tuple(p) for p in prompt_ids} if share else [tuple(p) for p in prompt_ids]
+    return sum(map(len, completion_ids)) + sum(map(len, prompts))
+
+
 def palm_flops_per_token(arch: dict, mean_len: float) -> float:
     """6 N (non-embedding parameters plus the output projection) + 12 x layers x heads x head_dim x T."""
     h, i = arch["hidden_size"], arch["intermediate_size"]
     hq, hkv = arch["num_attention_heads"] * arch["head_dim"], arch["num_key_value_heads"] * arch["head_dim"]
     n = arch["num_hidden_layers"] * (h * hq + 2 * h * hkv + hq * h + 3 * h * i) + h * arch["vocab_size"]
     return 6.0 * n + 12.0 * arch["num_hidden_layers"] * hq * mean_len
+
+
+def update_mfu(arch: dict, rows, share: bool, seconds: float, peak_tflops: float) -> float:
+    """The PaLM count of an update of ``rows`` in ``seconds`` over the peak: per token ours computes (each distinct
+    prompt once under ``share``, not once per output), T the mean row length."""
+    mean_len = sum(len(p) + len(c) for p, c in zip(*rows)) / len(rows[1])
+    return computed_tokens(*rows, share) / seconds * palm_flops_per_token(arch, mean_len) / (peak_tflops * 1e12)
 
 
 def main() -> None:
@@ -283,7 +298,8 @@ def main() -> None:
                        f"train.logprob_chunk_tokens={args.micro_rows * output_tokens}", *args.overrides])
     checkpointing = not args.no_checkpointing
     print(f"[update_vs_bare] {device.type}, {arch['num_hidden_layers']} layers x {arch['hidden_size']}, "
-          f"vocab {arch['vocab_size']}; {len(rows[1])} rows, {tokens} tokens; checkpointing {checkpointing}; "
+          f"vocab {arch['vocab_size']}; {len(rows[1])} rows, {tokens} tokens (ours computes "
+          f"{computed_tokens(*rows, cfg.train.share_prompts)}); checkpointing {checkpointing}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
     ours_model = build(arch, device, checkpointing)
@@ -322,7 +338,7 @@ def main() -> None:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(0)
         peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), float("nan"))
-        mfu = ours_rate * palm_flops_per_token(arch, tokens / len(rows[1])) / (peak * 1e12)
+        mfu = update_mfu(arch, rows, cfg.train.share_prompts, min(ours_s), peak)
         print(f"RESULT update_gpu_busy_share={kernels / wall:.3f} target>=0.9")
         print(f"RESULT update_mfu={mfu:.3f} target>=0.40")
 

@@ -23,7 +23,8 @@ def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops(tmp_
     ratio = float(re.search(r"^RESULT update_vs_bare=([0-9.]+)", out, re.M).group(1))
     per_1k = float(re.search(r"^RESULT update_ops_per_token=([0-9.]+)", out, re.M).group(1))
     total = int(re.search(r"ours launches (\d+) aten ops", out).group(1))
-    tokens = int(re.search(r"(\d+) tokens; checkpointing", out).group(1))
+    tokens, computed = map(int, re.search(r"(\d+) tokens \(ours computes (\d+)\); checkpointing", out).groups())
+    assert computed == tokens - 8  # its one prompt of 8 tokens once for its 2 outputs (train.share_prompts)
     assert ratio > 0 and per_1k == round(1000 * total / tokens, 1)
     # each timing round as it ends (a run cut short says how far it got); the result is each loop's best round
     rounds = re.findall(r"^\[update_vs_bare\] round (\d), (ours|bare): ([0-9.]+) s per update, its warm-up call", out, re.M)
@@ -61,3 +62,19 @@ def test_call_sites_without_a_python_frame_say_the_profiler_may_have_recorded_no
     framed = Counter({**named, ("aten::copy_", "bicc/update.py(54): update_policy"): 2})
     print_sites("aten::copy_", framed, 6)
     assert "may have recorded none" not in capsys.readouterr().out
+
+
+def test_mfu_counts_the_tokens_ours_computes_each_shared_prompt_once():
+    """The PaLM count, worked: 1 layer of hidden 2, 1 head of dim 2 (1 KV head), MLP 3, vocab 5: N = 2*2 + 2*2*2 +
+    2*2 + 3*2*3 + 2*5 = 44, so 6 N = 264; rows of 2 + 3 and 2 + 1 tokens, T = 4: 12 * 1 * 2 * 4 = 96; 360 FLOPs a
+    token. Shared, the prompt counts once: 4 + 2 = 6 tokens, else 8; in 2 s at a peak of 1,000 FLOP/s."""
+    from bench.update_vs_bare import computed_tokens, update_mfu
+
+    arch = dict(hidden_size=2, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=2,
+                intermediate_size=3, vocab_size=5)
+    rows = ([[1, 2], [1, 2]], [[3, 4, 5], [6]])
+    assert computed_tokens(*rows, share=True) == 6 and computed_tokens(*rows, share=False) == 8
+    assert abs(update_mfu(arch, rows, True, 2.0, 1e-9) - 6 / 2 * 360 / 1000) < 1e-12
+    assert abs(update_mfu(arch, rows, False, 2.0, 1e-9) - 8 / 2 * 360 / 1000) < 1e-12
+    # two prompts of equal length but different tokens are two prompts
+    assert computed_tokens([[1, 2], [2, 1]], [[3], [4]], share=True) == 6
