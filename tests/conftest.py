@@ -78,17 +78,22 @@ def tests_leave_the_environment_as_they_found_it():
 
 def pytest_configure(config):
     """Under pytest-xdist (``make test``: ``-n 2 --dist loadfile``) each worker runs on its own share of the cores,
-    and so does every process its tests start: torch sizes its threads from the cores it may use, and two workers'
-    threads spinning on the same cores ran the suite slower than one worker did."""
+    and so does every process its tests start: two workers' threads spinning on the same cores ran the suite slower
+    than one worker did.
+
+    The tests' own process runs torch on one thread, whatever the cores: with two intra-op threads, an fp64 update
+    under KV reuse came out different in about one process in eight (the loss of a one-pass update -5.4e-7 instead of
+    0, 4e-6 of the update's size; one of two fixed values, decided per model instance, never by a rerun in the same
+    process; 0 in 30 processes on one thread), and the tests that hold two such models to 1e-12 failed. Which kernel's
+    threaded path does it is not found; ``make test`` on two cores ran one thread per worker anyway."""
+    import torch
+
     worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if worker and workers and hasattr(os, "sched_setaffinity"):
-        import torch
-
         from tests.helpers import worker_cores  # helpers imports this module
 
-        mine = worker_cores(sorted(os.sched_getaffinity(0)), worker, int(workers))
-        os.sched_setaffinity(0, mine)
-        torch.set_num_threads(len(mine))
+        os.sched_setaffinity(0, worker_cores(sorted(os.sched_getaffinity(0)), worker, int(workers)))
+    torch.set_num_threads(1)
 
 
 # The longest test files (seconds on two workers, 2026-11-26), started first: a file runs whole on one worker, so
