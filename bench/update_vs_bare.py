@@ -74,8 +74,11 @@ def make_rows(prompts: int, group: int, prompt_tokens: int, output_tokens: int, 
     return prompt_ids, completion_ids
 
 
-def build(arch: dict, device: torch.device, checkpointing: bool):
+def build(arch: dict, device: torch.device, checkpointing: bool, policy: str = "full"):
+    """A random Qwen3 of shape ``arch`` in train mode; ``policy``: ``model.checkpoint_policy`` (ours' only)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from bicc.models import checkpoint_kwargs
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -83,7 +86,7 @@ def build(arch: dict, device: torch.device, checkpointing: bool):
     model.config._attn_implementation = "sdpa"
     model.config.use_cache = False
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None if policy == "full" else checkpoint_kwargs(policy))
     return model.train()
 
 
@@ -282,7 +285,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=0, help="print the profiled update's most frequent ops and kernels")
     parser.add_argument("--stacks", action="append", default=[], metavar="OP",
                         help="print where the update launches this aten op from (e.g. aten::item); repeatable")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of our update's config (train.*)")
+    parser.add_argument("overrides", nargs="*",
+                        help="Hydra overrides of our update's config (train.*, dist.*, model.checkpoint_policy)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(torch_threads(0))
@@ -299,10 +303,11 @@ def main() -> None:
     checkpointing = not args.no_checkpointing
     print(f"[update_vs_bare] {device.type}, {arch['num_hidden_layers']} layers x {arch['hidden_size']}, "
           f"vocab {arch['vocab_size']}; {len(rows[1])} rows, {tokens} tokens (ours computes "
-          f"{computed_tokens(*rows, cfg.train.share_prompts)}); checkpointing {checkpointing}; "
+          f"{computed_tokens(*rows, cfg.train.share_prompts)}); checkpointing {checkpointing} (ours: "
+          f"{cfg.model.checkpoint_policy}); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
-    ours_model = build(arch, device, checkpointing)
+    ours_model = build(arch, device, checkpointing, cfg.model.checkpoint_policy)
     if args.compile:  # before the wrap, as bicc.state.build_rl_state does
         from bicc.compile import compile_layers
 

@@ -40,7 +40,8 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
                flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2",
                rollout_batch=r.batch_size, compiled=cfg.model.compile in ("on", "auto"),  # auto: on a GPU
                reshard_after_forward=cfg.dist.reshard_after_forward, reshard_after_backward=cfg.dist.reshard_after_backward,
-               reduce_per_step=cfg.dist.reduce_grads == "step")
+               reduce_per_step=cfg.dist.reduce_grads == "step",
+               save_attention=cfg.model.gradient_checkpointing and cfg.model.checkpoint_policy == "save_attention")
 
 
 def knob(phase: str, run: Run) -> str:

@@ -38,6 +38,8 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   the gradient that the micro-batches leave on those (each completion's rows of its context's keys/values are picked
   inside its layer's call, and their gradient scattered back in the layer's backward: nothing of them outlives the
   layer); at the end, one backward through the context forward (one recomputed layer over all context tokens);
+- ``model.checkpoint_policy=save_attention``: beside every layer's checkpointed input, its attention's output
+  (tokens x Hq x b) and log-sum-exp (4 bytes per token and head), held as the inputs are;
 - ``model.compile`` (``bicc.fuse``): a layer's q/k/v and gate/up weights concatenated in its forward (again in the
   recompute) and, in its backward, their gradient before it is split, one layer at a time.
 
@@ -122,6 +124,7 @@ class Run:
     reshard_after_forward: bool = True  # dist.reshard_after_forward (FSDP2)
     reshard_after_backward: bool = True  # dist.reshard_after_backward (FSDP2)
     reduce_per_step: bool = False  # dist.reduce_grads=step (FSDP2): gradients unreduced until a minibatch's last backward
+    save_attention: bool = False  # model.checkpoint_policy=save_attention: every layer's attention output kept
 
 
 def _layer_bytes_per_token(arch: Arch, b: int) -> int:
@@ -181,21 +184,25 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     fused_pair = {"fused projection weights + their gradient (model.compile)": 2 * fused} if fused else {}
     context_kv = context_tokens * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
     # held through the minibatch: the context forward's checkpointed inputs, its K/V and their gradient
-    contexts = {"BiCC contexts (inputs, K/V, K/V gradient)": context_tokens * arch.layers * arch.hidden * b + 2 * context_kv}
+    kept_per_token = arch.hidden * b + (arch.heads * arch.head_dim * b + 4 * arch.heads if run.save_attention else 0)
+    contexts = {"BiCC contexts (inputs, K/V, K/V gradient)": context_tokens * arch.layers * kept_per_token + 2 * context_kv}
     chunk = min(run.chunk_tokens, tokens)
     head = chunk * arch.vocab * 3 * 4  # fp32 logits, exponentials, their product (the entropy)
     inputs = arch.layers * tokens * arch.hidden * b  # every layer's checkpointed input
+    # model.checkpoint_policy=save_attention: every layer's attention output and fp32 log-sum-exp per head, kept
+    attention = arch.layers * tokens * (kept_per_token - arch.hidden * b)
+    saved = {"kept attention outputs (model.checkpoint_policy)": attention} if attention else {}
     # rcc.delta_from_update: at the first backward every other micro-batch's graph is still held
     held = {}
     if run.delta_from_update:
         others = -(-run.rows // run.micro_batch) - 1
-        held["other micro-batches' graphs (rcc.delta_from_update)"] = others * (inputs + tokens * arch.hidden * b)
+        held["other micro-batches' graphs (rcc.delta_from_update)"] = others * (inputs + attention + tokens * arch.hidden * b)
     # from a minibatch's second micro-batch on, the gradients of the ones before are held throughout its backward;
     # its worst point is the top layer's backward: every layer's input kept, every layer gathered that is kept so
     held_grads = unreduced or {"gradients (fp32, sharded)": grads}
     update = {**static, **kept(keep_fwd or keep_bwd), **held_grads,
-              "checkpointed layer inputs": inputs, "one layer's recomputed activations": layer_act, **contexts, **held,
-              **fused_pair}
+              "checkpointed layer inputs": inputs, **saved, "one layer's recomputed activations": layer_act, **contexts,
+              **held, **fused_pair}
     hq = arch.heads * arch.head_dim
     if not run.flash:  # SDPA: K/V repeated to every query head, and their gradient, in the recomputed layer
         update["SDPA repeated K/V and their gradient"] = run.micro_batch * (prefix_tokens(run) + run.output_tokens) * 4 * hq * b
@@ -207,7 +214,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     head_grad_bytes = (b if run.sharded else 4) * arch.vocab * arch.hidden
     head_phase = {**static, **kept(keep_fwd or keep_bwd), **held_grads,
                   "head weight gradient + one chunk's": 2 * head_grad_bytes, "checkpointed layer inputs": inputs,
-                  "log-prob head chunk": head, **contexts, **held}
+                  **saved, "log-prob head chunk": head, **contexts, **held}
     # the contexts' own backward, after the last micro-batch: one recomputed layer over all context tokens
     context_phase = {**static, **kept(keep_bwd), **held_grads,
                      "BiCC contexts (inputs, K/V, K/V gradient)": contexts and sum(contexts.values()),

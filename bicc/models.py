@@ -14,6 +14,8 @@ reference, the rollout engines and the HF weights in checkpoints use the compute
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
@@ -62,8 +64,33 @@ def load_pretrained(path: str, model_cfg, device: torch.device, dtype: torch.dty
     ).to(device)
     model.bicc_padding_free = model_cfg.padding_free  # read by bicc.packing.padding_free
     if model_cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(model_cfg.checkpoint_policy))
     return model, tokenizer
+
+
+def checkpoint_kwargs(policy: str = "full") -> dict:
+    """``torch.utils.checkpoint``'s keywords for ``model.checkpoint_policy``. ``full``: a layer's backward recomputes
+    its whole forward. ``save_attention``: the attention kernel's outputs (output, log-sum-exp) are kept from the
+    forward (selective activation checkpointing), so the recompute runs every op of the layer but attention."""
+    kwargs = {"use_reentrant": False}
+    if policy == "save_attention":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_attention)
+    elif policy != "full":
+        raise ValueError(f"model.checkpoint_policy: {policy!r} is none of full, save_attention")
+    return kwargs
+
+
+def _keep_attention(ctx, op, *args, **kwargs):
+    """The selective checkpoint's policy: an attention kernel's forward (SDPA's flash, efficient, cuDNN and CPU
+    kernels; flash-attn's) is kept, every other op recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = str(op)
+    if ("scaled_dot_product" in name or "flash_attn" in name) and "backward" not in name:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def load_policy(path: str, model_cfg, device: torch.device, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):

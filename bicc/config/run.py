@@ -38,6 +38,7 @@ class ModelConfig:
     dtype: str = choice(Dtype, "float32")
     master_dtype: str = choice(Dtype, "float32")
     gradient_checkpointing: bool = False
+    checkpoint_policy: str = choice(Literal["full", "save_attention"], "full")
     compile: str = choice(Literal["off", "on", "auto"], "off")
 
     @staticmethod
