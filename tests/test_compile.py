@@ -311,13 +311,15 @@ def test_model_compile_setting():
     assert [should_compile(s, cuda) for s in ("off", "on", "auto")] == [False, True, True]
 
 
-def test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2(tmp_path):
+@pytest.mark.parametrize("policy", ["full", "save_attention"])
+def test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2(tmp_path, policy):
     """What ``make gpu-check ARGS=--compile`` runs on a GPU, on this CPU: ``torchrun --nproc_per_node=1 train.py``
     (a process group, FSDP2 with bf16 parameters over fp32 master weights) with ``model.compile=on`` (Inductor's
-    compiled layers and loss), the headline form (DAPO, BiCC + RCC, KV reuse, checkpointing): two steps trained
-    and both evaluations."""
+    compiled layers and loss), the headline form (DAPO, BiCC + RCC, KV reuse, checkpointing, recomputing all of a
+    layer or keeping its attention: ``model.checkpoint_policy``): two steps trained and both evaluations."""
     run_dir = tmp_path / "run"
-    proc = run_train(["model.compile=on", "model.gradient_checkpointing=true", "algo=dapo", "bicc=on", "rcc=on",
+    proc = run_train(["model.compile=on", "model.gradient_checkpointing=true", f"model.checkpoint_policy={policy}",
+                      "algo=dapo", "bicc=on", "rcc=on",
                       "dist.strategy=fsdp2", "dist.param_dtype=bfloat16", "sft.steps=5", "sft.batch_size=8",
                       "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=16",
                       "bicc.min_attempt_tokens=4", "data.reward=tests.rewards:first_of_group", "data.reward_batched=true",
