@@ -86,7 +86,7 @@ def build(arch: dict, device: torch.device, checkpointing: bool, policy: str = "
     model.config._attn_implementation = "sdpa"
     model.config.use_cache = False
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None if policy == "full" else checkpoint_kwargs(policy))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(policy))
     return model.train()
 
 

@@ -184,13 +184,14 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     fused_pair = {"fused projection weights + their gradient (model.compile)": 2 * fused} if fused else {}
     context_kv = context_tokens * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
     # held through the minibatch: the context forward's checkpointed inputs, its K/V and their gradient
-    kept_per_token = arch.hidden * b + (arch.heads * arch.head_dim * b + 4 * arch.heads if run.save_attention else 0)
-    contexts = {"BiCC contexts (inputs, K/V, K/V gradient)": context_tokens * arch.layers * kept_per_token + 2 * context_kv}
+    # model.checkpoint_policy=save_attention: each layer's attention output and fp32 log-sum-exp per head, kept
+    kept_attention = arch.heads * arch.head_dim * b + 4 * arch.heads if run.save_attention else 0  # per token
+    contexts = {"BiCC contexts (inputs, K/V, K/V gradient)":
+                context_tokens * arch.layers * (arch.hidden * b + kept_attention) + 2 * context_kv}
     chunk = min(run.chunk_tokens, tokens)
     head = chunk * arch.vocab * 3 * 4  # fp32 logits, exponentials, their product (the entropy)
     inputs = arch.layers * tokens * arch.hidden * b  # every layer's checkpointed input
-    # model.checkpoint_policy=save_attention: every layer's attention output and fp32 log-sum-exp per head, kept
-    attention = arch.layers * tokens * (kept_per_token - arch.hidden * b)
+    attention = arch.layers * tokens * kept_attention
     saved = {"kept attention outputs (model.checkpoint_policy)": attention} if attention else {}
     # rcc.delta_from_update: at the first backward every other micro-batch's graph is still held
     held = {}
