@@ -10,30 +10,30 @@ What is compiled, and what is not:
 
 - each layer's ``forward`` only: the module's ``__call__`` (FSDP2's all-gather and reshard hooks, activation
   checkpointing's wrapper) stays eager around it, so sharding and checkpointing work as they do uncompiled;
-- the base model's final norm and rotary embedding, which run once per forward outside the layers (eager, about
-  750 of a CPU update's 10,600 ops with the norm's backward), in the passes where the layers run compiled: the
-  base model's forward tells them (``_Switch``), as they see no cache. The embeddings stay eager;
+- the base model's final norm and rotary embedding, which run once per forward outside the layers, in the
+  passes where the layers run compiled: the base model's forward tells them (``_Switch``), as they see no cache.
+  The embeddings stay eager;
 - the chunked log-prob head's forward and backward math (``compile_head``), in every pass that asks it
   for log-probs: one fused pass over each chunk's [n, V] logits where eager makes a dozen;
 - the update's loss (``loss_function``: the registered loss with its metrics, forward and backward) where the
-  layers run compiled: eager, it was about 1,900 of a CPU update's 14,000 ops, a hundred small ops per
-  micro-batch. Its algo config goes in as plain values (constants of the graph) and the step's totals as floats
-  (inputs: they change every step, and a constant would recompile it);
+  layers run compiled (eager, a hundred small ops per micro-batch). Its algo config goes in as plain values and
+  the step's totals as floats (inputs: they change every step, and a constant would recompile it);
 - only the log-prob forwards (``bicc.logprobs``, ``bicc.prefix_cache``): a call with no cache, with the
   completions' read-only KV-reuse cache (marked ``bicc_compile``), or with the prefix pass's recording cache
   (``bicc_record``: the graph hands each layer's keys/values out, and the cache keeps them after the call,
-  outside the graph, only outside a checkpoint's replay, which Dynamo could not tell inside it; eager, this pass
-  was 2,000 of a 2-layer CPU update's 9,533 ops). Generation (HF's growing cache) runs eagerly;
+  outside the graph, only outside a checkpoint's replay, which Dynamo could not tell inside it). Generation (HF's
+  growing cache) runs eagerly;
 - with dynamic shapes from the first call (``dynamic=True``): micro-batches differ in rows and length, and one
-  graph serves them (a shape that specialises, one row say, adds another). Under KV reuse a layer is handed its
-  own layer of the cache (``_OneLayer``), not the cache and its number: indexing the cache by the layer's number
-  inside the graph made Dynamo specialise on it, a graph per layer (16 graphs at 4 layers; on an H200 an 8-layer
-  update of Qwen3-4B's width had not finished compiling after 4 minutes), where now every layer runs the same few
-  graphs;
+  graph per kind of pass serves them (``tests/test_compile_graphs.py``). No shape adds one for the same math:
+  views go in as tensors of their own (``_own``: Dynamo guards on a view's base, and FSDP2 hands a layer a view
+  where a checkpoint's replay hands it a plain tensor); the final norm and the rotary embedding see the tokens as
+  one row (one row would specialise); duck sizing is off (a length equal to a width on the first call made a graph
+  for that length alone). One row still specialises a layer's graph. Under KV reuse a layer is handed its own
+  layer of the cache (``_OneLayer``), not the cache and its number, which made a graph per layer;
 - with the layer's Python floats (norm eps, attention scale) as constants of the graph (Dynamo's
   ``specialize_float``, set for the layers' calls alone): by default Dynamo lifts each into a 0-d tensor input
-  on every call, which Inductor's CUDA wrapper reads back with ``.item()`` (on an H200, 7,506 of the 131,665 ops
-  of an update at 28 layers). Every layer has the same floats, so they still share their graphs;
+  on every call, which Inductor's CUDA wrapper reads back with ``.item()``. Every layer has the same floats, so
+  they still share their graphs;
 - Dynamo's most-recently-used choice among a frame's graphs is turned off (graphs are tried in the order they
   were made): under activation checkpointing the recompute must run the very graph the forward ran, and with
   two graphs that match the MRU order could pick the other (pytorch/pytorch#166926; torchtitan's workaround).
@@ -50,6 +50,7 @@ import types
 import warnings
 
 import torch
+import torch.fx.experimental._config as _shapes
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from bicc.fuse import fusing
@@ -126,6 +127,8 @@ class _HeadCalls:
         self.fns = tuple(torch.compile(fn, dynamic=True, backend=backend) for fn in (chunk_forward, chunk_backward))
 
     def __call__(self, head, which: int, args):
+        # a chunk is a slice of the micro-batch's tokens, whose shape (one row or several) Dynamo would guard on
+        args = tuple(_own(a) if isinstance(a, torch.Tensor) else a for a in args)
         ok, out = _compiled_call(head, self.fns[which], args, {}, "the log-prob head")
         return out if ok else None
 
@@ -194,6 +197,10 @@ def _forward(self, *args, **kwargs):
             # under checkpointing HF's input hook makes the embeddings' output require grad even under no_grad: the
             # first layer's input would differ from the others' in what Dynamo guards on, two graphs where one does
             args = (args[0].detach(), *args[1:])
+        elif args:
+            # FSDP2 hands a layer its input as a view (its post-backward hook), a checkpoint's replay as a plain
+            # tensor: Dynamo guards on a view's base, two graphs (and two compilations) where one does
+            args = (_own(args[0]), *args[1:])
         index = getattr(getattr(self, "self_attn", None), "layer_idx", None)
         one = None if cache is None or index is None else (_Recorder if record else _OneLayer)(cache, index)
         ok, out = _compiled_call(self, self._bicc_compiled, (self, *args),
@@ -231,18 +238,45 @@ def _glue_forward(self, *args, **kwargs):
     """The final norm's or the rotary embedding's forward: once per model forward, outside the layers (eager, a
     few dozen small ops each with the norm's backward); compiled in the passes the layers run compiled."""
     if self._bicc_compile_ok and self._bicc_switch.on:
-        ok, out = _compiled_call(self, self._bicc_compiled, (self, *args), kwargs, type(self).__name__)
+        rows = _rows(args, kwargs)
+        ok, out = _compiled_call(self, self._bicc_compiled, (self, *_one_row(args, rows)),
+                                 dict(zip(kwargs, _one_row(kwargs.values(), rows))), type(self).__name__)
+        if ok and rows:  # back to [B, T, ...]
+            out = _own(out.view(*rows, *out.shape[2:])) if torch.is_tensor(out) else \
+                tuple(_own(t.view(*rows, *t.shape[2:])) for t in out)
         if ok:
             return out
     return type(self).forward(self, *args, **kwargs)
 
 
+def _rows(args, kwargs):
+    """[B, T] where every tensor input is [B, T, ...], else None. The final norm and the rotary embedding work per
+    token, so they are called on the tokens as one row: a micro-batch of one row would specialise (Dynamo's 0/1
+    specialisation), a second graph for the same math."""
+    tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+    rows = tensors[0].shape[:2] if tensors and tensors[0].dim() >= 2 else None
+    return rows if rows and all(t.shape[:2] == rows for t in tensors) else None
+
+
+def _one_row(values, rows) -> list:
+    """Each tensor of ``values`` [B, T, ...] as [1, B T, ...] (a tensor of its own) where ``rows``."""
+    return [_own(t.reshape(1, -1, *t.shape[2:])) if rows and torch.is_tensor(t) else t for t in values]
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor of its own where it is a view (Dynamo guards on a view's base), sharing its storage."""
+    if not t._is_view():
+        return t
+    return _Plain.apply(t) if t.requires_grad and torch.is_grad_enabled() else t.detach()
+
+
 def _compiled_call(owner, fn, args, kwargs, what: str) -> tuple[bool, object]:
-    """(True, ``fn`` (a compiled function of ``owner``) on the inputs), Python floats constants of the graph (see the
-    module's docstring); (False, None) where compilation failed: it warns once, naming ``what`` did not compile,
-    and ``owner`` runs eagerly from then on."""
-    config = torch._dynamo.config
-    prior, config.specialize_float = config.specialize_float, True
+    """(True, ``fn`` (a compiled function of ``owner``) on the inputs), Python floats constants of the graph, duck
+    sizing off (see the module's docstring); (False, None) where compilation failed: it warns once, naming
+    ``what`` did not compile, and ``owner`` runs eagerly from then on."""
+    dynamo = torch._dynamo.config
+    prior = dynamo.specialize_float, _shapes.use_duck_shape
+    dynamo.specialize_float, _shapes.use_duck_shape = True, False
     try:
         return True, fn(*args, **kwargs)
     except _compile_errors() as error:
@@ -251,7 +285,19 @@ def _compiled_call(owner, fn, args, kwargs, what: str) -> tuple[bool, object]:
                       stacklevel=3)
         return False, None
     finally:
-        config.specialize_float = prior
+        dynamo.specialize_float, _shapes.use_duck_shape = prior
+
+
+class _Plain(torch.autograd.Function):
+    """``x`` as a tensor of its own (no view's base), sharing its storage; the gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def _compile_errors() -> tuple:
