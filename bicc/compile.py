@@ -46,6 +46,7 @@ compiler on CPU and Triton on CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 
@@ -91,15 +92,16 @@ def compile_layers(model, backend: str = "inductor") -> int:
         wrap(layer, _forward)
     compile_head(model, backend)  # the log-prob head's chunks, in every pass that asks for log-probs
     base = getattr(model, "base_model", None)
-    glue = [getattr(base, name, None) for name in ("norm", "rotary_emb")]
-    glue = [m for m in glue if isinstance(m, torch.nn.Module)]
+    glue = {name: getattr(base, name, None) for name in ("norm", "rotary_emb")}
+    glue = {name: m for name, m in glue.items() if isinstance(m, torch.nn.Module)}
     if glue:
         switch = _Switch()  # one per model: a deep copy copies it with the modules
         base._bicc_switch = switch
         base.forward = types.MethodType(_base_forward, base)
-        for module in glue:
+        for name, module in glue.items():
             wrap(module, _glue_forward)
             module._bicc_switch = switch
+            module._bicc_no_grad = name == "rotary_emb"  # cos, sin of positions: one graph, with grad or without
     return len(layers)
 
 
@@ -218,8 +220,7 @@ def _compiled_pass(cache) -> bool:
 
 
 class _Switch:
-    """Whether the base model's forward now running is a compiled pass (its final norm and rotary embedding read
-    it: they see no cache)."""
+    """Whether the base model's forward now running is a compiled pass (read by its final norm, rotary embedding)."""
 
     on = False
 
@@ -239,8 +240,9 @@ def _glue_forward(self, *args, **kwargs):
     few dozen small ops each with the norm's backward); compiled in the passes the layers run compiled."""
     if self._bicc_compile_ok and self._bicc_switch.on:
         rows = _rows(args, kwargs)
-        ok, out = _compiled_call(self, self._bicc_compiled, (self, *_one_row(args, rows)),
-                                 dict(zip(kwargs, _one_row(kwargs.values(), rows))), type(self).__name__)
+        with torch.no_grad() if self._bicc_no_grad else contextlib.nullcontext():
+            ok, out = _compiled_call(self, self._bicc_compiled, (self, *_one_row(args, rows)),
+                                     dict(zip(kwargs, _one_row(kwargs.values(), rows))), type(self).__name__)
         if ok and rows:  # back to [B, T, ...]
             out = _own(out.view(*rows, *out.shape[2:])) if torch.is_tensor(out) else \
                 tuple(_own(t.view(*rows, *t.shape[2:])) for t in out)
@@ -329,10 +331,9 @@ class _OneLayer:
 
 
 class _Recorder(_OneLayer):
-    """Layer ``index`` of the prefix pass's recording cache (``bicc_record``): the graph hands its keys/values
-    out through a list, and the layer's own ``update`` keeps them after the call, outside the graph (it keeps
-    nothing in a checkpoint's replay, which Dynamo could not tell inside it; a replay usually ends inside the
-    call anyway, at the checkpoint's early stop). A replay thus runs the very graph its forward ran."""
+    """Layer ``index`` of the prefix pass's recording cache (``bicc_record``): the graph hands its keys/values out
+    through a list, and the layer's own ``update`` keeps them after the call, outside the graph (nothing in a
+    checkpoint's replay, which usually ends inside the call). A replay thus runs the very graph its forward ran."""
 
     def __init__(self, cache, index: int):
         while len(cache.layers) <= index:  # the cache makes its layers on their first update

@@ -13,10 +13,10 @@ from torch._dynamo.backends.registry import lookup_backend
 
 from bicc.batching import logprobs_no_grad
 from bicc.compile import compile_layers
-from bicc.logprobs import make_token_batch
+from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.models import build_tiny
 from bicc.rows import QueryRows
-from tests.helpers import ARCH, ROOT
+from tests.helpers import ARCH, ROOT, rows
 
 
 def kind_of(gm) -> str:
@@ -116,3 +116,28 @@ def test_a_token_count_equal_to_a_width_compiles_no_graph_of_its_own():
         logprobs_no_grad(model, QueryRows(batch), n, n, 1.0)
     assert sorted(graphs) == ["head", "layer", "norm", "rotary"], graphs
     assert torch.fx.experimental._config.use_duck_shape is True  # the setting is the compiled calls', not the process's
+
+
+def test_the_rotary_embedding_compiles_one_graph_with_grad_or_without():
+    """Dynamo guards on the grad mode a function is called in, so the passes without grad (pi_old, pi_ref) and the
+    update compile their own graphs. The rotary embedding's cos and sin depend on the positions alone (HF computes
+    them under no_grad), so it is called under no_grad in both: one graph where it made two. The final norm, with
+    its weight's gradient, makes two; the update's gradients are the eager model's."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(kind_of(gm))
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    eager, model = (build_tiny(ARCH, seed=0)[0].double() for _ in range(2))
+    compile_layers(model, backend=backend)
+    prompts, completions = rows()
+    batch = make_token_batch(prompts[:4], completions[:4], 0)
+    old = logprobs_no_grad(model, QueryRows(batch), 4, 4, 1.0)
+    for m in (eager, model):
+        logp = batch_logprobs(m, batch)[0]
+        ((logp - old).exp() * batch.completion_mask).sum().backward()
+    assert graphs.count("rotary") == 1 and graphs.count("norm") == 2, graphs
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=0)
