@@ -23,7 +23,7 @@ from bicc.update import loss_of_rows_fn, update_policy
 
 
 def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
-    t0 = time.perf_counter()
+    t0, graphs = time.perf_counter(), compiled_graphs()
     device = next(s.model.parameters()).device
     step_seed = cfg.seed * 1_000_003 + s.step
 
@@ -89,9 +89,18 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     # ---- 8. metrics ----------------------------------------------------------------------------
     perf = {"perf/rollout_s": t_rollout - t0, "perf/generate_s": ro.generate_s, "perf/logprob_s": t_logprobs - t_contexts,
             "perf/no_grad_passes": plan.no_grad_passes(), "perf/diagnostics_s": diagnostics_s,
-            "perf/update_s": t_update - t_logprobs, "perf/update_tokens": float(numerator.tokens)}
+            "perf/update_s": t_update - t_logprobs, "perf/update_tokens": float(numerator.tokens),
+            "perf/compiled_graphs": float(compiled_graphs() - graphs)}
     metrics = {**rollout_metrics(ro, batch, cfg), **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics, **perf}
     return distributed.mean_metrics(step_timing(metrics, batch, t0), s.dist), diag_record
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (``model.compile``): one that turns up mid-run is a step
+    that paid for its compilation."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def step_inputs(s: RLState, cfg, ro, device):

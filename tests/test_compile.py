@@ -331,4 +331,7 @@ def test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2(tmp_path, po
     trained = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
     assert [r["step"] for r in trained] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in trained)
     assert any(r["train/grad_norm"] > 0 for r in trained), "no gradient: every group was degenerate"
+    # the first step compiles the run's graphs (layers, norm, rotary, head, loss), the second a new shape at most
+    graphs = [r["perf/compiled_graphs"] for r in trained]
+    assert graphs[0] >= 8 and graphs[1] < graphs[0], graphs
     assert "final" in json.loads((run_dir / "results.json").read_text())

@@ -25,6 +25,7 @@ def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(0 <= r["reward/mean"] <= 1 and r["train/lr"] > 0 for r in steps)
+    assert all(r["perf/compiled_graphs"] == 0 for r in steps)  # model.compile=off on CPU (the default)
     assert len(conditioned_steps(run_dir)) == 2 and all(share > 0 for share in conditioned_steps(run_dir))
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 2 and 0 <= results["final"]["eval/pass@1"] <= 1
