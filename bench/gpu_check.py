@@ -199,7 +199,8 @@ PHASES = {"generate": ("rollout",), "log-probs": ("no-grad log-probs",), "evalua
 
 def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, predicted: dict[str, float]) -> dict:
     """Throughput and MFU from the run's metrics (steps after the first, whose update pays for kernel selection and
-    the allocator's growth); CUDA's allocated peaks against ``predicted`` (GiB per run phase, ``predicted_gib``)."""
+    the allocator's growth); CUDA's allocated peaks against ``predicted`` (GiB per run phase, ``predicted_gib``);
+    the graphs each step compiled."""
     steps = [r for r in rows if "perf/update_s" in r]
     timed = steps[1:] or steps
     if not timed:
@@ -213,7 +214,8 @@ def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, p
             "gpu_peak_gib": reserved, "gpu_model_gib": max(predicted.values()),
             "gpu_allocated_vs_model": None if allocated is None else allocated / max(predicted.values()),
             "gpu_reserved_vs_allocated": None if not allocated else reserved / allocated,
-            "phases": {k: (measured[k]["allocated"], v) for k, v in predicted.items() if k in measured}}
+            "phases": {k: (measured[k]["allocated"], v) for k, v in predicted.items() if k in measured},
+            "graphs": [(r["step"], int(r.get("perf/compiled_graphs", 0))) for r in steps]}
 
 
 def predicted_gib(model_dir: Path, gpu_gib: float, extra: tuple = (), **sizes) -> dict[str, float]:
@@ -305,6 +307,8 @@ def main() -> int:
               f"reserved; bicc.memory {summary['gpu_model_gib']:.2f} GiB allocated")
         for name, (got, want) in summary["phases"].items():
             print(f"[gpu-check]   {name:<11} allocated {got:6.2f} GiB, bicc.memory {want:6.2f} GiB ({got / want:.3f})")
+        print("[gpu-check] graphs compiled per step (model.compile): "
+              + ", ".join(f"step {step} {n}" for step, n in summary["graphs"]))
         print(f"RESULT gpu_train_tokens_per_s={summary['gpu_train_tokens_per_s']:.0f}")
         print(f"RESULT gpu_train_mfu={summary['gpu_train_mfu']:.3f} target>=0.40")
         print(f"RESULT gpu_allocated_vs_model={summary['gpu_allocated_vs_model']:.3f} target>=0.9 target<=1.1")

@@ -28,8 +28,9 @@ def test_flops_and_summary_by_hand():
     assert layer == 15_728_640
     per_token = gpu_check.model_flops_per_token(gpu_check.QWEN3_06B)
     assert per_token == 6 * (28 * layer + 1024 * 151_936) == 3_575_906_304
-    rows = [{"step": 1, "perf/update_s": 9.0, "perf/update_tokens": 1000.0},  # the first step is not timed
-            {"step": 2, "perf/update_s": 2.0, "perf/update_tokens": 30_000.0, "perf/diagnostics_s": 0.5},
+    rows = [{"step": 1, "perf/update_s": 9.0, "perf/update_tokens": 1000.0, "perf/compiled_graphs": 11.0},  # not timed
+            {"step": 2, "perf/update_s": 2.0, "perf/update_tokens": 30_000.0, "perf/diagnostics_s": 0.5,
+             "perf/compiled_graphs": 1.0},
             {"step": 3, "perf/update_s": 1.5, "perf/update_tokens": 40_000.0}, {"eval/x": 1.0}]
     results = {"cuda_max_reserved_gib": 30.0, "cuda_max_allocated_gib": 24.0,
                "cuda_peaks_gib": {"update": {"allocated": 24.0, "reserved": 30.0}, "run": {"allocated": 24.0}}}
@@ -38,6 +39,7 @@ def test_flops_and_summary_by_hand():
     assert out["gpu_train_mfu"] == pytest.approx(70_000 / 3.0 * 3_575_906_304 / 989e12)
     assert out["gpu_allocated_vs_model"] == 24.0 / 25.0 and out["gpu_reserved_vs_allocated"] == 30.0 / 24.0
     assert out["phases"] == {"update": (24.0, 25.0)}  # a phase the run did not record is left out
+    assert out["graphs"] == [(1, 11), (2, 1), (3, 0)]  # per step; a run before the metric existed: 0
     with pytest.raises(RuntimeError, match="no training step"):
         gpu_check.summarise([{"eval/x": 1.0}], {}, gpu_check.QWEN3_06B, 989.0, {"update": 25.0})
 
@@ -162,7 +164,7 @@ def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_p
     monkeypatch.setattr(gpu_check, "predicted_gib", lambda model_dir, gib, extra=(): asked.update(predicted=extra))
     summary = dict.fromkeys(["gpu_peak_gib", "gpu_model_gib", "gpu_train_tokens_per_s", "gpu_train_mfu",
                              "gpu_allocated_vs_model", "gpu_reserved_vs_allocated"], 1.0)
-    monkeypatch.setattr(gpu_check, "summarise", lambda *args: {**summary, "phases": {}})
+    monkeypatch.setattr(gpu_check, "summarise", lambda *args: {**summary, "phases": {}, "graphs": []})
     monkeypatch.setattr(sys, "argv", ["gpu_check", "--skip-tests", "--out", str(tmp_path), *flag])
     gpu_check.main()
     rehearsal = ("model.compile=on", "rollout.static_cache=true", *flag[1:]) if flag else ()
