@@ -330,6 +330,10 @@ def main() -> None:
     ours_s, bare_s = [], []
     for round_ in (1, 2):  # alternate, so that drift hits both
         ours_s.append(timed(ours, device, args.iters, f"round {round_}, ours"))
+        if args.compile and round_ == 1:
+            from bicc.step import compiled_graphs
+
+            print(f"[update_vs_bare] ours compiled {compiled_graphs()} Dynamo graphs", flush=True)
         bare_s.append(timed(bare, device, args.iters, f"round {round_}, bare"))
     ours_rate, bare_rate = tokens / min(ours_s), tokens / min(bare_s)
     print("[update_vs_bare] profiling one update of ours", flush=True)
