@@ -29,7 +29,7 @@ What is compiled, and what is not:
   where a checkpoint's replay hands it a plain tensor); the final norm and the rotary embedding see the tokens as
   one row (one row would specialise); duck sizing is off (a length equal to a width on the first call made a graph
   for that length alone). One row still specialises a layer's graph. Under KV reuse a layer is handed its own
-  layer of the cache (``_OneLayer``), not the cache and its number, which made a graph per layer;
+  layer of the cache (``bicc.prefix_cache.OneLayer``), not the cache and its number, which made a graph per layer;
 - with the layer's Python floats (norm eps, attention scale) as constants of the graph (Dynamo's
   ``specialize_float``, set for the layers' calls alone): by default Dynamo lifts each into a 0-d tensor input
   on every call, which Inductor's CUDA wrapper reads back with ``.item()``. Every layer has the same floats, so
@@ -57,6 +57,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from bicc.fuse import fusing
 from bicc.head import chunk_backward, chunk_forward
 from bicc.losses.agg import StepTotals
+from bicc.prefix_cache import OneLayer, Recorder
 
 
 def should_compile(setting: str, device: torch.device) -> bool:
@@ -204,11 +205,11 @@ def _forward(self, *args, **kwargs):
             # tensor: Dynamo guards on a view's base, two graphs (and two compilations) where one does
             args = (_own(args[0]), *args[1:])
         index = getattr(getattr(self, "self_attn", None), "layer_idx", None)
-        one = None if cache is None or index is None else (_Recorder if record else _OneLayer)(cache, index)
+        one = None if cache is None or index is None else (Recorder if record else OneLayer)(cache, index)
         ok, out = _compiled_call(self, self._bicc_compiled, (self, *args),
                                  kwargs if one is None else {**kwargs, "past_key_values": one}, type(self).__name__)
         if ok:
-            if isinstance(one, _Recorder):
+            if isinstance(one, Recorder):
                 one.keep()
             return out
     return type(self).forward(self, *args, **kwargs)
@@ -314,37 +315,3 @@ def _cause(error: Exception) -> str:
     """A compilation error as a warning names it: its type, the backend's own error and its first line."""
     cause = getattr(error, "inner_exception", None) or error.__cause__ or error
     return f"{type(error).__name__}, {type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
-
-
-class _OneLayer:
-    """Layer ``index`` of a read-only KV-reuse cache, as that layer's attention uses it: ``update`` with the
-    layer's number ignored (the graph never indexes the cache by it); anything else is the whole cache's."""
-
-    def __init__(self, cache, index: int):
-        self.layer, self.cache = cache.layers[index], cache
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self.layer.update(key_states, value_states)
-
-    def __getattr__(self, name):
-        return getattr(self.cache, name)
-
-
-class _Recorder(_OneLayer):
-    """Layer ``index`` of the prefix pass's recording cache (``bicc_record``): the graph hands its keys/values out
-    through a list, and the layer's own ``update`` keeps them after the call, outside the graph (nothing in a
-    checkpoint's replay, which usually ends inside the call). A replay thus runs the very graph its forward ran."""
-
-    def __init__(self, cache, index: int):
-        while len(cache.layers) <= index:  # the cache makes its layers on their first update
-            cache.layers.append(cache.layer_class_to_replicate())
-        super().__init__(cache, index)
-        self.seen = []
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.seen.append((key_states, value_states))
-        return key_states, value_states
-
-    def keep(self):
-        for keys, values in self.seen:
-            self.layer.update(keys, values)

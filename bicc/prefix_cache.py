@@ -277,3 +277,39 @@ def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int]
     follows."""
     states = encode_prefixes(model, prefixes, pad_id)
     return completion_logprobs(model, states, prefix_of, completions, length, pad_id, temperature, with_entropy)
+
+
+class OneLayer:
+    """For a compiled layer (``bicc.compile``): layer ``index`` of a read-only KV-reuse cache, as that layer's
+    attention uses it: ``update`` with the layer's number ignored (the graph never indexes the cache by it);
+    anything else is the whole cache's."""
+
+    def __init__(self, cache, index: int):
+        self.layer, self.cache = cache.layers[index], cache
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.layer.update(key_states, value_states)
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+class Recorder(OneLayer):
+    """For a compiled layer: layer ``index`` of the prefix pass's recording cache (``bicc_record``): the graph hands
+    its keys/values out through a list, and the layer's own ``update`` keeps them after the call, outside the graph
+    (nothing in a checkpoint's replay, which usually ends inside the call). A replay thus runs the very graph its
+    forward ran."""
+
+    def __init__(self, cache, index: int):
+        while len(cache.layers) <= index:  # the cache makes its layers on their first update
+            cache.layers.append(cache.layer_class_to_replicate())
+        super().__init__(cache, index)
+        self.seen = []
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.seen.append((key_states, value_states))
+        return key_states, value_states
+
+    def keep(self):
+        for keys, values in self.seen:
+            self.layer.update(keys, values)
