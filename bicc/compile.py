@@ -29,7 +29,8 @@ What is compiled, and what is not:
   where a checkpoint's replay hands it a plain tensor); the final norm and the rotary embedding see the tokens as
   one row (one row would specialise); duck sizing is off (a length equal to a width on the first call made a graph
   for that length alone). One row still specialises a layer's graph. Under KV reuse a layer is handed its own
-  layer of the cache (``bicc.prefix_cache.OneLayer``), not the cache and its number, which made a graph per layer;
+  layer of the cache (``bicc.prefix_cache.OneLayer``), not the cache and its number, which made a graph per layer.
+  The head's two functions are first traced at storage offset 0 (``_at_offset_0``), which then takes any chunk;
 - with the layer's Python floats (norm eps, attention scale) as constants of the graph (Dynamo's
   ``specialize_float``, set for the layers' calls alone): by default Dynamo lifts each into a 0-d tensor input
   on every call, which Inductor's CUDA wrapper reads back with ``.item()``. Every layer has the same floats, so
@@ -128,10 +129,14 @@ class _HeadCalls:
 
     def __init__(self, backend):
         self.fns = tuple(torch.compile(fn, dynamic=True, backend=backend) for fn in (chunk_forward, chunk_backward))
+        self.traced = [False, False]
 
     def __call__(self, head, which: int, args):
         # a chunk is a slice of the micro-batch's tokens, whose shape (one row or several) Dynamo would guard on
         args = tuple(_own(a) if isinstance(a, torch.Tensor) else a for a in args)
+        if not self.traced[which]:  # each function traced at storage offset 0 (``_at_offset_0``)
+            self.traced[which] = True
+            args = tuple(_at_offset_0(a) if isinstance(a, torch.Tensor) and a.storage_offset() else a for a in args)
         ok, out = _compiled_call(head, self.fns[which], args, {}, "the log-prob head")
         return out if ok else None
 
@@ -264,6 +269,13 @@ def _rows(args, kwargs):
 def _one_row(values, rows) -> list:
     """Each tensor of ``values`` [B, T, ...] as [1, B T, ...] (a tensor of its own) where ``rows``."""
     return [_own(t.reshape(1, -1, *t.shape[2:])) if rows and torch.is_tensor(t) else t for t in values]
+
+
+def _at_offset_0(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` at storage offset 0, its strides kept. Dynamo specialises offsets (and strides) 0 and 1: a
+    head's graph traced on a later chunk (the backward's first call is the last chunk's) guards its offset >= 2,
+    and the first chunk's compiles another; one traced at offset 0 takes any."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

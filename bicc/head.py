@@ -7,7 +7,8 @@ same name, same state dict, tying kept). While ``head_targets`` sets a request, 
 the plain projection (generation, SFT). It runs inside the model's own forward, so FSDP2's gathered root
 parameters and activation checkpointing apply unchanged.
 
-Each chunk of ``chunk_tokens`` positions is one autograd function (``ChunkLogprobs``) whose cost is its matmul:
+Each chunk of ``chunk_tokens`` positions (a tail of one token joins the chunk before it: compiled, a size of one
+would be a graph of its own) is one autograd function (``ChunkLogprobs``) whose cost is its matmul:
 
 - forward: logits z = h W^T / T in fp32 (the compute dtype's matmul, upcast once), shifted by their maximum and
   exponentiated in place: e = exp(z - max), s = sum e, log p(target) = z[target] - max - log s. The entropy
@@ -149,8 +150,11 @@ class LogprobHead(torch.nn.Linear):
         # one chunk: its softmax is kept for the backward; a no-grad pass keeps nothing (compiled, nor writes it)
         keep = flat_h.shape[0] <= chunk and torch.is_grad_enabled()
         head = self if getattr(self, "_bicc_compile_ok", False) else None  # model.compile (bicc.compile)
-        parts = [ChunkLogprobs.apply(flat_h[start : start + chunk], self.weight, self.bias, flat_t[start : start + chunk],
-                                     temperature, keep, entropy, head) for start in range(0, flat_h.shape[0], chunk)]
+        bounds = [*range(0, flat_h.shape[0], chunk), flat_h.shape[0]]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:  # a one-token tail joins the chunk before it: compiled,
+            del bounds[-2]  # a chunk of one token would be a graph of its own (Dynamo specialises a size of 1)
+        parts = [ChunkLogprobs.apply(flat_h[a:b], self.weight, self.bias, flat_t[a:b], temperature, keep, entropy, head)
+                 for a, b in zip(bounds, bounds[1:])]
         if not parts:
             empty = flat_h.new_zeros(0, dtype=torch.float32)
             parts = [(empty, empty)]
