@@ -144,10 +144,11 @@ def test_the_memory_model_holds_to_the_h100_runs(output_tokens, tmp_path, monkey
 
 
 @pytest.mark.parametrize("flag", [[], ["--compile"], ["--compile", "dist.reshard_after_backward=false"]])
-def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_path):
+def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_path, capsys):
     """``make gpu-check ARGS=--compile``: the rehearsal runs with model.compile=on and a static generate cache, the
     baseline with --compile; without the flag neither does; Hydra overrides after it reach both and the memory
-    model's prediction (the phases stubbed: what each was asked to run)."""
+    model's prediction (the phases stubbed: what each was asked to run). The budget is 720 s with the flag (each
+    process compiles), 480 s without."""
     import sys
     import types
 
@@ -158,8 +159,8 @@ def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_p
     monkeypatch.setattr(gpu_check, "no_cuda_message", lambda: None)
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=fake_cuda, __version__="2.11.0"))
     done = ([], {"cuda_max_allocated_gib": 1.0})
-    monkeypatch.setattr(gpu_check, "rehearse",
-                        lambda out, arch, env, extra=(), budget_s=0: asked.update(rehearsal=extra) or done)
+    monkeypatch.setattr(gpu_check, "rehearse", lambda out, arch, env, extra=(), budget_s=0:
+                        asked.update(rehearsal=extra, rehearsal_s=round(budget_s)) or done)
     monkeypatch.setattr(gpu_check, "bare_baseline", lambda env, s, extra=(): asked.update(baseline=extra))
     monkeypatch.setattr(gpu_check, "predicted_gib", lambda model_dir, gib, extra=(): asked.update(predicted=extra))
     summary = dict.fromkeys(["gpu_peak_gib", "gpu_model_gib", "gpu_train_tokens_per_s", "gpu_train_mfu",
@@ -168,7 +169,9 @@ def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_p
     monkeypatch.setattr(sys, "argv", ["gpu_check", "--skip-tests", "--out", str(tmp_path), *flag])
     gpu_check.main()
     rehearsal = ("model.compile=on", "rollout.static_cache=true", *flag[1:]) if flag else ()
-    assert asked == {"rehearsal": rehearsal, "baseline": ("--compile", *flag[1:]) if flag else (), "predicted": rehearsal}
+    assert asked == {"rehearsal": rehearsal, "baseline": ("--compile", *flag[1:]) if flag else (), "predicted": rehearsal,
+                     "rehearsal_s": 0.8 * (720 if flag else 480)}  # its share of the budget
+    assert f"budget {720 if flag else 480} s" in capsys.readouterr().out
 
 
 def test_the_memory_prediction_reads_the_checks_overrides(tmp_path, monkeypatch):
