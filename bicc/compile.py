@@ -274,7 +274,10 @@ def _one_row(values, rows) -> list:
 def _at_offset_0(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` at storage offset 0, its strides kept. Dynamo specialises offsets (and strides) 0 and 1: a
     head's graph traced on a later chunk (the backward's first call is the last chunk's) guards its offset >= 2,
-    and the first chunk's compiles another; one traced at offset 0 takes any."""
+    and the first chunk's compiles another; one traced at offset 0 takes any. An expanded ``t`` (a stride of 0)
+    cannot keep its strides in a copy: it is copied contiguous."""
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        return t.clone(memory_format=torch.contiguous_format)
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 

@@ -17,7 +17,15 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from bicc.advantages import Advantages
 from bicc.batching import logprobs_no_grad
-from bicc.compile import _CompiledLoss, compile_layers, compiled_layers, decoder_layers, loss_function, should_compile
+from bicc.compile import (
+    _at_offset_0,
+    _CompiledLoss,
+    compile_layers,
+    compiled_layers,
+    decoder_layers,
+    loss_function,
+    should_compile,
+)
 from bicc.logprobs import make_token_batch
 from bicc.losses import LOSSES, StepTotals
 from bicc.models import build_tiny
@@ -341,3 +349,17 @@ def test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2(tmp_path, po
     graphs = [r["perf/compiled_graphs"] for r in trained]
     assert graphs[0] >= 8 and (graphs[1] >= 8 if resumed else graphs[1] < graphs[0]), graphs
     assert "final" in json.loads((run_dir / "results.json").read_text())
+
+
+def test_the_heads_first_call_sees_its_tensors_at_offset_0():
+    """``_at_offset_0`` (the head's first compiled call): a slice of a chunked tensor comes back at storage offset 0
+    with its values and strides (a stride of 2: the log-probs' gradient is a column of [n, 2]); an expanded slice
+    (a stride of 0), whose strides no copy can keep, comes back contiguous, where copying into its strides raised."""
+    base = torch.arange(40.0).view(20, 2)
+    column = base[8:14, 0]  # offset 16, stride 2
+    got = _at_offset_0(column)
+    assert column.storage_offset() == 16 and got.storage_offset() == 0
+    assert got.stride() == (2,) and torch.equal(got, column)
+    expanded = torch.arange(4.0)[:, None].expand(4, 5)[1:, 1:]  # offset 1, strides (1, 0)
+    got = _at_offset_0(expanded)
+    assert got.storage_offset() == 0 and got.is_contiguous() and torch.equal(got, expanded)
