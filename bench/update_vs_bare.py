@@ -311,7 +311,7 @@ def main() -> None:
     if args.compile:  # before the wrap, as bicc.state.build_rl_state does
         from bicc.compile import compile_layers
 
-        compile_layers(ours_model)
+        compile_layers(ours_model, checkpoint_in_graph=cfg.model.checkpoint_in_graph)
     compute = torch.bfloat16 if device.type == "cuda" else None  # fp32 master weights, bf16 compute (bicc.models)
     if args.fsdp:
         ours_model = fsdp_one_rank(ours_model, cfg, device, compute)

@@ -8,14 +8,17 @@ q, k and v one, gate and up one), four a layer forward where there were seven.
 
 What is compiled, and what is not:
 
-- each layer's ``forward`` only: the module's ``__call__`` (FSDP2's all-gather and reshard hooks, activation
-  checkpointing's wrapper) stays eager around it, so sharding and checkpointing work as they do uncompiled;
+- each layer's ``forward`` only: the module's ``__call__`` (FSDP2's all-gather and reshard hooks) stays eager
+  around it, so sharding works as it does uncompiled. Under activation checkpointing a call with grad whose cache
+  is none or read-only compiles the checkpoint with the forward (``_recomputed``, ``model.checkpoint_in_graph``):
+  the layer's backward graph recomputes what it reads, and the MLP's down projection is not run again. The
+  prefix pass's recording cache keeps transformers' eager checkpoint, which replays the compiled forward;
 - the base model's final norm and rotary embedding, which run once per forward outside the layers, in the
   passes where the layers run compiled: the base model's forward tells them (``_Switch``), as they see no cache.
   The embeddings stay eager;
 - the chunked log-prob head's forward and backward math (``compile_head``), in every pass that asks it
   for log-probs: one fused pass over each chunk's [n, V] logits where eager makes a dozen;
-- the update's loss (``loss_function``: the registered loss with its metrics, forward and backward) where the
+- the update's loss (``bicc.losses.compiled``: the registered loss with its metrics, forward and backward) where the
   layers run compiled (eager, a hundred small ops per micro-batch). Its algo config goes in as plain values and
   the step's totals as floats (inputs: they change every step, and a constant would recompile it);
 - only the log-prob forwards (``bicc.logprobs``, ``bicc.prefix_cache``): a call with no cache, with the
@@ -53,11 +56,11 @@ import warnings
 
 import torch
 import torch.fx.experimental._config as _shapes
+from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from bicc.fuse import fusing
 from bicc.head import chunk_backward, chunk_forward
-from bicc.losses.agg import StepTotals
 from bicc.prefix_cache import OneLayer, Recorder
 
 
@@ -70,9 +73,10 @@ def decoder_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def compile_layers(model, backend: str = "inductor") -> int:
+def compile_layers(model, backend: str = "inductor", checkpoint_in_graph: bool = True) -> int:
     """Compile every decoder layer's ``forward`` of ``model`` in place, and its base model's final norm and rotary
-    embedding, each keeping its eager fallback; returns how many layers were wrapped."""
+    embedding, each keeping its eager fallback; returns how many layers were wrapped. ``checkpoint_in_graph``
+    (``model.checkpoint_in_graph``): a checkpointed layer's recompute is traced into its compiled backward."""
     import torch._dynamo
 
     layers = decoder_layers(model)
@@ -87,11 +91,19 @@ def compile_layers(model, backend: str = "inductor") -> int:
             compiled[cls] = torch.compile(cls.forward, dynamic=True, backend=fusing(backend))
         module._bicc_compiled = compiled[cls]
         module._bicc_compile_ok = True
-        module._bicc_backend = backend  # the loss's too (``loss_function``)
+        module._bicc_backend = backend  # the loss's too (``bicc.losses.compiled``)
         module.forward = types.MethodType(forward, module)  # bound to each copy of the module by deepcopy
 
     for layer in layers:
         wrap(layer, _forward)
+        eager = getattr(layer, "_gradient_checkpointing_func", None)
+        keywords = dict(getattr(eager, "keywords", {}))
+        if checkpoint_in_graph and getattr(layer, "gradient_checkpointing", False) and not keywords.get("use_reentrant", True):
+            if "recomputed" not in compiled:
+                compiled["recomputed"] = torch.compile(_recomputed, dynamic=True, backend=fusing(backend))
+            layer._bicc_recomputed, layer._bicc_checkpoint_kwargs = compiled["recomputed"], keywords
+            layer._bicc_eager_checkpoint, layer._bicc_in_graph = eager, False
+            layer._gradient_checkpointing_func = types.MethodType(_checkpoint, layer)
     compile_head(model, backend)  # the log-prob head's chunks, in every pass that asks for log-probs
     base = getattr(model, "base_model", None)
     glue = {name: getattr(base, name, None) for name in ("norm", "rotary_emb")}
@@ -144,57 +156,6 @@ class _HeadCalls:
 _HEADS: dict = {}  # backend -> its _HeadCalls: one compiled pair per process, whatever the number of heads
 
 
-def loss_function(model, name: str):
-    """The registered loss ``name`` (``bicc.losses.LOSSES``), compiled with the backend of ``model``'s decoder
-    layers where they run compiled, else as registered; same signature either way."""
-    from bicc.losses import LOSSES
-
-    fn = LOSSES.get(name)
-    layer = next((m for m in decoder_layers(model) if getattr(m, "_bicc_compile_ok", False)), None)
-    if layer is None:
-        return fn
-    if (fn, layer._bicc_backend) not in _LOSSES:
-        _LOSSES[fn, layer._bicc_backend] = _CompiledLoss(fn, layer._bicc_backend)
-    return _LOSSES[fn, layer._bicc_backend]
-
-
-_LOSSES: dict = {}  # (loss, backend) -> its _CompiledLoss: one per process, whatever the number of updates
-
-
-def _with_totals(fn, logp, old_logp, ref_logp, adv, mask, cfg, tokens, seqs, max_len, is_weight):
-    return fn(logp, old_logp, ref_logp, adv, mask, cfg, StepTotals(tokens, seqs, max_len), is_weight=is_weight)
-
-
-class _CompiledLoss:
-    """A registered loss through ``torch.compile`` (dynamic shapes), with its eager fallback."""
-
-    def __init__(self, fn, backend):
-        self.fn, self.ok, self.plain = fn, True, {}
-        self.compiled = torch.compile(_with_totals, dynamic=True, backend=backend)
-
-    def _plain(self, cfg):
-        """``cfg`` (an OmegaConf node) as a namespace of its values, the same object for the same values: the
-        graph reads them as constants and guards on the object."""
-        from omegaconf import DictConfig, OmegaConf
-
-        if not isinstance(cfg, DictConfig):
-            return cfg
-        values = OmegaConf.to_container(cfg, resolve=True)
-        key = repr(sorted(values.items()))
-        return self.plain.setdefault(key, types.SimpleNamespace(**values))
-
-    def __call__(self, logp, old_logp, ref_logp, adv, mask, cfg, totals, is_weight=None):
-        if self.ok:
-            try:
-                return self.compiled(self.fn, logp, old_logp, ref_logp, adv, mask, self._plain(cfg), totals.tokens,
-                                     totals.seqs, totals.max_len, is_weight)
-            except _compile_errors() as error:
-                self.ok = False
-                warnings.warn(f"model.compile: the loss {self.fn.__name__} did not compile ({_cause(error)}); it runs "
-                              "eagerly from here on", stacklevel=2)
-        return self.fn(logp, old_logp, ref_logp, adv, mask, cfg, totals, is_weight=is_weight)
-
-
 def _forward(self, *args, **kwargs):
     """A layer's forward: compiled for the log-prob forwards (no cache, or a cache marked ``bicc_compile`` or
     ``bicc_record``), eager for the rest and after a failed compilation."""
@@ -211,13 +172,39 @@ def _forward(self, *args, **kwargs):
             args = (_own(args[0]), *args[1:])
         index = getattr(getattr(self, "self_attn", None), "layer_idx", None)
         one = None if cache is None or index is None else (Recorder if record else OneLayer)(cache, index)
-        ok, out = _compiled_call(self, self._bicc_compiled, (self, *args),
+        fn = self._bicc_recomputed if getattr(self, "_bicc_in_graph", False) else self._bicc_compiled
+        ok, out = _compiled_call(self, fn, (self, *args),
                                  kwargs if one is None else {**kwargs, "past_key_values": one}, type(self).__name__)
         if ok:
             if isinstance(one, Recorder):
                 one.keep()
             return out
+    if getattr(self, "_bicc_in_graph", False):  # the call skipped the eager checkpoint (``_checkpoint``)
+        return checkpoint(type(self).forward, self, *args, **self._bicc_checkpoint_kwargs, **kwargs)
     return type(self).forward(self, *args, **kwargs)
+
+
+def _checkpoint(self, fn, *args):
+    """A compiled layer's activation checkpoint (transformers calls it with the module's call, FSDP2's hooks
+    included): where the call runs compiled with grad and its cache is none or read-only, the checkpoint goes
+    inside the compiled function (``_recomputed``); else (the prefix pass's recording cache, a fallen-back layer)
+    the eager checkpoint replays the call."""
+    cache = getattr(fn, "keywords", {}).get("past_key_values")
+    if self._bicc_compile_ok and torch.is_grad_enabled() and (cache is None or getattr(cache, "bicc_compile", False)):
+        self._bicc_in_graph = True
+        try:
+            return fn(*args)
+        finally:
+            self._bicc_in_graph = False
+    return self._bicc_eager_checkpoint(fn, *args)
+
+
+def _recomputed(layer, *args, **kwargs):
+    """A layer's forward under a non-reentrant checkpoint, traced by Dynamo into the graph (a higher-order op):
+    AOTAutograd's partitioner saves the checkpoint's inputs (and what its policy keeps) and recomputes, inside the
+    layer's compiled backward, only what that backward reads: not the MLP's down projection, whose output nothing
+    in the backward needs, and without a pack hook per saved tensor."""
+    return checkpoint(type(layer).forward, layer, *args, **layer._bicc_checkpoint_kwargs, **kwargs)
 
 
 def _compiled_pass(cache) -> bool:
@@ -297,9 +284,9 @@ def _compiled_call(owner, fn, args, kwargs, what: str) -> tuple[bool, object]:
     dynamo.specialize_float, _shapes.use_duck_shape = True, False
     try:
         return True, fn(*args, **kwargs)
-    except _compile_errors() as error:
+    except compile_errors() as error:
         owner._bicc_compile_ok = False
-        warnings.warn(f"model.compile: {what} did not compile ({_cause(error)}); it runs eagerly from here on",
+        warnings.warn(f"model.compile: {what} did not compile ({compile_error_cause(error)}); it runs eagerly from here on",
                       stacklevel=3)
         return False, None
     finally:
@@ -318,7 +305,7 @@ class _Plain(torch.autograd.Function):
         return grad
 
 
-def _compile_errors() -> tuple:
+def compile_errors() -> tuple:
     """What a failed compilation raises (Dynamo's errors, the backend's wrapped in them, Inductor's)."""
     import torch._dynamo
     import torch._inductor.exc
@@ -326,7 +313,7 @@ def _compile_errors() -> tuple:
     return torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError
 
 
-def _cause(error: Exception) -> str:
+def compile_error_cause(error: Exception) -> str:
     """A compilation error as a warning names it: its type, the backend's own error and its first line."""
     cause = getattr(error, "inner_exception", None) or error.__cause__ or error
     return f"{type(error).__name__}, {type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"

@@ -36,7 +36,9 @@ def fusing(backend):
     inner = lookup_backend(backend) if isinstance(backend, str) else backend
 
     def compile_fused(gm: GraphModule, example_inputs):
-        fuse_linears(gm)
+        for graph in list(gm.modules()):  # the graph, and a checkpoint's body (``bicc.compile._recomputed``)
+            if isinstance(graph, GraphModule):
+                fuse_linears(graph)
         return inner(gm, example_inputs)
 
     return compile_fused

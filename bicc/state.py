@@ -83,7 +83,7 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     sharded_hf = d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf"
     sampler = compute_copy(model, cfg.model) if sharded_hf else model
     if should_compile(cfg.model.compile, device):  # the trainer's forwards only (generation stays eager)
-        layers = compile_layers(model)
+        layers = compile_layers(model, checkpoint_in_graph=cfg.model.checkpoint_in_graph)
         if d.is_main:
             print(f"[model] {layers} decoder layers compiled for the log-prob forwards (model.compile={cfg.model.compile})")
     end_ids = tuple(end_token_ids(tokenizer, model))

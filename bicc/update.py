@@ -11,7 +11,6 @@ import torch
 
 from bicc.advantages import AdvantageFn, Advantages
 from bicc.batching import micro_batches
-from bicc.compile import loss_function
 from bicc.distributed import (
     all_reduce_sum,
     full_tensor,
@@ -23,6 +22,7 @@ from bicc.distributed import (
 )
 from bicc.logprobs import TokenBatch
 from bicc.losses import LOSSES, StepTotals, masked_mean
+from bicc.losses.compiled import loss_function
 from bicc.state import RLState
 
 
@@ -31,7 +31,7 @@ def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=
     log-probs ``logp`` [n, L] (with their graph), normalised by ``totals``: (differentiable loss, the loss's
     metrics, ``logp`` detached, pi_old [n, L]). ``old_logp`` None: pi_old is
     this forward (``bicc.plan.StepPlan`` old_source "update"), detached. ``loss_fn``: the registered
-    ``cfg.algo.loss`` or its compiled form (``bicc.compile.loss_function``); None: the registered one."""
+    ``cfg.algo.loss`` or its compiled form (``bicc.losses.compiled.loss_function``); None: the registered one."""
     old = logp.detach() if old_logp is None else old_logp[rows]
     loss_fn = loss_fn or LOSSES.get(cfg.algo.loss)
     loss, metrics = loss_fn(logp, old, None if ref_logp is None else ref_logp[rows], adv[rows], mask, cfg.algo, totals,

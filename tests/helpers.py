@@ -41,6 +41,17 @@ SMALL = ["bicc=stable", "rcc=mean", "sft.steps=5", "sft.batch_size=8", "train.st
          "logger.progress=false"]
 
 
+def graph_code(gm) -> str:
+    """The Python code of a Dynamo graph and of the graphs inside it (a checkpoint traced into a compiled layer's
+    graph is a higher-order op whose body is a graph of its own)."""
+    return "\n".join(m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+
+
+def graph_nodes(gm) -> list:
+    """Every node of a Dynamo graph and of the graphs inside it."""
+    return [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+
+
 def conditioned_steps(run_dir: Path) -> list[float]:
     """``bicc/samples_conditioned_share`` of every RL step a run dir's metrics.jsonl logged."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -16,15 +16,15 @@ from bicc.compile import compile_layers
 from bicc.logprobs import batch_logprobs, make_token_batch
 from bicc.models import build_tiny
 from bicc.rows import QueryRows
-from tests.helpers import ARCH, ROOT, rows
+from tests.helpers import ARCH, ROOT, graph_code, graph_nodes, rows
 
 
 def kind_of(gm) -> str:
     """Which compiled function a graph is of, from where its ops come from."""
-    where = " ".join(n.meta.get("stack_trace") or "" for n in gm.graph.nodes)
+    where, code = " ".join(n.meta.get("stack_trace") or "" for n in graph_nodes(gm)), graph_code(gm)
     return ("head" if "bicc/head.py" in where else "loss" if "bicc/losses" in where else
-            "layer" if "scaled_dot_product_attention" in gm.code else "rotary" if ".cos()" in gm.code else
-            "norm" if "rsqrt" in gm.code else "other")
+            "layer" if "scaled_dot_product_attention" in code else "rotary" if ".cos()" in code else
+            "norm" if "rsqrt" in code else "other")
 
 
 UNDER_FSDP2 = """

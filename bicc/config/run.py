@@ -40,6 +40,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     checkpoint_policy: str = choice(Literal["full", "save_attention"], "full")
     compile: str = choice(Literal["off", "on", "auto"], "off")
+    checkpoint_in_graph: bool = True
 
     @staticmethod
     def check(m) -> None:

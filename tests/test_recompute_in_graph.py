@@ -1,0 +1,149 @@
+"""``model.checkpoint_in_graph`` (``bicc.compile._recomputed``): a compiled, checkpointed layer's recompute traced
+into its compiled backward. The update is the eager one (fp64), each such call runs one matmul fewer than the
+eager checkpoint's replay of the compiled forward (the MLP's down projection, whose output no backward reads), the
+prefix pass keeps the replay, and a layer whose checkpointed graph fails to compile still recomputes, eagerly."""
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.backends.registry import lookup_backend
+
+from bicc.compile import compile_layers, compiled_layers, decoder_layers
+from tests.conftest import compose_cfg
+from tests.helpers import ARCH, graph_code
+from tests.test_compile import checkpointed_pair, update
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def matmul_counting_backend(ran: list):
+    """AOTAutograd over eager kernels (aot_eager's partitioner) whose compiled forwards and backwards add the matmuls
+    their graph holds to ``ran[0]`` on every run."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(gm, example_inputs):
+        matmuls = sum(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for n in gm.graph.nodes)
+        run = make_boxed_func(gm)
+
+        def counted(args):
+            ran[0] += matmuls
+            return run(args)
+        counted._boxed_call = True
+        return counted
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
+
+
+def counted_update(model, share, in_graph):
+    """(the update's metrics, matmuls its compiled graphs ran, calls of the in-graph checkpoint's compiled function)."""
+    calls, ran = [0], [0]
+    compile_layers(model, backend=matmul_counting_backend(ran), checkpoint_in_graph=in_graph)
+    for layer in decoder_layers(model):
+        if hasattr(layer, "_bicc_recomputed"):
+            inner = layer._bicc_recomputed
+            layer._bicc_recomputed = lambda *a, _inner=inner, **k: calls.__setitem__(0, calls[0] + 1) or _inner(*a, **k)
+    return update(model, share), ran[0], calls[0]
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["kv-reuse", "one-row-per-output"])
+def test_the_recompute_in_the_graph_gives_the_eager_update_with_one_matmul_fewer_a_call(share):
+    """Four SGD steps: eager, compiled with the eager checkpoint replaying the compiled forward, and compiled with
+    the checkpoint inside the graph. The same loss and weights (fp64); the in-graph form runs one matmul fewer for
+    each layer call it took (the fused q/k/v, the output projection and the fused gate/up are recomputed, the down
+    projection is not), and the replay form takes none."""
+    eager = checkpointed_pair()[0]
+    expected = update(eager, share)
+    runs = {}
+    for in_graph in (False, True):
+        model = checkpointed_pair()[1]
+        runs[in_graph] = (*counted_update(model, share, in_graph), model)
+        torch._dynamo.reset()
+    (_, replay_mm, replay_calls, _), (got, graph_mm, graph_calls, model) = runs[False], runs[True]
+    assert replay_calls == 0 and graph_calls > 0
+    assert replay_mm - graph_mm == graph_calls, (replay_mm, graph_mm, graph_calls)
+    assert compiled_layers(model) == ARCH.num_hidden_layers
+    assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
+
+
+def test_the_prefix_pass_and_the_no_grad_passes_keep_the_compiled_forward():
+    """Under KV reuse the in-graph checkpoint takes the completions' passes with grad only: the prefix pass (its
+    recording cache keeps what the forward saw) is replayed by the eager checkpoint, the no-grad passes need none."""
+    model = checkpointed_pair()[1]
+    compile_layers(model, backend="aot_eager")
+    caches = {True: [], False: []}
+    for layer in decoder_layers(model):
+        for name, in_graph in (("_bicc_recomputed", True), ("_bicc_compiled", False)):
+            inner = getattr(layer, name)
+
+            def spy(*a, _inner=inner, _in_graph=in_graph, **k):
+                caches[_in_graph].append((type(k.get("past_key_values")).__name__, torch.is_grad_enabled()))
+                return _inner(*a, **k)
+            setattr(layer, name, spy)
+    update(model, True)
+    assert set(caches[True]) == {("OneLayer", True)}
+    assert ("Recorder", True) in caches[False] and all(not grad for cache, grad in caches[False] if cache != "Recorder")
+
+
+def test_a_checkpointed_graph_that_fails_to_compile_still_recomputes():
+    """A backend that raises on the in-graph checkpoint's graphs alone: each layer warns once and runs eagerly from
+    its first call with grad, which the eager checkpoint still recomputes (the layer's forward runs again in the
+    backward, as in the eager model); the update is the eager one."""
+    eager, model = checkpointed_pair()
+
+    def broken(gm, example_inputs):
+        if "wrap_body" in graph_code(gm):
+            raise RuntimeError("no higher-order ops here")
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    forwards = {"eager": 0, "compiled": 0}
+    cls, forward = type(decoder_layers(model)[0]), type(decoder_layers(model)[0]).forward
+
+    def counted(self, *args, **kwargs):
+        if not torch.compiler.is_compiling() and torch.is_grad_enabled():
+            forwards[counting[0]] += 1
+        return forward(self, *args, **kwargs)
+
+    counting = ["eager"]
+    cls.forward = counted
+    try:
+        expected = update(eager, False)
+        compile_layers(model, backend=broken)
+        counting[0] = "compiled"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = update(model, False)
+    finally:
+        cls.forward = forward
+    messages = [str(w.message) for w in caught if "Qwen3DecoderLayer did not compile" in str(w.message)]
+    assert len(messages) == ARCH.num_hidden_layers and all("no higher-order ops here" in m for m in messages)
+    assert compiled_layers(model) == 0
+    assert forwards["compiled"] == forwards["eager"] > 0
+    assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
+
+
+def test_the_config_chooses_the_form():
+    """``model.checkpoint_in_graph`` reaches ``compile_layers`` (``bicc.state``): true by default in every preset;
+    false leaves the eager checkpoint in place; an uncheckpointed model gets no in-graph form."""
+    assert compose_cfg([]).model.checkpoint_in_graph is True
+    for preset in ("qwen3_4b_instruct", "phi4_mini", "smollm2_135m"):
+        assert compose_cfg([f"model={preset}"]).model.checkpoint_in_graph is True
+    model = checkpointed_pair()[1]
+    eager_checkpoint = decoder_layers(model)[0]._gradient_checkpointing_func
+    compile_layers(model, backend="aot_eager", checkpoint_in_graph=False)
+    layer = decoder_layers(model)[0]
+    assert layer._gradient_checkpointing_func is eager_checkpoint and not hasattr(layer, "_bicc_recomputed")
+    plain = checkpointed_pair()[1]
+    plain.gradient_checkpointing_disable()
+    compile_layers(plain, backend="aot_eager")
+    assert not hasattr(decoder_layers(plain)[0], "_bicc_recomputed")
