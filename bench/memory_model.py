@@ -161,9 +161,10 @@ def main() -> None:
         phase, value = peak(arch, Run(delta_from_update=True))
         print(f"{name} with rcc.delta_context=xc rcc.delta_from_update=true (the presets read delta on q): "
               f"peak {value / GIB:.2f} GiB ({phase})")
-        phase, value = peak(arch, Run(save_attention=True))
-        print(f"{name} with model.checkpoint_policy=save_attention (attention kept through the recompute): "
-              f"peak {value / GIB:.2f} GiB ({phase})")
+        for policy, what in (("save_attention", "attention kept"), ("recompute_mlp", "the attention block kept")):
+            phase, value = peak(arch, Run(checkpoint_policy=policy))
+            print(f"{name} with model.checkpoint_policy={policy} ({what} through the recompute): "
+                  f"peak {value / GIB:.2f} GiB ({phase})")
         hf = Run(vllm=False, eval_vllm=False)
         evaluation = sum(phases(arch, hf)["evaluation"].values())
         print(f"{name} with rollout=hf: evaluation {evaluation / GIB:.2f} GiB (HF generate, eval.batch_tokens="

@@ -41,7 +41,7 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
                rollout_batch=r.batch_size, compiled=cfg.model.compile in ("on", "auto"),  # auto: on a GPU
                reshard_after_forward=cfg.dist.reshard_after_forward, reshard_after_backward=cfg.dist.reshard_after_backward,
                reduce_per_step=cfg.dist.reduce_grads == "step",
-               save_attention=cfg.model.gradient_checkpointing and cfg.model.checkpoint_policy == "save_attention")
+               checkpoint_policy=cfg.model.checkpoint_policy if cfg.model.gradient_checkpointing else "full")
 
 
 def knob(phase: str, run: Run) -> str:

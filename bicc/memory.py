@@ -39,7 +39,8 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   inside its layer's call, and their gradient scattered back in the layer's backward: nothing of them outlives the
   layer); at the end, one backward through the context forward (one recomputed layer over all context tokens);
 - ``model.checkpoint_policy=save_attention``: beside every layer's checkpointed input, its attention's output
-  (tokens x Hq x b) and log-sum-exp (4 bytes per token and head), held as the inputs are;
+  (tokens x Hq x b) and log-sum-exp (4 bytes per token and head), held as the inputs are; ``recompute_mlp``: its
+  q/k/v projections' outputs (Hq + 2 Hkv) and its output projection's (H) too;
 - ``model.compile`` (``bicc.fuse``): a layer's q/k/v and gate/up weights concatenated in its forward (again in the
   recompute) and, in its backward, their gradient before it is split, one layer at a time.
 
@@ -124,7 +125,16 @@ class Run:
     reshard_after_forward: bool = True  # dist.reshard_after_forward (FSDP2)
     reshard_after_backward: bool = True  # dist.reshard_after_backward (FSDP2)
     reduce_per_step: bool = False  # dist.reduce_grads=step (FSDP2): gradients unreduced until a minibatch's last backward
-    save_attention: bool = False  # model.checkpoint_policy=save_attention: every layer's attention output kept
+    checkpoint_policy: str = "full"  # model.checkpoint_policy: what every checkpointed layer keeps from its forward
+
+
+def kept_per_token(arch: Arch, b: int, policy: str) -> int:
+    """Bytes a checkpointed layer keeps per token beside its input under ``model.checkpoint_policy``: attention's
+    output and fp32 log-sum-exp per head (``save_attention``), and the q/k/v and output projections' outputs
+    (``recompute_mlp``)."""
+    hq, hkv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    attention = hq * b + 4 * arch.heads
+    return {"full": 0, "save_attention": attention, "recompute_mlp": attention + (hq + 2 * hkv + arch.hidden) * b}[policy]
 
 
 def _layer_bytes_per_token(arch: Arch, b: int) -> int:
@@ -184,15 +194,16 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     fused_pair = {"fused projection weights + their gradient (model.compile)": 2 * fused} if fused else {}
     context_kv = context_tokens * arch.layers * 2 * arch.kv_heads * arch.head_dim * b
     # held through the minibatch: the context forward's checkpointed inputs, its K/V and their gradient
-    # model.checkpoint_policy=save_attention: each layer's attention output and fp32 log-sum-exp per head, kept
-    kept_attention = arch.heads * arch.head_dim * b + 4 * arch.heads if run.save_attention else 0  # per token
+    kept_attention = kept_per_token(arch, b, run.checkpoint_policy)  # per token and layer
+    # compiled, the contexts' (recording) pass is replayed by the eager checkpoint, whose policy sees attention alone
+    policy = "save_attention" if run.compiled and run.checkpoint_policy != "full" else run.checkpoint_policy
     contexts = {"BiCC contexts (inputs, K/V, K/V gradient)":
-                context_tokens * arch.layers * (arch.hidden * b + kept_attention) + 2 * context_kv}
+                context_tokens * arch.layers * (arch.hidden * b + kept_per_token(arch, b, policy)) + 2 * context_kv}
     chunk = min(run.chunk_tokens, tokens)
     head = chunk * arch.vocab * 3 * 4  # fp32 logits, exponentials, their product (the entropy)
     inputs = arch.layers * tokens * arch.hidden * b  # every layer's checkpointed input
     attention = arch.layers * tokens * kept_attention
-    saved = {"kept attention outputs (model.checkpoint_policy)": attention} if attention else {}
+    saved = {"kept activations (model.checkpoint_policy)": attention} if attention else {}
     # rcc.delta_from_update: at the first backward every other micro-batch's graph is still held
     held = {}
     if run.delta_from_update:

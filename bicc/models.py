@@ -68,29 +68,64 @@ def load_pretrained(path: str, model_cfg, device: torch.device, dtype: torch.dty
     return model, tokenizer
 
 
+CHECKPOINT_POLICIES = ("full", "save_attention", "recompute_mlp")
+
+
 def checkpoint_kwargs(policy: str = "full") -> dict:
     """``torch.utils.checkpoint``'s keywords for ``model.checkpoint_policy``. ``full``: a layer's backward recomputes
     its whole forward. ``save_attention``: the attention kernel's outputs (output, log-sum-exp) are kept from the
-    forward (selective activation checkpointing), so the recompute runs every op of the layer but attention."""
+    forward (selective activation checkpointing), so the recompute runs every op of the layer but attention.
+    ``recompute_mlp``: the attention block's matmul outputs (q/k/v and output projections) are kept too, so only
+    the MLP's matmuls run again."""
     kwargs = {"use_reentrant": False}
-    if policy == "save_attention":
+    if policy in ("save_attention", "recompute_mlp"):
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_attention)
+        keep = _keep_attention if policy == "save_attention" else _KeepAttentionBlock
+        kwargs["context_fn"] = functools.partial(_contexts, create_selective_checkpoint_contexts, keep)
     elif policy != "full":
-        raise ValueError(f"model.checkpoint_policy: {policy!r} is none of full, save_attention")
+        raise ValueError(f"model.checkpoint_policy: {policy!r} is none of {', '.join(CHECKPOINT_POLICIES)}")
     return kwargs
 
 
+def _contexts(create, keep):
+    """A checkpointed call's selective-checkpoint contexts; ``keep`` a policy, or a class of stateful ones (each
+    call gets its own)."""
+    return create(keep() if isinstance(keep, type) else keep)
+
+
+def _is_attention(op) -> bool:
+    """An attention kernel's forward (SDPA's flash, efficient, cuDNN and CPU kernels; flash-attn's)."""
+    name = str(op)
+    return ("scaled_dot_product" in name or "flash_attn" in name) and "backward" not in name
+
+
 def _keep_attention(ctx, op, *args, **kwargs):
-    """The selective checkpoint's policy: an attention kernel's forward (SDPA's flash, efficient, cuDNN and CPU
-    kernels; flash-attn's) is kept, every other op recomputed."""
+    """The selective checkpoint's policy: an attention kernel's forward is kept, every other op recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    name = str(op)
-    if ("scaled_dot_product" in name or "flash_attn" in name) and "backward" not in name:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if _is_attention(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _KeepAttentionBlock:
+    """A policy for one checkpointed layer call: every matmul up to attention (the q/k/v projections, fused or
+    not), attention, and the first matmul after it (the output projection) are kept; the rest (the MLP) is
+    recomputed. A layer runs its ops in that order; the forward and the recompute each keep their own count."""
+
+    def __init__(self):
+        self.stage = {False: 0, True: 0}  # per ctx.is_recompute: 0 before attention, 1 after it, 2 in the MLP
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        recompute, stage = ctx.is_recompute, self.stage[ctx.is_recompute]
+        if _is_attention(op) and stage == 0:
+            self.stage[recompute] = 1
+            return CheckpointPolicy.MUST_SAVE
+        if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and stage < 2:
+            self.stage[recompute] = 2 if stage == 1 else 0
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def load_policy(path: str, model_cfg, device: torch.device, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):

@@ -10,23 +10,25 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from bicc.compile import compile_layers, decoder_layers
 from bicc.fit import run_of
-from bicc.memory import QWEN3_4B, Run, phases
-from bicc.models import _keep_attention, build_tiny, checkpoint_kwargs, load_pretrained
+from bicc.memory import QWEN3_4B, Run, kept_per_token, phases
+from bicc.models import _keep_attention, _KeepAttentionBlock, build_tiny, checkpoint_kwargs, load_pretrained
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, graph_code
 from tests.test_compile import update
 
 
 class CountAttention(TorchDispatchMode):
-    """Counts the attention kernel's forwards that run (a kept output, replayed by the checkpoint, never gets here)."""
+    """Counts the attention kernel's forwards and the matmuls that run (a kept output, replayed by the checkpoint,
+    never gets here)."""
 
     def __init__(self):
         super().__init__()
-        self.forwards = 0
+        self.forwards = self.matmuls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         self.forwards += "scaled_dot_product" in name and "backward" not in name
+        self.matmuls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
         return func(*args, **(kwargs or {}))
 
 
@@ -40,17 +42,48 @@ def checkpointed(policy: str):
 def test_keeping_attention_gives_the_full_recompute_update_with_fewer_attention_forwards(share):
     """Four SGD steps over micro-batches of varying shapes: the same loss and weights to the last bit, and the
     backward replays no attention: attention runs as often as in a model without checkpointing, where the full
-    recompute runs it again for every layer call with grad."""
+    recompute runs it again for every layer call with grad. Keeping the attention block (``recompute_mlp``) also
+    keeps its four matmuls (q, k, v, output): of the six the full recompute runs (the checkpoint stops before the
+    down projection, whose output no backward reads), two remain (gate, up)."""
     runs = {}
-    for policy in ("full", "save_attention", None):
+    for policy in ("full", "save_attention", "recompute_mlp", None):
         model, counter = (checkpointed(policy) if policy else build_tiny(ARCH, seed=0)[0].double()), CountAttention()
         with counter:
             metrics = update(model, share)
-        runs[policy] = metrics["train/loss"], [p.detach().clone() for p in model.parameters()], counter.forwards
-    (loss_full, weights_full, full), (loss_kept, weights_kept, kept) = runs["full"], runs["save_attention"]
-    assert loss_kept == loss_full
-    assert all(torch.equal(a, b) for a, b in zip(weights_kept, weights_full))
-    assert kept == runs[None][2] < full
+        runs[policy] = (metrics["train/loss"], [p.detach().clone() for p in model.parameters()], counter.forwards,
+                        counter.matmuls)
+    loss_full, weights_full, full, full_mm = runs["full"]
+    plain_mm = runs[None][3]
+    for policy in ("save_attention", "recompute_mlp"):
+        loss_kept, weights_kept, kept, kept_mm = runs[policy]
+        assert loss_kept == loss_full
+        assert all(torch.equal(a, b) for a, b in zip(weights_kept, weights_full))
+        assert kept == runs[None][2] < full
+    assert runs["save_attention"][3] == full_mm > plain_mm
+    assert (runs["recompute_mlp"][3] - plain_mm) * 6 == (full_mm - plain_mm) * 2, (runs["recompute_mlp"][3], full_mm, plain_mm)
+
+
+@pytest.mark.parametrize("policy,fewer", [("save_attention", 0), ("recompute_mlp", 2)])
+def test_a_policy_inside_the_compiled_checkpoint(policy, fewer):
+    """Through compiled layers with the checkpoint in the graph (``model.checkpoint_in_graph``), AOTAutograd's
+    partitioner applies the policy: the update is the eager full recompute's, and each layer call runs ``fewer``
+    matmuls than the full policy in the same form (keeping the attention block skips the recompute of the fused
+    q/k/v and of the output projection; keeping attention alone skips no matmul, as its inputs are recomputed)."""
+    from tests.test_recompute_in_graph import counted_update
+
+    eager = checkpointed("full")
+    expected = update(eager, True)
+    runs = {}
+    for name in ("full", policy):
+        torch._dynamo.reset()
+        model = checkpointed(name)
+        runs[name] = (*counted_update(model, True, True), model)
+    (_, full_mm, full_calls, _), (got, mm, calls, model) = runs["full"], runs[policy]
+    assert calls == full_calls > 0
+    assert full_mm - mm == fewer * calls, (full_mm, mm, calls)
+    assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
 
 
 def test_keeping_attention_works_through_compiled_layers():
@@ -90,6 +123,31 @@ def test_the_policy_keeps_attention_forwards_only():
         checkpoint_kwargs("attention")
 
 
+def test_keeping_the_attention_block_keeps_the_matmuls_up_to_the_output_projection():
+    """``recompute_mlp``'s policy, one per checkpointed call: the matmuls before attention (q, k, v separately, or
+    fused into one), attention and the first matmul after it are kept, the MLP's recomputed; the forward and the
+    recompute each count their own way through the layer."""
+    aten, keep, again = torch.ops.aten, CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    attention, mm, mul = aten._scaled_dot_product_flash_attention_for_cpu.default, aten.mm.default, aten.mul.Tensor
+
+    class Ctx:
+        is_recompute = False
+
+    def decisions(ops, policy):
+        return [policy(Ctx, op) for op in ops]
+
+    unfused = [mm, mm, mm, mul, attention, mm, mul, mm, mm, mul, mm]  # q k v, attention, o, gate up, down
+    want = [keep, keep, keep, again, keep, keep, again, again, again, again, again]
+    policy = _KeepAttentionBlock()
+    assert decisions(unfused, policy) == want
+    Ctx.is_recompute = True  # the recompute starts its own count
+    assert decisions(unfused, policy) == want
+    fused = [aten.addmm.default, attention, mm, mm, mm]  # q/k/v with a bias, attention, o, gate/up, down
+    assert decisions(fused, _KeepAttentionBlock()) == [keep, keep, keep, again, again]
+    contexts = checkpoint_kwargs("recompute_mlp")["context_fn"]
+    assert contexts.args[1] is _KeepAttentionBlock and contexts() is not contexts()  # a fresh policy per call
+
+
 def test_the_config_reaches_the_checkpointed_layers(tmp_path):
     """``load_pretrained`` checkpoints each layer with the policy's context (the one ``train.py`` loads through)."""
     model, tok = build_tiny(ARCH, seed=0)
@@ -102,7 +160,7 @@ def test_the_config_reaches_the_checkpointed_layers(tmp_path):
 
     loaded, _ = load_pretrained(str(tmp_path), ModelCfg, torch.device("cpu"))
     layer = decoder_layers(loaded)[0]
-    assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.keywords["context_fn"].args == (_keep_attention,)
+    assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.keywords["context_fn"].args[1] is _keep_attention
     ModelCfg.checkpoint_policy = "full"
     loaded, _ = load_pretrained(str(tmp_path), ModelCfg, torch.device("cpu"))
     assert "context_fn" not in decoder_layers(loaded)[0]._gradient_checkpointing_func.keywords
@@ -111,15 +169,25 @@ def test_the_config_reaches_the_checkpointed_layers(tmp_path):
 def test_the_memory_model_counts_the_kept_attention():
     """Per GPU at the Qwen3-4B preset (micro-batch 8 x 2,048 outputs, BiCC: 16,384 tokens; 16 contexts of 300 +
     819 tokens): each layer keeps 32 x 128 bf16 values and 32 fp32 log-sum-exps a token, 8,320 bytes; 36 layers."""
-    full, kept = phases(QWEN3_4B, Run()), phases(QWEN3_4B, Run(save_attention=True))
+    full, kept = phases(QWEN3_4B, Run()), phases(QWEN3_4B, Run(checkpoint_policy="save_attention"))
     per_token = 32 * 128 * 2 + 4 * 32
     assert per_token == 8_320
     for phase in ("update: layers backward", "update: head backward"):
-        assert kept[phase]["kept attention outputs (model.checkpoint_policy)"] == 36 * 8 * 2048 * per_token
-        assert "kept attention outputs (model.checkpoint_policy)" not in full[phase]
+        assert kept[phase]["kept activations (model.checkpoint_policy)"] == 36 * 8 * 2048 * per_token
+        assert "kept activations (model.checkpoint_policy)" not in full[phase]
     contexts = "BiCC contexts (inputs, K/V, K/V gradient)"
     extra = kept["update: layers backward"][contexts] - full["update: layers backward"][contexts]
     assert extra == 16 * (300 + 819) * 36 * per_token
+    block = phases(QWEN3_4B, Run(checkpoint_policy="recompute_mlp"))["update: layers backward"]
+    per_block_token = per_token + (32 * 128 + 2 * 8 * 128 + 2560) * 2  # q/k/v and the output projection's outputs
+    assert per_block_token == 25_728 and kept_per_token(QWEN3_4B, 2, "recompute_mlp") == per_block_token
+    assert block["kept activations (model.checkpoint_policy)"] == 36 * 8 * 2048 * per_block_token
+    assert block[contexts] - full["update: layers backward"][contexts] == 16 * (300 + 819) * 36 * per_block_token
+    # compiled, the contexts' pass is the eager checkpoint's replay of the compiled forward: its policy sees attention
+    # (a fallback kernel) but not Inductor's matmuls, so the contexts keep attention alone
+    compiled = phases(QWEN3_4B, Run(checkpoint_policy="recompute_mlp", compiled=True))["update: layers backward"]
+    assert compiled[contexts] == kept["update: layers backward"][contexts]
+    assert compiled["kept activations (model.checkpoint_policy)"] == block["kept activations (model.checkpoint_policy)"]
     cfg = compose_cfg(["experiment=paper_qwen3_4b", "model.checkpoint_policy=save_attention"])
-    assert run_of(cfg, 4, True, 80.0, 300).save_attention
-    assert not run_of(compose_cfg(["experiment=paper_qwen3_4b"]), 4, True, 80.0, 300).save_attention
+    assert run_of(cfg, 4, True, 80.0, 300).checkpoint_policy == "save_attention"
+    assert run_of(compose_cfg(["experiment=paper_qwen3_4b"]), 4, True, 80.0, 300).checkpoint_policy == "full"

@@ -322,14 +322,14 @@ def test_model_compile_setting():
     assert [should_compile(s, cuda) for s in ("off", "on", "auto")] == [False, True, True]
 
 
-@pytest.mark.parametrize("policy,resumed", [("full", True), ("save_attention", False)])
+@pytest.mark.parametrize("policy,resumed", [("full", True), ("save_attention", False), ("recompute_mlp", False)])
 def test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2(tmp_path, policy, resumed):
     """What ``make gpu-check ARGS=--compile`` runs on a GPU, on this CPU: ``torchrun --nproc_per_node=1 train.py``
     (a process group, FSDP2 with bf16 parameters over fp32 master weights) with ``model.compile=on`` (Inductor's
     compiled layers and loss), the headline form (DAPO, BiCC + RCC, KV reuse, checkpointing, recomputing all of a
-    layer or keeping its attention: ``model.checkpoint_policy``): two steps trained and both evaluations; with
-    ``resumed``, in two legs as the check runs them (step 1 and a checkpoint; a new process resuming from it, which
-    compiles again, for step 2)."""
+    layer, keeping its attention or its attention block: ``model.checkpoint_policy``): two steps trained and both
+    evaluations; with ``resumed``, in two legs as the check runs them (step 1 and a checkpoint; a new process
+    resuming from it, which compiles again, for step 2)."""
     run_dir = tmp_path / "run"
     args = ["model.compile=on", "model.gradient_checkpointing=true", f"model.checkpoint_policy={policy}",
             "algo=dapo", "bicc=on", "rcc=on",

@@ -38,7 +38,7 @@ class ModelConfig:
     dtype: str = choice(Dtype, "float32")
     master_dtype: str = choice(Dtype, "float32")
     gradient_checkpointing: bool = False
-    checkpoint_policy: str = choice(Literal["full", "save_attention"], "full")
+    checkpoint_policy: str = choice(Literal["full", "save_attention", "recompute_mlp"], "full")
     compile: str = choice(Literal["off", "on", "auto"], "off")
     checkpoint_in_graph: bool = True
 
