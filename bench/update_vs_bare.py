@@ -53,6 +53,11 @@ SHAPES = {
     # what this bench runs by default on CPU: a Qwen3 of 23M parameters, 32k vocabulary
     "cpu_small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                       intermediate_size=768, vocab_size=32_768, tie_word_embeddings=True, max_position_embeddings=4096),
+    # Qwen3-4B's proportions at a quarter of its width, a small vocabulary: the layers' matmuls, not the head's,
+    # set the update's time on a CPU (what the checkpoint policies change)
+    "cpu_quarter_4b": dict(hidden_size=640, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                           head_dim=128, intermediate_size=2432, vocab_size=8192, tie_word_embeddings=True,
+                           max_position_embeddings=4096),
     "qwen3_0.6b": QWEN3_06B,
     # Qwen3-4B's width (--layers sets how many layers: as many as fit one GPU)
     "qwen3_4b_width": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,

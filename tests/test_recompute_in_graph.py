@@ -147,3 +147,34 @@ def test_the_config_chooses_the_form():
     plain.gradient_checkpointing_disable()
     compile_layers(plain, backend="aot_eager")
     assert not hasattr(decoder_layers(plain)[0], "_bicc_recomputed")
+
+
+@pytest.mark.parametrize("policy", ["full", "save_attention", "recompute_mlp"])
+def test_a_compiled_layer_keeps_what_the_memory_model_counts(policy):
+    """What one checkpointed layer call with the checkpoint in its graph keeps for its backward, beside the
+    parameters: its inputs (hidden states, the rotary cos and sin: the full recompute's) and, per token, what
+    ``bicc.memory.kept_per_token`` counts for ``model.checkpoint_policy`` (fp32 here: 4 bytes a value). The generator's
+    state kept for attention's recompute (a few KiB of uint8, whatever the tokens) is left out."""
+    from bicc.memory import Arch, kept_per_token
+    from tests.test_checkpoint_policy import checkpointed
+
+    model = checkpointed(policy).float()
+    compile_layers(model, backend="aot_eager")
+    layer, (rows, tokens) = decoder_layers(model)[0], (3, 11)
+    x = torch.randn(rows, tokens, ARCH.hidden_size, requires_grad=True)
+    positions = torch.arange(tokens).expand(rows, tokens)
+    cos, sin = model.model.rotary_emb(x, positions)
+    params, kept = {p.data_ptr() for p in model.parameters()}, []
+
+    def pack(t):
+        if t.data_ptr() not in params and t.dtype != torch.uint8:
+            kept.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=positions)
+    assert layer._bicc_compile_ok
+    arch = Arch(hidden=ARCH.hidden_size, layers=1, heads=ARCH.num_attention_heads, kv_heads=ARCH.num_key_value_heads,
+                head_dim=ARCH.head_dim, intermediate=ARCH.intermediate_size, vocab=100, tied=True)
+    inputs = 4 * rows * tokens * (ARCH.hidden_size + 2 * ARCH.head_dim)
+    assert sum(kept) == inputs + rows * tokens * kept_per_token(arch, 4, policy), (kept, inputs)
