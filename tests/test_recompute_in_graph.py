@@ -132,12 +132,23 @@ def test_a_checkpointed_graph_that_fails_to_compile_still_recomputes():
         torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
 
 
-def test_the_config_chooses_the_form():
+def test_the_config_chooses_the_form(tmp_path):
     """``model.checkpoint_in_graph`` reaches ``compile_layers`` (``bicc.state``): true by default in every preset;
     false leaves the eager checkpoint in place; an uncheckpointed model gets no in-graph form."""
+    from bicc.models import build_tiny
+    from bicc.state import build_rl_state
+
     assert compose_cfg([]).model.checkpoint_in_graph is True
     for preset in ("qwen3_4b_instruct", "phi4_mini", "smollm2_135m"):
         assert compose_cfg([f"model={preset}"]).model.checkpoint_in_graph is True
+    model, tok = build_tiny(ARCH, seed=0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    for in_graph in (True, False):
+        cfg = compose_cfg(["model.compile=on", "model.gradient_checkpointing=true",
+                           f"model.checkpoint_in_graph={str(in_graph).lower()}"])
+        state = build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"))
+        assert all(hasattr(layer, "_bicc_recomputed") == in_graph for layer in decoder_layers(state.model))
     model = checkpointed_pair()[1]
     eager_checkpoint = decoder_layers(model)[0]._gradient_checkpointing_func
     compile_layers(model, backend="aot_eager", checkpoint_in_graph=False)
