@@ -63,32 +63,11 @@ def test_keeping_attention_gives_the_full_recompute_update_with_fewer_attention_
     assert (runs["recompute_mlp"][3] - plain_mm) * 6 == (full_mm - plain_mm) * 2, (runs["recompute_mlp"][3], full_mm, plain_mm)
 
 
-@pytest.mark.parametrize("policy,fewer", [("save_attention", 0), ("recompute_mlp", 2)])
-def test_a_policy_inside_the_compiled_checkpoint(policy, fewer):
-    """Through compiled layers with the checkpoint in the graph (``model.checkpoint_in_graph``), AOTAutograd's
-    partitioner applies the policy: the update is the eager full recompute's, and each layer call runs ``fewer``
-    matmuls than the full policy in the same form (keeping the attention block skips the recompute of the fused
-    q/k/v and of the output projection; keeping attention alone skips no matmul, as its inputs are recomputed)."""
-    from tests.test_recompute_in_graph import counted_update
-
-    eager = checkpointed("full")
-    expected = update(eager, True)
-    runs = {}
-    for name in ("full", policy):
-        torch._dynamo.reset()
-        model = checkpointed(name)
-        runs[name] = (*counted_update(model, True, True), model)
-    (_, full_mm, full_calls, _), (got, mm, calls, model) = runs["full"], runs[policy]
-    assert calls == full_calls > 0
-    assert full_mm - mm == fewer * calls, (full_mm, mm, calls)
-    assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
-    for p, q in zip(model.parameters(), eager.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
-
-
 def test_keeping_attention_works_through_compiled_layers():
-    """Compiled (a counting aot_eager backend): every layer call, the checkpoint's recompute included, runs the
-    compiled graph under the selective checkpoint, and the update is the eager full recompute's."""
+    """Compiled (a counting aot_eager backend) with the eager checkpoint replaying the compiled forward (the prefix
+    pass's form; every pass's under ``model.checkpoint_in_graph=false``): every layer call, the recompute included,
+    runs the compiled graph under the selective checkpoint, and the update is the eager full recompute's. (With the
+    checkpoint in the graph: ``tests/test_recompute_in_graph.py``.)"""
     eager, compiled = checkpointed("full"), checkpointed("save_attention")
     graph_runs, calls = [0], [0]
 
@@ -99,11 +78,10 @@ def test_keeping_attention_works_through_compiled_layers():
         return lambda *args: graph_runs.__setitem__(0, graph_runs[0] + 1) or run(*args)
 
     expected = update(eager, True)
-    assert compile_layers(compiled, backend=backend) == ARCH.num_hidden_layers
+    assert compile_layers(compiled, backend=backend, checkpoint_in_graph=False) == ARCH.num_hidden_layers
     for layer in decoder_layers(compiled):
-        for name in ("_bicc_compiled", "_bicc_recomputed"):
-            inner = getattr(layer, name)
-            setattr(layer, name, lambda *a, _inner=inner, **k: calls.__setitem__(0, calls[0] + 1) or _inner(*a, **k))
+        inner = layer._bicc_compiled
+        layer._bicc_compiled = lambda *a, _inner=inner, **k: calls.__setitem__(0, calls[0] + 1) or _inner(*a, **k)
     got = update(compiled, True)
     assert graph_runs[0] == calls[0] > 0
     assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)

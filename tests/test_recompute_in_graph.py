@@ -1,7 +1,8 @@
 """``model.checkpoint_in_graph`` (``bicc.compile._recomputed``): a compiled, checkpointed layer's recompute traced
 into its compiled backward. The update is the eager one (fp64), each such call runs one matmul fewer than the
 eager checkpoint's replay of the compiled forward (the MLP's down projection, whose output no backward reads), the
-prefix pass keeps the replay, and a layer whose checkpointed graph fails to compile still recomputes, eagerly."""
+prefix pass keeps the replay, a policy (``model.checkpoint_policy``) applies inside the graph, and a layer whose
+checkpointed graph fails to compile still recomputes, eagerly."""
 
 import warnings
 
@@ -42,55 +43,58 @@ def matmul_counting_backend(ran: list):
 
 
 def counted_update(model, share, in_graph):
-    """(the update's metrics, matmuls its compiled graphs ran, calls of the in-graph checkpoint's compiled function)."""
-    calls, ran = [0], [0]
+    """(the update's metrics, matmuls its compiled graphs ran, the calls of each compiled form of the layers: the
+    in-graph checkpoint's (True) and the plain forward's (False), each as (its cache's type, grad on))."""
+    ran, calls = [0], {True: [], False: []}
     compile_layers(model, backend=matmul_counting_backend(ran), checkpoint_in_graph=in_graph)
     for layer in decoder_layers(model):
-        if hasattr(layer, "_bicc_recomputed"):
-            inner = layer._bicc_recomputed
-            layer._bicc_recomputed = lambda *a, _inner=inner, **k: calls.__setitem__(0, calls[0] + 1) or _inner(*a, **k)
-    return update(model, share), ran[0], calls[0]
+        for name, form in (("_bicc_recomputed", True), ("_bicc_compiled", False)):
+            if hasattr(layer, name):
+                inner = getattr(layer, name)
+
+                def spy(*a, _inner=inner, _form=form, **k):
+                    calls[_form].append((type(k.get("past_key_values")).__name__, torch.is_grad_enabled()))
+                    return _inner(*a, **k)
+                setattr(layer, name, spy)
+    return update(model, share), ran[0], calls
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["kv-reuse", "one-row-per-output"])
-def test_the_recompute_in_the_graph_gives_the_eager_update_with_one_matmul_fewer_a_call(share):
+def test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls(share):
     """Four SGD steps: eager, compiled with the eager checkpoint replaying the compiled forward, and compiled with
     the checkpoint inside the graph. The same loss and weights (fp64); the in-graph form runs one matmul fewer for
     each layer call it took (the fused q/k/v, the output projection and the fused gate/up are recomputed, the down
-    projection is not), and the replay form takes none."""
+    projection is not), and the replay form takes none. It takes the completions' passes with grad alone: the
+    prefix pass (its recording cache keeps what the forward saw) is the eager checkpoint's replay, and the no-grad
+    passes need no checkpoint. Under KV reuse, a policy applies inside the graph too (AOTAutograd's partitioner):
+    keeping attention skips no matmul (its inputs are recomputed), keeping the attention block (``recompute_mlp``)
+    two a call (the fused q/k/v and the output projection), each the eager update."""
+    from tests.test_checkpoint_policy import checkpointed
+
     eager = checkpointed_pair()[0]
     expected = update(eager, share)
     runs = {}
-    for in_graph in (False, True):
-        model = checkpointed_pair()[1]
-        runs[in_graph] = (*counted_update(model, share, in_graph), model)
+    policies = ("full", "save_attention", "recompute_mlp") if share else ("full",)
+    for in_graph, policy in [(False, "full"), *((True, p) for p in policies)]:
         torch._dynamo.reset()
-    (_, replay_mm, replay_calls, _), (got, graph_mm, graph_calls, model) = runs[False], runs[True]
-    assert replay_calls == 0 and graph_calls > 0
-    assert replay_mm - graph_mm == graph_calls, (replay_mm, graph_mm, graph_calls)
-    assert compiled_layers(model) == ARCH.num_hidden_layers
-    assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
-    for p, q in zip(model.parameters(), eager.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
-
-
-def test_the_prefix_pass_and_the_no_grad_passes_keep_the_compiled_forward():
-    """Under KV reuse the in-graph checkpoint takes the completions' passes with grad only: the prefix pass (its
-    recording cache keeps what the forward saw) is replayed by the eager checkpoint, the no-grad passes need none."""
-    model = checkpointed_pair()[1]
-    compile_layers(model, backend="aot_eager")
-    caches = {True: [], False: []}
-    for layer in decoder_layers(model):
-        for name, in_graph in (("_bicc_recomputed", True), ("_bicc_compiled", False)):
-            inner = getattr(layer, name)
-
-            def spy(*a, _inner=inner, _in_graph=in_graph, **k):
-                caches[_in_graph].append((type(k.get("past_key_values")).__name__, torch.is_grad_enabled()))
-                return _inner(*a, **k)
-            setattr(layer, name, spy)
-    update(model, True)
-    assert set(caches[True]) == {("OneLayer", True)}
-    assert ("Recorder", True) in caches[False] and all(not grad for cache, grad in caches[False] if cache != "Recorder")
+        model = checkpointed(policy)
+        metrics, matmuls, calls = counted_update(model, share, in_graph)
+        assert compiled_layers(model) == ARCH.num_hidden_layers
+        assert metrics["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
+        runs[in_graph, policy] = matmuls, calls
+    (replay_mm, replay_calls), (graph_mm, graph_calls) = runs[False, "full"], runs[True, "full"]
+    taken = len(graph_calls[True])
+    assert not replay_calls[True] and taken > 0
+    assert replay_mm - graph_mm == taken, (replay_mm, graph_mm, taken)
+    in_graph = "OneLayer" if share else "NoneType"
+    assert set(graph_calls[True]) == {(in_graph, True)}
+    plain = set(graph_calls[False])
+    assert all(not grad for cache, grad in plain if cache != "Recorder")
+    assert (("Recorder", True) in plain) == share
+    for policy, fewer in (("save_attention", 0), ("recompute_mlp", 2)) if share else ():
+        assert graph_mm - runs[True, policy][0] == fewer * taken, (policy, graph_mm, runs[True, policy][0])
 
 
 def test_a_checkpointed_graph_that_fails_to_compile_still_recomputes():
