@@ -139,6 +139,9 @@ def test_the_config_reaches_the_checkpointed_layers(tmp_path):
     loaded, _ = load_pretrained(str(tmp_path), ModelCfg, torch.device("cpu"))
     layer = decoder_layers(loaded)[0]
     assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.keywords["context_fn"].args[1] is _keep_attention
+    ModelCfg.checkpoint_policy = "recompute_mlp"
+    loaded, _ = load_pretrained(str(tmp_path), ModelCfg, torch.device("cpu"))
+    assert decoder_layers(loaded)[0]._gradient_checkpointing_func.keywords["context_fn"].args[1] is _KeepAttentionBlock
     ModelCfg.checkpoint_policy = "full"
     loaded, _ = load_pretrained(str(tmp_path), ModelCfg, torch.device("cpu"))
     assert "context_fn" not in decoder_layers(loaded)[0]._gradient_checkpointing_func.keywords
