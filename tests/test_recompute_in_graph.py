@@ -23,9 +23,10 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def matmul_counting_backend(ran: list):
+def matmul_counting_backend(ran: list, runs: dict | None = None):
     """AOTAutograd over eager kernels (aot_eager's partitioner) whose compiled forwards and backwards add the matmuls
-    their graph holds to ``ran[0]`` on every run."""
+    their graph holds to ``ran[0]`` on every run; ``runs`` counts each Dynamo graph's runs by what it computes, told
+    by its inputs' names: a decoder layer's, the log-prob head's, the loss's, or the glue (norm, rotary)."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -39,14 +40,28 @@ def matmul_counting_backend(ran: list):
         counted._boxed_call = True
         return counted
 
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
+    aot = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
+    if runs is None:
+        return aot
+
+    def backend(gm, example_inputs):
+        code, run = graph_code(gm), aot(gm, example_inputs)
+        kind = ("layer" if "scaled_dot_product_attention" in code else "head" if "L_targets_" in code
+                else "loss" if "L_logp_" in code else "glue")
+
+        def counted(*args):
+            runs[kind] += 1
+            return run(*args)
+        return counted
+    return backend
 
 
 def counted_update(model, share, in_graph):
     """(the update's metrics, matmuls its compiled graphs ran, the calls of each compiled form of the layers: the
-    in-graph checkpoint's (True) and the plain forward's (False), each as (its cache's type, grad on))."""
-    ran, calls = [0], {True: [], False: []}
-    compile_layers(model, backend=matmul_counting_backend(ran), checkpoint_in_graph=in_graph)
+    in-graph checkpoint's (True) and the plain forward's (False), each as (its cache's type, grad on), and the runs
+    of the compiled graphs by kind)."""
+    ran, calls, runs = [0], {True: [], False: []}, dict.fromkeys(("layer", "head", "loss", "glue"), 0)
+    compile_layers(model, backend=matmul_counting_backend(ran, runs), checkpoint_in_graph=in_graph)
     for layer in decoder_layers(model):
         for name, form in (("_bicc_recomputed", True), ("_bicc_compiled", False)):
             if hasattr(layer, name):
@@ -56,35 +71,41 @@ def counted_update(model, share, in_graph):
                     calls[_form].append((type(k.get("past_key_values")).__name__, torch.is_grad_enabled()))
                     return _inner(*a, **k)
                 setattr(layer, name, spy)
-    return update(model, share), ran[0], calls
+    return update(model, share), ran[0], calls, runs
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["kv-reuse", "one-row-per-output"])
 def test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls(share):
     """Four SGD steps: eager, compiled with the eager checkpoint replaying the compiled forward, and compiled with
-    the checkpoint inside the graph. The same loss and weights (fp64); the in-graph form runs one matmul fewer for
-    each layer call it took (the fused q/k/v, the output projection and the fused gate/up are recomputed, the down
-    projection is not), and the replay form takes none. It takes the completions' passes with grad alone: the
-    prefix pass (its recording cache keeps what the forward saw) is the eager checkpoint's replay, and the no-grad
-    passes need no checkpoint. Under KV reuse, a policy applies inside the graph too (AOTAutograd's partitioner):
-    keeping attention skips no matmul (its inputs are recomputed), keeping the attention block (``recompute_mlp``)
-    two a call (the fused q/k/v and the output projection), each the eager update."""
+    the checkpoint inside the graph. The same loss and weights (fp64); every layer stays compiled, and every call to
+    a compiled layer ran its graph, the head's and the loss's graphs ran too. Dynamo's recompile limit is 1: the
+    shapes of the micro-batches and passes (cache or none) need more graphs than that, so a shape guard in a graph
+    would send the frame to eager. The in-graph form runs one matmul fewer for each layer call it took (the fused
+    q/k/v, the output projection and the fused gate/up are recomputed, the down projection is not), and the replay
+    form takes none. It takes the completions' passes with grad alone: the prefix pass (its recording cache keeps
+    what the forward saw) is the eager checkpoint's replay, and the no-grad passes need no checkpoint. Under KV
+    reuse, a policy applies inside the graph too (AOTAutograd's partitioner): keeping attention skips no matmul
+    (its inputs are recomputed), keeping the attention block (``recompute_mlp``) two a call (the fused q/k/v and
+    the output projection), each the eager update."""
     from tests.test_checkpoint_policy import checkpointed
 
     eager = checkpointed_pair()[0]
     expected = update(eager, share)
-    runs = {}
+    results = {}
     policies = ("full", "save_attention", "recompute_mlp") if share else ("full",)
     for in_graph, policy in [(False, "full"), *((True, p) for p in policies)]:
         torch._dynamo.reset()
         model = checkpointed(policy)
-        metrics, matmuls, calls = counted_update(model, share, in_graph)
+        with torch._dynamo.config.patch(recompile_limit=1):
+            metrics, matmuls, calls, runs = counted_update(model, share, in_graph)
         assert compiled_layers(model) == ARCH.num_hidden_layers
+        assert runs["layer"] == len(calls[True]) + len(calls[False]) > 0, (runs, calls)
+        assert runs["head"] > 0 and runs["loss"] > 0, runs  # bicc.compile.compile_head, bicc.losses.compiled
         assert metrics["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
         for p, q in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
-        runs[in_graph, policy] = matmuls, calls
-    (replay_mm, replay_calls), (graph_mm, graph_calls) = runs[False, "full"], runs[True, "full"]
+        results[in_graph, policy] = matmuls, calls
+    (replay_mm, replay_calls), (graph_mm, graph_calls) = results[False, "full"], results[True, "full"]
     taken = len(graph_calls[True])
     assert not replay_calls[True] and taken > 0
     assert replay_mm - graph_mm == taken, (replay_mm, graph_mm, taken)
@@ -94,7 +115,7 @@ def test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls(sh
     assert all(not grad for cache, grad in plain if cache != "Recorder")
     assert (("Recorder", True) in plain) == share
     for policy, fewer in (("save_attention", 0), ("recompute_mlp", 2)) if share else ():
-        assert graph_mm - runs[True, policy][0] == fewer * taken, (policy, graph_mm, runs[True, policy][0])
+        assert graph_mm - results[True, policy][0] == fewer * taken, (policy, graph_mm, results[True, policy][0])
 
 
 def test_a_checkpointed_graph_that_fails_to_compile_still_recomputes():
