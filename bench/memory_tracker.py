@@ -109,7 +109,7 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     import bicc.step
     from bicc import distributed
     from bicc.logprobs import install_logprob_head
-    from bicc.models import DTYPES
+    from bicc.models import DTYPES, enable_checkpointing
     from bicc.optim import build_optimizer, warmup_cosine
     from bicc.state import RLState, peak_lr
     from bicc.tokenizer import build_char_tokenizer
@@ -122,7 +122,8 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     with fake:
         anchor = torch.empty(0)
         model = Qwen3ForCausalLM(hf_config(arch, layers))
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.model.gradient_checkpointing:
+            enable_checkpointing(model, cfg.model.checkpoint_policy, cfg.model.checkpoint_layers)
         install_logprob_head(model, cfg.train.logprob_chunk_tokens)
         model = distributed.wrap(model, cfg.dist, d, DTYPES[cfg.model.dtype], mesh)
         optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)

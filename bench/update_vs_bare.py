@@ -79,11 +79,12 @@ def make_rows(prompts: int, group: int, prompt_tokens: int, output_tokens: int, 
     return prompt_ids, completion_ids
 
 
-def build(arch: dict, device: torch.device, checkpointing: bool, policy: str = "full"):
-    """A random Qwen3 of shape ``arch`` in train mode; ``policy``: ``model.checkpoint_policy`` (ours' only)."""
+def build(arch: dict, device: torch.device, checkpointing: bool, policy: str = "full", layers: str = "all"):
+    """A random Qwen3 of shape ``arch`` in train mode; ``policy``, ``layers``: ``model.checkpoint_policy`` and
+    ``model.checkpoint_layers`` (ours' only)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from bicc.models import checkpoint_kwargs
+    from bicc.models import enable_checkpointing
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -91,7 +92,7 @@ def build(arch: dict, device: torch.device, checkpointing: bool, policy: str = "
     model.config._attn_implementation = "sdpa"
     model.config.use_cache = False
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(policy))
+        enable_checkpointing(model, policy, layers)
     return model.train()
 
 
@@ -291,7 +292,8 @@ def main() -> None:
     parser.add_argument("--stacks", action="append", default=[], metavar="OP",
                         help="print where the update launches this aten op from (e.g. aten::item); repeatable")
     parser.add_argument("overrides", nargs="*",
-                        help="Hydra overrides of our update's config (train.*, dist.*, model.checkpoint_policy)")
+                        help="Hydra overrides of our update's config (train.*, dist.*, model.checkpoint_policy, "
+                        "model.checkpoint_layers)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(torch_threads(0))
@@ -309,10 +311,10 @@ def main() -> None:
     print(f"[update_vs_bare] {device.type}, {arch['num_hidden_layers']} layers x {arch['hidden_size']}, "
           f"vocab {arch['vocab_size']}; {len(rows[1])} rows, {tokens} tokens (ours computes "
           f"{computed_tokens(*rows, cfg.train.share_prompts)}); checkpointing {checkpointing} (ours: "
-          f"{cfg.model.checkpoint_policy}); "
+          f"{cfg.model.checkpoint_policy}, layers {cfg.model.checkpoint_layers}); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
-    ours_model = build(arch, device, checkpointing, cfg.model.checkpoint_policy)
+    ours_model = build(arch, device, checkpointing, cfg.model.checkpoint_policy, cfg.model.checkpoint_layers)
     if args.compile:  # before the wrap, as bicc.state.build_rl_state does
         from bicc.compile import compile_layers
 

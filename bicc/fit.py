@@ -4,6 +4,8 @@ settings that shrink a phase (``knob``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from bicc.memory import GIB, Arch, Run, peak
 
 
@@ -41,7 +43,26 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
                rollout_batch=r.batch_size, compiled=cfg.model.compile in ("on", "auto"),  # auto: on a GPU
                reshard_after_forward=cfg.dist.reshard_after_forward, reshard_after_backward=cfg.dist.reshard_after_backward,
                reduce_per_step=cfg.dist.reduce_grads == "step",
-               checkpoint_policy=cfg.model.checkpoint_policy if cfg.model.gradient_checkpointing else "full")
+               checkpoint_policy=cfg.model.checkpoint_policy if cfg.model.gradient_checkpointing else "full",
+               checkpoint_layers=checkpoint_setting(cfg.model))
+
+
+def checkpoint_setting(model_cfg) -> int | None:
+    """``model.checkpoint_layers`` as ``bicc.memory`` counts it: None for every layer (``all``, and ``auto`` until
+    ``resolve_checkpoint_layers`` sets it), 0 without ``model.gradient_checkpointing``."""
+    if not model_cfg.gradient_checkpointing:
+        return 0
+    setting = str(model_cfg.checkpoint_layers)
+    return None if setting in ("all", "auto") else int(setting)
+
+
+def resolve_checkpoint_layers(arch: Arch, run: Run, budget_gib: float) -> int:
+    """``model.checkpoint_layers=auto``: the fewest checkpointed layers (from the first up) whose predicted peak fits
+    ``budget_gib``; every layer where none does (the fit check then says what else to lower)."""
+    for n in range(arch.layers + 1):
+        if peak(arch, dataclasses.replace(run, checkpoint_layers=n))[1] <= budget_gib * GIB:
+            return n
+    return arch.layers
 
 
 def knob(phase: str, run: Run) -> str:
@@ -59,6 +80,8 @@ def knob(phase: str, run: Run) -> str:
     update = ["train.micro_batch_size or train.micro_batch_tokens, train.logprob_chunk_tokens"]
     update += ["rcc.delta_from_update=false"] if run.delta_from_update else []
     update += keep_fwd + (["dist.reshard_after_backward=true"] if run.sharded and not run.reshard_after_backward else [])
+    if run.checkpoint_layers is not None:  # layers outside the checkpoint hold their activations
+        update.append("model.checkpoint_layers (more layers checkpointed, model.gradient_checkpointing=true)")
     return ", ".join(update + (["dist.reduce_grads=micro_batch"] if run.sharded and run.reduce_per_step else []))
 
 
@@ -105,7 +128,17 @@ def launch_check(cfg, d, device, task, tokenizer) -> str | None:
     budget = cfg.train.memory_gib
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory / GIB
-    if budget is None or not cfg.train.memory_check:
+    auto = cfg.model.gradient_checkpointing and str(cfg.model.checkpoint_layers) == "auto"
+    if budget is None or not (cfg.train.memory_check or auto):
         return None
-    return check_fit(*predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", budget), budget)
+    arch, run = predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", budget)
+    if run.checkpoint_layers is not None and run.checkpoint_layers > arch.layers:
+        raise ValueError(f"config field 'model.checkpoint_layers': {run.checkpoint_layers} layers, but the model has "
+                         f"{arch.layers}")
+    chosen = ""
+    if auto:  # the model is loaded with this many layers checkpointed (bicc.models.enable_checkpointing)
+        n = resolve_checkpoint_layers(arch, run, budget)
+        cfg.model.checkpoint_layers, run = str(n), dataclasses.replace(run, checkpoint_layers=n)
+        chosen = f"model.checkpoint_layers=auto: {n} of {arch.layers} layers checkpointed; "
+    return chosen + (check_fit(arch, run, budget) if cfg.train.memory_check else "memory check off")
 

@@ -38,6 +38,11 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   the gradient that the micro-batches leave on those (each completion's rows of its context's keys/values are picked
   inside its layer's call, and their gradient scattered back in the layer's backward: nothing of them outlives the
   layer); at the end, one backward through the context forward (one recomputed layer over all context tokens);
+- ``model.checkpoint_layers`` below the model's depth (0 without ``model.gradient_checkpointing``): each layer left
+  out of the checkpoint (the top ones) keeps what its backward reads (``saved_per_token``: what autograd saves,
+  counted on CPU for the eager and the compiled layer), for the micro-batch and the contexts, in place of its
+  input. The layers' backward peaks at the top layer's, every such layer's activations held beside its gradients
+  (half a recomputed layer's count), or at the first checkpointed layer's recompute, the layers above it done;
 - ``model.checkpoint_policy=save_attention``: beside every layer's checkpointed input, its attention's output
   (tokens x Hq x b) and log-sum-exp (4 bytes per token and head), held as the inputs are; ``recompute_mlp``: its
   q/k/v projections' outputs (Hq + 2 Hkv) and its output projection's (H) too;
@@ -126,6 +131,7 @@ class Run:
     reshard_after_backward: bool = True  # dist.reshard_after_backward (FSDP2)
     reduce_per_step: bool = False  # dist.reduce_grads=step (FSDP2): gradients unreduced until a minibatch's last backward
     checkpoint_policy: str = "full"  # model.checkpoint_policy: what every checkpointed layer keeps from its forward
+    checkpoint_layers: int | None = None  # model.checkpoint_layers: how many layers are checkpointed (None: every one)
 
 
 def kept_per_token(arch: Arch, b: int, policy: str) -> int:
@@ -135,6 +141,21 @@ def kept_per_token(arch: Arch, b: int, policy: str) -> int:
     hq, hkv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     attention = hq * b + 4 * arch.heads
     return {"full": 0, "save_attention": attention, "recompute_mlp": attention + (hq + 2 * hkv + arch.hidden) * b}[policy]
+
+
+def saved_per_token(arch: Arch, b: int, compiled: bool, autocast: bool = False, flash: bool = True) -> int:
+    """Bytes a layer outside the checkpoint keeps per token for its backward (computing in ``b`` bytes): its input,
+    the normalised inputs of its projections (their outputs: q/k/v, q and k normed and rotated, attention's output,
+    gate and up, the MLP's product) and fp32 per-row scales (the RMSNorms' and attention's log-sum-exp). Eager it
+    also keeps each RMSNorm's fp32 input and the gate's activation; under autocast in one process (``autocast``)
+    the residual stream is fp32 and each linear keeps its own bf16 copy of its input; under SDPA (not ``flash``)
+    the keys and values are kept repeated to every query head."""
+    h, hq, hkv = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    per_token = (4 * h + 3 * hq + 3 * hkv + (3 if compiled else 4) * arch.intermediate) * b
+    per_token += 4 * (2 + 2 * arch.heads + arch.kv_heads) + (0 if compiled else 4 * (2 * h + hq + hkv))
+    if autocast:
+        per_token += (2 if compiled else 10) * h
+    return per_token + (0 if flash else 2 * (hq - hkv) * b)
 
 
 def _layer_bytes_per_token(arch: Arch, b: int) -> int:
@@ -197,24 +218,38 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     kept_attention = kept_per_token(arch, b, run.checkpoint_policy)  # per token and layer
     # compiled, the contexts' (recording) pass is replayed by the eager checkpoint, whose policy sees attention alone
     policy = "save_attention" if run.compiled and run.checkpoint_policy != "full" else run.checkpoint_policy
+    # model.checkpoint_layers: the first n layers are checkpointed, the rest keep what their backward reads
+    n = arch.layers if run.checkpoint_layers is None else min(run.checkpoint_layers, arch.layers)
+    autocast = not run.sharded and b < run.master_bytes
+    unchecked = (arch.layers - n) * saved_per_token(arch, b, run.compiled, autocast, run.flash)  # per token
     contexts = {"BiCC contexts (inputs, K/V, K/V gradient)":
-                context_tokens * arch.layers * (arch.hidden * b + kept_per_token(arch, b, policy)) + 2 * context_kv}
+                context_tokens * (n * (arch.hidden * b + kept_per_token(arch, b, policy)) + unchecked) + 2 * context_kv}
     chunk = min(run.chunk_tokens, tokens)
     head = chunk * arch.vocab * 3 * 4  # fp32 logits, exponentials, their product (the entropy)
-    inputs = arch.layers * tokens * arch.hidden * b  # every layer's checkpointed input
-    attention = arch.layers * tokens * kept_attention
+    inputs = n * tokens * arch.hidden * b  # every checkpointed layer's input
+    attention = n * tokens * kept_attention
     saved = {"kept activations (model.checkpoint_policy)": attention} if attention else {}
+    if unchecked:
+        saved["uncheckpointed layers' activations (model.checkpoint_layers)"] = tokens * unchecked
     # rcc.delta_from_update: at the first backward every other micro-batch's graph is still held
     held = {}
     if run.delta_from_update:
         others = -(-run.rows // run.micro_batch) - 1
-        held["other micro-batches' graphs (rcc.delta_from_update)"] = others * (inputs + attention + tokens * arch.hidden * b)
+        graph = inputs + sum(saved.values()) + tokens * arch.hidden * b
+        held["other micro-batches' graphs (rcc.delta_from_update)"] = others * graph
     # from a minibatch's second micro-batch on, the gradients of the ones before are held throughout its backward;
     # its worst point is the top layer's backward: every layer's input kept, every layer gathered that is kept so
     held_grads = unreduced or {"gradients (fp32, sharded)": grads}
+    # layers outside the checkpoint (the top ones) run their backwards first: at the top one's, every one's
+    # activations are held and its gradients (half a recomputed layer's count) are made; they are freed before the
+    # first checkpointed layer recomputes
+    working, layers_saved = {"one layer's recomputed activations": layer_act}, dict(saved)
+    if unchecked and (n == 0 or tokens * unchecked >= layer_act / 2):
+        working = {"an uncheckpointed layer's gradients": layer_act / 2}
+    elif unchecked:
+        del layers_saved["uncheckpointed layers' activations (model.checkpoint_layers)"]
     update = {**static, **kept(keep_fwd or keep_bwd), **held_grads,
-              "checkpointed layer inputs": inputs, **saved, "one layer's recomputed activations": layer_act, **contexts,
-              **held, **fused_pair}
+              "checkpointed layer inputs": inputs, **layers_saved, **working, **contexts, **held, **fused_pair}
     hq = arch.heads * arch.head_dim
     if not run.flash:  # SDPA: K/V repeated to every query head, and their gradient, in the recomputed layer
         update["SDPA repeated K/V and their gradient"] = run.micro_batch * (prefix_tokens(run) + run.output_tokens) * 4 * hq * b

@@ -64,8 +64,32 @@ def load_pretrained(path: str, model_cfg, device: torch.device, dtype: torch.dty
     ).to(device)
     model.bicc_padding_free = model_cfg.padding_free  # read by bicc.packing.padding_free
     if model_cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(model_cfg.checkpoint_policy))
+        enable_checkpointing(model, model_cfg.checkpoint_policy, model_cfg.checkpoint_layers)
     return model, tokenizer
+
+
+def checkpointed_layers(setting, layers: int) -> int:
+    """How many of a model's ``layers`` decoder layers ``model.checkpoint_layers`` checkpoints: ``all`` (and
+    ``auto`` where no memory budget resolved it at launch, ``bicc.fit.resolve_checkpoint_layers``) or a number."""
+    if str(setting) in ("all", "auto"):
+        return layers
+    if not str(setting).isdigit() or int(setting) > layers:
+        raise ValueError(f"model.checkpoint_layers: {setting!r} is not all, auto or a number of layers from 0 to {layers}")
+    return int(setting)
+
+
+def enable_checkpointing(model, policy: str = "full", layers="all") -> int:
+    """Activation checkpointing under ``model.checkpoint_policy`` on the first ``layers`` decoder layers
+    (``model.checkpoint_layers``, from the embeddings up); the layers above keep their activations for the backward
+    and recompute nothing. Returns how many layers are checkpointed."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(policy))
+    decoder = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    n = checkpointed_layers(layers, len(decoder))
+    for layer in decoder[n:]:
+        layer.gradient_checkpointing = False
+    return n
 
 
 CHECKPOINT_POLICIES = ("full", "save_attention", "recompute_mlp")

@@ -134,7 +134,7 @@ def test_the_config_reaches_the_checkpointed_layers(tmp_path):
 
     class ModelCfg:
         dtype, attn_implementation, gradient_checkpointing, padding_free = "float32", "sdpa", True, False
-        checkpoint_policy = "save_attention"
+        checkpoint_policy, checkpoint_layers = "save_attention", "all"
 
     loaded, _ = load_pretrained(str(tmp_path), ModelCfg, torch.device("cpu"))
     layer = decoder_layers(loaded)[0]

@@ -296,8 +296,9 @@ def test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2(tmp_path, po
     compiled layers and loss), the headline form (DAPO, BiCC + RCC, KV reuse, checkpointing, recomputing all of a
     layer, keeping its attention or its attention block: ``model.checkpoint_policy``): two steps trained and both
     evaluations. With two policies, in two legs as the check runs them (step 1 and a checkpoint; a new process
-    resuming from it, which compiles again, for step 2), the second under the second policy (what a layer keeps for
-    its backward is no part of the run's state)."""
+    resuming from it, which compiles again, for step 2), the second under the second policy and with its first
+    layer alone checkpointed (``model.checkpoint_layers=1``: what a layer keeps for its backward is no part of the
+    run's state)."""
     run_dir = tmp_path / "run"
     args = ["model.compile=on", "model.gradient_checkpointing=true",
             "algo=dapo", "bicc=on", "rcc=on",
@@ -307,7 +308,8 @@ def test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2(tmp_path, po
             "eval.num_problems=4", "eval.samples_per_problem=1", "eval.max_new_tokens=16",
             f"hydra.run.dir={run_dir}", "logger.wandb_mode=disabled", "logger.progress=false"]
     resumed = len(policies) == 2
-    legs = [["train.steps=1", "train.save_every=1"], ["train.steps=2", "resume=auto"]] if resumed else [["train.steps=2"]]
+    legs = ([["train.steps=1", "train.save_every=1"], ["train.steps=2", "resume=auto", "model.checkpoint_layers=1"]]
+            if resumed else [["train.steps=2"]])
     procs = [run_train([*args, f"model.checkpoint_policy={policy}", *leg], tmp_path, torchrun=1, timeout=600)
              for policy, leg in zip(policies, legs)]
     for proc in procs:

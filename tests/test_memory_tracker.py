@@ -28,13 +28,15 @@ def test_it_refuses_a_torch_whose_tracker_miscounts():
 
 
 @pytest.mark.parametrize("options", [[], ["dist.reshard_after_forward=false", "dist.reshard_after_backward=false",
-                                          "dist.reduce_grads=step"]], ids=["default", "fsdp2-options"])
+                                          "dist.reduce_grads=step", "model.checkpoint_layers=2"]],
+                         ids=["default", "fsdp2-options-two-layers-checkpointed"])
 def test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_the_models(options, tmp_path):
     """Between steps (the rollout) a rank holds its fp32 master shard, AdamW's two moments and the bf16 reference
     (FSDP2's root is resharded by then), and in the optimizer step its sharded gradients too (fused AdamW: nothing
     parameter-sized besides): that much the model counts by formula and the trace by tensors, within 5%. The
     update's model is at most 10% above the trace and never below it, with FSDP2's options that keep the gathered
-    layers and the unreduced gradients too. The update holds more than the no-grad passes, which hold more than
+    layers and the unreduced gradients too, there with the top two layers outside the checkpoint (their activations
+    held for the backward, ``bicc.memory.saved_per_token``). The update holds more than the no-grad passes, which hold more than
     the rollout. (Half the preset's prompts per step: four micro-batches a rank, not eight, each of the preset's
     size, and eight contexts.)"""
     got, stdout = trace(tmp_path, "--layers", "4", "rollout.prompts_per_step=16", *options)

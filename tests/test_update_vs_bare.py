@@ -23,7 +23,7 @@ def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops(tmp_
     ratio = float(re.search(r"^RESULT update_vs_bare=([0-9.]+)", out, re.M).group(1))
     per_1k = float(re.search(r"^RESULT update_ops_per_token=([0-9.]+)", out, re.M).group(1))
     total = int(re.search(r"ours launches (\d+) aten ops", out).group(1))
-    header = re.search(r"(\d+) tokens \(ours computes (\d+)\); checkpointing True \(ours: full\)", out)
+    header = re.search(r"(\d+) tokens \(ours computes (\d+)\); checkpointing True \(ours: full, layers all\)", out)
     tokens, computed = map(int, header.groups())
     assert computed == tokens - 8  # its one prompt of 8 tokens once for its 2 outputs (train.share_prompts)
     assert ratio > 0 and per_1k == round(1000 * total / tokens, 1)

@@ -41,11 +41,14 @@ class ModelConfig:
     checkpoint_policy: str = choice(Literal["full", "save_attention", "recompute_mlp"], "full")
     compile: str = choice(Literal["off", "on", "auto"], "off")
     checkpoint_in_graph: bool = True
+    checkpoint_layers: str = "all"  # all | auto | N: the first N decoder layers checkpointed (bicc.models, bicc.fit)
 
     @staticmethod
     def check(m) -> None:
         need((m.path is None) != (m.tiny is None), "model.path",
              "set exactly one of model.path (HF id or local dir) and model.tiny (build from a config)")
+        need(m.checkpoint_layers in ("all", "auto") or str(m.checkpoint_layers).isdigit(), "model.checkpoint_layers",
+             f"must be all, auto or a number of layers (0 or more), got {m.checkpoint_layers!r}")
 
 
 @dataclass
