@@ -74,7 +74,8 @@ def checkpointed_layers(setting, layers: int) -> int:
     if str(setting) in ("all", "auto"):
         return layers
     if not str(setting).isdigit() or int(setting) > layers:
-        raise ValueError(f"model.checkpoint_layers: {setting!r} is not all, auto or a number of layers from 0 to {layers}")
+        raise ValueError(f"config field 'model.checkpoint_layers': {setting!r} is not all, auto or a number of layers "
+                         f"from 0 to {layers}")
     return int(setting)
 
 
