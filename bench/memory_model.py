@@ -14,12 +14,14 @@ leave the process) with this model's prediction for the same sizes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from dataclasses import asdict
 
+from bicc.fit import resolve_checkpoint_layers
 from bicc.memory import GIB, PHI4_MINI, QWEN3_4B, Arch, Run, peak, phases, prefix_tokens
 
 
@@ -165,6 +167,12 @@ def main() -> None:
             phase, value = peak(arch, Run(checkpoint_policy=policy))
             print(f"{name} with model.checkpoint_policy={policy} ({what} through the recompute): "
                   f"peak {value / GIB:.2f} GiB ({phase})")
+        for compiled in (False, True):  # model.checkpoint_layers=auto on 80 GiB GPUs
+            run = Run(compiled=compiled)
+            n = resolve_checkpoint_layers(arch, run, run.gpu_gib)
+            phase, value = peak(arch, dataclasses.replace(run, checkpoint_layers=n))
+            print(f"{name} with model.checkpoint_layers=auto{' model.compile=on' if compiled else ''}: {n} of "
+                  f"{arch.layers} layers checkpointed, peak {value / GIB:.2f} GiB ({phase})")
         hf = Run(vllm=False, eval_vllm=False)
         evaluation = sum(phases(arch, hf)["evaluation"].values())
         print(f"{name} with rollout=hf: evaluation {evaluation / GIB:.2f} GiB (HF generate, eval.batch_tokens="
