@@ -1,6 +1,7 @@
 """``make gpu-check``'s CPU side: it refuses at once without a GPU, its arithmetic by hand, and its rehearsal
 command run end to end on CPU at a small shape (the same overrides, model dir, data file and metrics it reads)."""
 
+import dataclasses
 import os
 import subprocess
 import time
@@ -64,6 +65,10 @@ def test_the_memory_model_prediction_for_the_check(tmp_path, monkeypatch):
               vllm=False, eval_vllm=False, eval_batch_tokens=0, eval_new_tokens=128, eval_rows=8, flash=False,
               rollout_batch=64, gpu_gib=79.2)
     assert got["generate"] == allocated(arch, run)["rollout"] / GIB
+    # model.checkpoint_layers=auto as the run resolves it: at 256-token outputs no layer needs the checkpoint
+    auto = gpu_check.predicted_gib(tmp_path, 79.2, ("model.checkpoint_layers=auto",))
+    run = dataclasses.replace(run, checkpoint_layers=0)
+    assert auto["update"] == max(allocated(arch, run)[p] for p in gpu_check.PHASES["update"]) / GIB > got["update"]
 
 
 def test_the_rehearsal_runs_on_cpu_at_a_small_shape(tmp_path, capfd):
