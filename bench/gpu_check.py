@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -229,16 +228,13 @@ def predicted_gib(model_dir: Path, gpu_gib: float, extra: tuple = (), **sizes) -
     evaluation, SDPA."""
     from bench.step_profile import compose_cfg
     from bicc.data import build_task
-    from bicc.fit import predicted_run, resolve_checkpoint_layers
+    from bicc.fit import predicted_run
     from bicc.memory import allocated
     from bicc.models import tokenizer_and_positions
 
     cfg = compose_cfg([o for o in rehearsal_overrides(model_dir, model_dir, **sizes) if not o.startswith("hydra.")] + list(extra))
     tokenizer = tokenizer_and_positions(cfg.model)[0]
-    arch, run = predicted_run(cfg, build_task(cfg.data), tokenizer, 1, True, gpu_gib)
-    if cfg.model.gradient_checkpointing and str(cfg.model.checkpoint_layers) == "auto":  # as the run resolves it
-        run = dataclasses.replace(run, checkpoint_layers=resolve_checkpoint_layers(arch, run, gpu_gib))
-    table = allocated(arch, run)
+    table = allocated(*predicted_run(cfg, build_task(cfg.data), tokenizer, 1, True, gpu_gib))
     return {phase: max(table[name] for name in names) / GIB for phase, names in PHASES.items()}
 
 

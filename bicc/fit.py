@@ -114,13 +114,22 @@ def model_arch(model_cfg, vocab: int) -> Arch:
     return arch_of(AutoConfig.from_pretrained(model_cfg.path))
 
 
+def auto_layers(model_cfg) -> bool:
+    """``model.checkpoint_layers=auto`` under checkpointing: the count is chosen from the memory budget."""
+    return bool(model_cfg.gradient_checkpointing) and str(model_cfg.checkpoint_layers) == "auto"
+
+
 def predicted_run(cfg, task, tokenizer, world: int, sharded: bool, gpu_gib: float) -> tuple[Arch, Run]:
-    """The shape and sizes ``bicc.memory`` counts for this run on one of ``world`` GPUs: the configured model, its
-    longest training prompt with the contexts' framing, the config's sizes."""
+    """The shape and sizes ``bicc.memory`` counts for this run on one of ``world`` GPUs of ``gpu_gib``: the configured
+    model, its longest training prompt with the contexts' framing, the config's sizes, and under
+    ``model.checkpoint_layers=auto`` the count of checkpointed layers that fits."""
     from bicc.validation import context_template_tokens, longest_training_prompt
 
     prompt = longest_training_prompt(task, tokenizer)[0] + context_template_tokens(cfg, tokenizer)
-    return model_arch(cfg.model, len(tokenizer)), run_of(cfg, world, sharded, gpu_gib, prompt)
+    arch, run = model_arch(cfg.model, len(tokenizer)), run_of(cfg, world, sharded, gpu_gib, prompt)
+    if auto_layers(cfg.model):
+        run = dataclasses.replace(run, checkpoint_layers=resolve_checkpoint_layers(arch, run, gpu_gib))
+    return arch, run
 
 
 def launch_check(cfg, d, device, task, tokenizer) -> str | None:
@@ -132,7 +141,7 @@ def launch_check(cfg, d, device, task, tokenizer) -> str | None:
     budget = cfg.train.memory_gib
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory / GIB
-    auto = cfg.model.gradient_checkpointing and str(cfg.model.checkpoint_layers) == "auto"
+    auto = auto_layers(cfg.model)
     if budget is None or not (cfg.train.memory_check or auto):
         return None
     arch, run = predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", budget)
@@ -141,8 +150,7 @@ def launch_check(cfg, d, device, task, tokenizer) -> str | None:
                          f"{arch.layers}")
     chosen = ""
     if auto:  # the model is loaded with this many layers checkpointed (bicc.models.enable_checkpointing)
-        n = resolve_checkpoint_layers(arch, run, budget)
-        cfg.model.checkpoint_layers, run = str(n), dataclasses.replace(run, checkpoint_layers=n)
-        chosen = f"model.checkpoint_layers=auto: {n} of {arch.layers} layers checkpointed; "
+        cfg.model.checkpoint_layers = str(run.checkpoint_layers)
+        chosen = f"model.checkpoint_layers=auto: {run.checkpoint_layers} of {arch.layers} layers checkpointed; "
     return chosen + (check_fit(arch, run, budget) if cfg.train.memory_check else "memory check off")
 
