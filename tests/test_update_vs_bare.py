@@ -79,3 +79,52 @@ def test_mfu_counts_the_tokens_ours_computes_each_shared_prompt_once():
     assert abs(update_mfu(arch, rows, False, 2.0, 1e-9) - 8 / 2 * 360 / 1000) < 1e-12
     # two prompts of equal length but different tokens are two prompts
     assert computed_tokens([[1, 2], [2, 1]], [[3], [4]], share=True) == 6
+
+
+def test_the_gpu_busy_time_counts_overlapping_kernels_once():
+    """Kernels (start, end): (0, 2) and (1, 3) overlap on [1, 2], (5, 6) stands alone, (5.5, 5.75) lies inside it:
+    busy = 3 + 1 = 4, where their durations sum to 2 + 2 + 1 + 0.25 = 5.25."""
+    from bench.update_vs_bare import busy_seconds
+
+    assert busy_seconds([(5.5, 5.75), (1, 3), (5, 6), (0, 2)]) == 4
+    assert busy_seconds([(0, 1), (1, 2)]) == 2 and busy_seconds([]) == 0
+
+
+def test_the_profiled_wall_leaves_out_the_profiler_s_own_start_and_stop(monkeypatch):
+    """A profiler that takes 0.3 s to start and to stop, around a call of about 0.05 s whose GPU ran kernels over
+    [0, 10) and [5, 25) ms: the wall is the call's, the busy time 25 ms, the kernels' sum 30 ms; ``ops=False``
+    records the GPU's activity only."""
+    import time
+    from types import SimpleNamespace
+
+    import torch.profiler
+
+    from bench import update_vs_bare
+
+    seen = []
+
+    class SlowProfiler:
+        def __init__(self, activities):
+            seen.append(activities)
+
+        def __enter__(self):
+            time.sleep(0.3)
+            return self
+
+        def __exit__(self, *exc):
+            time.sleep(0.3)
+
+        def events(self):
+            cuda = SimpleNamespace(name="CUDA")
+            kernel = lambda start, end: SimpleNamespace(name="gemm", device_type=cuda, device_time=(end - start) * 1e3,
+                                                        time_range=SimpleNamespace(start=start * 1e3, end=end * 1e3))
+            return [SimpleNamespace(name="aten::mm", device_type=SimpleNamespace(name="CPU")), kernel(0, 10), kernel(5, 25)]
+
+    monkeypatch.setattr(torch.profiler, "profile", SlowProfiler)
+    monkeypatch.setattr(update_vs_bare, "synchronize", lambda device: None)
+    ops, kernels, busy, wall = update_vs_bare.profiled(lambda: time.sleep(0.05), torch.device("cuda"))
+    assert ops == 1 and abs(kernels - 0.030) < 1e-9 and abs(busy - 0.025) < 1e-9
+    assert 0.05 <= wall < 0.25
+    update_vs_bare.profiled(lambda: None, torch.device("cuda"), ops=False)
+    P = torch.profiler.ProfilerActivity
+    assert seen == [[P.CPU, P.CUDA], [P.CUDA]]
