@@ -116,8 +116,11 @@ def test_the_profiled_wall_leaves_out_the_profiler_s_own_start_and_stop(monkeypa
 
         def events(self):
             cuda = SimpleNamespace(name="CUDA")
-            kernel = lambda start, end: SimpleNamespace(name="gemm", device_type=cuda, device_time=(end - start) * 1e3,
-                                                        time_range=SimpleNamespace(start=start * 1e3, end=end * 1e3))
+
+            def kernel(start, end):  # ms, as the profiler's microseconds
+                return SimpleNamespace(name="gemm", device_type=cuda, device_time=(end - start) * 1e3,
+                                       time_range=SimpleNamespace(start=start * 1e3, end=end * 1e3))
+
             return [SimpleNamespace(name="aten::mm", device_type=SimpleNamespace(name="CPU")), kernel(0, 10), kernel(5, 25)]
 
     monkeypatch.setattr(torch.profiler, "profile", SlowProfiler)
