@@ -30,7 +30,9 @@ row), the same count for both. Prints
   over the device's bf16 peak; target >= 0.40), per token ours computes: under ``train.share_prompts`` each
   distinct prompt counts once, not once per output.
 
-``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels; ``--stacks
+``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels and the N
+longest stretches between its first and last kernel in which the GPU ran none (the kernels on either side name
+where); ``--stacks
 aten::item`` where an op is launched from (Python stacks, its most frequent call sites). ``--compile``
 compiles ours' decoder layers (``model.compile=on``, ``bicc.compile``) before the timed calls; the warm-up call pays
 the compilation.
@@ -179,19 +181,47 @@ def timed(fn, device, iters: int, label: str = "") -> float:
 
 
 def busy_seconds(intervals) -> float:
-    """The time that at least one of ``intervals`` ((start, end) pairs) covers: kernels that overlap, on several
-    streams, count once."""
+    """The time that at least one of ``intervals`` ((start, end, ...) tuples) covers: kernels that overlap, on
+    several streams, count once."""
     busy, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
+    for start, end, *_ in sorted(intervals):
         if end > reach:
             busy += end - max(start, reach)
             reach = end
     return busy
 
 
-def profiled(fn, device, top: int = 0, ops: bool = True) -> tuple[int, float, float, float]:
+def idle_gaps(spans, top: int) -> list[tuple[float, float, str, str]]:
+    """The ``top`` longest stretches in which no kernel of ``spans`` ((start, end, name) tuples) runs, between the
+    first kernel's start and the last one's end, longest first: (length, its start since the first kernel's, the
+    kernel it follows, the kernel it precedes)."""
+    gaps, first, reach, last = [], None, None, None
+    for start, end, name in sorted(spans):
+        if first is None:
+            first = start
+        elif start > reach:
+            gaps.append((start - reach, reach - first, last, name))
+        if reach is None or end > reach:
+            reach, last = end, name
+    return sorted(gaps, reverse=True)[:top]
+
+
+def print_gaps(spans, wall: float, top: int) -> None:
+    """Where the GPU idled in a profiled call of ``wall`` seconds: its kernels' span and the ``top`` longest stretches
+    in it without a kernel (``idle_gaps``)."""
+    if not spans:
+        return
+    span = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+    print(f"[update_vs_bare] its kernels span {span * 1e3:.0f} ms of the {wall * 1e3:.0f}; the {top} longest "
+          f"stretches in that span without a kernel ({busy_seconds(spans) * 1e3:.0f} ms busy):")
+    for gap, at, before, after in idle_gaps(spans, top):
+        print(f"    {gap * 1e3:7.1f} ms at +{at * 1e3:.0f} ms, after {before[:60]}, before {after[:60]}")
+
+
+def profiled(fn, device, top: int = 0, ops: bool = True) -> tuple[int, float, float, float, list]:
     """One call under torch.profiler: (aten events, CUDA kernel seconds summed, seconds the GPU ran at least one
-    kernel, wall seconds of the call itself, the profiler's start and stop left out); ``top``: print its most
+    kernel, wall seconds of the call itself, the profiler's start and stop left out, the kernels' (start, end, name)
+    in seconds); ``top``: print its most
     frequent aten ops and longest kernels. ``ops=False`` records the GPU's activity only (CUDA), not the host's
     ops, whose recording lengthens a call that the host paces."""
     from torch.profiler import ProfilerActivity, profile
@@ -210,7 +240,7 @@ def profiled(fn, device, top: int = 0, ops: bool = True) -> tuple[int, float, fl
         elif e.device_type.name == "CUDA":
             kernel_counts[e.name] += 1
             kernel_ms[e.name] += e.device_time / 1e3
-            spans.append((e.time_range.start / 1e6, e.time_range.end / 1e6))
+            spans.append((e.time_range.start / 1e6, e.time_range.end / 1e6, e.name))
     n_ops, kernels = sum(op_counts.values()), sum(kernel_ms.values()) / 1e3
     if top:
         print(f"[update_vs_bare] the {top} most frequent of {n_ops} aten ops in one update:")
@@ -221,7 +251,7 @@ def profiled(fn, device, top: int = 0, ops: bool = True) -> tuple[int, float, fl
                   f"{wall * 1e3:.0f} ms:")
             for name, ms in kernel_ms.most_common(top):
                 print(f"    {ms:9.1f} ms {kernel_counts[name]:7d}  {name[:100]}")
-    return n_ops, kernels, busy_seconds(spans), wall
+    return n_ops, kernels, busy_seconds(spans), wall, spans
 
 
 def stacks(fn, device, op: str, top: int = 6, depth: int = 8) -> None:
@@ -303,7 +333,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--fsdp", action="store_true", help="ours wrapped in FSDP2 over one rank, as train.py under torchrun")
     parser.add_argument("--compile", action="store_true", help="ours with its decoder layers compiled (model.compile=on)")
-    parser.add_argument("--top", type=int, default=0, help="print the profiled update's most frequent ops and kernels")
+    parser.add_argument("--top", type=int, default=0,
+                        help="print the profiled update's most frequent ops, longest kernels and idle stretches")
     parser.add_argument("--stacks", action="append", default=[], metavar="OP",
                         help="print where the update launches this aten op from (e.g. aten::item); repeatable")
     parser.add_argument("overrides", nargs="*",
@@ -359,7 +390,7 @@ def main() -> None:
         bare_s.append(timed(bare, device, args.iters, f"round {round_}, bare"))
     ours_rate, bare_rate = tokens / min(ours_s), tokens / min(bare_s)
     print("[update_vs_bare] profiling one update of ours", flush=True)
-    ops, kernels, busy, wall = profiled(ours, device, args.top)
+    ops, kernels, busy, wall, _ = profiled(ours, device, args.top)
     for op in args.stacks:
         stacks(ours, device, op)
     print(f"[update_vs_bare] ours {min(ours_s):.3f} s ({ours_rate:.0f} tokens/s), bare {min(bare_s):.3f} s "
@@ -374,9 +405,11 @@ def main() -> None:
               f"timed update ({min(ours_s) * 1e3:.0f} ms); the GPU busy {busy * 1e3:.0f} ms of its {wall * 1e3:.0f} ms "
               f"({busy / wall:.3f}) with the host's ops recorded")
         print(f"RESULT update_mfu={mfu:.3f} target>=0.40")
-        _, _, busy, wall = profiled(ours, device, ops=False)
+        _, _, busy, wall, spans = profiled(ours, device, ops=False)
         print(f"[update_vs_bare] an update with the GPU's activity recorded only: busy {busy * 1e3:.0f} ms of "
               f"{wall * 1e3:.0f} ms")
+        if args.top:
+            print_gaps(spans, wall, args.top)
         print(f"RESULT update_gpu_busy_share={busy / wall:.3f} target>=0.9")
 
 

@@ -90,6 +90,31 @@ def test_the_gpu_busy_time_counts_overlapping_kernels_once():
     assert busy_seconds([(0, 1), (1, 2)]) == 2 and busy_seconds([]) == 0
 
 
+def test_the_idle_stretches_lie_between_kernels_longest_first_with_the_kernels_around_them():
+    """Kernels a [0, 10), b [5, 25) (overlapping a), c [30, 31), d [31.5, 40), e [32, 33) (inside d), f [47, 50): the
+    GPU idles 5 after b (at +25), 0.5 after c (at +31) and 7 after d (at +40); nothing before a or after f counts."""
+    from bench.update_vs_bare import idle_gaps
+
+    spans = [(47, 50, "f"), (0, 10, "a"), (32, 33, "e"), (5, 25, "b"), (31.5, 40, "d"), (30, 31, "c")]
+    assert idle_gaps(spans, 5) == [(7, 40, "d", "f"), (5, 25, "b", "c"), (0.5, 31, "c", "d")]
+    assert idle_gaps(spans, 1) == [(7, 40, "d", "f")]
+    assert idle_gaps([(0, 1, "a"), (1, 2, "b")], 3) == [] and idle_gaps([], 3) == []
+
+
+def test_the_idle_report_gives_the_kernels_span_and_its_longest_gaps(capsys):
+    """Kernels over [1.000, 1.010) and [1.015, 1.040) s of a 50 ms call: they span 40 ms, 35 ms busy, one 5 ms gap
+    10 ms after the first kernel began."""
+    from bench.update_vs_bare import print_gaps
+
+    print_gaps([(1.015, 1.040, "gemm"), (1.000, 1.010, "flash_fwd")], 0.050, 2)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("its kernels span 40 ms of the 50; the 2 longest stretches in that span without a kernel "
+                           "(35 ms busy):")
+    assert out[1:] == ["        5.0 ms at +10 ms, after flash_fwd, before gemm"]
+    print_gaps([], 0.050, 2)
+    assert capsys.readouterr().out == ""
+
+
 def test_the_profiled_wall_leaves_out_the_profiler_s_own_start_and_stop(monkeypatch):
     """A profiler that takes 0.3 s to start and to stop, around a call of about 0.05 s whose GPU ran kernels over
     [0, 10) and [5, 25) ms: the wall is the call's, the busy time 25 ms, the kernels' sum 30 ms; ``ops=False``
@@ -125,9 +150,9 @@ def test_the_profiled_wall_leaves_out_the_profiler_s_own_start_and_stop(monkeypa
 
     monkeypatch.setattr(torch.profiler, "profile", SlowProfiler)
     monkeypatch.setattr(update_vs_bare, "synchronize", lambda device: None)
-    ops, kernels, busy, wall = update_vs_bare.profiled(lambda: time.sleep(0.05), torch.device("cuda"))
+    ops, kernels, busy, wall, spans = update_vs_bare.profiled(lambda: time.sleep(0.05), torch.device("cuda"))
     assert ops == 1 and abs(kernels - 0.030) < 1e-9 and abs(busy - 0.025) < 1e-9
-    assert 0.05 <= wall < 0.25
+    assert 0.05 <= wall < 0.25 and [name for *_, name in spans] == ["gemm", "gemm"]
     update_vs_bare.profiled(lambda: None, torch.device("cuda"), ops=False)
     P = torch.profiler.ProfilerActivity
     assert seen == [[P.CPU, P.CUDA], [P.CUDA]]
