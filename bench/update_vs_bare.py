@@ -180,29 +180,32 @@ def timed(fn, device, iters: int, label: str = "") -> float:
     return median
 
 
+def covered(spans) -> list[list]:
+    """The stretches that ``spans`` ((start, end, ...) tuples: kernels) cover, where kernels overlap (several
+    streams) or touch merged into one, in order: [start, end, the span that began it, the span that ended it]."""
+    stretches = []
+    for span in sorted(spans):
+        if stretches and span[0] <= stretches[-1][1]:
+            if span[1] > stretches[-1][1]:
+                stretches[-1][1], stretches[-1][3] = span[1], span
+        else:
+            stretches.append([span[0], span[1], span, span])
+    return stretches
+
+
 def busy_seconds(intervals) -> float:
-    """The time that at least one of ``intervals`` ((start, end, ...) tuples) covers: kernels that overlap, on
-    several streams, count once."""
-    busy, reach = 0.0, float("-inf")
-    for start, end, *_ in sorted(intervals):
-        if end > reach:
-            busy += end - max(start, reach)
-            reach = end
-    return busy
+    """The time that at least one of ``intervals`` ((start, end, ...) tuples) covers: kernels that overlap count
+    once."""
+    return sum(end - start for start, end, *_ in covered(intervals))
 
 
 def idle_gaps(spans, top: int) -> list[tuple[float, float, str, str]]:
     """The ``top`` longest stretches in which no kernel of ``spans`` ((start, end, name) tuples) runs, between the
     first kernel's start and the last one's end, longest first: (length, its start since the first kernel's, the
     kernel it follows, the kernel it precedes)."""
-    gaps, first, reach, last = [], None, None, None
-    for start, end, name in sorted(spans):
-        if first is None:
-            first = start
-        elif start > reach:
-            gaps.append((start - reach, reach - first, last, name))
-        if reach is None or end > reach:
-            reach, last = end, name
+    busy = covered(spans)
+    gaps = [(after[0] - before[1], before[1] - busy[0][0], before[3][2], after[2][2])
+            for before, after in zip(busy, busy[1:])]
     return sorted(gaps, reverse=True)[:top]
 
 
@@ -221,9 +224,8 @@ def print_gaps(spans, wall: float, top: int) -> None:
 def profiled(fn, device, top: int = 0, ops: bool = True) -> tuple[int, float, float, float, list]:
     """One call under torch.profiler: (aten events, CUDA kernel seconds summed, seconds the GPU ran at least one
     kernel, wall seconds of the call itself, the profiler's start and stop left out, the kernels' (start, end, name)
-    in seconds); ``top``: print its most
-    frequent aten ops and longest kernels. ``ops=False`` records the GPU's activity only (CUDA), not the host's
-    ops, whose recording lengthens a call that the host paces."""
+    in seconds); ``top``: print its most frequent aten ops and longest kernels. ``ops=False`` records the GPU's
+    activity only (CUDA), not the host's ops, whose recording lengthens a call that the host paces."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = ([ProfilerActivity.CPU] if ops else []) + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
