@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from bicc.distributed import Dist, global_max, is_sharded
-from bicc.logprobs import TokenBatch
+from bicc.logprobs import TokenBatch, on_device
 from bicc.packing import padding_free
 
 MAX_PADDING = 0.1  # length-aware micro-batches: padded tokens at most 10% above the real ones
@@ -68,13 +68,18 @@ def padded_tokens(plan: list[torch.Tensor], lengths: torch.Tensor) -> int:
     return sum(_size(mb.tolist(), parts)[0] for mb in plan if len(mb))
 
 
-def trim_rows(batch: TokenBatch) -> TokenBatch:
+def trim_rows(batch: TokenBatch, widths=None) -> TokenBatch:
     """``batch`` without the prompt columns that are padding in every row and the output columns past its
-    longest output (at least one output column is kept)."""
+    longest output (at least one output column is kept). ``widths``: (longest prompt, longest output) of its rows
+    when the caller knows them on the host; else read from ``batch`` (a sync where it lives on a GPU)."""
     length = batch.completion_len
     width = batch.input_ids.shape[1] - length
-    out = max(1, int(batch.completion_mask.sum(-1).max())) if batch.input_ids.shape[0] else 1
-    prompt = int(batch.attention_mask[:, :width].sum(-1).max()) if batch.input_ids.shape[0] else 0
+    if widths is not None:
+        prompt, out = widths[0], max(1, widths[1])
+    elif batch.input_ids.shape[0]:
+        prompt, out = int(batch.attention_mask[:, :width].sum(-1).max()), max(1, int(batch.completion_mask.sum(-1).max()))
+    else:
+        prompt, out = 0, 1
     cols = slice(width - prompt, width + out)
     return TokenBatch(batch.input_ids[:, cols], batch.attention_mask[:, cols], batch.position_ids[:, cols],
                       batch.completion_mask[:, :out])
@@ -116,6 +121,6 @@ def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temper
             logp = inputs.logprobs(model, rows, temperature)[0]
             if out is None:
                 out = logp.new_zeros(num_rows, logp.shape[1])
-            out[rows.to(out.device)] = logp
+            out[on_device(rows, out.device)] = logp
     model.train(was_training)
     return out

@@ -50,8 +50,23 @@ class TokenBatch:
                           self.completion_mask[index])
 
     def to(self, device) -> "TokenBatch":
-        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids,
-                                                    self.completion_mask)))
+        return TokenBatch(*(on_device(t, device) for t in (self.input_ids, self.attention_mask, self.position_ids,
+                                                           self.completion_mask)))
+
+
+def on_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``, without the host waiting for the GPU. A plain copy from host memory to CUDA synchronises
+    the stream: the GPU drains its queue and then idles while the host prepares its next launch (a micro-batch's
+    inputs, the forward's prologue). From pinned memory the copy is queued behind the GPU's work instead."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def host_tensor(data, device, dtype=torch.long) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype)`` built on the host and sent to ``device`` without a sync (``on_device``)."""
+    return on_device(torch.tensor(data, dtype=dtype), device)
 
 
 def make_token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
@@ -117,6 +132,25 @@ def forward_logprobs(model, targets: torch.Tensor, temperature: float, with_entr
     return logprobs_from_logits(logits, targets), entropy
 
 
+def sdpa_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """SDPA's bool mask [B, 1, T, T] (True: attend) of rows whose real tokens ``attention_mask`` [B, T] marks: query i
+    reads every real key j <= i, and itself (a padding query then reads one key, never none). transformers builds the
+    same from the 2-D mask, after reading the mask's values to see whether it may skip it (on a GPU, a sync in every
+    forward); a 4-D mask it takes as it is."""
+    t = attention_mask.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril()  # [T, T]
+    return (attention_mask.bool()[:, None, None, :] & causal) | torch.eye(t, dtype=torch.bool, device=causal.device)
+
+
+def attention_input(model, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The mask ``model`` is given for rows with a 2-D ``attention_mask`` [B, T], such that transformers reads none of
+    its values (on a GPU a read is a sync, in every forward): under SDPA its 4-D form (``sdpa_padding_mask``), else
+    as it is. (Without a mask transformers would read the positions instead, to detect packed rows.)"""
+    if attention_mask.dim() == 2 and model.config._attn_implementation == "sdpa":
+        return sdpa_padding_mask(attention_mask)
+    return attention_mask
+
+
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -135,7 +169,7 @@ def token_logprobs(
     # the kept positions are the last num_targets + 1; the last one predicts nothing (its target: a dummy)
     padded = torch.cat([targets, targets[:, :1]], dim=1)  # [B, num_targets + 1]
     logp, entropy = forward_logprobs(model, padded, temperature, with_entropy, input_ids=input_ids,
-                                     attention_mask=attention_mask, position_ids=position_ids,
+                                     attention_mask=attention_input(model, attention_mask), position_ids=position_ids,
                                      logits_to_keep=num_targets + 1)
     return logp[:, :-1], (entropy[:, :-1] if entropy is not None else None)
 

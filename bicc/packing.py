@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bicc.logprobs import at_least_fp32, compute_precision, entropy_from_logits, logprobs_from_logits
+from bicc.logprobs import at_least_fp32, compute_precision, entropy_from_logits, host_tensor, logprobs_from_logits, on_device
 
 MASK_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")  # kernels that take ragged sequences (cu_seqlens)
@@ -40,7 +40,7 @@ def padding_free(model) -> bool:
 def _ragged(lengths_q: list[int], lengths_k: list[int], device) -> dict:
     """transformers' varlen kwargs for sequences of ``lengths_q`` queries over ``lengths_k`` keys, laid end to
     end (int32 cumulative lengths, as flash-attn takes them)."""
-    cu = lambda xs: torch.tensor([0, *itertools.accumulate(xs)], dtype=torch.int32, device=device)  # noqa: E731
+    cu = lambda xs: host_tensor([0, *itertools.accumulate(xs)], device, torch.int32)  # noqa: E731
     return dict(cu_seq_lens_q=cu(lengths_q), cu_seq_lens_k=cu(lengths_k), max_length_q=max(lengths_q),
                 max_length_k=max(lengths_k))
 
@@ -56,6 +56,7 @@ class PackedBatch:
     target:         [M] target token ids
     sample, step:   [M] sample index (0..n-1 in the caller's order) and token index within its output
     num_tokens:     real (non-pad) tokens in the rows: the forward's work
+    first:          the first position whose logits predict a target (min of ``pos``), known on the host
     """
 
     input_ids: torch.Tensor
@@ -67,10 +68,12 @@ class PackedBatch:
     sample: torch.Tensor
     step: torch.Tensor
     num_tokens: int
+    first: int = 0
 
     def to(self, device) -> "PackedBatch":
-        return PackedBatch(*(t.to(device) for t in (self.input_ids, self.position_ids, self.attention_mask, self.row,
-                                                    self.pos, self.target, self.sample, self.step)), self.num_tokens)
+        tensors = (self.input_ids, self.position_ids, self.attention_mask, self.row, self.pos, self.target, self.sample,
+                   self.step)
+        return PackedBatch(*(on_device(t, device) for t in tensors), self.num_tokens, self.first)
 
 
 def plan_rows(prefixes: list[list[int]], keys: list[int], completions: list[list[int]], max_len: int):
@@ -97,7 +100,8 @@ def pack(prefixes: list[list[int]], keys: list[int], completions: list[list[int]
          pad_id: int) -> PackedBatch:
     """Build packed rows for samples whose prefixes are given per sample (equal keys = equal prefixes)."""
     rows = plan_rows(prefixes, keys, completions, max_len)
-    width = max(len(prefix) + sum(len(completions[i]) for i in members) for prefix, members in rows)
+    lengths = [len(prefix) + sum(len(completions[i]) for i in members) for prefix, members in rows]
+    width = max(lengths)
     R = len(rows)
     input_ids = torch.full((R, width), pad_id, dtype=torch.long)  # [R, T]
     position_ids = torch.zeros((R, width), dtype=torch.long)  # [R, T]
@@ -130,7 +134,7 @@ def pack(prefixes: list[list[int]], keys: list[int], completions: list[list[int]
     allowed |= torch.eye(width, dtype=torch.bool)  # pad queries attend to themselves: no empty softmax rows
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     return PackedBatch(input_ids, position_ids, allowed[:, None], as_long(row_idx), as_long(pos_idx), as_long(target),
-                       as_long(sample), as_long(step), int((segment >= 0).sum()))
+                       as_long(sample), as_long(step), sum(lengths), min(pos_idx, default=0))
 
 
 def packed_logprobs(model, packed: PackedBatch, num_samples: int, length: int, temperature: float = 1.0,
@@ -143,7 +147,7 @@ def packed_logprobs(model, packed: PackedBatch, num_samples: int, length: int, t
     mask = packed.attention_mask
     if impl == "eager":
         mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, torch.finfo(model.dtype).min)
-    first = int(packed.pos.min()) if len(packed.pos) else 0
+    first = packed.first
     # full logits here: a prefix's last position predicts the first token of every output behind it
     with compute_precision(model):
         logits = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,

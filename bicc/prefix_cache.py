@@ -18,7 +18,16 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from bicc.distributed import is_sharded
-from bicc.logprobs import at_least_fp32, compute_precision, entropy_from_logits, forward_logprobs, logprobs_from_logits
+from bicc.logprobs import (
+    at_least_fp32,
+    attention_input,
+    compute_precision,
+    entropy_from_logits,
+    forward_logprobs,
+    host_tensor,
+    logprobs_from_logits,
+    on_device,
+)
 from bicc.packing import _ragged, padding_free
 
 
@@ -121,9 +130,9 @@ def encode_prefixes(model, prefixes: list[list[int]], pad_id: int, detach: bool 
     device = next(model.parameters()).device
     lengths = [len(p) for p in prefixes]
     if padding_free(model):
-        ids = torch.tensor([t for p in prefixes for t in p], dtype=torch.long, device=device)[None]  # [1, sum W]
-        pos = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]  # [1, sum W]
-        last = torch.tensor(lengths, device=device).cumsum(0) - 1  # [U]: each prefix's last token
+        ids = host_tensor([t for p in prefixes for t in p], device)[None]  # [1, sum W]
+        pos = on_device(torch.cat([torch.arange(n) for n in lengths]), device)[None]  # [1, sum W]
+        last = host_tensor(lengths, device).cumsum(0) - 1  # [U]: each prefix's last token
         inputs = dict(input_ids=ids, position_ids=pos, logits_to_keep=last, **_ragged(lengths, lengths, device))
         mask = None
     else:
@@ -131,8 +140,9 @@ def encode_prefixes(model, prefixes: list[list[int]], pad_id: int, detach: bool 
         ids = torch.tensor([[pad_id] * (width - len(p)) + [*p] for p in prefixes], dtype=torch.long)  # [U, W]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes], dtype=torch.long)  # [U, W]
         pos = (mask.cumsum(1) - 1).clamp(min=0)  # [U, W]
-        mask = mask.to(device)
-        inputs = dict(input_ids=ids.to(device), attention_mask=mask, position_ids=pos.to(device), logits_to_keep=1)
+        mask = on_device(mask, device)
+        inputs = dict(input_ids=on_device(ids, device), attention_mask=attention_input(model, mask),
+                      position_ids=on_device(pos, device), logits_to_keep=1)
     with _cache_through_checkpointing(model):
         cache = DynamicCache()
         cache.layer_class_to_replicate = _RecordLayer
@@ -158,8 +168,8 @@ def completion_logprobs(model, states: PrefixStates, prefix_of: list[int], compl
     every completion behind it) and causally to itself; completions never meet in one attention matrix, so
     the cost is linear in the number of completions per prefix. Padding-free when ``states`` is."""
     device = states.first_logits.device
-    index = torch.tensor(prefix_of, dtype=torch.long, device=device)  # [n]
-    first = torch.tensor([c[0] if c else pad_id for c in completions], dtype=torch.long, device=device)  # [n]
+    index = host_tensor(prefix_of, device)  # [n]
+    first = host_tensor([c[0] if c else pad_id for c in completions], device)  # [n]
     first_logits = states.first_logits.index_select(0, index)  # [n, V]: predicts each completion's first token
     if temperature != 1.0:
         first_logits = at_least_fp32(first_logits) / temperature
@@ -180,8 +190,8 @@ def _padded_rest(model, states, index, completions, grid, pad_id, temperature, w
     # token, so FSDP2 ranks gather (and reduce-scatter) every layer in step
     length = max(2 if is_sharded(model) else 1, min(grid, max(len(c) for c in completions)))
     # built as Python lists, one tensor each (not a copy per row: a few ops per row on the host, each launched)
-    c_ids = torch.tensor([[*c] + [pad_id] * (length - len(c)) for c in completions], dtype=torch.long).to(device)  # [n, L]
-    c_mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in completions], dtype=torch.long).to(device)
+    c_ids = host_tensor([[*c] + [pad_id] * (length - len(c)) for c in completions], device)  # [n, L]
+    c_mask = host_tensor([[1] * len(c) + [0] * (length - len(c)) for c in completions], device)
     p_mask = states.mask[index]  # [n, W]
     c_pos = p_mask.sum(1)[:, None] + torch.arange(length, device=device)[None]  # [n, L]: after the real prefix
     if length > 1:
@@ -240,7 +250,7 @@ def _ragged_rest(model, states, index, completions, grid, pad_id, temperature, w
             entropies += [rest_entropy] if with_entropy else []
             rows += [i for i, q in zip(seqs, queries) for _ in range(len(q) - 1)]
             cols += [t for q in queries for t in range(1, len(q))]
-    at = (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cols, dtype=torch.long, device=device))
+    at = (host_tensor(rows, device), host_tensor(cols, device))
     logp = first_logp.new_zeros(n, grid).index_put(at, torch.cat(values))  # [n, grid]
     entropy = first_logp.new_zeros(n, grid).index_put(at, torch.cat(entropies).detach()) if with_entropy else None
     return logp, entropy
@@ -252,10 +262,10 @@ def _ragged_forward(model, states, prefix_of, queries, temperature, with_entropy
     q_len = [len(q) - 1 for q in queries]
     p_start = [0, *itertools.accumulate(states.lengths)]  # each prefix's first token among all of theirs
     q_start = [0, *itertools.accumulate(q_len)]
-    index_k = torch.cat([torch.cat([torch.arange(p_start[p], p_start[p + 1]),
-                                    p_start[-1] + torch.arange(q_start[j], q_start[j + 1])])
-                         for j, p in enumerate(prefix_of)]).to(device)  # [sum(W_i + q_i)]
-    as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)[None]  # noqa: E731
+    index_k = on_device(torch.cat([torch.cat([torch.arange(p_start[p], p_start[p + 1]),
+                                              p_start[-1] + torch.arange(q_start[j], q_start[j + 1])])
+                                   for j, p in enumerate(prefix_of)]), device)  # [sum(W_i + q_i)]
+    as_row = lambda xs: host_tensor(xs, device)[None]  # noqa: E731
     ids = as_row([t for q in queries for t in q[:-1]])  # [1, sum q]
     targets = as_row([t for q in queries for t in q[1:]])  # [1, sum q]
     pos = as_row([states.lengths[p] + t for p, q in zip(prefix_of, q_len) for t in range(q)])

@@ -24,7 +24,7 @@ import torch
 
 from bicc.batching import to_grid, trim_rows
 from bicc.conditioning import ConditionedPrompts
-from bicc.logprobs import TokenBatch, batch_logprobs, make_token_batch
+from bicc.logprobs import TokenBatch, batch_logprobs, make_token_batch, on_device
 from bicc.packing import pack, packed_logprobs
 from bicc.prefix_cache import completion_logprobs, encode_prefixes
 
@@ -39,15 +39,20 @@ class QueryRows:
         self.tokens = int(self.lengths.sum())
 
     def logprobs(self, model, rows, temperature: float, with_entropy: bool = False):
-        return trimmed_logprobs(model, self.batch.rows(rows), temperature, with_entropy)
+        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+        widths = self.lengths[rows].amax(0).tolist() if len(rows) else (0, 1)  # on the host: no read of the GPU
+        return trimmed_logprobs(model, self.batch.rows(on_device(rows, self.batch.input_ids.device)), temperature,
+                                with_entropy, widths)
 
     def contexts_once(self, model, rows):
         return contextlib.nullcontext()  # nothing shared between rows
 
 
-def trimmed_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool):
-    """``batch_logprobs`` over the rows' own columns only (``trim_rows``), back on the batch's grid."""
-    part = trim_rows(batch)
+def trimmed_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool, widths=None, device=None):
+    """``batch_logprobs`` over the rows' own columns only (``trim_rows``; ``widths`` as there), back on the batch's
+    grid. ``device``: where the trimmed rows go (host rows are trimmed on the host, then sent)."""
+    part = trim_rows(batch, widths)
+    part = part if device is None else part.to(device)
     logp, entropy = batch_logprobs(model, part, temperature, with_entropy)
     length = batch.completion_len
     return to_grid(logp, part.completion_mask, length), to_grid(entropy, part.completion_mask, length)
@@ -120,7 +125,7 @@ class ContextRows:
         if not single:
             return logp, entropy
         logp_single, entropy_single = self._rows(model, [rows[i] for i in single], temperature, with_entropy)
-        order = torch.tensor(shared + single, device=logp.device).argsort()  # back to the caller's row order
+        order = on_device(torch.tensor(shared + single).argsort(), logp.device)  # back to the caller's row order
         logp = torch.cat([logp, logp_single])[order]
         entropy = torch.cat([entropy, entropy_single])[order] if with_entropy else None
         return logp, entropy
@@ -160,5 +165,6 @@ class ContextRows:
         """One row per output: [left-padded x^c; right-padded output]."""
         prefixes = [self.contexts.prompt_ids[r] for r in rows]
         completions = [self.completion_ids[r] for r in rows]
-        batch = make_token_batch(prefixes, completions, self.pad_id, length=self.length).to(self.device)
-        return trimmed_logprobs(model, batch, temperature, with_entropy)
+        batch = make_token_batch(prefixes, completions, self.pad_id, length=self.length)
+        widths = (max(map(len, prefixes)), max(map(len, completions)))
+        return trimmed_logprobs(model, batch, temperature, with_entropy, widths, self.device)

@@ -20,7 +20,7 @@ from bicc.distributed import (
     reshard_after_backward,
     sync_gradients,
 )
-from bicc.logprobs import TokenBatch
+from bicc.logprobs import TokenBatch, on_device
 from bicc.losses import LOSSES, StepTotals, masked_mean
 from bicc.losses.compiled import loss_function
 from bicc.state import RLState
@@ -31,11 +31,12 @@ def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=
     log-probs ``logp`` [n, L] (with their graph), normalised by ``totals``: (differentiable loss, the loss's
     metrics, ``logp`` detached, pi_old [n, L]). ``old_logp`` None: pi_old is
     this forward (``bicc.plan.StepPlan`` old_source "update"), detached. ``loss_fn``: the registered
-    ``cfg.algo.loss`` or its compiled form (``bicc.losses.compiled.loss_function``); None: the registered one."""
-    old = logp.detach() if old_logp is None else old_logp[rows]
+    ``cfg.algo.loss`` or its compiled form (``bicc.losses.compiled.loss_function``); None: the registered one.
+    ``rows`` may live on the GPU (``on_device``): each tensor is indexed on its own device."""
+    pick = lambda x: None if x is None else x[rows if rows.device == x.device else rows.to(x.device)]  # noqa: E731
+    old = logp.detach() if old_logp is None else pick(old_logp)
     loss_fn = loss_fn or LOSSES.get(cfg.algo.loss)
-    loss, metrics = loss_fn(logp, old, None if ref_logp is None else ref_logp[rows], adv[rows], mask, cfg.algo, totals,
-                            is_weight=None if is_weight is None else is_weight[rows])
+    loss, metrics = loss_fn(logp, old, pick(ref_logp), pick(adv), mask, cfg.algo, totals, is_weight=pick(is_weight))
     return loss, metrics, logp.detach(), old
 
 
@@ -111,11 +112,12 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             (logp.sum() * 0.0).backward()
             timers["backward"] += time.perf_counter() - start
             return 0.0
-        mask = batch.completion_mask[rows]
-        loss, metrics, raw, old = rows_loss(logp, rows, mask, old_logp, ref_logp, adv.values, cfg, totals, is_weight,
+        at = on_device(rows, device)  # indexing the GPU's tensors with the host's rows would sync: once, without
+        mask = batch.completion_mask[at]
+        loss, metrics, raw, old = rows_loss(logp, at, mask, old_logp, ref_logp, adv.values, cfg, totals, is_weight,
                                             loss_fn)
         if first:
-            first_pass[rows.to(device)] = ((raw - old) * mask).sum(-1).float()
+            first_pass[at] = ((raw - old) * mask).sum(-1).float()
         timers["forward"] += time.perf_counter() - start
         start = time.perf_counter()
         (loss * scale).backward()
@@ -156,7 +158,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                     # no name outlives the loop bound to a log-prob with its graph: the autograd nodes would keep
                     # tensors they hold past their backward, through the optimizer step
                     for rows, first in [(rows, logp.detach()) for rows, logp, _ in held if rows is not None]:
-                        grid[rows] = first
+                        grid[on_device(rows, device)] = first
                     adv = advantages(grid)  # what finish() reads
                     while held:
                         last_backward(len(held) == 1 and not prefix_backward)

@@ -64,3 +64,29 @@ def test_temperature_scales_logits():
         hot, _ = token_logprobs(model, ids, torch.ones_like(ids), torch.arange(4)[None], 1, temperature=2.0)
         logits = model(ids).logits[0, 2] / 2.0
     torch.testing.assert_close(hot[0, 0], torch.log_softmax(logits, -1)[20], atol=1e-5, rtol=0)
+
+
+def test_sdpa_padding_mask_by_hand_and_as_transformers_builds_it():
+    """Row [pad, a, b] and row [a, b, c]: the pad query reads itself only, each real query the real keys up to
+    itself. Given to the model, it gives the logits that transformers' own mask from the 2-D one gives, at every
+    real position; under SDPA the model is handed the 4-D form (transformers would read the 2-D one's values), under
+    eager attention the 2-D mask as it is."""
+    from bicc.logprobs import attention_input, sdpa_padding_mask
+
+    mask = sdpa_padding_mask(torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    assert mask.shape == (2, 1, 3, 3)
+    assert mask[0, 0].tolist() == [[True, False, False], [False, True, False], [False, True, True]]
+    assert mask[1, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    model, tok = tiny_model()
+    assert model.config._attn_implementation == "sdpa"
+    prompts, completions = rows()
+    batch = make_token_batch(prompts, completions, tok.pad_token_id)
+    with torch.no_grad():
+        theirs = model(batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+        ours = model(batch.input_ids, attention_mask=sdpa_padding_mask(batch.attention_mask),
+                     position_ids=batch.position_ids).logits
+    real = batch.attention_mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+    assert attention_input(model, batch.attention_mask).shape == (3, 1, 10, 10)  # prompts to 5, outputs to 5
+    model.config._attn_implementation = "eager"
+    assert attention_input(model, batch.attention_mask) is batch.attention_mask

@@ -27,8 +27,8 @@ def gmpo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_w
     log_rho = log_ratio(logp, old_logp, ref_logp, cfg)  # [B, L]
     sign = torch.sign(adv).unsqueeze(-1)  # [B, 1]
     # A > 0: min(log_rho, eps_high); A < 0: max(log_rho, -eps_low) = -min(-log_rho, eps_low)
-    high, low = (torch.tensor(e, dtype=log_rho.dtype, device=log_rho.device) for e in (cfg.clip_eps_high, cfg.clip_eps_low))
-    bound = torch.where(sign > 0, high, low)  # [B, 1]
+    # made on the device from the floats (a tensor of each sent from the host would sync once per micro-batch)
+    bound = log_rho.new_full(sign.shape, cfg.clip_eps_low).masked_fill_(sign > 0, cfg.clip_eps_high)  # [B, 1]
     log_rho_clipped = sign * torch.minimum(sign * log_rho, bound)  # [B, L]
     seq_ratio = torch.exp(seq_mean(log_rho_clipped, mask))  # [B]: geometric mean of the clipped token ratios
     pg_seq = dual_clip((-adv * seq_ratio).unsqueeze(-1), adv, cfg)  # [B, 1]
