@@ -30,9 +30,10 @@ row), the same count for both. Prints
   over the device's bf16 peak; target >= 0.40), per token ours computes: under ``train.share_prompts`` each
   distinct prompt counts once, not once per output.
 
-``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels and the N
+On CUDA it also prints how many times one update makes the host wait for the GPU (``host_syncs``, CUDA's sync debug
+mode). ``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels, the N
 longest stretches between its first and last kernel in which the GPU ran none (the kernels on either side name
-where); ``--stacks
+where) and the N lines the update waits for the GPU at most often; ``--stacks
 aten::item`` where an op is launched from (Python stacks, its most frequent call sites). ``--compile``
 compiles ours' decoder layers (``model.compile=on``, ``bicc.compile``) before the timed calls; the warm-up call pays
 the compilation.
@@ -256,6 +257,29 @@ def profiled(fn, device, top: int = 0, ops: bool = True) -> tuple[int, float, fl
     return n_ops, kernels, busy_seconds(spans), wall, spans
 
 
+def host_syncs(fn, top: int = 0) -> int:
+    """How many times one call of ``fn`` makes the host wait for the GPU (CUDA's sync debug mode warns at each: a
+    blocking copy between host and device, a read of a value, a data-dependent shape); ``top``: print the lines they
+    come from, most frequent first. A sync drains the GPU's queue, which then idles while the host prepares what
+    follows."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    if top and sites:
+        print(f"[update_vs_bare] where one update waits for the GPU ({sum(sites.values())} times):")
+        for site, count in sites.most_common(top):
+            print(f"    {count:5d}  {site}")
+    return sum(sites.values())
+
+
 def stacks(fn, device, op: str, top: int = 6, depth: int = 8) -> None:
     """One call under torch.profiler with Python stacks: print where ``op`` (an aten op's name) is launched from,
     the ``top`` most frequent call sites, each as the outermost aten op it runs inside and ``depth`` Python frames
@@ -407,6 +431,8 @@ def main() -> None:
               f"timed update ({min(ours_s) * 1e3:.0f} ms); the GPU busy {busy * 1e3:.0f} ms of its {wall * 1e3:.0f} ms "
               f"({busy / wall:.3f}) with the host's ops recorded")
         print(f"RESULT update_mfu={mfu:.3f} target>=0.40")
+        print(f"[update_vs_bare] one update waits for the GPU {host_syncs(ours, args.top)} times (CUDA's sync debug "
+              f"mode; none per micro-batch is the aim: {len(rows[1])} rows in micro-batches of at most {args.micro_rows})")
         _, _, busy, wall, spans = profiled(ours, device, ops=False)
         print(f"[update_vs_bare] an update with the GPU's activity recorded only: busy {busy * 1e3:.0f} ms of "
               f"{wall * 1e3:.0f} ms")

@@ -156,3 +156,41 @@ def test_the_profiled_wall_leaves_out_the_profiler_s_own_start_and_stop(monkeypa
     update_vs_bare.profiled(lambda: None, torch.device("cuda"), ops=False)
     P = torch.profiler.ProfilerActivity
     assert seen == [[P.CPU, P.CUDA], [P.CUDA]]
+
+
+def test_host_syncs_counts_each_wait_by_its_line_and_restores_the_debug_mode(monkeypatch, capsys):
+    """A call that warns as CUDA's sync debug mode does, twice from one line and once from another, with an
+    unrelated warning between: 3 waits, the line of two first; the mode is on during the call only, and off again
+    after a call that raises. (No GPU here: the mode and the synchronisation are recorded, not run.)"""
+    import warnings
+
+    import torch
+
+    from bench.update_vs_bare import host_syncs
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def update():
+        assert modes == ["warn"]
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation")  # line A
+        warnings.warn("an unrelated warning")
+        warnings.warn("called a synchronizing CUDA operation")  # line B
+
+    assert host_syncs(update, top=5) == 3
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("where one update waits for the GPU (3 times):")
+    assert [line.split()[0] for line in out[1:]] == ["2", "1"]
+    assert out[1].split()[1].endswith(f"test_update_vs_bare.py:{update.__code__.co_firstlineno + 3}")
+    assert modes == ["warn", "default"]
+
+    def failing():
+        raise RuntimeError("out of memory")
+
+    try:
+        host_syncs(failing)
+    except RuntimeError:
+        pass
+    assert modes[-1] == "default"
