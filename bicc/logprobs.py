@@ -132,14 +132,23 @@ def forward_logprobs(model, targets: torch.Tensor, temperature: float, with_entr
     return logprobs_from_logits(logits, targets), entropy
 
 
+def reading_mask(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """SDPA's bool mask [n, 1, q, W + q] (True: attend) of queries that follow ``width`` cached prefix positions:
+    query i reads key j where ``keys[:, j]`` (a real prefix or completion token) and j <= width + i (causal). It is
+    the mask transformers builds from the 2-D ``keys`` mask (``create_causal_mask``, which passes a 4-D mask
+    through), in a few ops instead of its few dozen per forward."""
+    q = keys.shape[1] - width
+    causal = torch.ones(q, keys.shape[1], dtype=torch.bool, device=keys.device).tril(width)  # [q, W + q]
+    return keys.bool()[:, None, None, :] & causal
+
+
 def sdpa_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """SDPA's bool mask [B, 1, T, T] (True: attend) of rows whose real tokens ``attention_mask`` [B, T] marks: query i
-    reads every real key j <= i, and itself (a padding query then reads one key, never none). transformers builds the
-    same from the 2-D mask, after reading the mask's values to see whether it may skip it (on a GPU, a sync in every
-    forward); a 4-D mask it takes as it is."""
-    t = attention_mask.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril()  # [T, T]
-    return (attention_mask.bool()[:, None, None, :] & causal) | torch.eye(t, dtype=torch.bool, device=causal.device)
+    reads every real key j <= i (``reading_mask`` after no cached positions), and itself (a padding query then reads
+    one key, never none). transformers builds the same from the 2-D mask, after reading the mask's values to see
+    whether it may skip it (on a GPU, a sync in every forward); a 4-D mask it takes as it is."""
+    eye = torch.eye(attention_mask.shape[1], dtype=torch.bool, device=attention_mask.device)
+    return reading_mask(attention_mask, 0) | eye
 
 
 def attention_input(model, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from bicc.logprobs import (
     host_tensor,
     logprobs_from_logits,
     on_device,
+    reading_mask,
 )
 from bicc.packing import _ragged, padding_free
 
@@ -202,7 +203,7 @@ def _padded_rest(model, states, index, completions, grid, pad_id, temperature, w
             cache.bicc_compile = True  # read-only: compiled layers (bicc.compile) take it
             mask = torch.cat([p_mask, c_mask[:, :-1]], dim=1)  # [n, W + L - 1]: the keys
             if model.config._attn_implementation == "sdpa":
-                mask = _reading_mask(mask, p_mask.shape[1])
+                mask = reading_mask(mask, p_mask.shape[1])
             rest_logp, rest_entropy = forward_logprobs(
                 model, c_ids[:, 1:], temperature, with_entropy, input_ids=c_ids[:, :-1], attention_mask=mask,
                 position_ids=c_pos[:, :-1], past_key_values=cache, logits_to_keep=0)  # [n, L-1]
@@ -214,16 +215,6 @@ def _padded_rest(model, states, index, completions, grid, pad_id, temperature, w
     if entropy is not None:
         entropy = torch.nn.functional.pad(entropy.detach() * c_mask, (0, grid - length))
     return logp, entropy
-
-
-def _reading_mask(keys: torch.Tensor, width: int) -> torch.Tensor:
-    """SDPA's bool mask [n, 1, q, W + q] (True: attend) of queries that follow ``width`` cached prefix positions:
-    query i reads key j where ``keys[:, j]`` (a real prefix or completion token) and j <= width + i (causal). It is
-    the mask transformers builds from the 2-D ``keys`` mask (``create_causal_mask``, which passes a 4-D mask
-    through), in a few ops instead of its few dozen per forward."""
-    q = keys.shape[1] - width
-    causal = torch.ones(q, keys.shape[1], dtype=torch.bool, device=keys.device).tril(width)  # [q, W + q]
-    return keys.bool()[:, None, None, :] & causal
 
 
 def _ragged_rest(model, states, index, completions, grid, pad_id, temperature, with_entropy, first_logp, first_entropy):

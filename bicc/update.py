@@ -112,7 +112,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             (logp.sum() * 0.0).backward()
             timers["backward"] += time.perf_counter() - start
             return 0.0
-        at = on_device(rows, device)  # indexing the GPU's tensors with the host's rows would sync: once, without
+        at = on_device(rows, device)  # sent once, without a sync: indexing with the host's rows syncs every time
         mask = batch.completion_mask[at]
         loss, metrics, raw, old = rows_loss(logp, at, mask, old_logp, ref_logp, adv.values, cfg, totals, is_weight,
                                             loss_fn)

@@ -86,7 +86,8 @@ def test_the_completions_sdpa_mask_is_the_one_transformers_builds():
     from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask
 
-    from bicc.prefix_cache import _reading_mask, _ReadLayer
+    from bicc.logprobs import reading_mask as _reading_mask
+    from bicc.prefix_cache import _ReadLayer
 
     model, _ = tiny()
     prefix = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
