@@ -57,7 +57,9 @@ class TokenBatch:
 def on_device(t: torch.Tensor, device) -> torch.Tensor:
     """``t`` on ``device``, without the host waiting for the GPU. A plain copy from host memory to CUDA synchronises
     the stream: the GPU drains its queue and then idles while the host prepares its next launch (a micro-batch's
-    inputs, the forward's prologue). From pinned memory the copy is queued behind the GPU's work instead."""
+    inputs, the forward's prologue). From pinned memory the copy is queued behind the GPU's work instead. A tensor the
+    caller pinned itself is read where it lies, once the GPU gets to the copy: it must not change until then (any
+    other is copied to pinned memory first, and may)."""
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
