@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.update_vs_bare                     # CPU: a small Qwen3 shape (below)
     python -m bench.update_vs_bare --shape qwen3_0.6b            # CUDA: the rehearsal's shape
     python -m bench.update_vs_bare --shape qwen3_4b_width --layers 12
+    python -m bench.update_vs_bare --fsdp --compile --shape qwen3_4b_width --layers fit model.checkpoint_layers=auto
 
 The rows: ``--prompts`` prompts of ``--prompt-tokens`` tokens, G = ``--group`` outputs each, of lengths drawn
 evenly in [``--output-tokens`` / 2, ``--output-tokens``] (a reasoning batch is ragged), random token ids.
@@ -28,7 +29,18 @@ row), the same count for both. Prints
   profiled with the GPU's activity only, the host's ops not recorded; target >= 0.9) and
   ``RESULT update_mfu=`` (PaLM count: 6 N + 12 x layers x heads x head_dim x T per token, T the mean row length,
   over the device's bf16 peak; target >= 0.40), per token ours computes: under ``train.share_prompts`` each
-  distinct prompt counts once, not once per output.
+  distinct prompt counts once, not once per output;
+- on CUDA ``RESULT update_allocated_vs_model=`` (``torch.cuda.max_memory_allocated`` over ours' timed updates, before
+  the bare loop's model is built, over ``bicc.memory``'s allocated bytes for ours here: every output at
+  ``--output-tokens``, no reference, no rollout; target 0.9-1.1).
+
+**Depth.** Two models of Qwen3-4B's width and depth, with their AdamW states, do not fit one GPU together.
+``--no-bare`` times ours alone (no ``update_vs_bare``). ``--layers fit`` takes the most layers, up to the shape's,
+at which ``bicc.memory`` says ours fits ``train.memory_gib`` (else the GPU's memory) as ``model.checkpoint_layers=auto``
+fills it (90%), every layer checkpointed; it leaves the bare loop out. ``model.checkpoint_layers=auto`` is resolved
+here as ``train.py`` resolves it at launch: the fewest checkpointed layers whose predicted peak fits (on CPU only
+under ``train.memory_gib``; else every layer). The log-prob chunk is a micro-batch's outputs (one chunk, kept for its
+backward): ``train.logprob_chunk_tokens`` lower leaves room for more layers.
 
 On CUDA it also prints how many times one update makes the host wait for the GPU (``host_syncs``, CUDA's sync debug
 mode). ``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels, the N
@@ -44,6 +56,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -51,7 +64,7 @@ from collections import Counter
 
 import torch
 
-from bench.gpu_check import PEAK_TFLOPS, QWEN3_06B
+from bench.gpu_check import GIB, PEAK_TFLOPS, QWEN3_06B
 
 SHAPES = {
     # what this bench runs by default on CPU: a Qwen3 of 23M parameters, 32k vocabulary
@@ -81,6 +94,66 @@ def make_rows(prompts: int, group: int, prompt_tokens: int, output_tokens: int, 
             prompt_ids.append(prompt)
             completion_ids.append(torch.randint(4, vocab, (n,), generator=gen).tolist())
     return prompt_ids, completion_ids
+
+
+def update_cfg(prompt_tokens: int, output_tokens: int, micro_rows: int, checkpointing: bool, overrides=()):
+    """Our update's config here: a GRPO step, micro-batches of ``micro_rows`` rows (and their tokens at the longest),
+    one log-prob chunk per micro-batch's outputs, then ``overrides``; ``model.gradient_checkpointing`` as ``build``
+    sets it up (``bicc.memory`` reads it)."""
+    from bench.step_profile import compose_cfg
+
+    cfg = compose_cfg(["algo=grpo", "bicc=off", "rcc=off", f"rollout.max_new_tokens={output_tokens}",
+                       f"train.micro_batch_size={micro_rows}",
+                       f"train.micro_batch_tokens={micro_rows * (prompt_tokens + output_tokens)}",
+                       f"train.logprob_chunk_tokens={micro_rows * output_tokens}", *overrides])
+    cfg.model.gradient_checkpointing = checkpointing
+    return cfg
+
+
+def memory_arch(arch: dict, layers: int | None = None):
+    """``bicc.memory``'s shape of ``arch`` (an HF config's fields), at ``layers`` decoder layers where given."""
+    from bicc.memory import Arch
+
+    return Arch(hidden=arch["hidden_size"], layers=layers or arch["num_hidden_layers"], heads=arch["num_attention_heads"],
+                kv_heads=arch["num_key_value_heads"], head_dim=arch["head_dim"], intermediate=arch["intermediate_size"],
+                vocab=arch["vocab_size"], tied=bool(arch["tie_word_embeddings"]))
+
+
+def memory_run(cfg, rows, prompt_tokens: int, sharded: bool, compiled: bool, device: torch.device):
+    """What ``bicc.memory`` counts for ours in this bench (``cfg`` its update's config): one process, every output at
+    ``rollout.max_new_tokens``, ``rows``' count, no reference, no BiCC contexts, the bench's compute dtype (bf16 on
+    CUDA, fp32 on CPU); no sampler, rollout or evaluation (vLLM's share of the GPU 0: those phases hold only the
+    weights and AdamW's moments)."""
+    import dataclasses
+
+    from bicc.fit import run_of
+
+    run = run_of(cfg, 1, sharded, 0.0, prompt_tokens)
+    return dataclasses.replace(run, rows=len(rows[1]), compute_bytes=2 if device.type == "cuda" else 4, reference=False,
+                               bicc=False, delta_from_update=False, no_grad_on_context=False, compiled=compiled,
+                               vllm=True, eval_vllm=True, vllm_utilization=0.0)
+
+
+def fit_layers(arch: dict, run, budget_gib: float) -> int:
+    """``--layers fit``: the most decoder layers, up to ``arch``'s, at which ours' predicted peak (``run``'s
+    checkpointing; under ``model.checkpoint_layers=auto`` every layer checkpointed, the most it can be) fits the
+    share of ``budget_gib`` that ``model.checkpoint_layers=auto`` fills; ValueError where not even one layer does."""
+    from bicc.fit import AUTO_SHARE
+    from bicc.memory import peak
+
+    for layers in range(arch["num_hidden_layers"], 0, -1):
+        if peak(memory_arch(arch, layers), run)[1] <= AUTO_SHARE * budget_gib * GIB:
+            return layers
+    phase, value = peak(memory_arch(arch, 1), run)
+    raise ValueError(f"--layers fit: one layer's predicted peak, {value / GIB:.1f} GiB ({phase}), exceeds "
+                     f"{AUTO_SHARE:.0%} of {budget_gib:.1f} GiB (train.memory_gib or the GPU's memory)")
+
+
+def layer_count(value: str) -> int | str:
+    """``--layers``: a positive count or ``fit``."""
+    if value == "fit" or (value.isdigit() and int(value) > 0):
+        return value if value == "fit" else int(value)
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a positive number of layers nor fit")
 
 
 def build(arch: dict, device: torch.device, checkpointing: bool, policy: str = "full", layers: str = "all"):
@@ -166,10 +239,13 @@ def fsdp_one_rank(model, cfg, device, compute):
 
 def timed(fn, device, iters: int, label: str = "") -> float:
     """Seconds per call, the median of ``iters`` after one warm-up call; ``label``: print both as they come (a run
-    cut short still says how far it got, and what compiling cost the first call)."""
+    cut short still says how far it got, and what compiling cost the first call). On CUDA the allocator's peak is
+    reset after the warm-up call: ``torch.cuda.max_memory_allocated()`` then reads the timed calls' peak."""
     times = []
-    for _ in range(iters + 1):
+    for i in range(iters + 1):
         synchronize(device)
+        if i == 1 and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         fn()
         synchronize(device)
@@ -343,12 +419,13 @@ def update_mfu(arch: dict, rows, share: bool, seconds: float, peak_tflops: float
 
 
 def main() -> None:
-    from bench.step_profile import compose_cfg
     from bicc.host import torch_threads
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: cpu_small on CPU, qwen3_0.6b on CUDA")
-    parser.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    parser.add_argument("--layers", type=layer_count, default=None,
+                        help="override the shape's layer count; fit: the most that bicc.memory says fit ours "
+                        "(train.memory_gib, else the GPU's memory), the bare loop left out")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -356,6 +433,8 @@ def main() -> None:
     parser.add_argument("--micro-rows", type=int, default=8, help="rows per micro-batch (both; ours also caps tokens)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--no-bare", action="store_true",
+                        help="ours alone (its MFU, ops, busy share and memory): no bare loop beside it in memory")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--fsdp", action="store_true", help="ours wrapped in FSDP2 over one rank, as train.py under torchrun")
     parser.add_argument("--compile", action="store_true", help="ours with its decoder layers compiled (model.compile=on)")
@@ -370,16 +449,33 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(torch_threads(0))
     arch = dict(SHAPES[args.shape or ("qwen3_0.6b" if device.type == "cuda" else "cpu_small")])
-    if args.layers:
-        arch["num_hidden_layers"] = args.layers
     output_tokens = args.output_tokens or (1024 if device.type == "cuda" else 256)
     rows = make_rows(args.prompts, args.group, args.prompt_tokens, output_tokens, arch["vocab_size"])
     tokens = sum(len(p) + len(c) for p, c in zip(*rows))
-    longest = args.prompt_tokens + output_tokens
-    cfg = compose_cfg(["algo=grpo", "bicc=off", "rcc=off", f"rollout.max_new_tokens={output_tokens}",
-                       f"train.micro_batch_size={args.micro_rows}", f"train.micro_batch_tokens={args.micro_rows * longest}",
-                       f"train.logprob_chunk_tokens={args.micro_rows * output_tokens}", *args.overrides])
     checkpointing = not args.no_checkpointing
+    cfg = update_cfg(args.prompt_tokens, output_tokens, args.micro_rows, checkpointing, args.overrides)
+    budget = cfg.train.memory_gib or (torch.cuda.get_device_properties(0).total_memory / GIB
+                                      if device.type == "cuda" else None)
+    run = memory_run(cfg, rows, args.prompt_tokens, args.fsdp, args.compile, device)
+    if args.layers == "fit":
+        if budget is None:
+            parser.error("--layers fit sizes ours to train.memory_gib or the GPU's memory: on CPU set train.memory_gib")
+        try:
+            arch["num_hidden_layers"] = fit_layers(arch, run, budget)
+        except ValueError as err:
+            parser.error(str(err))
+        print(f"[update_vs_bare] --layers fit: {arch['num_hidden_layers']} layers fit ours in {budget:.1f} GiB "
+              "(bicc.memory); the bare loop, a second model in memory, left out")
+    elif args.layers:
+        arch["num_hidden_layers"] = args.layers
+    with_bare = not args.no_bare and args.layers != "fit"
+    if checkpointing and str(cfg.model.checkpoint_layers) == "auto" and budget is not None:  # as train.py resolves it
+        from bicc.fit import resolve_checkpoint_layers
+
+        chosen = resolve_checkpoint_layers(memory_arch(arch), run, budget)
+        cfg.model.checkpoint_layers, run = str(chosen), dataclasses.replace(run, checkpoint_layers=chosen)
+        print(f"[update_vs_bare] model.checkpoint_layers=auto: {chosen} of {arch['num_hidden_layers']} layers "
+              f"checkpointed ({budget:.1f} GiB)")
     print(f"[update_vs_bare] {device.type}, {arch['num_hidden_layers']} layers x {arch['hidden_size']}, "
           f"vocab {arch['vocab_size']}; {len(rows[1])} rows, {tokens} tokens (ours computes "
           f"{computed_tokens(*rows, cfg.train.share_prompts)}); checkpointing {checkpointing} (ours: "
@@ -402,23 +498,38 @@ def main() -> None:
                                       else "unwrapped" + (", under autocast" if compute is not None else ""))
           + (", decoder layers compiled" if args.compile else ""), flush=True)
     from bicc.logprobs import install_logprob_head
+    from bicc.memory import allocated, peak
 
     install_logprob_head(ours_model, cfg.train.logprob_chunk_tokens)
+    phase, predicted = peak(memory_arch(arch), run)
+    predicted_allocated = max(allocated(memory_arch(arch), run).values())
+    print(f"[update_vs_bare] bicc.memory: ours' peak {predicted / GIB:.2f} GiB ({phase}), {predicted_allocated / GIB:.2f} "
+          "GiB of it allocated tensors", flush=True)
     ours = our_update(ours_model, rows, cfg, device)
-    bare = bare_update(build(arch, device, checkpointing), rows, args.micro_rows, device)
-    ours_s, bare_s = [], []
-    for round_ in (1, 2):  # alternate, so that drift hits both
+    ours_s, bare_s, bare, ours_peak = [], [], None, None
+    for round_ in (1, 2) if with_bare else (1,):  # alternate, so that drift hits both
         ours_s.append(timed(ours, device, args.iters, f"round {round_}, ours"))
+        if round_ == 1 and device.type == "cuda":  # the timed calls', before the bare loop's model is built
+            ours_peak = torch.cuda.max_memory_allocated()
         if args.compile and round_ == 1:
             from bicc.step import compiled_graphs
 
             print(f"[update_vs_bare] ours compiled {compiled_graphs()} Dynamo graphs", flush=True)
-        bare_s.append(timed(bare, device, args.iters, f"round {round_}, bare"))
-    ours_rate, bare_rate = tokens / min(ours_s), tokens / min(bare_s)
+        if with_bare:
+            bare = bare or bare_update(build(arch, device, checkpointing), rows, args.micro_rows, device)
+            bare_s.append(timed(bare, device, args.iters, f"round {round_}, bare"))
+    ours_rate = tokens / min(ours_s)
     # what the timed rounds give, printed before the profiles (the slow part at depth), which a time limit may cut
-    print(f"[update_vs_bare] ours {min(ours_s):.3f} s ({ours_rate:.0f} tokens/s), bare {min(bare_s):.3f} s "
-          f"({bare_rate:.0f} tokens/s)")
-    print(f"RESULT update_vs_bare={ours_rate / bare_rate:.3f} target>={1.5 if device.type == 'cuda' else 1.0}")
+    if with_bare:
+        bare_rate = tokens / min(bare_s)
+        print(f"[update_vs_bare] ours {min(ours_s):.3f} s ({ours_rate:.0f} tokens/s), bare {min(bare_s):.3f} s "
+              f"({bare_rate:.0f} tokens/s)")
+        print(f"RESULT update_vs_bare={ours_rate / bare_rate:.3f} target>={1.5 if device.type == 'cuda' else 1.0}")
+    else:
+        print(f"[update_vs_bare] ours {min(ours_s):.3f} s ({ours_rate:.0f} tokens/s); no bare loop")
+    if ours_peak is not None:
+        print(f"[update_vs_bare] ours' timed updates peaked at {ours_peak / GIB:.2f} GiB allocated")
+        print(f"RESULT update_allocated_vs_model={ours_peak / predicted_allocated:.3f} target>=0.9 target<=1.1")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(0)
         peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), float("nan"))

@@ -196,3 +196,118 @@ def test_host_syncs_counts_each_wait_by_its_line_and_restores_the_debug_mode(mon
     except RuntimeError:
         pass
     assert modes[-1] == "default"
+
+
+def bench_run(shape: str, prompts: int, group: int, prompt_tokens: int, output_tokens: int, sharded: bool, device: str,
+              overrides=()):
+    """The shape and ``bicc.memory`` run that ``bench.update_vs_bare`` sizes ours with, for these arguments."""
+    import torch
+
+    from bench.update_vs_bare import SHAPES, make_rows, memory_run, update_cfg
+
+    arch = dict(SHAPES[shape])
+    rows = make_rows(prompts, group, prompt_tokens, output_tokens, arch["vocab_size"])
+    cfg = update_cfg(prompt_tokens, output_tokens, 8, True, list(overrides))
+    return arch, memory_run(cfg, rows, prompt_tokens, sharded, False, torch.device(device))
+
+
+def test_ours_memory_here_is_weights_moments_and_gradients_with_no_sampler_or_reference():
+    """Qwen3-4B's width at 2 layers: a layer 2560 x 4096 (q) + 2 x 2560 x 1024 (k, v) + 4096 x 2560 (o) + 3 x 2560 x
+    9728 (MLP) + 2 x 2560 + 2 x 128 (norms) = 100,930,816 parameters, the tied root 151,936 x 2560 + 2560 =
+    388,958,720: N = 590,820,352. The optimizer step holds fp32 master weights, AdamW's two moments and fp32
+    gradients, 16 N bytes; between updates (no rollout, no evaluation here) 12 N; FSDP2 gathers the root in bf16 on
+    CUDA (2 bytes a parameter), in fp32 on CPU."""
+    from bench.update_vs_bare import memory_arch
+    from bicc.memory import allocated, phases
+
+    arch, run = bench_run("qwen3_4b_width", 2, 2, 8, 32, True, "cuda")
+    shape = memory_arch(arch, 2)
+    assert shape.params() == 590_820_352 and memory_arch(arch).layers == 36
+    table = allocated(shape, run)
+    assert table["optimizer step"] == 16 * 590_820_352
+    assert table["rollout"] == table["evaluation"] == 12 * 590_820_352  # no sampler copy, no reference, no vLLM
+    root = "FSDP2 gathered root (embeddings, head)"
+    assert phases(shape, run)["update: layers backward"][root] == 2 * 388_958_720
+    _, cpu = bench_run("qwen3_4b_width", 2, 2, 8, 32, True, "cpu")
+    assert phases(shape, cpu)["update: layers backward"][root] == 4 * 388_958_720
+    assert run.rows == 4 and run.micro_batch == 8 and run.output_tokens == 32 and run.checkpoint_layers is None
+
+
+def test_fit_takes_the_most_layers_whose_predicted_peak_fits_and_says_when_none_does():
+    """With ``AUTO_SHARE`` (0.9) of the budget just above the predicted peak at 5 layers: 5; just below it: 4;
+    a budget for any depth: the shape's 36; one below a single layer's peak: an error naming the flag."""
+    import pytest
+
+    from bench.update_vs_bare import fit_layers, memory_arch
+    from bicc.fit import AUTO_SHARE
+    from bicc.memory import GIB, peak
+
+    arch, run = bench_run("qwen3_4b_width", 8, 8, 64, 2048, True, "cuda")
+    at5 = peak(memory_arch(arch, 5), run)[1] / AUTO_SHARE / GIB
+    assert fit_layers(arch, run, at5 * 1.000001) == 5 and fit_layers(arch, run, at5 * 0.999999) == 4
+    assert fit_layers(arch, run, 10_000.0) == 36
+    at1 = peak(memory_arch(arch, 1), run)[1] / AUTO_SHARE / GIB
+    with pytest.raises(ValueError, match="--layers fit: one layer's predicted peak"):
+        fit_layers(arch, run, at1 * 0.99)
+
+
+def test_layers_fit_runs_ours_alone_at_the_depth_and_checkpointing_the_memory_model_chose(tmp_path):
+    """End to end on CPU: a budget between the predicted peaks at 2 and 3 layers of the small shape gives 2 layers,
+    ``model.checkpoint_layers=auto`` the count ``train.py`` would choose there; no bare loop, one round of ours."""
+    import dataclasses
+
+    from bench.update_vs_bare import memory_arch
+    from bicc.fit import AUTO_SHARE, resolve_checkpoint_layers
+    from bicc.memory import GIB, peak
+
+    arch, run = bench_run("cpu_small", 1, 2, 8, 16, False, "cpu", ["model.checkpoint_layers=auto"])
+    two, three = (peak(memory_arch(arch, n), run)[1] for n in (2, 3))
+    budget = (two + three) / 2 / AUTO_SHARE / GIB
+    chosen = resolve_checkpoint_layers(memory_arch(arch, 2), run, budget)
+    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--layers", "fit", "--prompts", "1", "--group", "2",
+           "--prompt-tokens", "8", "--output-tokens", "16", "--iters", "1", f"train.memory_gib={budget!r}",
+           "model.checkpoint_layers=auto"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "--layers fit: 2 layers fit ours" in out and "cpu, 2 layers x 256" in out
+    assert f"model.checkpoint_layers=auto: {chosen} of 2 layers checkpointed" in out
+    assert f"checkpointing True (ours: full, layers {chosen})" in out
+    at_chosen = peak(memory_arch(arch, 2), dataclasses.replace(run, checkpoint_layers=chosen))[1] / GIB
+    assert f"bicc.memory: ours' peak {at_chosen:.2f} GiB" in out and at_chosen <= AUTO_SHARE * budget
+    assert re.findall(r"round (\d), (ours|bare):", out) == [("1", "ours")]
+    assert "RESULT update_vs_bare" not in out and "no bare loop" in out
+    assert re.search(r"^RESULT update_ops_per_token=[0-9.]+", out, re.M)
+    assert "update_allocated_vs_model" not in out  # CUDA only
+
+
+def test_layers_takes_a_positive_count_or_fit():
+    import argparse
+
+    import pytest
+
+    from bench.update_vs_bare import layer_count
+
+    assert layer_count("12") == 12 and layer_count("fit") == "fit"
+    for bad in ("0", "-3", "all", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="neither a positive number of layers nor fit"):
+            layer_count(bad)
+
+
+def test_timed_resets_the_cuda_peak_after_the_warm_up_call_only(monkeypatch):
+    """On CUDA the allocator's peak is reset once, between the warm-up call and the first timed one, so that
+    ``max_memory_allocated`` afterwards reads the timed calls' (compilation and lazily made state left out); on CPU
+    never. (No GPU here: the reset is recorded, not run.)"""
+    import torch
+
+    from bench import update_vs_bare
+
+    events = []
+    monkeypatch.setattr(update_vs_bare, "synchronize", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: events.append("reset"))
+    update_vs_bare.timed(lambda: events.append("call"), torch.device("cuda"), 3)
+    assert events == ["call", "reset", "call", "call", "call"]
+    events.clear()
+    update_vs_bare.timed(lambda: events.append("call"), torch.device("cpu"), 2)
+    assert events == ["call"] * 3
