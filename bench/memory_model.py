@@ -8,7 +8,8 @@ What is counted, term by term: ``bicc/memory.py`` (the same model checks at laun
 ``--validate`` builds a Qwen3 of two small sizes on this CPU (fp32, W = 1, activation checkpointing),
 runs forward/backward and AdamW steps through the project's own log-prob code, and compares the measured
 peak resident memory of each phase (VmHWM, reset between phases; fixed mmap threshold so freed tensors
-leave the process) with this model's prediction for the same sizes.
+leave the process) with this model's prediction for the same sizes; and one log-prob head chunk in bf16, eager and
+compiled (``measure_head``: no grad, and the update's with the entropy), bytes per logit against the model's.
 """
 
 from __future__ import annotations
@@ -82,18 +83,10 @@ def measure(arch: Arch, micro_batch: int, tokens: int, chunk: int) -> dict[str, 
     from bicc.logprobs import install_logprob_head, token_logprobs
     from bicc.optim import build_optimizer
 
-    def rss(field: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-
-    def reset_peak():
-        with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
-            f.write("5")
-
     torch.manual_seed(0)
     ids = torch.randint(0, arch.vocab, (micro_batch, tokens))
     mask, pos = torch.ones_like(ids), torch.arange(tokens).expand(micro_batch, tokens)
-    base = rss("VmRSS")
+    base = _resident("VmRSS")
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=arch.vocab, hidden_size=arch.hidden, num_hidden_layers=arch.layers,
                                          num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
                                          head_dim=arch.head_dim, intermediate_size=arch.intermediate,
@@ -112,12 +105,12 @@ def measure(arch: Arch, micro_batch: int, tokens: int, chunk: int) -> dict[str, 
     optimizer.zero_grad(set_to_none=True)
     out = {}
     update()  # a minibatch's first micro-batch; the model counts a later one's, beside the gradients held
-    reset_peak()
+    _reset_peak()
     update()
-    out["update"] = rss("VmHWM") - base
-    reset_peak()
+    out["update"] = _resident("VmHWM") - base
+    _reset_peak()
     optimizer.step()
-    out["optimizer step"] = rss("VmHWM") - base
+    out["optimizer step"] = _resident("VmHWM") - base
     return out
 
 
@@ -127,6 +120,81 @@ def predict(arch: Arch, micro_batch: int, tokens: int, chunk: int) -> dict[str, 
     table = {name: sum(parts.values()) for name, parts in phases(arch, run).items()}
     return {"update": max(table["update: head backward"], table["update: layers backward"]),
             "optimizer step": table["optimizer step"]}
+
+
+HEAD_SIZE = (512, 32_768, 32)  # a chunk's tokens, the vocabulary, the hidden size: [n, V] buffers of 64 MiB in fp32
+
+
+def measure_head(compiled: bool, dtype: str) -> dict[str, float]:
+    """Peak resident bytes per logit of one log-prob head chunk (``bicc.head``, of ``HEAD_SIZE``) above what was
+    resident before it, in this (fresh) process: a no-grad chunk without the entropy (a no-grad pass's) and a chunk
+    kept for its backward with the entropy, forward and backward (the update's); eager, or compiled as
+    ``model.compile`` compiles it (``bicc.compile.compile_head``; the first calls compile, the measured ones reuse)."""
+    import torch
+
+    from bicc.compile import compile_head
+    from bicc.head import ChunkLogprobs, LogprobHead
+
+    n, vocab, hidden = HEAD_SIZE
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False).to(getattr(torch, dtype))
+    head.__class__ = LogprobHead
+    holder = torch.nn.Module()
+    holder.get_output_embeddings = lambda: head
+    if compiled:
+        compile_head(holder, "inductor")
+    h = torch.randn(n, hidden, dtype=head.weight.dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (n,))
+    call = head if compiled else None
+
+    def no_grad():
+        with torch.no_grad():
+            ChunkLogprobs.apply(h, head.weight, None, targets, 1.0, False, False, call)
+
+    def update():
+        logp, _ = ChunkLogprobs.apply(h, head.weight, None, targets, 1.0, True, True, call)
+        logp.sum().backward()
+        h.grad = head.weight.grad = None
+
+    out = {}
+    for name, fn in (("no-grad log-probs", no_grad), ("update", update)):
+        fn()  # compiles where compiled
+        base = _resident("VmRSS")
+        _reset_peak()
+        fn()
+        out[name] = (_resident("VmHWM") - base) / (n * vocab)
+    return out
+
+
+def _resident(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
+        f.write("5")
+
+
+def predict_head(compiled: bool, dtype: str) -> dict[str, float]:
+    """``bicc.memory``'s head chunk per logit for ``measure_head``'s chunk: no grad, and the update's."""
+    n, vocab, hidden = HEAD_SIZE
+    arch = Arch(hidden=hidden, layers=1, heads=1, kv_heads=1, head_dim=hidden, intermediate=hidden, vocab=vocab, tied=True)
+    run = Run(world=1, micro_batch=1, output_tokens=n, prompt_tokens=0, bicc=False, reference=False, chunk_tokens=n,
+              compute_bytes=4 if dtype == "float32" else 2, sharded=False, vllm=False, compiled=compiled)
+    table = phases(arch, run)
+    return {"no-grad log-probs": table["no-grad log-probs"]["log-prob head chunk"] / (n * vocab),
+            "update": table["update: head backward"]["log-prob head chunk"] / (n * vocab)}
+
+
+def head_in_a_process(compiled: bool, dtype: str) -> dict[str, float]:
+    """``measure_head`` in a fresh process whose allocator returns freed buffers to the system at once."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "-m", "bench.memory_model", "--measure-head", json.dumps([compiled, dtype])],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def validate() -> float:
@@ -145,6 +213,15 @@ def validate() -> float:
             worst = max(worst, abs(err))
             print(f"  {phase:<16} predicted {predicted[phase] / 2**20:8.1f} MiB, measured {measured[phase] / 2**20:8.1f} MiB "
                   f"({100 * err:+.1f}%)")
+    n, vocab, _ = HEAD_SIZE
+    print(f"\nCPU, one log-prob head chunk of {n} tokens x {vocab} logits, bytes per logit:")
+    for compiled in (False, True):
+        measured, predicted = head_in_a_process(compiled, "bfloat16"), predict_head(compiled, "bfloat16")
+        for phase in predicted:
+            err = predicted[phase] / measured[phase] - 1
+            worst = max(worst, abs(err))
+            print(f"  bf16 {'compiled' if compiled else 'eager   '} {phase:<18} predicted {predicted[phase]:5.2f}, "
+                  f"measured {measured[phase]:5.2f} ({100 * err:+.1f}%)")
     return worst
 
 
@@ -152,7 +229,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--validate", action="store_true", help="compare with measured CPU peaks at two sizes")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--measure-head", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.measure_head:
+        print(json.dumps(measure_head(*json.loads(args.measure_head))))
+        return
     if args.measure:
         arch, mb, tokens, chunk = json.loads(args.measure)
         print(json.dumps(measure(Arch(**arch), mb, tokens, chunk)))

@@ -29,8 +29,10 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   backward in a minibatch's second micro-batch or later, where every layer's input is kept and the earlier
   micro-batches' gradients are held (``bench.memory_tracker`` traces the peak there);
 - the chunked log-prob head (``bicc.head``): in the update, three chunk x V fp32 buffers (the logits, their
-  exponentials, and the entropy's product of the two, multiplied before it is summed);
-  in its backward, the head's V x H weight gradient and each chunk's contribution to it;
+  exponentials, and the entropy's product of the two, multiplied before it is summed); compiled (``model.compile``),
+  the matmul's output (compute dtype) and the exponentials (fp32), which one fused pass writes from it; in a no-grad
+  pass the fp32 logits beside the matmul's output, compiled the output alone; in the update's backward, the head's
+  V x H weight gradient and each chunk's contribution to it;
 - ``rcc.delta_from_update`` (false in the presets): the update's forwards all run before its backwards, so at the
   first backward every other micro-batch's checkpointed layer inputs and final hidden states are held;
 - BiCC's KV-reuse packing: the step's distinct contexts (two per group, this GPU's share) computed once per minibatch
@@ -225,7 +227,8 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     contexts = {"BiCC contexts (inputs, K/V, K/V gradient)":
                 context_tokens * (n * (arch.hidden * b + kept_per_token(arch, b, policy)) + unchecked) + 2 * context_kv}
     chunk = min(run.chunk_tokens, tokens)
-    head = chunk * arch.vocab * 3 * 4  # fp32 logits, exponentials, their product (the entropy)
+    # eager: fp32 logits, exponentials, their product (the entropy); compiled: the matmul's output, the exponentials
+    head = chunk * arch.vocab * ((b + 4) if run.compiled else 3 * 4)
     inputs = n * tokens * arch.hidden * b  # every checkpointed layer's input
     attention = n * tokens * kept_attention
     saved = {"kept activations (model.checkpoint_policy)": attention} if attention else {}
@@ -271,9 +274,10 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
         context_phase["SDPA repeated K/V and their gradient"] = context_tokens * 4 * hq * b
     if run.sharded:
         context_phase["root gradient (compute dtype, unsharded)"] = b * arch.root_params()
-    # no grad, no entropy: the chunk's fp32 logits, exponentiated in place, beside the compute-dtype ones they came from
+    # no grad, no entropy: the chunk's fp32 logits, exponentiated in place, beside the compute-dtype ones they came
+    # from; compiled, those alone (the fused reduction writes nothing of [n, V])
     logprob = {**static, **kept(keep_fwd), "one layer's activations (no grad)": layer_act / 2,
-               "log-prob head chunk": chunk * arch.vocab * (4 + (b if b < 4 else 0)),
+               "log-prob head chunk": chunk * arch.vocab * (b if run.compiled else 4 + (b if b < 4 else 0)),
                "BiCC contexts' K/V (no grad)": context_kv if run.no_grad_on_context else 0,
                **({"fused projection weights (model.compile)": fused} if fused else {})}
     if run.sharded:  # reduce_dtype fp32: the unsharded gradient is cast before the reduce-scatter

@@ -99,6 +99,22 @@ def test_the_compiled_layers_fused_weights_by_hand():
         assert run_of(cfg, 4, True, 80.0, 300).compiled is compiled
 
 
+def test_the_compiled_head_by_hand():
+    """Compiled (``bicc.compile.compile_head``), the head's [n, V] work after its matmul is one fused pass: the
+    update's chunk holds the matmul's output in the compute dtype and the exponentials kept for the backward in fp32,
+    2 + 4 bytes a logit in bf16, where eager holds 12 (fp32 logits, exponentials, the entropy's product of the two);
+    a no-grad chunk holds the matmul's output alone, 2 bytes, where eager holds 6. In fp32: 8 and 4, eager 12 and 4.
+    (Resident peaks of one chunk on CPU, ``tests/test_head_memory.py``, are these counts.)"""
+    from bicc.memory import phases
+
+    logits = 1024 * 151_936
+    for compute, compiled, update, no_grad in ((2, True, 6, 2), (2, False, 12, 6), (4, True, 8, 4), (4, False, 12, 4)):
+        run = dataclasses.replace(Run(), compiled=compiled, compute_bytes=compute)
+        table = phases(QWEN3_4B, run)
+        assert table["update: head backward"]["log-prob head chunk"] == logits * update, (compute, compiled)
+        assert table["no-grad log-probs"]["log-prob head chunk"] == logits * no_grad, (compute, compiled)
+
+
 def test_fsdp2_options_that_hold_more_by_hand():
     """FSDP2 over 4 GPUs, bf16 gathered layers of 100,930,816 parameters (2 x 2,560 x 4,096 + 2 x 2,560 x 1,024 + 3 x
     2,560 x 9,728 + 2 x 2,560 + 2 x 128). By default two are gathered at a time. ``dist.reshard_after_forward=false``
