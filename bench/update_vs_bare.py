@@ -532,8 +532,8 @@ def main() -> None:
         print(f"RESULT update_allocated_vs_model={ours_peak / predicted_allocated:.3f} target>=0.9 target<=1.1")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(0)
-        peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), float("nan"))
-        print(f"RESULT update_mfu={update_mfu(arch, rows, cfg.train.share_prompts, min(ours_s), peak):.3f} target>=0.40")
+        tflops = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), float("nan"))
+        print(f"RESULT update_mfu={update_mfu(arch, rows, cfg.train.share_prompts, min(ours_s), tflops):.3f} target>=0.40")
     print("[update_vs_bare] profiling one update of ours", flush=True)
     ops, kernels, busy, wall, _ = profiled(ours, device, args.top)
     for op in args.stacks:
