@@ -124,8 +124,6 @@ def memory_run(cfg, rows, prompt_tokens: int, sharded: bool, compiled: bool, dev
     ``rollout.max_new_tokens``, ``rows``' count, no reference, no BiCC contexts, the bench's compute dtype (bf16 on
     CUDA, fp32 on CPU); no sampler, rollout or evaluation (vLLM's share of the GPU 0: those phases hold only the
     weights and AdamW's moments)."""
-    import dataclasses
-
     from bicc.fit import run_of
 
     run = run_of(cfg, 1, sharded, 0.0, prompt_tokens)
