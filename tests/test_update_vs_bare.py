@@ -252,19 +252,20 @@ def test_fit_takes_the_most_layers_whose_predicted_peak_fits_and_says_when_none_
 
 
 def test_layers_fit_runs_ours_alone_at_the_depth_and_checkpointing_the_memory_model_chose(tmp_path):
-    """End to end on CPU: a budget between the predicted peaks at 2 and 3 layers of the small shape gives 2 layers,
-    ``model.checkpoint_layers=auto`` the count ``train.py`` would choose there; no bare loop, one round of ours."""
+    """End to end on CPU, ours under FSDP2 as on a GPU: a budget between the predicted peaks at 2 and 3 layers of the
+    small shape gives 2 layers, ``model.checkpoint_layers=auto`` the count ``train.py`` would choose there; no bare
+    loop, one round of ours."""
     import dataclasses
 
     from bench.update_vs_bare import memory_arch
     from bicc.fit import AUTO_SHARE, resolve_checkpoint_layers
     from bicc.memory import GIB, peak
 
-    arch, run = bench_run("cpu_small", 1, 2, 8, 16, False, "cpu", ["model.checkpoint_layers=auto"])
+    arch, run = bench_run("cpu_small", 1, 2, 8, 16, True, "cpu", ["model.checkpoint_layers=auto"])
     two, three = (peak(memory_arch(arch, n), run)[1] for n in (2, 3))
     budget = (two + three) / 2 / AUTO_SHARE / GIB
     chosen = resolve_checkpoint_layers(memory_arch(arch, 2), run, budget)
-    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--layers", "fit", "--prompts", "1", "--group", "2",
+    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--fsdp", "--layers", "fit", "--prompts", "1", "--group", "2",
            "--prompt-tokens", "8", "--output-tokens", "16", "--iters", "1", f"train.memory_gib={budget!r}",
            "model.checkpoint_layers=auto"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
