@@ -111,6 +111,7 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     from bicc.logprobs import install_logprob_head
     from bicc.models import DTYPES, enable_checkpointing
     from bicc.optim import build_optimizer, warmup_cosine
+    from bicc.plan import StepPlan
     from bicc.state import RLState, peak_lr
     from bicc.tokenizer import build_char_tokenizer
 
@@ -129,12 +130,14 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
         optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)
         with torch.no_grad():  # FSDP2's lazy init: its persistent all-gather buffers are fake from here on
             model(input_ids=torch.zeros(1, 8, dtype=torch.long))
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(DTYPES[cfg.model.dtype])
-        ref = Qwen3ForCausalLM(hf_config(arch, layers))
-        torch.set_default_dtype(previous)
-        install_logprob_head(ref)
-        ref.requires_grad_(False).eval()
+        ref = None
+        if StepPlan.loads_reference(cfg):  # as bicc.state.build_rl_state loads it: RCC's delta or a KL term
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(DTYPES[cfg.model.dtype])
+            ref = Qwen3ForCausalLM(hf_config(arch, layers))
+            torch.set_default_dtype(previous)
+            install_logprob_head(ref)
+            ref.requires_grad_(False).eval()
 
     def allocate(self, size, *, dtype, device):  # FSDP2's per-call collective buffers: fake, and seen by the tracker
         return anchor.new_empty(tuple(size), dtype=dtype, device=device)
@@ -146,7 +149,7 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
         convert = lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t  # noqa: E731
         return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
 
-    for m in (model, ref):
+    for m in (model, ref) if ref is not None else (model,):
         m.register_forward_pre_hook(to_fake, with_kwargs=True, prepend=True)
 
     class Placeholders(TorchDispatchMode):
@@ -182,7 +185,7 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     register_multi_grad_hook = mod_tracker.register_multi_grad_hook
     mod_tracker.register_multi_grad_hook = lambda *args, **kwargs: NoHandle()
     tracker = Tracker(model, optimizer)
-    for t in (*ref.parameters(), *ref.buffers()):  # the frozen reference: a full unsharded copy on every rank
+    for t in (*ref.parameters(), *ref.buffers()) if ref is not None else ():  # the reference: a full copy on every rank
         tracker._update_and_maybe_create_winfos(t, _FSDPRefType.UNSHARDED_PARAM)
     peaks: dict[str, float] = {}
     breakdown: dict[str, dict] = {}

@@ -49,6 +49,17 @@ def test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_
     assert "RESULT memory_model_vs_tracker=" in stdout
 
 
+def test_a_run_without_a_reference_traces_none(tmp_path):
+    """GRPO without RCC's delta or a KL term loads no frozen reference (``StepPlan.loads_reference``; ``train.py``
+    passes none): the trace then holds none either, so between steps a rank holds its fp32 master shard and AdamW's
+    two moments (12 bytes a parameter over 4 ranks), what the model counts, within 5%; a bf16 reference would add 2
+    bytes a parameter on every rank, two-thirds more. (Two layers of the paper width.)"""
+    got, _ = trace(tmp_path, "--layers", "2", "algo=grpo", "bicc=off", "rcc=off", "rollout.prompts_per_step=8")
+    traced, model = got["traced"], got["model"]
+    assert abs(model["rollout"] / traced["rollout"] - 1) < 0.05, (traced, model)
+    assert abs(model["optimizer step"] / traced["optimizer step"] - 1) < 0.05, (traced, model)
+
+
 @pytest.mark.slow
 def test_the_paper_preset_fits_an_80_gib_gpu_with_a_tenth_to_spare(tmp_path):
     """experiment=paper_qwen3_4b algo=dapo bicc=on rcc=on on 4 GPUs, every output at 2,048 tokens: the traced peak
