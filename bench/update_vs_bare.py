@@ -111,12 +111,13 @@ def update_cfg(prompt_tokens: int, output_tokens: int, micro_rows: int, checkpoi
 
 
 def memory_arch(arch: dict, layers: int | None = None):
-    """``bicc.memory``'s shape of ``arch`` (an HF config's fields), at ``layers`` decoder layers where given."""
-    from bicc.memory import Arch
+    """``bicc.memory``'s shape of ``arch`` (an HF config's fields, read by ``bicc.fit.arch_of``), at ``layers``
+    decoder layers where given."""
+    from types import SimpleNamespace
 
-    return Arch(hidden=arch["hidden_size"], layers=layers or arch["num_hidden_layers"], heads=arch["num_attention_heads"],
-                kv_heads=arch["num_key_value_heads"], head_dim=arch["head_dim"], intermediate=arch["intermediate_size"],
-                vocab=arch["vocab_size"], tied=bool(arch["tie_word_embeddings"]))
+    from bicc.fit import arch_of
+
+    return arch_of(SimpleNamespace(**{**arch, "num_hidden_layers": layers or arch["num_hidden_layers"]}))
 
 
 def memory_run(cfg, rows, prompt_tokens: int, sharded: bool, compiled: bool, device: torch.device):
