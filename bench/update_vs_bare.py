@@ -29,7 +29,11 @@ row), the same count for both. Prints
   profiled with the GPU's activity only, the host's ops not recorded; target >= 0.9) and
   ``RESULT update_mfu=`` (PaLM count: 6 N + 12 x layers x heads x head_dim x T per token, T the mean row length,
   over the device's bf16 peak; target >= 0.40), per token ours computes: under ``train.share_prompts`` each
-  distinct prompt counts once, not once per output;
+  distinct prompt counts once, not once per output; and ``RESULT update_hfu=``, the FLOPs the GPU ran over the
+  same time and peak: those of one more update as ``torch.utils.flop_counter`` counts them (every matmul and
+  attention kernel, the backward's recompute and the padding included; the count is printed on any device). Where
+  the MFU falls short and the HFU does not, the FLOPs spent beyond the model's (the recompute that memory asks
+  for) are the limit;
 - on CUDA ``RESULT update_allocated_vs_model=`` (``torch.cuda.max_memory_allocated`` over ours' timed updates, before
   the bare loop's model is built, over ``bicc.memory``'s allocated bytes for ours here: every output at
   ``--output-tokens``, no reference, no rollout; target 0.9-1.1).
@@ -417,6 +421,17 @@ def update_mfu(arch: dict, rows, share: bool, seconds: float, peak_tflops: float
     return computed_tokens(*rows, share) / seconds * palm_flops_per_token(arch, mean_len) / (peak_tflops * 1e12)
 
 
+def counted_flops(fn) -> int:
+    """The FLOPs one call of ``fn`` runs as ``torch.utils.flop_counter`` counts them: the dispatched matmuls and
+    attention kernels, compiled graphs' included (Inductor calls them as aten ops), with what a checkpointed backward
+    recomputes. A kernel torch has no formula for counts nothing (on CPU: SDPA's)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
 def main() -> None:
     from bicc.host import torch_threads
 
@@ -533,6 +548,11 @@ def main() -> None:
         name = torch.cuda.get_device_name(0)
         tflops = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), float("nan"))
         print(f"RESULT update_mfu={update_mfu(arch, rows, cfg.train.share_prompts, min(ours_s), tflops):.3f} target>=0.40")
+    flops = counted_flops(ours)
+    print(f"[update_vs_bare] one update of ours runs {flops:.4g} FLOPs (torch.utils.flop_counter), "
+          f"{flops / computed_tokens(*rows, cfg.train.share_prompts):.4g} a token it computes", flush=True)
+    if device.type == "cuda":
+        print(f"RESULT update_hfu={flops / min(ours_s) / (tflops * 1e12):.3f}")
     print("[update_vs_bare] profiling one update of ours", flush=True)
     ops, kernels, busy, wall, _ = profiled(ours, device, args.top)
     for op in args.stacks:

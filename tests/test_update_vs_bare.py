@@ -27,6 +27,9 @@ def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops(tmp_
     tokens, computed = map(int, header.groups())
     assert computed == tokens - 8  # its one prompt of 8 tokens once for its 2 outputs (train.share_prompts)
     assert ratio > 0 and per_1k == round(1000 * total / tokens, 1)
+    flops, per_token = map(float, re.search(r"one update of ours runs (\S+) FLOPs \(torch.utils.flop_counter\), (\S+) a "
+                                            r"token it computes", out).groups())
+    assert flops > 0 and abs(per_token - flops / computed) <= 1e-3 * per_token
     # each timing round as it ends (a run cut short says how far it got); the result is each loop's best round
     rounds = re.findall(r"^\[update_vs_bare\] round (\d), (ours|bare): ([0-9.]+) s per update, its warm-up call", out, re.M)
     assert [r[:2] for r in rounds] == [("1", "ours"), ("1", "bare"), ("2", "ours"), ("2", "bare")]
@@ -47,7 +50,7 @@ def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops(tmp_
     site_counts = [int(line.split()[0]) for line in sites.splitlines()[1:] if line.split() and line.split()[0].isdigit()]
     assert site_counts == sorted(site_counts, reverse=True) and 0 < sum(site_counts) <= int(head.group(1))
     assert "bicc/prefix_cache.py" in sites and "bicc/update.py" in sites  # ours, as the update's callers
-    assert "update_gpu_busy_share" not in out and "update_mfu" not in out  # CUDA only
+    assert "update_gpu_busy_share" not in out and "update_mfu" not in out and "update_hfu" not in out  # CUDA only
 
 
 def test_call_sites_without_a_python_frame_say_the_profiler_may_have_recorded_none(capsys):
@@ -312,3 +315,54 @@ def test_timed_resets_the_cuda_peak_after_the_warm_up_call_only(monkeypatch):
     events.clear()
     update_vs_bare.timed(lambda: events.append("call"), torch.device("cpu"), 2)
     assert events == ["call"] * 3
+
+
+TINY = dict(hidden_size=4, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=4,
+            intermediate_size=8, vocab_size=16, tie_word_embeddings=True, max_position_embeddings=64)
+ONE_PROMPT_TWO_OUTPUTS = ([[5, 6, 7]] * 2, [[8, 9, 10, 11], [12, 13, 14, 15]])
+
+
+def tiny_update(checkpointing: bool, overrides=(), compiled: bool = False):
+    import torch
+
+    from bench.update_vs_bare import build, our_update, update_cfg
+    from bicc.logprobs import install_logprob_head
+
+    cfg = update_cfg(3, 4, 2, checkpointing, list(overrides))
+    model = build(TINY, torch.device("cpu"), checkpointing)
+    if compiled:
+        from bicc.compile import compile_layers
+
+        compile_layers(model, checkpoint_in_graph=cfg.model.checkpoint_in_graph)
+    install_logprob_head(model, cfg.train.logprob_chunk_tokens)
+    return our_update(model, ONE_PROMPT_TWO_OUTPUTS, cfg, torch.device("cpu"))
+
+
+def test_the_counted_flops_are_a_whole_update_with_its_recompute():
+    """The HFU's numerator, worked: 1 layer of hidden 4, 1 head of 4 (1 KV head), MLP 8, vocab 16, so a layer's
+    matmul weights are 4*4 + 2*4*4 + 4*4 + 3*4*8 = 160 and the head's 4*16 = 64. One prompt of 3 tokens, 2 outputs of
+    4, under KV reuse: the prompt once (3 tokens) and each output's first 3 (its last is a target only) make 9
+    tokens through the layer; the head reads the prompt's last position and those 6: 7. Each matmul weight costs 6
+    FLOPs a token (forward, input and weight gradients): 6*160*9 + 6*64*7 = 8,640 + 2,688 = 11,328. Checkpointed,
+    the backward runs the layer's forward again up to its last saved input, all but the MLP's down projection
+    (4*8): + 2*128*9 = 2,304. With log-prob chunks of 2, the micro-batch's 6 head positions recompute their
+    logits: + 2*64*6 = 768. (CPU SDPA has no formula in torch's counter: attention counts 0 here.)"""
+    from bench.update_vs_bare import counted_flops
+
+    assert counted_flops(tiny_update(False)) == 11_328
+    assert counted_flops(tiny_update(True)) == 11_328 + 2_304
+    assert counted_flops(tiny_update(True, ["train.logprob_chunk_tokens=2"])) == 11_328 + 2_304 + 768
+
+
+def test_the_flops_are_counted_inside_compiled_layers_without_a_recompile():
+    """The HFU at depth runs compiled: the counter sees the graphs' matmuls (the eager count above) and its mode
+    costs no graph of its own."""
+    from bench.update_vs_bare import counted_flops
+    from bicc.step import compiled_graphs
+
+    update = tiny_update(True, compiled=True)
+    update()  # compiles
+    graphs = compiled_graphs()
+    assert graphs > 0
+    assert counted_flops(update) == 11_328 + 2_304
+    assert compiled_graphs() == graphs
