@@ -202,7 +202,7 @@ def test_host_syncs_counts_each_wait_by_its_line_and_restores_the_debug_mode(mon
 
 
 def bench_run(shape: str, prompts: int, group: int, prompt_tokens: int, output_tokens: int, sharded: bool, device: str,
-              overrides=()):
+              overrides=(), compiled: bool = False):
     """The shape and ``bicc.memory`` run that ``bench.update_vs_bare`` sizes ours with, for these arguments."""
     import torch
 
@@ -211,7 +211,7 @@ def bench_run(shape: str, prompts: int, group: int, prompt_tokens: int, output_t
     arch = dict(SHAPES[shape])
     rows = make_rows(prompts, group, prompt_tokens, output_tokens, arch["vocab_size"])
     cfg = update_cfg(prompt_tokens, output_tokens, 8, True, list(overrides))
-    return arch, memory_run(cfg, rows, prompt_tokens, sharded, False, torch.device(device))
+    return arch, memory_run(cfg, rows, prompt_tokens, sharded, compiled, torch.device(device))
 
 
 def test_ours_memory_here_is_weights_moments_and_gradients_with_no_sampler_or_reference():
@@ -255,22 +255,24 @@ def test_fit_takes_the_most_layers_whose_predicted_peak_fits_and_says_when_none_
 
 
 def test_layers_fit_runs_ours_alone_at_the_depth_and_checkpointing_the_memory_model_chose(tmp_path):
-    """End to end on CPU, ours under FSDP2 as on a GPU: a budget between the predicted peaks at 2 and 3 layers of the
-    small shape gives 2 layers, ``model.checkpoint_layers=auto`` the count ``train.py`` would choose there; no bare
-    loop, one round of ours."""
+    """End to end on CPU in the depth row's form (ours under FSDP2 and compiled, log-prob chunks below a
+    micro-batch's outputs): a budget between the predicted peaks at 2 and 3 layers of the small shape gives 2
+    layers, ``model.checkpoint_layers=auto`` the count ``train.py`` would choose there; no bare loop, one round of
+    ours, then its counted FLOPs."""
     import dataclasses
 
     from bench.update_vs_bare import memory_arch
     from bicc.fit import AUTO_SHARE, resolve_checkpoint_layers
     from bicc.memory import GIB, peak
 
-    arch, run = bench_run("cpu_small", 1, 2, 8, 16, True, "cpu", ["model.checkpoint_layers=auto"])
+    overrides = ["model.checkpoint_layers=auto", "train.logprob_chunk_tokens=8"]
+    arch, run = bench_run("cpu_small", 1, 2, 8, 16, True, "cpu", overrides, compiled=True)
     two, three = (peak(memory_arch(arch, n), run)[1] for n in (2, 3))
     budget = (two + three) / 2 / AUTO_SHARE / GIB
     chosen = resolve_checkpoint_layers(memory_arch(arch, 2), run, budget)
-    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--fsdp", "--layers", "fit", "--prompts", "1", "--group", "2",
-           "--prompt-tokens", "8", "--output-tokens", "16", "--iters", "1", f"train.memory_gib={budget!r}",
-           "model.checkpoint_layers=auto"]
+    cmd = [sys.executable, "-m", "bench.update_vs_bare", "--fsdp", "--compile", "--layers", "fit", "--prompts", "1",
+           "--group", "2", "--prompt-tokens", "8", "--output-tokens", "16", "--iters", "1",
+           f"train.memory_gib={budget!r}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -281,7 +283,8 @@ def test_layers_fit_runs_ours_alone_at_the_depth_and_checkpointing_the_memory_mo
     at_chosen = peak(memory_arch(arch, 2), dataclasses.replace(run, checkpoint_layers=chosen))[1] / GIB
     assert f"bicc.memory: ours' peak {at_chosen:.2f} GiB" in out and at_chosen <= AUTO_SHARE * budget
     assert re.findall(r"round (\d), (ours|bare):", out) == [("1", "ours")]
-    assert "RESULT update_vs_bare" not in out and "no bare loop" in out
+    assert "RESULT update_vs_bare" not in out and "no bare loop" in out and "decoder layers compiled" in out
+    assert re.search(r"one update of ours runs \S+ FLOPs", out)
     assert re.search(r"^RESULT update_ops_per_token=[0-9.]+", out, re.M)
     assert "update_allocated_vs_model" not in out  # CUDA only
 
