@@ -424,12 +424,37 @@ def update_mfu(arch: dict, rows, share: bool, seconds: float, peak_tflops: float
 def counted_flops(fn) -> int:
     """The FLOPs one call of ``fn`` runs as ``torch.utils.flop_counter`` counts them: the dispatched matmuls and
     attention kernels, compiled graphs' included (Inductor calls them as aten ops), with what a checkpointed backward
-    recomputes. A kernel torch has no formula for counts nothing (on CPU: SDPA's)."""
+    recomputes; attention by ``attention_formulas``."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=attention_formulas()) as counter:
         fn()
     return counter.get_total_flops()
+
+
+def attention_formulas() -> dict:
+    """torch's SDPA FLOP formulas (forward and backward), for every SDPA kernel ours may run: CUDA's flash,
+    efficient and cuDNN, and the CPU's fused kernel, which torch leaves uncounted. Grouped-query K/V heads count as
+    the query's (each query head attends over its group's keys); torch before 2.12 rejects fewer K/V heads than
+    query heads, which transformers passes to SDPA (``enable_gqa``) where a pass has no mask."""
+    from torch.utils import flop_counter
+
+    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_flop_count(*query_heads(query_shape, key_shape, value_shape))
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad_out_shape, *query_heads(query_shape, key_shape, value_shape))
+
+    aten = torch.ops.aten
+    kernels = [getattr(aten, f"_scaled_dot_product_{k}") for k in ("flash_attention", "efficient_attention",
+                                                                      "cudnn_attention", "flash_attention_for_cpu")]
+    return {**{op: forward for op in kernels},
+            **{getattr(aten, f"{op.__name__}_backward"): backward for op in kernels}}
+
+
+def query_heads(query, key, value) -> tuple:
+    """Attention's [batch, heads, length, dim] shapes with grouped K/V heads repeated to the query's."""
+    return tuple(query), (key[0], query[1], *key[2:]), (value[0], query[1], *value[2:])
 
 
 def main() -> None:

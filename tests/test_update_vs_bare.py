@@ -346,15 +346,37 @@ def test_the_counted_flops_are_a_whole_update_with_its_recompute():
     matmul weights are 4*4 + 2*4*4 + 4*4 + 3*4*8 = 160 and the head's 4*16 = 64. One prompt of 3 tokens, 2 outputs of
     4, under KV reuse: the prompt once (3 tokens) and each output's first 3 (its last is a target only) make 9
     tokens through the layer; the head reads the prompt's last position and those 6: 7. Each matmul weight costs 6
-    FLOPs a token (forward, input and weight gradients): 6*160*9 + 6*64*7 = 8,640 + 2,688 = 11,328. Checkpointed,
-    the backward runs the layer's forward again up to its last saved input, all but the MLP's down projection
-    (4*8): + 2*128*9 = 2,304. With log-prob chunks of 2, the micro-batch's 6 head positions recompute their
-    logits: + 2*64*6 = 768. (CPU SDPA has no formula in torch's counter: attention counts 0 here.)"""
+    FLOPs a token (forward, input and weight gradients): 6*160*9 + 6*64*7 = 8,640 + 2,688 = 11,328. Attention's
+    forward is two products of 2 FLOPs a multiply-add: the prompt's 3 queries over its 3 keys, 2*(2*3*4*3) = 144;
+    each output's 3 queries over the prompt's 3 keys and its own 3, 2*(2*3*4*6) = 288, twice; 720 in all, and its
+    backward 5 such products, 2.5 x 720 = 1,800. Checkpointed, the backward runs the layer's forward again up to its
+    last saved input, all but the MLP's down projection (4*8): + 2*128*9 = 2,304, and attention's forward, + 720.
+    With log-prob chunks of 2, the micro-batch's 6 head positions recompute their logits: + 2*64*6 = 768."""
     from bench.update_vs_bare import counted_flops
 
-    assert counted_flops(tiny_update(False)) == 11_328
-    assert counted_flops(tiny_update(True)) == 11_328 + 2_304
-    assert counted_flops(tiny_update(True, ["train.logprob_chunk_tokens=2"])) == 11_328 + 2_304 + 768
+    plain = 11_328 + 720 + 1_800
+    assert counted_flops(tiny_update(False)) == plain
+    assert counted_flops(tiny_update(True)) == plain + 2_304 + 720
+    assert counted_flops(tiny_update(True, ["train.logprob_chunk_tokens=2"])) == plain + 2_304 + 720 + 768
+
+
+def test_attention_counts_grouped_key_value_heads_as_the_query_heads():
+    """2 query heads over 1 K/V head, 3 queries over 5 keys of dimension 4, batch 1: each product is 2 * (2 heads *
+    3 * 4 * 5) = 240 FLOPs, 2 in the forward (480), 5 in the backward (1,200): what the same attention with its K/V
+    head repeated counts. (torch before 2.12 rejects the grouped shapes.)"""
+    import torch
+
+    from bench.update_vs_bare import attention_formulas, query_heads
+
+    formulas = attention_formulas()
+    aten = torch.ops.aten
+    q, kv, repeated = (1, 2, 3, 4), (1, 1, 5, 4), (1, 2, 5, 4)
+    assert query_heads(q, kv, kv) == (q, repeated, repeated)  # what torch's formulas are handed
+    for name in ("flash_attention", "efficient_attention", "cudnn_attention", "flash_attention_for_cpu"):
+        forward = formulas[getattr(aten, f"_scaled_dot_product_{name}")]
+        backward = formulas[getattr(aten, f"_scaled_dot_product_{name}_backward")]
+        assert forward(q, kv, kv) == forward(q, repeated, repeated) == 480
+        assert backward(q, q, kv, kv) == backward(q, q, repeated, repeated) == 1_200
 
 
 def test_the_flops_are_counted_inside_compiled_layers_without_a_recompile():
@@ -367,5 +389,5 @@ def test_the_flops_are_counted_inside_compiled_layers_without_a_recompile():
     update()  # compiles
     graphs = compiled_graphs()
     assert graphs > 0
-    assert counted_flops(update) == 11_328 + 2_304
+    assert counted_flops(update) == 11_328 + 720 + 1_800 + 2_304 + 720
     assert compiled_graphs() == graphs
