@@ -515,9 +515,10 @@ def main() -> None:
         cfg.model.checkpoint_layers, run = str(chosen), dataclasses.replace(run, checkpoint_layers=chosen)
         print(f"[update_vs_bare] model.checkpoint_layers=auto: {chosen} of {arch['num_hidden_layers']} layers "
               f"checkpointed ({budget:.1f} GiB)")
+    computed = computed_tokens(*rows, cfg.train.share_prompts)  # each distinct prompt once under share_prompts
     print(f"[update_vs_bare] {device.type}, {arch['num_hidden_layers']} layers x {arch['hidden_size']}, "
           f"vocab {arch['vocab_size']}; {len(rows[1])} rows, {tokens} tokens (ours computes "
-          f"{computed_tokens(*rows, cfg.train.share_prompts)}); checkpointing {checkpointing} (ours: "
+          f"{computed}); checkpointing {checkpointing} (ours: "
           f"{cfg.model.checkpoint_policy}, layers {cfg.model.checkpoint_layers}); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
@@ -575,7 +576,7 @@ def main() -> None:
         print(f"RESULT update_mfu={update_mfu(arch, rows, cfg.train.share_prompts, min(ours_s), tflops):.3f} target>=0.40")
     flops = counted_flops(ours)
     print(f"[update_vs_bare] one update of ours runs {flops:.4g} FLOPs (torch.utils.flop_counter), "
-          f"{flops / computed_tokens(*rows, cfg.train.share_prompts):.4g} a token it computes", flush=True)
+          f"{flops / computed:.4g} a token it computes", flush=True)
     if device.type == "cuda":
         print(f"RESULT update_hfu={flops / min(ours_s) / (tflops * 1e12):.3f}")
     print("[update_vs_bare] profiling one update of ours", flush=True)
