@@ -39,6 +39,34 @@ def print_table(title: str, arch: Arch, run: Run) -> float:
     return value / GIB
 
 
+CONTEXTS = "BiCC contexts (inputs, K/V, K/V gradient)"
+UNCHECKED = "uncheckpointed layers' activations (model.checkpoint_layers)"
+
+
+def auto_bounds(arch: Arch, run: Run) -> dict[str, float]:
+    """``model.checkpoint_layers=auto`` for ``run`` compiled: the layers it checkpoints, the FLOPs an update then runs
+    per layer parameter and token (6, and 1.5 more where a layer's forward is recomputed: every projection but the
+    MLP's down one), and at its peak the GiB of the two terms that grow with each layer kept: BiCC's contexts, held
+    through the minibatch, and the micro-batch's own."""
+    run = dataclasses.replace(run, compiled=True)
+    n = resolve_checkpoint_layers(arch, run, run.gpu_gib)
+    tight = dataclasses.replace(run, checkpoint_layers=n)
+    parts = phases(arch, tight)[peak(arch, tight)[0]]
+    return {"checkpointed": n, "flops": 6 + 1.5 * n / arch.layers, "contexts": parts.get(CONTEXTS, 0) / GIB,
+            "micro-batch": parts.get(UNCHECKED, 0) / GIB}
+
+
+def print_auto_bounds(name: str, arch: Arch) -> None:
+    """What bounds the layers ``auto`` keeps in a preset, and what a smaller micro-batch or fewer contexts held would
+    buy (predictions: ``auto``'s trade has not run on a GPU at the presets' width)."""
+    for label, run in [(f"train.micro_batch_size={m}", Run(micro_batch=m)) for m in (8, 4, 2, 1)] + [
+            ("2 contexts held (one query's; the preset holds 16)", Run(contexts=2))]:
+        b = auto_bounds(arch, run)
+        print(f"{name} auto, compiled, {label}: {b['checkpointed']} of {arch.layers} layers checkpointed, "
+              f"{b['flops']:.2f} FLOPs a layer parameter and token; at the peak the contexts' activations "
+              f"{b['contexts']:.1f} GiB, the micro-batch's kept layers' {b['micro-batch']:.1f} GiB")
+
+
 def step_seconds(arch: Arch, run: Run, mean_output: int, sequences: int = 64, peak_tflops: float = 989.0,
                  mfu: float = 0.4, hbm_tbps: float = 3.35) -> dict[str, float]:
     """Arithmetic estimate of one step's phases on one GPU (H100 SXM figures by default), not a measurement:
@@ -254,6 +282,7 @@ def main() -> None:
             phase, value = peak(arch, dataclasses.replace(run, checkpoint_layers=n))
             print(f"{name} with model.checkpoint_layers=auto{' model.compile=on' if compiled else ''}: {n} of "
                   f"{arch.layers} layers checkpointed, peak {value / GIB:.2f} GiB ({phase})")
+        print_auto_bounds(name, arch)
         hf = Run(vllm=False, eval_vllm=False)
         evaluation = sum(phases(arch, hf)["evaluation"].values())
         print(f"{name} with rollout=hf: evaluation {evaluation / GIB:.2f} GiB (HF generate, eval.batch_tokens="

@@ -157,6 +157,31 @@ def test_the_memory_model_counts_each_layer_left_out():
         assert run_of(cfg, 1, False, 80.0, 40).checkpoint_layers == counted
 
 
+def test_what_bounds_auto_in_the_presets_is_counted_by_hand():
+    """``bench.memory_model.auto_bounds`` at the Qwen3-4B preset: the fewest checkpointed layers that fit (compiled),
+    6 + 1.5 FLOPs per layer parameter and token for each checkpointed one, and at the peak the two terms that grow
+    with each layer kept, by hand: the 16 contexts of 300 + 819 tokens (held through the minibatch) and the
+    micro-batch's 8 x 2,048 tokens, each kept layer 109,864 bytes a token. A smaller micro-batch or fewer contexts
+    held never checkpoint more layers."""
+    from bench.memory_model import auto_bounds
+
+    run = Run()
+    bounds = auto_bounds(QWEN3_4B, run)
+    n, compiled = bounds["checkpointed"], dataclasses.replace(run, compiled=True)
+    assert n == resolve_checkpoint_layers(QWEN3_4B, compiled, 80.0)
+    assert peak(QWEN3_4B, dataclasses.replace(compiled, checkpoint_layers=n))[1] <= 0.9 * 80 * GIB
+    assert peak(QWEN3_4B, dataclasses.replace(compiled, checkpoint_layers=n - 1))[1] > 0.9 * 80 * GIB
+    assert bounds["flops"] == 6 + 1.5 * n / 36
+    kept, context_tokens = 36 - n, 16 * (300 + 819)
+    context_kv = context_tokens * 36 * 2 * 8 * 128 * 2  # K and V of every layer, bf16
+    contexts = context_tokens * (n * 2560 * 2 + kept * 109_864) + 2 * context_kv
+    assert bounds["contexts"] * GIB == pytest.approx(contexts)
+    assert bounds["micro-batch"] * GIB == pytest.approx(8 * 2048 * kept * 109_864)
+    fewer = [auto_bounds(QWEN3_4B, Run(micro_batch=m))["checkpointed"] for m in (8, 4, 2, 1)]
+    assert fewer == sorted(fewer, reverse=True) and fewer[0] == n
+    assert auto_bounds(QWEN3_4B, Run(contexts=2))["checkpointed"] < fewer[-1]
+
+
 def test_the_setting_reaches_the_layers(tmp_path):
     """``model.checkpoint_layers`` through ``load_pretrained`` (the policy, the reference), checked at composition
     and at load, each error naming the field; ``all`` in every preset."""
