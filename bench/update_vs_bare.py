@@ -65,8 +65,10 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.gpu_check import GIB, PEAK_TFLOPS, QWEN3_06B
 
@@ -301,11 +303,19 @@ def print_gaps(spans, wall: float, top: int) -> None:
         print(f"    {gap * 1e3:7.1f} ms at +{at * 1e3:.0f} ms, after {before[:60]}, before {after[:60]}")
 
 
-def profiled(fn, device, top: int = 0, ops: bool = True) -> tuple[int, float, float, float, list]:
-    """One call under torch.profiler: (aten events, CUDA kernel seconds summed, seconds the GPU ran at least one
-    kernel, wall seconds of the call itself, the profiler's start and stop left out, the kernels' (start, end, name)
-    in seconds); ``top``: print its most frequent aten ops and longest kernels. ``ops=False`` records the GPU's
-    activity only (CUDA), not the host's ops, whose recording lengthens a call that the host paces."""
+class Profile(NamedTuple):
+    ops: int  # aten events
+    compiled: int  # calls into compiled graphs (Dynamo's "Torch-Compiled Region" events)
+    kernels: float  # CUDA kernel seconds summed
+    busy: float  # seconds the GPU ran at least one kernel
+    wall: float  # seconds of the call itself, the profiler's start and stop left out
+    spans: list  # the kernels' (start, end, name) in seconds
+
+
+def profiled(fn, device, top: int = 0, ops: bool = True) -> Profile:
+    """One call under torch.profiler; ``top``: print its most frequent aten ops and longest kernels. ``ops=False``
+    records the GPU's activity only (CUDA), not the host's ops, whose recording lengthens a call that the host paces
+    (and counts neither ops nor compiled calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = ([ProfilerActivity.CPU] if ops else []) + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -316,9 +326,12 @@ def profiled(fn, device, top: int = 0, ops: bool = True) -> tuple[int, float, fl
         synchronize(device)
         wall = time.perf_counter() - start
     op_counts, kernel_counts, kernel_ms, spans = Counter(), Counter(), Counter(), []  # one pass over the events
+    compiled = 0
     for e in prof.events():
         if e.name.startswith("aten::"):
             op_counts[e.name] += 1
+        elif e.name.startswith("Torch-Compiled Region"):
+            compiled += 1
         elif e.device_type.name == "CUDA":
             kernel_counts[e.name] += 1
             kernel_ms[e.name] += e.device_time / 1e3
@@ -333,7 +346,7 @@ def profiled(fn, device, top: int = 0, ops: bool = True) -> tuple[int, float, fl
                   f"{wall * 1e3:.0f} ms:")
             for name, ms in kernel_ms.most_common(top):
                 print(f"    {ms:9.1f} ms {kernel_counts[name]:7d}  {name[:100]}")
-    return n_ops, kernels, busy_seconds(spans), wall, spans
+    return Profile(n_ops, compiled, kernels, busy_seconds(spans), wall, spans)
 
 
 def host_syncs(fn, top: int = 0) -> int:
@@ -422,14 +435,63 @@ def update_mfu(arch: dict, rows, share: bool, seconds: float, peak_tflops: float
 
 
 def counted_flops(fn) -> int:
-    """The FLOPs one call of ``fn`` runs as ``torch.utils.flop_counter`` counts them: the dispatched matmuls and
-    attention kernels, compiled graphs' included (Inductor calls them as aten ops), with what a checkpointed backward
-    recomputes; attention by ``attention_formulas``."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False, custom_mapping=attention_formulas()) as counter:
+    """The FLOPs one call of ``fn`` runs as ``torch.utils.flop_counter``'s formulas count them: the dispatched matmuls
+    and attention kernels, compiled graphs' included (Inductor calls them as aten ops), with what a checkpointed
+    backward recomputes; attention by ``attention_formulas``. Counted in ``FlopCount``, which compiled code runs
+    through: under torch's ``FlopCounterMode`` Dynamo would run the compiled layers eagerly, and go on doing so for
+    the rest of the process."""
+    with FlopCount(attention_formulas()) as counter:
         fn()
-    return counter.get_total_flops()
+    if counter.uncounted:
+        print(f"[update_vs_bare] FLOPs not counted inside the higher-order ops {sorted(counter.uncounted)}", flush=True)
+    return counter.total
+
+
+class FlopCount(TorchDispatchMode):
+    """Sums ``torch.utils.flop_counter``'s formulas (``flop_registry``, and ``formulas`` by op: called on shapes)
+    over the aten ops dispatched while it is on. It says it ignores compile internals, so Dynamo runs compiled
+    frames under it as compiled (a frame met under any other dispatch mode is skipped, and its code marked to be
+    skipped from then on) and it sees the aten ops their graphs call; compilation itself does not pass through it.
+    A compiled checkpoint wraps each op that draws random numbers (attention's kernel among them) in an RNG
+    higher-order op, which runs as it would and counts the op it wraps; ``uncounted`` names any other higher-order op
+    met (run, its FLOPs not counted)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, formulas: dict):
+        super().__init__()
+        from torch.utils import flop_counter
+
+        self.formulas = {**flop_counter.flop_registry, **{op: flop_counter.shape_wrapper(f) for op, f in formulas.items()}}
+        self.total, self.uncounted = 0, set()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):  # called with this mode off
+            out = func(*args, **kwargs)
+            wrapped = [i for i, a in enumerate(args) if isinstance(a, torch._ops.OpOverload)]
+            if func.name() in ("run_and_save_rng_state", "run_with_rng_state") and wrapped:
+                self.count(args[wrapped[0]], args[wrapped[0] + 1:], kwargs, None)
+            else:
+                self.uncounted.add(func.name())
+            return out
+        if func._overloadpacket not in self.formulas and func is not torch.ops.prim.device.default:
+            with self:  # a composite op: its parts are counted
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        self.count(func, args, kwargs, out)
+        return out
+
+    def count(self, func, args, kwargs, out) -> None:
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
 
 
 def attention_formulas() -> dict:
@@ -580,18 +642,20 @@ def main() -> None:
     if device.type == "cuda":
         print(f"RESULT update_hfu={flops / min(ours_s) / (tflops * 1e12):.3f}")
     print("[update_vs_bare] profiling one update of ours", flush=True)
-    ops, kernels, busy, wall, _ = profiled(ours, device, args.top)
+    prof = profiled(ours, device, args.top)
     for op in args.stacks:
         stacks(ours, device, op)
-    print(f"[update_vs_bare] ours launches {ops} aten ops in one update")
-    print(f"RESULT update_ops_per_token={1000 * ops / tokens:.1f}")
+    print(f"[update_vs_bare] ours launches {prof.ops} aten ops in one update"
+          + (f", {prof.compiled} calls into compiled graphs" if args.compile else ""))
+    print(f"RESULT update_ops_per_token={1000 * prof.ops / tokens:.1f}")
     if device.type == "cuda":
+        kernels, busy, wall = prof.kernels, prof.busy, prof.wall
         print(f"[update_vs_bare] the profiled update's kernels: {kernels * 1e3:.0f} ms, {kernels / min(ours_s):.3f} of ours' "
               f"timed update ({min(ours_s) * 1e3:.0f} ms); the GPU busy {busy * 1e3:.0f} ms of its {wall * 1e3:.0f} ms "
               f"({busy / wall:.3f}) with the host's ops recorded")
         print(f"[update_vs_bare] one update waits for the GPU {host_syncs(ours, args.top)} times (CUDA's sync debug "
               f"mode; none per micro-batch is the aim: {len(rows[1])} rows in micro-batches of at most {args.micro_rows})")
-        _, _, busy, wall, spans = profiled(ours, device, ops=False)
+        _, _, _, busy, wall, spans = profiled(ours, device, ops=False)
         print(f"[update_vs_bare] an update with the GPU's activity recorded only: busy {busy * 1e3:.0f} ms of "
               f"{wall * 1e3:.0f} ms")
         if args.top:

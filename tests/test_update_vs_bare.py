@@ -151,12 +151,14 @@ def test_the_profiled_wall_leaves_out_the_profiler_s_own_start_and_stop(monkeypa
                 return SimpleNamespace(name="gemm", device_type=cuda, device_time=(end - start) * 1e3,
                                        time_range=SimpleNamespace(start=start * 1e3, end=end * 1e3))
 
-            return [SimpleNamespace(name="aten::mm", device_type=SimpleNamespace(name="CPU")), kernel(0, 10), kernel(5, 25)]
+            cpu = SimpleNamespace(name="CPU")
+            return [SimpleNamespace(name="aten::mm", device_type=cpu), SimpleNamespace(name="Torch-Compiled Region: 0/0",
+                    device_type=cpu), kernel(0, 10), kernel(5, 25)]
 
     monkeypatch.setattr(torch.profiler, "profile", SlowProfiler)
     monkeypatch.setattr(update_vs_bare, "synchronize", lambda device: None)
-    ops, kernels, busy, wall, spans = update_vs_bare.profiled(lambda: time.sleep(0.05), torch.device("cuda"))
-    assert ops == 1 and abs(kernels - 0.030) < 1e-9 and abs(busy - 0.025) < 1e-9
+    ops, compiled, kernels, busy, wall, spans = update_vs_bare.profiled(lambda: time.sleep(0.05), torch.device("cuda"))
+    assert ops == 1 and compiled == 1 and abs(kernels - 0.030) < 1e-9 and abs(busy - 0.025) < 1e-9
     assert 0.05 <= wall < 0.25 and [name for *_, name in spans] == ["gemm", "gemm"]
     update_vs_bare.profiled(lambda: None, torch.device("cuda"), ops=False)
     P = torch.profiler.ProfilerActivity
@@ -258,7 +260,7 @@ def test_layers_fit_runs_ours_alone_at_the_depth_and_checkpointing_the_memory_mo
     """End to end on CPU in the depth row's form (ours under FSDP2 and compiled, log-prob chunks below a
     micro-batch's outputs): a budget between the predicted peaks at 2 and 3 layers of the small shape gives 2
     layers, ``model.checkpoint_layers=auto`` the count ``train.py`` would choose there; no bare loop, one round of
-    ours, then its counted FLOPs."""
+    ours, then its counted FLOPs; the update profiled after the count still runs compiled."""
     import dataclasses
 
     from bench.update_vs_bare import memory_arch
@@ -286,6 +288,8 @@ def test_layers_fit_runs_ours_alone_at_the_depth_and_checkpointing_the_memory_mo
     assert "RESULT update_vs_bare" not in out and "no bare loop" in out and "decoder layers compiled" in out
     assert re.search(r"one update of ours runs \S+ FLOPs", out)
     assert re.search(r"^RESULT update_ops_per_token=[0-9.]+", out, re.M)
+    assert int(re.search(r"aten ops in one update, (\d+) calls into compiled graphs", out).group(1)) > 0
+    assert "FLOPs not counted" not in out and "did not compile" not in proc.stderr
     assert "update_allocated_vs_model" not in out  # CUDA only
 
 
@@ -380,14 +384,23 @@ def test_attention_counts_grouped_key_value_heads_as_the_query_heads():
 
 
 def test_the_flops_are_counted_inside_compiled_layers_without_a_recompile():
-    """The HFU at depth runs compiled: the counter sees the graphs' matmuls (the eager count above) and its mode
-    costs no graph of its own."""
-    from bench.update_vs_bare import counted_flops
+    """The HFU at depth runs compiled: the counted update runs its compiled graphs (as many calls into them as an
+    update outside the counter), the counter sees their matmuls, its mode costs no graph of its own, and the updates
+    after it still run compiled (under torch's own ``FlopCounterMode`` Dynamo runs them eagerly, then and from then
+    on). The count is the eager one above but for the prompt's pass: its recording cache keeps it out of the
+    recompute in the graph, and the eager checkpoint around its compiled forward reruns all of that forward, the MLP's
+    down projection (4 x 8) included: + 2*4*8*3 = 192."""
+    import torch
+
+    from bench.update_vs_bare import counted_flops, profiled
     from bicc.step import compiled_graphs
 
     update = tiny_update(True, compiled=True)
     update()  # compiles
-    graphs = compiled_graphs()
-    assert graphs > 0
-    assert counted_flops(update) == 11_328 + 720 + 1_800 + 2_304 + 720
+    graphs, calls = compiled_graphs(), profiled(update, torch.device("cpu")).compiled
+    assert graphs > 0 and calls > 0
+    flops = []
+    assert profiled(lambda: flops.append(counted_flops(update)), torch.device("cpu")).compiled == calls
+    assert flops == [11_328 + 720 + 1_800 + 2_304 + 720 + 192]
     assert compiled_graphs() == graphs
+    assert profiled(update, torch.device("cpu")).compiled == calls
