@@ -19,7 +19,6 @@ def test_one_head_chunk_holds_what_the_memory_model_counts(compiled):
     assert predicted == ({"no-grad log-probs": 2, "update": 6} if compiled else {"no-grad log-probs": 6, "update": 12})
     assert 2 - 0.3 <= measured["matmul"] <= 6 + 0.3  # its bf16 output, and at most an fp32 buffer beside it
     expected = head_expected(predicted, measured)
-    assert expected["update"] == predicted["update"] and expected["no-grad log-probs"] in (2, 6, measured["matmul"])
     n, _, hidden = HEAD_SIZE
     gemm_buffer = (measured["matmul"] - 2) * hidden / n  # per logit, for the weight gradient's product; 0 on a GPU
     for phase, value in expected.items():
