@@ -130,7 +130,7 @@ class VerifyPool:
         """Start the workers and spares and wait until all have imported math-verify."""
         while len(self._workers) < self.size:
             self._spawn()
-        while len(self._ready) + sum(slot is None for slot in self._warming.values()) < self.spares:
+        while len(self._ready) + self.spares_importing < self.spares:
             self._spawn(spare=True)
         deadline = time.monotonic() + timeout_s
         while self._warming:
@@ -196,6 +196,11 @@ class VerifyPool:
                     if self._replace(slot):
                         idle.append(slot)
         return results
+
+    @property
+    def spares_importing(self) -> int:
+        """Spares started and still importing math-verify (they take no item until done)."""
+        return sum(slot is None for slot in self._warming.values())
 
     def _replace(self, slot: int) -> bool:
         """Kill the worker in ``slot``; True when a warm spare took its place (it can take an item now)."""
