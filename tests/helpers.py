@@ -290,14 +290,14 @@ def bpe_tokenizer():
     return tokenizer
 
 
-def tiny_llama(tokenizer, seed: int = 0):
+def tiny_llama(tokenizer, seed: int = 0, tie: bool = True):
     """A random 2-layer Llama over ``tokenizer``'s vocabulary: SmolLM2's architecture and head width (64, which
-    vLLM's CPU attention supports) at toy depth and width."""
+    vLLM's CPU attention supports) at toy depth and width; ``tie``: the output head shares the embeddings'."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         tie_word_embeddings=tie, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

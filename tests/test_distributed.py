@@ -192,9 +192,11 @@ def two_nodes(args, tmp_path) -> list[str]:
     return outs
 
 
+@pytest.mark.slow
 def test_two_nodes_match_one_process_and_resume(runs):
     """`torchrun --nnodes=2`: placement by LOCAL_RANK, prompt shards by RANK, sharded evaluation, rank 0
-    writing the HF weights while both ranks write DCP optimizer shards, and a two-node resume."""
+    writing the HF weights while both ranks write DCP optimizer shards, and a two-node resume (slow: the one-node
+    launches above run the same code, where RANK and LOCAL_RANK agree)."""
     tmp, out = runs
     multi = tmp / "two_nodes"
     outs = two_nodes([f"hydra.run.dir={multi}", "dist.strategy=fsdp2"], tmp)

@@ -8,9 +8,10 @@ vLLM, one per rank under the external launcher; bf16 compute over fp32 master we
 checkpointing, KV-reuse packing, DAPO's dynamic sampling, RCC), the DAPO-Math data path (a local file in its
 nested layout, deduplicated and shuffled), a sharded initial and final evaluation on the paper's benchmarks
 as the repo's ``data/`` ships them (eval.limit), a checkpoint and a resume. Only sizes are shrunk, the model
-is a tiny Qwen3 saved as a local HF dir (chat template; tied embeddings for the Qwen shape, untied and two end
-tokens for the Phi-4-mini shape), and the training reward is constructed (``tests/rewards.py``: mixed groups
-and all-wrong ones whatever the model samples). A hang fails the test (timeout)."""
+is a tiny one saved as a local HF dir (a Qwen3 with tied embeddings and a chat template for the Qwen preset; a
+Llama over a byte-level BPE, untied, with two end tokens, for the Phi-4-mini preset), and the training reward is
+constructed (``tests/rewards.py``: mixed groups and all-wrong ones whatever the model samples). A hang fails the
+test (timeout)."""
 
 import json
 import os
@@ -121,29 +122,23 @@ def test_headline_command_qwen_shape(tmp_path):
     check_run(run_dir, model_dir, 3)
 
 
-def test_headline_command_phi4_mini_shape(tmp_path):
-    data_file, _ = dapo_file(tmp_path)
-    model_dir = warm_start(tmp_path, data_file, ["model.tiny.tie_word_embeddings=false"])
-    generation = json.loads((model_dir / "generation_config.json").read_text())
-    generation["eos_token_id"] = [generation["eos_token_id"], 0]  # like <|end|> and <|endoftext|>
-    (model_dir / "generation_config.json").write_text(json.dumps(generation))
-    assert not json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]
-    run_dir, _ = headline(tmp_path, data_file, "paper_phi4_mini", model_dir, 2)
-    _, results = check_run(run_dir, model_dir, 2)
-    assert "lm_head.weight" in load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")  # untied
-
-
-def test_headline_command_with_a_bpe_tokenizer(tmp_path):
-    """The Qwen preset on a random Llama over SmolLM2's byte-level BPE and ChatML template (pad = EOS =
-    <|im_end|>, a system turn in every prompt): BiCC's contexts, vLLM's tokenizer and the evaluation's prompts on
-    a real tokenizer, every rank the same."""
+def test_headline_command_phi4_mini_shape_with_a_bpe_tokenizer(tmp_path):
+    """The Phi-4-mini preset on a random Llama over SmolLM2's byte-level BPE and ChatML template (pad = EOS =
+    <|im_end|>, a system turn in every prompt), its head untied and two end tokens (like <|end|> and
+    <|endoftext|>): the untied head pushed to vLLM and saved, BiCC's contexts, vLLM's tokenizer and the
+    evaluation's prompts on a real tokenizer, every rank the same."""
     from tests.helpers import bpe_tokenizer, tiny_llama
 
     data_file, _ = dapo_file(tmp_path)
     tokenizer = bpe_tokenizer()
     model_dir = tmp_path / "bpe_model"
-    tiny_llama(tokenizer).save_pretrained(model_dir)
+    model = tiny_llama(tokenizer, tie=False)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, 0]
+    assert tokenizer.convert_ids_to_tokens(0) == "<|endoftext|>" != tokenizer.eos_token
+    model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    run_dir, _ = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 2)
+    assert not json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]
+    run_dir, _ = headline(tmp_path, data_file, "paper_phi4_mini", model_dir, 2)
     rows, _ = check_run(run_dir, model_dir, 2)
     assert all(r["bicc/samples_conditioned_share"] > 0 for r in rows if "train/loss" in r)
+    assert "lm_head.weight" in load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")  # untied

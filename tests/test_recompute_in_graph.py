@@ -74,8 +74,11 @@ def counted_update(model, share, in_graph):
     return update(model, share), ran[0], calls, runs
 
 
-@pytest.mark.parametrize("share", [True, False], ids=["kv-reuse", "one-row-per-output"])
-def test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls(share):
+@pytest.mark.parametrize("share,policies", [
+    (True, ("full",)), pytest.param(False, ("full",), marks=pytest.mark.slow),
+    pytest.param(True, ("full", "save_attention", "recompute_mlp"), marks=pytest.mark.slow)],
+    ids=["kv-reuse", "one-row-per-output", "kv-reuse-policies"])
+def test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls(share, policies):
     """Four SGD steps: eager, compiled with the eager checkpoint replaying the compiled forward, and compiled with
     the checkpoint inside the graph. The same loss and weights (fp64); every layer stays compiled, and every call to
     a compiled layer ran its graph, the head's and the loss's graphs ran too. Dynamo's recompile limit is 1: the
@@ -86,13 +89,12 @@ def test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls(sh
     what the forward saw) is the eager checkpoint's replay, and the no-grad passes need no checkpoint. Under KV
     reuse, a policy applies inside the graph too (AOTAutograd's partitioner): keeping attention skips no matmul
     (its inputs are recomputed), keeping the attention block (``recompute_mlp``) two a call (the fused q/k/v and
-    the output projection), each the eager update."""
+    the output projection), each the eager update (a slow form: each policy compiles the update again)."""
     from tests.test_checkpoint_policy import checkpointed
 
     eager = checkpointed_pair()[0]
     expected = update(eager, share)
     results = {}
-    policies = ("full", "save_attention", "recompute_mlp") if share else ("full",)
     for in_graph, policy in [(False, "full"), *((True, p) for p in policies)]:
         torch._dynamo.reset()
         model = checkpointed(policy)
@@ -114,7 +116,7 @@ def test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls(sh
     plain = set(graph_calls[False])
     assert all(not grad for cache, grad in plain if cache != "Recorder")
     assert (("Recorder", True) in plain) == share
-    for policy, fewer in (("save_attention", 0), ("recompute_mlp", 2)) if share else ():
+    for policy, fewer in (("save_attention", 0), ("recompute_mlp", 2)) if len(policies) > 1 else ():
         assert graph_mm - results[True, policy][0] == fewer * taken, (policy, graph_mm, results[True, policy][0])
 
 

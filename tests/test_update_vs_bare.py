@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
@@ -241,8 +243,6 @@ def test_ours_memory_here_is_weights_moments_and_gradients_with_no_sampler_or_re
 def test_fit_takes_the_most_layers_whose_predicted_peak_fits_and_says_when_none_does():
     """With ``AUTO_SHARE`` (0.9) of the budget just above the predicted peak at 5 layers: 5; just below it: 4;
     a budget for any depth: the shape's 36; one below a single layer's peak: an error naming the flag."""
-    import pytest
-
     from bench.update_vs_bare import fit_layers, memory_arch
     from bicc.fit import AUTO_SHARE
     from bicc.memory import GIB, peak
@@ -256,11 +256,14 @@ def test_fit_takes_the_most_layers_whose_predicted_peak_fits_and_says_when_none_
         fit_layers(arch, run, at1 * 0.99)
 
 
+@pytest.mark.slow
 def test_layers_fit_runs_ours_alone_at_the_depth_and_checkpointing_the_memory_model_chose(tmp_path):
     """End to end on CPU in the depth row's form (ours under FSDP2 and compiled, log-prob chunks below a
     micro-batch's outputs): a budget between the predicted peaks at 2 and 3 layers of the small shape gives 2
     layers, ``model.checkpoint_layers=auto`` the count ``train.py`` would choose there; no bare loop, one round of
-    ours, then its counted FLOPs; the update profiled after the count still runs compiled."""
+    ours, then its counted FLOPs; the update profiled after the count still runs compiled. Slow (minutes of
+    compilation on a slow CPU): its parts run in ``make test`` (``fit_layers`` above, the FLOP count inside compiled
+    layers below, the bench under FSDP2 eagerly)."""
     import dataclasses
 
     from bench.update_vs_bare import memory_arch
@@ -295,8 +298,6 @@ def test_layers_fit_runs_ours_alone_at_the_depth_and_checkpointing_the_memory_mo
 
 def test_layers_takes_a_positive_count_or_fit():
     import argparse
-
-    import pytest
 
     from bench.update_vs_bare import layer_count
 
