@@ -96,14 +96,13 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
-# The longest test files, longest first (their seconds under `make test` on a 2-core host, 2026-11-28: 410, 340,
-# 290, 190, 160, 110, then 100 to 65): a file runs whole on one worker, so one of these left to the end kept a
-# worker busy for minutes after the other had finished. `make test` passes `--no-loadscope-reorder`, without which
+# The longest test files, longest first (their seconds under `make test` from a fresh clone on a 2-core host,
+# a713a14: 302, 275, 243, 165, then 96 to 59): a file runs whole on one worker, so one of these left to the end kept
+# a worker busy for minutes after the other had finished. `make test` passes `--no-loadscope-reorder`, without which
 # pytest-xdist queues the files with the most tests first instead.
-LONGEST_FIRST = ("test_distributed.py", "test_compile.py", "test_paper_rehearsal.py", "test_rollout_vllm.py",
-                 "test_recompute_in_graph.py", "test_memory_tracker.py", "test_update_vs_bare.py", "test_resume.py",
-                 "test_gpu_check.py", "test_train_smoke.py", "test_compile_graphs.py", "test_host.py",
-                 "test_checkpoint_layers.py")
+LONGEST_FIRST = ("test_compile.py", "test_distributed.py", "test_paper_rehearsal.py", "test_rollout_vllm.py",
+                 "test_recompute_in_graph.py", "test_memory_tracker.py", "test_update_vs_bare.py", "test_train_smoke.py",
+                 "test_reference.py", "test_gpu_check.py", "test_resume.py", "test_compile_graphs.py", "test_host.py")
 
 
 def pytest_collection_modifyitems(config, items):
