@@ -447,14 +447,17 @@ def counted_flops(fn) -> int:
     return counter.total
 
 
+RNG_WRAPPERS = ("run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state")
+
+
 class FlopCount(TorchDispatchMode):
     """Sums ``torch.utils.flop_counter``'s formulas (``flop_registry``, and ``formulas`` by op: called on shapes)
     over the aten ops dispatched while it is on. It says it ignores compile internals, so Dynamo runs compiled
     frames under it as compiled (a frame met under any other dispatch mode is skipped, and its code marked to be
     skipped from then on) and it sees the aten ops their graphs call; compilation itself does not pass through it.
     A compiled checkpoint wraps each op that draws random numbers (attention's kernel among them) in an RNG
-    higher-order op, which runs as it would and counts the op it wraps; ``uncounted`` names any other higher-order op
-    met (run, its FLOPs not counted)."""
+    higher-order op (on CUDA the graph-safe one), which runs as it would and counts the op it wraps; ``uncounted``
+    names any other higher-order op met (run, its FLOPs not counted)."""
 
     supports_higher_order_operators = True
 
@@ -474,7 +477,7 @@ class FlopCount(TorchDispatchMode):
         if isinstance(func, torch._ops.HigherOrderOperator):  # called with this mode off
             out = func(*args, **kwargs)
             wrapped = [i for i, a in enumerate(args) if isinstance(a, torch._ops.OpOverload)]
-            if func.name() in ("run_and_save_rng_state", "run_with_rng_state") and wrapped:
+            if func.name() in RNG_WRAPPERS and wrapped:
                 self.count(args[wrapped[0]], args[wrapped[0] + 1:], kwargs, None)
             else:
                 self.uncounted.add(func.name())

@@ -405,3 +405,26 @@ def test_the_flops_are_counted_inside_compiled_layers_without_a_recompile():
     assert flops == [11_328 + 720 + 1_800 + 2_304 + 720 + 192]
     assert compiled_graphs() == graphs
     assert profiled(update, torch.device("cpu")).compiled == calls
+
+
+def test_the_flops_of_an_op_in_each_rng_wrapper_are_counted():
+    """A compiled checkpoint's recompute wraps attention (an op that may draw random numbers) in an RNG higher-order
+    op: on CPU ``run_with_rng_state``, on CUDA ``graphsafe_run_with_rng_state``, which an H200's count at Qwen3-4B's
+    depth named uncounted. A [3, 4] x [4, 5] matmul wrapped in either counts 2*3*4*5 = 120 FLOPs, as it does bare.
+    Run on fake tensors: the graph-safe wrapper runs on no CPU."""
+    import torch
+    from torch._prims.rng_prims import graphsafe_run_with_rng_state, run_with_rng_state
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.update_vs_bare import FlopCount
+
+    mm = torch.ops.aten.mm.default
+    with FakeTensorMode():
+        a, b = torch.empty(3, 4), torch.empty(4, 5)
+        state = torch.empty(16, dtype=torch.uint8)
+        calls = {"bare": lambda: mm(a, b), "run_with_rng_state": lambda: run_with_rng_state(state, mm, a, b),
+                 "graphsafe_run_with_rng_state": lambda: graphsafe_run_with_rng_state(mm, a, b, rng_state=None)}
+        for name, call in calls.items():
+            with FlopCount({}) as counter:
+                assert call().shape == (3, 5)
+            assert (name, counter.total, counter.uncounted) == (name, 120, set())
