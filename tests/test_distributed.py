@@ -11,8 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import MIXED_RUN as RUN
-from tests.helpers import ROOT
+from tests.helpers import MIXED_RUN, ROOT
+
+# DAPO's dynamic sampling with one sampling round: each shard keeps only its informative groups. Under the
+# constructed reward (tests/rewards.py) shard 0 keeps 4 of its 6 groups at both steps and shard 1 keeps 3, then
+# 5, so the two ranks hold different numbers of rows; micro-batches of 3 rows make several forwards per rank.
+# Every run here is one of these: under FSDP2 every forward and backward is a collective, and ranks with fewer
+# micro-batches used to leave the others waiting for ever (a timeout, 600 s, fails the test).
+DAPO = ["algo=dapo", "algo.max_sampling_rounds=1", "rollout.prompts_per_step=12", "seed=1", "train.micro_batch_size=3"]
+RUN = [*MIXED_RUN, *DAPO]
 
 
 def env(tmp_path):
@@ -59,27 +66,19 @@ def runs(tmp_path_factory):
     return tmp, out
 
 
-# DAPO's dynamic sampling with one sampling round: each shard keeps only its informative groups. Under the
-# constructed reward (tests/rewards.py) shard 0 keeps 4 of its 6 groups at both steps and shard 1 keeps 3, then
-# 5, so the two ranks hold different numbers of rows; micro-batches of 3 rows make several forwards per rank.
-DAPO = ["algo=dapo", "algo.max_sampling_rounds=1", "rollout.prompts_per_step=12", "seed=1", "train.micro_batch_size=3"]
-
-
 def test_fsdp2_with_dynamic_sampling_and_uneven_ranks_matches_one_process(runs):
-    """Under FSDP2 every forward and backward is a collective: ranks with fewer micro-batches used to leave
-    the others waiting for ever. A timeout (600 s) fails this test."""
-    tmp, _ = runs
-    single, multi, once = tmp / "dapo_single", tmp / "dapo_fsdp2", tmp / "dapo_fsdp2_once"
-    one_process([f"hydra.run.dir={single}", *DAPO], tmp)
-    two_processes([f"hydra.run.dir={multi}", "dist.strategy=fsdp2", *DAPO], tmp)
+    """The ranks hold different numbers of rows (``DAPO``), under FSDP2's default options (the fixture's run, also
+    held to one process by ``test_two_processes_match_one``) and its options that gather and reduce once a step."""
+    tmp, out = runs
+    single, multi, once = out["single"], out["fsdp2"], tmp / "dapo_fsdp2_once"
     # and reducing the gradients and freeing the gathered weights once per optimizer step: in the prompts' prefix
     # backward (KV reuse), the empty micro-batches' no-op backwards before it; or, one row per output, in the last
     # micro-batch's backward (weights kept past that would be stale at the next step)
     keep = ["dist.reduce_grads=step", "dist.reshard_after_backward=false"]
-    two_processes([f"hydra.run.dir={once}", "dist.strategy=fsdp2", *keep, "dist.reshard_after_forward=false", *DAPO], tmp)
+    two_processes([f"hydra.run.dir={once}", "dist.strategy=fsdp2", *keep, "dist.reshard_after_forward=false"], tmp)
     rows_once = tmp / "dapo_fsdp2_once_rows"
     two_processes([f"hydra.run.dir={rows_once}", "dist.strategy=fsdp2", *keep,
-                   "train.share_prompts=false", "bicc.packing=false", *DAPO], tmp)
+                   "train.share_prompts=false", "bicc.packing=false"], tmp)
     rows = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
     groups = [r["rollout/groups"] for r in rows if "rollout/groups" in r]
     assert groups == [3.5, 4.5], f"ranks' mean group counts {groups}: expected (4 + 3) / 2 and (4 + 5) / 2"
