@@ -27,8 +27,8 @@ def env(tmp_path):
             "OMP_NUM_THREADS": "1"}
 
 
-def run(cmd, tmp_path):
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=600)
+def run(cmd, tmp_path, cwd=ROOT):
+    proc = subprocess.run(cmd, cwd=cwd, env=env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc
 
@@ -59,9 +59,16 @@ def max_diff(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
-    out = {"single": tmp / "single", "fsdp2": tmp / "fsdp2", "ddp": tmp / "ddp"}
+    out = {"single": tmp / "single", "ddp": tmp / "ddp"}
     one_process([f"hydra.run.dir={out['single']}"], tmp)  # builds the warm start the others reuse
-    two_processes([f"hydra.run.dir={out['fsdp2']}", "dist.strategy=fsdp2"], tmp)
+    # FSDP2 as a user launches it: no hydra.run.dir (the run dir names the launch time), ranks started 1.5 s apart
+    # (tests/launch_apart.py), in a working dir of its own
+    cwd = tmp / "launch"
+    cwd.mkdir()
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / "launch_apart.py"), *RUN, "dist.strategy=fsdp2"], tmp, cwd=cwd)
+    out["fsdp2_dirs"] = sorted(p.parent for p in (cwd / "outputs").glob("*/*/*/.hydra"))
+    out["fsdp2"] = out["fsdp2_dirs"][0]
     two_processes([f"hydra.run.dir={out['ddp']}", "dist.strategy=ddp"], tmp)
     return tmp, out
 
@@ -148,24 +155,17 @@ def test_ddp_checkpoint_resumes_in_two_processes(runs):
 
 def test_ranks_started_apart_write_one_run_dir(runs):
     """No hydra.run.dir: the run dir names the launch time. Ranks that start 1.5 s apart must still write into
-    one dir, or rank 0 marks a checkpoint complete that holds only its own optimizer shard and resume fails.
+    one dir, or rank 0 marks a checkpoint complete that holds only its own optimizer shard and resume fails (the
+    fixture's FSDP2 run; ``test_fsdp2_checkpoint_is_sharded_and_resumes_in_one_process`` resumes it).
     And when train.py returns, no FSDP module is left alive: the model sits in reference cycles (module <-> hooks),
     and if only interpreter exit frees it, that is after destroy_process_group, where gloo's teardown now and then
     aborts a finished run (SIGABRT, "terminate called without an active exception", exit code -6)."""
-    tmp, _ = runs
-    cwd = tmp / "launch"
-    cwd.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "launch_apart.py"), *RUN, "dist.strategy=fsdp2", "train.steps=1"]
-    proc = subprocess.run(cmd, cwd=cwd, env=env(tmp), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    dirs = sorted(p.parent for p in (cwd / "outputs").glob("*/*/*/.hydra"))
-    assert len(dirs) == 1, dirs
-    assert [(cwd / f"alive_rank{r}.txt").read_text() for r in (0, 1)] == ["0", "0"]
-    shards = sorted(f.name for f in (dirs[0] / "checkpoints" / "step_1" / "optim_dcp").glob("*.distcp"))
-    assert shards == ["__0_0.distcp", "__1_0.distcp"]
-    resumed = tmp / "resumed_apart"
-    assert "resumed from" in one_process([f"hydra.run.dir={resumed}", f"resume={dirs[0]}", "train.steps=2"], tmp).stdout
+    tmp, out = runs
+    assert len(out["fsdp2_dirs"]) == 1, out["fsdp2_dirs"]
+    assert [(tmp / "launch" / f"alive_rank{r}.txt").read_text() for r in (0, 1)] == ["0", "0"]
+    for step in (1, 2):
+        shards = sorted(f.name for f in (out["fsdp2"] / "checkpoints" / f"step_{step}" / "optim_dcp").glob("*.distcp"))
+        assert shards == ["__0_0.distcp", "__1_0.distcp"]
 
 
 def free_port() -> int:
