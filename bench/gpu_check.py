@@ -20,6 +20,10 @@
 3. The bare baseline: ``bench.update_vs_bare --fsdp`` at the same shape, 512-token outputs (our update, sharded as
    the rehearsal shards it, against a 40-line transformers loop).
 
+``--skip-tests`` leaves out phase 1. ``--skip-baseline`` leaves out phase 3 and gives the rehearsal the whole budget
+left: ``--compile --skip-tests --skip-baseline --budget-s 590`` runs the compiled rehearsal's two legs alone, for a
+job limited to 10 minutes.
+
 ``--compile`` runs the rehearsal with ``model.compile=on`` (each decoder layer compiled for the update and the
 log-prob passes, ``bicc.compile``) and ``rollout.static_cache=true`` (HF generate into a static KV cache, whose
 decoding steps transformers compiles), and the baseline with ``--compile``: run the check once without and once
@@ -252,6 +256,8 @@ def no_cuda_message() -> str | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--skip-tests", action="store_true", help="only the rehearsal and the baseline")
+    parser.add_argument("--skip-baseline", action="store_true",
+                        help="no bare baseline: the rehearsal gets the whole budget left after the tests")
     parser.add_argument("--out", default=None, help="where the model, data and run go (default: a fresh dir under outputs/)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -300,9 +306,10 @@ def main() -> int:
                                                              "tests/test_gpu.py"], env, s), 0.25)
     compiled = ("model.compile=on", "rollout.static_cache=true") if args.compile else ()
     overrides = tuple(args.overrides)
-    done = phase("rehearsal", lambda s: rehearse(out, QWEN3_06B, env, extra=compiled + overrides, budget_s=s), 0.8)
-    ratio = phase("bare baseline", lambda s: bare_baseline(env, s, (("--compile",) if args.compile else ()) + overrides),
-                  1.0)
+    done = phase("rehearsal", lambda s: rehearse(out, QWEN3_06B, env, extra=compiled + overrides, budget_s=s),
+                 1.0 if args.skip_baseline else 0.8)
+    ratio = None if args.skip_baseline else phase(
+        "bare baseline", lambda s: bare_baseline(env, s, (("--compile",) if args.compile else ()) + overrides), 1.0)
     if done is not None:
         rows, results = done
         os.environ["BICC_DAPO_MATH"] = str(out / "dapo_math.jsonl")

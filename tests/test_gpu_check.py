@@ -148,12 +148,9 @@ def test_the_memory_model_holds_to_the_h100_runs(output_tokens, tmp_path, monkey
 
 
 
-@pytest.mark.parametrize("flag", [[], ["--compile"], ["--compile", "dist.reshard_after_backward=false"]])
-def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_path, capsys):
-    """``make gpu-check ARGS=--compile``: the rehearsal runs with model.compile=on and a static generate cache, the
-    baseline with --compile; without the flag neither does; Hydra overrides after it reach both and the memory
-    model's prediction (the phases stubbed: what each was asked to run). The budget is 720 s with the flag (each
-    process compiles), 480 s without."""
+def stub_phases(monkeypatch, tmp_path, argv) -> dict:
+    """``gpu_check.main`` as on an H100 with its phases stubbed, run with ``argv``: what each phase was asked to run
+    (the rehearsal's extra overrides and seconds, the baseline's flags, the memory model's overrides)."""
     import sys
     import types
 
@@ -166,17 +163,38 @@ def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_p
     done = ([], {"cuda_max_allocated_gib": 1.0})
     monkeypatch.setattr(gpu_check, "rehearse", lambda out, arch, env, extra=(), budget_s=0:
                         asked.update(rehearsal=extra, rehearsal_s=round(budget_s)) or done)
-    monkeypatch.setattr(gpu_check, "bare_baseline", lambda env, s, extra=(): asked.update(baseline=extra))
-    monkeypatch.setattr(gpu_check, "predicted_gib", lambda model_dir, gib, extra=(): asked.update(predicted=extra))
+    monkeypatch.setattr(gpu_check, "bare_baseline", lambda env, s, extra=(): asked.update(baseline=extra) or 2.0)
+    monkeypatch.setattr(gpu_check, "predicted_gib", lambda model_dir, gib, extra=(): asked.update(predicted=extra) or {})
     summary = dict.fromkeys(["gpu_peak_gib", "gpu_model_gib", "gpu_train_tokens_per_s", "gpu_train_mfu",
                              "gpu_allocated_vs_model", "gpu_reserved_vs_allocated"], 1.0)
     monkeypatch.setattr(gpu_check, "summarise", lambda *args: {**summary, "phases": {}, "graphs": []})
-    monkeypatch.setattr(sys, "argv", ["gpu_check", "--skip-tests", "--out", str(tmp_path), *flag])
-    gpu_check.main()
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--out", str(tmp_path), *argv])
+    asked["exit"] = gpu_check.main()
+    return asked
+
+
+@pytest.mark.parametrize("flag", [[], ["--compile"], ["--compile", "dist.reshard_after_backward=false"]])
+def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_path, capsys):
+    """``make gpu-check ARGS=--compile``: the rehearsal runs with model.compile=on and a static generate cache, the
+    baseline with --compile; without the flag neither does; Hydra overrides after it reach both and the memory
+    model's prediction (the phases stubbed: what each was asked to run). The budget is 720 s with the flag (each
+    process compiles), 480 s without."""
+    asked = stub_phases(monkeypatch, tmp_path, ["--skip-tests", *flag])
     rehearsal = ("model.compile=on", "rollout.static_cache=true", *flag[1:]) if flag else ()
     assert asked == {"rehearsal": rehearsal, "baseline": ("--compile", *flag[1:]) if flag else (), "predicted": rehearsal,
-                     "rehearsal_s": 0.8 * (720 if flag else 480)}  # its share of the budget
+                     "rehearsal_s": 0.8 * (720 if flag else 480), "exit": 0}  # its share of the budget
     assert f"budget {720 if flag else 480} s" in capsys.readouterr().out
+
+
+def test_without_the_baseline_the_rehearsal_takes_the_whole_budget(monkeypatch, tmp_path, capsys):
+    """``--skip-baseline``: no baseline phase and no ``gpu_update_vs_bare`` line; the rehearsal's share of what is
+    left is all of it (590 s of ``--budget-s 590``, not 0.8 x 590 = 472), so both compiled legs get a 10-minute
+    job's time."""
+    asked = stub_phases(monkeypatch, tmp_path, ["--compile", "--skip-tests", "--skip-baseline", "--budget-s", "590"])
+    compiled = ("model.compile=on", "rollout.static_cache=true")
+    assert asked == {"rehearsal": compiled, "rehearsal_s": 590, "predicted": compiled, "exit": 0}
+    out = capsys.readouterr().out
+    assert "RESULT gpu_train_mfu=" in out and "gpu_update_vs_bare" not in out and "bare baseline" not in out
 
 
 def test_the_memory_prediction_reads_the_checks_overrides(tmp_path, monkeypatch):
