@@ -37,9 +37,9 @@ def one_process(args, tmp_path):
     return run([sys.executable, "train.py", *RUN, *args], tmp_path)
 
 
-def two_processes(args, tmp_path):
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                *RUN, *args], tmp_path)
+def two_processes(args, tmp_path, script="train.py", cwd=ROOT):
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                *RUN, *args], tmp_path, cwd)
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -65,8 +65,7 @@ def runs(tmp_path_factory):
     # (tests/launch_apart.py), in a working dir of its own
     cwd = tmp / "launch"
     cwd.mkdir()
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "launch_apart.py"), *RUN, "dist.strategy=fsdp2"], tmp, cwd=cwd)
+    two_processes(["dist.strategy=fsdp2"], tmp, script=ROOT / "tests" / "launch_apart.py", cwd=cwd)
     out["fsdp2_dirs"] = sorted(p.parent for p in (cwd / "outputs").glob("*/*/*/.hydra"))
     out["fsdp2"] = out["fsdp2_dirs"][0]
     two_processes([f"hydra.run.dir={out['ddp']}", "dist.strategy=ddp"], tmp)
