@@ -112,9 +112,12 @@ def test_items_after_deadline_kills_do_not_wait_for_imports():
     """Two items past their deadline kill both workers; warm spares take their places at once, so the item
     behind them is scored as soon as a worker is free, not after a fresh worker imports math-verify: its wait past
     the deadline is under half that of a pool without spares, timed on the same items beside it (a machine busy
-    with other work slows both). The items after that do not wait for the new spares' imports either."""
+    with other work slows both). The items after that do not wait for the new spares' imports either. The deadline
+    is ``eval=arith``'s 1.5 s: the easy item is scored while the two new spares import math-verify on the same
+    core (the worker's pinned one), and at 0.5 s it timed out on a busy host."""
     from bicc.checking import VerifyPool
 
+    deadline = 1.5
     hard = ("7", "$\\boxed{9^{9^{9^{9^{9}}}}}$", ("latex", "expr"), 6, False, True)
     easy = ("$\\frac{1}{2}$", "$\\boxed{0.5}$", ("latex", "expr"), 6, False, True)
 
@@ -124,17 +127,17 @@ def test_items_after_deadline_kills_do_not_wait_for_imports():
         assert pool.timeouts == 2
         return time.perf_counter() - start
 
-    cold = VerifyPool(workers=2, deadline_s=0.5, spares=0)
+    cold = VerifyPool(workers=2, deadline_s=deadline, spares=0)
     cold.start()
     try:
         without_spares = timed(cold)
     finally:
         cold.close()
-    pool = VerifyPool(workers=2, deadline_s=0.5)
+    pool = VerifyPool(workers=2, deadline_s=deadline)
     pool.start()
     try:
         elapsed = timed(pool)
-        assert elapsed - 0.5 < (without_spares - 0.5) / 2, f"{elapsed:.2f} s, {without_spares:.2f} s without spares"
+        assert elapsed - deadline < (without_spares - deadline) / 2, f"{elapsed:.2f} s, {without_spares:.2f} s without spares"
         # And again at once: the two spares used are being replaced in the background, and the run does not wait
         # for their imports (it returns while they are still importing; no wall-clock bound, which a busy host breaks).
         assert pool.spares_importing == 2
