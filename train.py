@@ -1,14 +1,14 @@
 """Train a policy with a GRPO-family algorithm: ``python train.py algo=grpo bicc=on rcc=on``.
 
-Stages: SFT warm start (tiny models; cached) -> RL -> final evaluation (``bicc.loop.run``); each RL step is
-``bicc.step.rl_step``, the paper's Algorithm 1.
+Stages: SFT warm start (tiny models; cached) -> RL -> final evaluation (``bicc.trainer.loop.run``); each RL step is
+``bicc.trainer.step.rl_step``, the paper's Algorithm 1.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bicc.host import console_never_fails, cuda_allocator_default
+from bicc.machine.host import console_never_fails, cuda_allocator_default
 
 cuda_allocator_default()  # before torch is imported: it reads the CUDA allocator's settings once
 
@@ -16,7 +16,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 from bicc.config import register_configs  # noqa: E402
-from bicc.validation import validate  # noqa: E402
+from bicc.trainer.validation import validate  # noqa: E402
 
 register_configs()  # torch and the run's modules are imported in main: an unknown config choice fails at once
 console_never_fails()
@@ -27,8 +27,8 @@ def main(cfg) -> dict:
     validate(cfg)
     from transformers.utils import logging as hf_logging
 
-    from bicc import distributed
-    from bicc.loop import run
+    from bicc.machine import distributed
+    from bicc.trainer.loop import run
 
     hf_logging.disable_progress_bar()
     d = distributed.init(cfg.dist)

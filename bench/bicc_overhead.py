@@ -27,7 +27,7 @@ Ends with ``RESULT bicc_step_ratio=... target<=1.15`` and ``RESULT bicc_mem_rati
 
 Beside the times, each variant's arithmetic: model FLOPs of its step counted from the rows it computes
 (``bench.flops``: the linear layers per token, the output projection per predicted token, and attention per
-query-key pair, as ``bicc.packing`` lays the rows out), and the ratio of packed BiCC's to GRPO's: the step
+query-key pair, as ``bicc.kernels.packing`` lays the rows out), and the ratio of packed BiCC's to GRPO's: the step
 ratio if every FLOP cost the same in both (larger forwards can run at a better FLOP rate: on the tiny
 ``embedded`` config BiCC's ratio comes out below it).
 
@@ -78,7 +78,7 @@ def build_model(spec: dict, seed: int = 0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from bicc.config import TinyArchConfig
-    from bicc.models import build_tiny, resolve_attn_implementation
+    from bicc.model.load import build_tiny, resolve_attn_implementation
 
     arch = dict(spec["arch"])
     vocab = arch.pop("vocab_size", None)
@@ -96,18 +96,18 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     """One measurement, in this process: build, warm up once, time ``steps`` updates."""
     from hydra import compose, initialize_config_dir
 
-    from bicc.advantages import Advantages
-    from bicc.conditioning import build_contexts
     from bicc.config import register_configs
     from bicc.data import build_task, encode_prompt
-    from bicc.host import torch_threads
-    from bicc.logprobs import make_token_batch
-    from bicc.models import num_parameters
-    from bicc.optim import build_optimizer, warmup_cosine
-    from bicc.plan import StepPlan, step_logprobs
-    from bicc.rows import ContextRows, query_rows
-    from bicc.state import RLState
-    from bicc.update import update_policy
+    from bicc.kernels.rows import ContextRows, query_rows
+    from bicc.machine.host import torch_threads
+    from bicc.method.advantages import Advantages
+    from bicc.method.conditioning import build_contexts
+    from bicc.model.load import num_parameters
+    from bicc.model.logprobs import make_token_batch
+    from bicc.trainer.optim import build_optimizer, warmup_cosine
+    from bicc.trainer.plan import StepPlan, step_logprobs
+    from bicc.trainer.state import RLState
+    from bicc.trainer.update import update_policy
 
     spec = dict(CONFIGS[config_name])
     if shrink:

@@ -1,4 +1,4 @@
-"""How often the answer checker (``bicc.checking``) agrees with labelled data.
+"""How often the answer checker (``bicc.data.checking``) agrees with labelled data.
 
 - ``labelled_completions.jsonl``: 800 Qwen2.5-Math completions on MATH test problems (labels from the
   Qwen evaluation grader) and 2,200 GSM8K model solutions (labels as shipped). Each completion is
@@ -30,8 +30,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def main() -> None:
-    from bicc.answers import extract
-    from bicc.checking import MathChecker, VerifyPool
+    from bicc.data.answers import extract
+    from bicc.data.checking import MathChecker, VerifyPool
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_dir = Path(os.environ.get("BICC_DATA_DIR", ROOT.parent / "shared" / "data"))

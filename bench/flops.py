@@ -1,5 +1,5 @@
-"""Model FLOPs of the forwards a step makes, counted from the rows it computes (``bicc.rows``) as
-``bicc.packing`` lays them out: 2 per non-embedding parameter per embedded token, 2 x hidden x vocab per
+"""Model FLOPs of the forwards a step makes, counted from the rows it computes (``bicc.kernels.rows``) as
+``bicc.kernels.packing`` lays them out: 2 per non-embedding parameter per embedded token, 2 x hidden x vocab per
 predicted token (the output projection) and 4 x layers x attention width per query-key pair (scores and
 the weighted sum); a forward + backward counts 3 forwards. The ratio of two steps' counts is their time
 ratio where every FLOP costs the same in both (``bench.bicc_overhead``, ``bench.step_profile``); larger
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 def forward_work(rows) -> tuple[int, int, int]:
     """(tokens embedded, tokens predicted, attention query-key pairs) of one forward over every row of ``rows``
-    (``bicc.rows``): a shared prefix of W tokens once (W(W+1)/2 pairs), then each output of n tokens behind it
+    (``bicc.kernels.rows``): a shared prefix of W tokens once (W(W+1)/2 pairs), then each output of n tokens behind it
     less its last (n - 1 queries, the t-th attending to W + t keys); unshared prefixes once per row."""
     if not hasattr(rows, "contexts"):  # one padded row per output: prompt and output both per row
         lengths = rows.lengths.tolist()
@@ -42,7 +42,7 @@ def work_flops(model, rows, passes: float) -> float:
 
 
 def plan_flops(plan, model, on_q, on_xc) -> float:
-    """FLOPs of a step's no-grad passes and its update (``bicc.plan.StepPlan``), the rows on q and on x^c given."""
+    """FLOPs of a step's no-grad passes and its update (``bicc.trainer.plan.StepPlan``), the rows on q and on x^c given."""
     rows = {"q": on_q, "xc": on_xc}
     total = work_flops(model, on_xc if plan.conditioned else on_q, 3)
     passes = [plan.old_context] if plan.old_source == "forward" else []

@@ -25,7 +25,7 @@ left: ``--compile --skip-tests --skip-baseline --budget-s 590`` runs the compile
 job limited to 10 minutes.
 
 ``--compile`` runs the rehearsal with ``model.compile=on`` (each decoder layer compiled for the update and the
-log-prob passes, ``bicc.compile``) and ``rollout.static_cache=true`` (HF generate into a static KV cache, whose
+log-prob passes, ``bicc.kernels.compile``) and ``rollout.static_cache=true`` (HF generate into a static KV cache, whose
 decoding steps transformers compiles), and the baseline with ``--compile``: run the check once without and once
 with it to compare them on one GPU (``perf/generate_s`` and ``perf/update_s`` tell the two apart). Each of its
 three processes compiles (the second leg and the baseline from Inductor's caches): on one H100 with empty caches
@@ -40,7 +40,7 @@ stopped and says so (the RL loop stops at ``train.time_budget_s`` with a checkpo
 ``gpu_train_tokens_per_s`` (tokens the update computes, contexts once, per second of the update phase, steps
 after the first), ``gpu_train_mfu`` (6 FLOPs per parameter per such token plus the output projection's, over the
 GPU's dense bf16 peak; target >= 0.40), ``gpu_update_vs_bare``, ``gpu_allocated_vs_model`` (CUDA's allocated
-peak over ``bicc.memory``'s allocated bytes for the run's own config, target 0.9-1.1; each phase printed),
+peak over ``bicc.machine.memory``'s allocated bytes for the run's own config, target 0.9-1.1; each phase printed),
 ``gpu_reserved_vs_allocated`` and ``gpu_check_wall_s`` (target <= the budget; one H100 80GB: 366 s). Without CUDA
 it says so and exits 2 at once.
 """
@@ -84,10 +84,10 @@ def rehearsal_overrides(model_dir: Path, run_dir: Path, prompts: int = PROMPTS, 
 
 def shape_files(path: Path, arch: dict):
     """The config.json of a Qwen3 of shape ``arch`` and the character tokenizer filled to its vocabulary, at ``path``
-    (what ``bicc.memory`` reads); the config."""
+    (what ``bicc.machine.memory`` reads); the config."""
     from transformers import Qwen3Config
 
-    from bicc.tokenizer import build_char_tokenizer
+    from bicc.model.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer(vocab_size=arch["vocab_size"])
     config = Qwen3Config(**arch, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -226,15 +226,15 @@ def summarise(rows: list[dict], results: dict, arch: dict, peak_tflops: float, p
 
 
 def predicted_gib(model_dir: Path, gpu_gib: float, extra: tuple = (), **sizes) -> dict[str, float]:
-    """``bicc.memory``'s allocated bytes (no runtime, no allocator slack: what ``max_memory_allocated`` counts) per
+    """``bicc.machine.memory``'s allocated bytes (no runtime, no allocator slack: what ``max_memory_allocated`` counts) per
     run phase, for the rehearsal's own config (with the overrides ``extra``) as ``train.py`` composes it: one process
     under torchrun (FSDP2 over one rank), its longest training prompt, HF generate for the rollout and the
     evaluation, SDPA."""
     from bench.step_profile import compose_cfg
     from bicc.data import build_task
-    from bicc.fit import predicted_run
-    from bicc.memory import allocated
-    from bicc.models import tokenizer_and_positions
+    from bicc.machine.memory import allocated
+    from bicc.model.load import tokenizer_and_positions
+    from bicc.trainer.fit import predicted_run
 
     cfg = compose_cfg([o for o in rehearsal_overrides(model_dir, model_dir, **sizes) if not o.startswith("hydra.")] + list(extra))
     tokenizer = tokenizer_and_positions(cfg.model)[0]
@@ -316,9 +316,9 @@ def main() -> int:
         summary = summarise(rows, results, QWEN3_06B, peak_tflops or float("nan"),
                             predicted_gib(out / "model", gpu_gib, compiled + overrides))
         print(f"[gpu-check] peak {results['cuda_max_allocated_gib']:.2f} GiB allocated, {summary['gpu_peak_gib']:.2f} "
-              f"reserved; bicc.memory {summary['gpu_model_gib']:.2f} GiB allocated")
+              f"reserved; bicc.machine.memory {summary['gpu_model_gib']:.2f} GiB allocated")
         for name, (got, want) in summary["phases"].items():
-            print(f"[gpu-check]   {name:<11} allocated {got:6.2f} GiB, bicc.memory {want:6.2f} GiB ({got / want:.3f})")
+            print(f"[gpu-check]   {name:<11} allocated {got:6.2f} GiB, bicc.machine.memory {want:6.2f} GiB ({got / want:.3f})")
         print("[gpu-check] graphs compiled per step (model.compile): "
               + ", ".join(f"step {step} {n}" for step, n in summary["graphs"]))
         print(f"RESULT gpu_train_tokens_per_s={summary['gpu_train_tokens_per_s']:.0f}")

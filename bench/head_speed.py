@@ -33,8 +33,8 @@ def variants(device: torch.device, chunks: int, backend: str = "inductor"):
     """name -> fn(hidden, weight, targets) -> log-probs [n], each through the project's head or Liger's."""
     import types
 
-    from bicc.compile import compile_head
-    from bicc.head import ChunkLogprobs
+    from bicc.kernels.compile import compile_head
+    from bicc.model.head import ChunkLogprobs
 
     compiled = torch.nn.Linear(1, 1)  # what ChunkLogprobs reads of a head: compile_head's marks
     compile_head(types.SimpleNamespace(get_output_embeddings=lambda: compiled), backend)
@@ -59,7 +59,7 @@ def variants(device: torch.device, chunks: int, backend: str = "inductor"):
 
 
 def main() -> None:
-    from bicc.host import torch_threads
+    from bicc.machine.host import torch_threads
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: cpu_small on CPU, qwen3_4b_width on CUDA")

@@ -4,7 +4,7 @@
     python -m bench.hf_generate                            # CUDA: Qwen3-0.6B's shape, 8 prompts x 8 of 1,024 tokens
 
 The engine is ``bicc.rollout.hf.HFEngine`` as training builds it beside a sharded policy: a copy of the policy in
-the compute dtype (``bicc.models.compute_copy``: bf16 on CUDA, fp32 on CPU), sampling at the training settings
+the compute dtype (``bicc.model.load.compute_copy``: bf16 on CUDA, fp32 on CPU), sampling at the training settings
 (T 1.0, top-p 1.0) from ``--prompts`` random prompts of ``--prompt-tokens`` tokens, G = ``--n`` outputs each, up to
 ``--tokens`` new tokens, every row in one generate call. The weights are random, so outputs rarely end early; the
 rates count the tokens each call produced. Each cache form runs one warm-up call (on CUDA transformers compiles
@@ -41,10 +41,10 @@ class _Tokenizer:
 
 
 def build_sampler(arch: dict, device: torch.device):
-    """A random Qwen3 of shape ``arch`` copied to the compute dtype as ``bicc.state`` copies the sampler."""
+    """A random Qwen3 of shape ``arch`` copied to the compute dtype as ``bicc.trainer.state`` copies the sampler."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from bicc.models import compute_copy
+    from bicc.model.load import compute_copy
 
     torch.manual_seed(0)
     with torch.device(device):

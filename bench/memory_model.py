@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.memory_model                 # the table for paper_qwen3_4b and paper_phi4_mini
     .venv/bin/python -m bench.memory_model --validate      # + the model against measured CPU peaks at two sizes
 
-What is counted, term by term: ``bicc/memory.py`` (the same model checks at launch that a run fits its GPU).
+What is counted, term by term: ``bicc/machine/memory.py`` (the same model checks at launch that a run fits its GPU).
 
 ``--validate`` builds a Qwen3 of two small sizes on this CPU (fp32, W = 1, activation checkpointing),
 runs forward/backward and AdamW steps through the project's own log-prob code, and compares the measured
@@ -22,8 +22,8 @@ import subprocess
 import sys
 from dataclasses import asdict
 
-from bicc.fit import resolve_checkpoint_layers
-from bicc.memory import GIB, PHI4_MINI, QWEN3_4B, Arch, Run, peak, phases, prefix_tokens
+from bicc.machine.memory import GIB, PHI4_MINI, QWEN3_4B, Arch, Run, peak, phases, prefix_tokens
+from bicc.trainer.fit import resolve_checkpoint_layers
 
 
 def print_table(title: str, arch: Arch, run: Run) -> float:
@@ -108,8 +108,8 @@ def measure(arch: Arch, micro_batch: int, tokens: int, chunk: int) -> dict[str, 
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from bicc.logprobs import install_logprob_head, token_logprobs
-    from bicc.optim import build_optimizer
+    from bicc.model.logprobs import install_logprob_head, token_logprobs
+    from bicc.trainer.optim import build_optimizer
 
     torch.manual_seed(0)
     ids = torch.randint(0, arch.vocab, (micro_batch, tokens))
@@ -154,14 +154,14 @@ HEAD_SIZE = (512, 32_768, 32)  # a chunk's tokens, the vocabulary, the hidden si
 
 
 def measure_head(compiled: bool, dtype: str) -> dict[str, float]:
-    """Peak resident bytes per logit of one log-prob head chunk (``bicc.head``, of ``HEAD_SIZE``) above what was
+    """Peak resident bytes per logit of one log-prob head chunk (``bicc.model.head``, of ``HEAD_SIZE``) above what was
     resident before it, in this (fresh) process: a no-grad chunk without the entropy (a no-grad pass's) and a chunk
     kept for its backward with the entropy, forward and backward (the update's); eager, or compiled as
-    ``model.compile`` compiles it (``bicc.compile.compile_head``; the first calls compile, the measured ones reuse)."""
+    ``model.compile`` compiles it (``bicc.kernels.compile.compile_head``; the first calls compile, the measured ones reuse)."""
     import torch
 
-    from bicc.compile import compile_head
-    from bicc.head import ChunkLogprobs, LogprobHead
+    from bicc.kernels.compile import compile_head
+    from bicc.model.head import ChunkLogprobs, LogprobHead
 
     n, vocab, hidden = HEAD_SIZE
     torch.manual_seed(0)
@@ -217,7 +217,7 @@ def head_expected(predicted: dict[str, float], measured: dict[str, float]) -> di
 
 
 def predict_head(compiled: bool, dtype: str) -> dict[str, float]:
-    """``bicc.memory``'s head chunk per logit for ``measure_head``'s chunk: no grad, and the update's."""
+    """``bicc.machine.memory``'s head chunk per logit for ``measure_head``'s chunk: no grad, and the update's."""
     n, vocab, hidden = HEAD_SIZE
     arch = Arch(hidden=hidden, layers=1, heads=1, kv_heads=1, head_dim=hidden, intermediate=hidden, vocab=vocab, tied=True)
     run = Run(world=1, micro_batch=1, output_tokens=n, prompt_tokens=0, bicc=False, reference=False, chunk_tokens=n,

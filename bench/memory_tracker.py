@@ -1,13 +1,13 @@
 """The real RL step of a preset, traced for memory on fake tensors: what one GPU of a multi-GPU FSDP2 run
-allocates, phase by phase, measured on this CPU without the GPUs or the weights, beside ``bicc.memory``'s
+allocates, phase by phase, measured on this CPU without the GPUs or the weights, beside ``bicc.machine.memory``'s
 prediction for the same run.
 
     .venv/bin/python -m bench.memory_tracker                          # paper_qwen3_4b, dapo, bicc=on rcc=on, 4 ranks
     .venv/bin/python -m bench.memory_tracker --layers 4 rcc=off       # fewer layers; any override of the run
 
-How: the model of the preset's width (``bicc.memory.QWEN3_4B``) is built inside ``FakeTensorMode`` (shapes,
-dtypes and storages, no data) and sharded by ``bicc.distributed.wrap`` over W ranks of torch's ``fake`` process
-group; ``bicc.step.rl_step`` then runs as a run would, steps 1 and 2 (the second with AdamW's moments), under
+How: the model of the preset's width (``bicc.machine.memory.QWEN3_4B``) is built inside ``FakeTensorMode`` (shapes,
+dtypes and storages, no data) and sharded by ``bicc.machine.distributed.wrap`` over W ranks of torch's ``fake`` process
+group; ``bicc.trainer.step.rl_step`` then runs as a run would, steps 1 and 2 (the second with AdamW's moments), under
 torch's ``FSDPMemTracker``, which counts every tensor alive on this rank. The rollout is replayed: every output
 at ``rollout.max_new_tokens`` tokens (the worst case the model assumes) and half of each group right, so that
 every sample is conditioned on the other half's attempts. Data-dependent values read back from the model (the
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from bicc.fit import run_of
-from bicc.memory import GIB, QWEN3_4B, Arch, Run, phases
+from bicc.machine.memory import GIB, QWEN3_4B, Arch, Run, phases
+from bicc.trainer.fit import run_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qwen3_4b": QWEN3_4B,  # make gpu-check's rehearsal: Qwen3-0.6B's shape (bench.gpu_check.QWEN3_06B)
@@ -106,14 +106,15 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import Qwen3ForCausalLM
 
-    import bicc.step
-    from bicc import distributed
-    from bicc.logprobs import install_logprob_head
-    from bicc.models import DTYPES, enable_checkpointing
-    from bicc.optim import build_optimizer, warmup_cosine
-    from bicc.plan import StepPlan
-    from bicc.state import RLState, peak_lr
-    from bicc.tokenizer import build_char_tokenizer
+    import bicc.trainer.step
+    from bicc.machine import distributed
+    from bicc.machine.distributed import DTYPES
+    from bicc.model.load import enable_checkpointing
+    from bicc.model.logprobs import install_logprob_head
+    from bicc.model.tokenizer import build_char_tokenizer
+    from bicc.trainer.optim import build_optimizer, warmup_cosine
+    from bicc.trainer.plan import StepPlan
+    from bicc.trainer.state import RLState, peak_lr
 
     if not dist.is_initialized():
         dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
@@ -131,7 +132,7 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
         with torch.no_grad():  # FSDP2's lazy init: its persistent all-gather buffers are fake from here on
             model(input_ids=torch.zeros(1, 8, dtype=torch.long))
         ref = None
-        if StepPlan.loads_reference(cfg):  # as bicc.state.build_rl_state loads it: RCC's delta or a KL term
+        if StepPlan.loads_reference(cfg):  # as bicc.trainer.state.build_rl_state loads it: RCC's delta or a KL term
             previous = torch.get_default_dtype()
             torch.set_default_dtype(DTYPES[cfg.model.dtype])
             ref = Qwen3ForCausalLM(hf_config(arch, layers))
@@ -215,10 +216,10 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
 
         return timed
 
-    originals = {name: getattr(bicc.step, name) for name in ("collect_rollout", "step_logprobs", "update_policy")}
-    bicc.step.collect_rollout = phase("rollout", originals["collect_rollout"])
-    bicc.step.step_logprobs = phase("no-grad log-probs", originals["step_logprobs"])
-    bicc.step.update_policy = phase("update", originals["update_policy"])
+    originals = {name: getattr(bicc.trainer.step, name) for name in ("collect_rollout", "step_logprobs", "update_policy")}
+    bicc.trainer.step.collect_rollout = phase("rollout", originals["collect_rollout"])
+    bicc.trainer.step.step_logprobs = phase("no-grad log-probs", originals["step_logprobs"])
+    bicc.trainer.step.update_policy = phase("update", originals["update_policy"])
     scheduler = warmup_cosine(optimizer, 1, max(2, steps), 0.0)
     step = optimizer.step
     optimizer.step = phase("optimizer step", step)
@@ -227,18 +228,18 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     try:
         with tracker, Placeholders():
             for _ in range(steps):
-                bicc.step.rl_step(s, cfg)
+                bicc.trainer.step.rl_step(s, cfg)
     finally:
         mod_tracker.register_multi_grad_hook = register_multi_grad_hook
         for name, fn in originals.items():
-            setattr(bicc.step, name, fn)
+            setattr(bicc.trainer.step, name, fn)
         optimizer.step = step
     peaks["run"] = max(peaks.values())
     return peaks, breakdown
 
 
 def predicted(cfg, arch: Arch, world: int, prompt_tokens: int) -> dict[str, float]:
-    """``bicc.memory``'s phases for the traced run, without what the trace cannot see (runtime, fragmentation,
+    """``bicc.machine.memory``'s phases for the traced run, without what the trace cannot see (runtime, fragmentation,
     vLLM): the update is the largest of its sub-phases."""
     # the trace replays its rollout: no engine at all (as vLLM at a zero share: no HF sampler copy, no generate)
     run = dataclasses.replace(run_of(cfg, world, True, 80.0, prompt_tokens), runtime_gib=0.0, fragmentation=0.0,
@@ -278,15 +279,15 @@ def main() -> int:
     arch = dataclasses.replace(arch, layers=args.layers or arch.layers)
     start = time.perf_counter()
     traced, breakdown = trace(cfg, arch, arch.layers, args.world)
-    from bicc.tokenizer import build_char_tokenizer
-    from bicc.validation import context_template_tokens, longest_training_prompt
+    from bicc.model.tokenizer import build_char_tokenizer
+    from bicc.trainer.validation import context_template_tokens, longest_training_prompt
 
     tokenizer = build_char_tokenizer()
     prompt = longest_training_prompt(HalfRightTask(), tokenizer, 1)[0] + context_template_tokens(cfg, tokenizer)
     model = predicted(cfg, arch, args.world, prompt)
     print(f"\n{arch.params() / 1e9:.2f}B parameters ({arch.layers} layers), {args.world} ranks, "
           f"{' '.join([*PRESET, *args.overrides])}; traced in {time.perf_counter() - start:.0f} s")
-    print(f"  {'phase':<20} {'traced GiB':>10} {'bicc.memory':>12} {'model / traced':>15}")
+    print(f"  {'phase':<20} {'traced GiB':>10} {'bicc.machine.memory':>12} {'model / traced':>15}")
     for name in ("rollout", "no-grad log-probs", "update", "optimizer step", "run"):
         print(f"  {name:<20} {traced[name] / GIB:10.2f} {model[name] / GIB:12.2f} {model[name] / traced[name]:15.3f}")
     print("  at each phase's peak, by the tracker's categories (GiB):")

@@ -37,18 +37,18 @@ import time
 
 import torch
 
-import bicc.step
+import bicc.trainer.step
 from bench.flops import work_flops
 from bench.step_profile import compose_cfg
 from bicc.data import build_task
-from bicc.evaluation import evaluate, format_eval
-from bicc.gguf import resolve_model_path
-from bicc.host import torch_threads
-from bicc.models import load_pretrained
+from bicc.evaluation.evaluate import evaluate, format_eval
+from bicc.machine.host import torch_threads
+from bicc.model.gguf import resolve_model_path
+from bicc.model.load import load_pretrained
 from bicc.rollout import EngineOptions, build_engine
-from bicc.sft import warm_start
-from bicc.state import build_rl_state
-from bicc.step import rl_step
+from bicc.trainer.sft import warm_start
+from bicc.trainer.state import build_rl_state
+from bicc.trainer.step import rl_step
 
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
@@ -64,18 +64,18 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
 
 
 class UpdateWork:
-    """Our steps' update FLOPs and seconds: wraps ``bicc.step.step_inputs`` to keep the rows each step trains on."""
+    """Our steps' update FLOPs and seconds: wraps ``bicc.trainer.step.step_inputs`` to keep the rows each step trains on."""
 
     def __init__(self, model):
         self.model, self.rows, self.flops, self.seconds = model, None, [], []
-        self._inputs = bicc.step.step_inputs
+        self._inputs = bicc.trainer.step.step_inputs
 
         def keep(*a, **k):
             out = self._inputs(*a, **k)
             self.rows = out[2]  # the numerator's rows (x^c under BiCC, else q)
             return out
 
-        bicc.step.step_inputs = keep
+        bicc.trainer.step.step_inputs = keep
 
     def record(self, metrics: dict) -> None:
         self.flops.append(work_flops(self.model, self.rows, 3))  # forward + backward

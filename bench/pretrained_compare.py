@@ -16,7 +16,7 @@ all cores, for the preset's 20 steps of 4 prompts x G = 8 at T 1:
 
 The decision rule was written before the runs (docs/pretrained.md): a row helps only if the 95% CI of its paired
 difference to GRPO (pass@1 at T 0.6 per seed and problem, seeds and problems resampled independently,
-``bicc.stats.crossed_bootstrap_diff``) lies above 0, and hurts if it lies below.
+``bicc.evaluation.stats.crossed_bootstrap_diff``) lies above 0, and hurts if it lies below.
 
 Writes ``docs/pretrained/compare.md`` (the tables) and ``docs/pretrained/curves.png``; the run dirs go under
 ``outputs/pretrained/arith20/`` and are reused when their ``results.json`` exists (variance measurements under
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.results import run_dir_of, run_one
-from bicc.stats import crossed_bootstrap_diff
+from bicc.evaluation.stats import crossed_bootstrap_diff
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "experiment=smollm2_arith20"

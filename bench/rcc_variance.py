@@ -2,7 +2,7 @@
 
 From one checkpoint (the embedded default's SFT warm start, a pretrained ``model.path``, or ``--ckpt``), for each
 batch: sample one rollout batch (``rollout.prompts_per_step`` x G), build the run's contexts (BiCC as configured),
-and measure the relative gradient variance (``bicc.diagnostics.gradient_variance``: K disjoint sets of groups,
+and measure the relative gradient variance (``bicc.method.diagnostics.gradient_variance``: K disjoint sets of groups,
 mean squared distance of their gradients from the mean, over the mean's squared norm) of the same loss with
 
 - the variant's own advantage (the baseline, GRPO's (r - mean) / std by default),
@@ -55,10 +55,10 @@ class Setup:
 
     def __init__(self, cfg, ckpt: str | None = None):
         from bicc.data import build_task
-        from bicc.gguf import resolve_model_path
-        from bicc.models import end_token_ids, frozen_copy, load_pretrained
+        from bicc.model.gguf import resolve_model_path
+        from bicc.model.load import end_token_ids, frozen_copy, load_pretrained
         from bicc.rollout import EngineOptions, build_engine
-        from bicc.sft import warm_start
+        from bicc.trainer.sft import warm_start
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.task = build_task(cfg.data)
@@ -86,14 +86,14 @@ def measure(cfg, setup: Setup, batches: range, splits: int, log=print) -> list[d
     """Per batch (``batches``: their indices, each a different draw of prompts and samples, the same for every
     estimator): {estimator: (relative, absolute) gradient variance} for baseline, rcc_xc, rcc_q, mean_centered,
     with the batch's mean |delta| on x^c and on q and its accuracy."""
-    from bicc.advantages import ADVANTAGES
-    from bicc.batching import logprobs_no_grad
-    from bicc.conditioning import build_contexts
-    from bicc.diagnostics import gradient_variance, sequence_delta
-    from bicc.logprobs import make_token_batch
+    from bicc.kernels.batching import logprobs_no_grad
+    from bicc.kernels.rows import ContextRows, QueryRows
+    from bicc.method.advantages import ADVANTAGES
+    from bicc.method.conditioning import build_contexts
+    from bicc.method.diagnostics import gradient_variance, sequence_delta
+    from bicc.model.logprobs import make_token_batch
     from bicc.rollout.collect import Collection, DataCursor, collect_rollout
-    from bicc.rows import ContextRows, QueryRows
-    from bicc.update import loss_of_rows_fn
+    from bicc.trainer.update import loss_of_rows_fn
 
     model, ref_model, tokenizer, device = setup.model, setup.ref_model, setup.tokenizer, setup.device
     T, mb = cfg.rollout.temperature, cfg.train.micro_batch_size

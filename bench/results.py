@@ -9,7 +9,7 @@ T 1, greedy accuracy) and writes:
 - ``outputs/results/steps<N>/<config>/s<seed>/``: the run dirs (metrics, diagnostics, results.json);
 - ``docs/results/results.md``: the table in the paper's format (mean over seeds, spread, delta against
   the matching baseline) and the gradient-variance ratio measured during training;
-- ``docs/results/*.png``: ``bicc.plots`` figures of all runs;
+- ``docs/results/*.png``: ``bicc.evaluation.plots`` figures of all runs;
 - ``docs/results.md``'s table, between ``<!-- results:start -->`` and ``<!-- results:end -->``.
 
 Runs whose ``results.json`` exists are reused, so an interrupted ``make results`` continues where it
@@ -230,7 +230,7 @@ def main() -> None:
     out_docs = ROOT / "docs" / "results"
     out_docs.mkdir(parents=True, exist_ok=True)
     (out_docs / "results.md").write_text(table + "\n", encoding="utf-8")
-    from bicc.plots import make_plots
+    from bicc.evaluation.plots import make_plots
 
     for path in make_plots([d for ds in runs.values() for d in ds], out_docs):
         print(path)

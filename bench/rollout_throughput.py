@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from bicc.checkpoint import save_hf
 from bicc.config import ModelConfig, RolloutConfig, TinyArchConfig
 from bicc.data import encode_prompt
-from bicc.gguf import resolve_model_path
-from bicc.logprobs import batch_logprobs, make_token_batch
-from bicc.models import build_tiny, load_pretrained
+from bicc.model.gguf import resolve_model_path
+from bicc.model.load import build_tiny, load_pretrained
+from bicc.model.logprobs import batch_logprobs, make_token_batch
 from bicc.rollout import EngineOptions, SamplingParams, build_engine
+from bicc.trainer.checkpoint import save_hf
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ The step is one GPU's share of the paper preset (``conf/experiment/paper_qwen3_4
 G = 8 = 64 outputs, prompts of 300 tokens, output lengths from the labelled completions scaled so that the
 99th percentile is 2,048 tokens, the BiCC context budget 0.4 x 2,048 with KV-reuse packing (two distinct
 prefixes per group, each token costing what a plain token costs), activation checkpointing (one more forward
-in the update), and the passes each configuration makes (``bicc.plan.StepPlan``; the preset reads RCC's delta
+in the update), and the passes each configuration makes (``bicc.trainer.plan.StepPlan``; the preset reads RCC's delta
 from a pass of its own, ``rcc.delta_from_update=true`` from the update's forward). On a GPU the weight sync
 is added: the bf16 weights at an assumed 100 GB/s. On a CPU the rollout is HF decoding, which costs ~10x a
 forward per token here; vLLM on a GPU changes that share, so read the CPU shares with that in mind.
@@ -30,11 +30,11 @@ import torch
 from bench.memory_model import QWEN3_4B
 from bench.step_profile import compose_cfg, drawn_lengths
 from bicc.config import TinyArchConfig
-from bicc.host import torch_threads
-from bicc.logprobs import make_token_batch
-from bicc.models import build_tiny, num_parameters
-from bicc.plan import StepPlan
-from bicc.rows import QueryRows
+from bicc.kernels.rows import QueryRows
+from bicc.machine.host import torch_threads
+from bicc.model.load import build_tiny, num_parameters
+from bicc.model.logprobs import make_token_batch
+from bicc.trainer.plan import StepPlan
 
 SMALL = [dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
               head_dim=64),

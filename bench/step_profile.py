@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python -m bench.step_profile [--lengths task|realistic] [hydra overrides...]``.
 
 ``--lengths task`` (default): the embedded default (tiny model, its cached warm start, real rollouts). Times
-``--steps`` calls of ``bicc.step.rl_step`` after ``--warmup`` and splits them with the step's own timers
+``--steps`` calls of ``bicc.trainer.step.rl_step`` after ``--warmup`` and splits them with the step's own timers
 (``perf/``): generate, the plan's no-grad passes, the update's forward, backward and optimizer step, the
 diagnostics (``rcc.diag_every``: their own forwards and backwards); the rest is loop overhead (tokenising, rewards,
 batching, contexts, advantages, metrics). Ends with
@@ -43,22 +43,22 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from bicc.advantages import Advantages
-from bicc.batching import trim_rows
 from bicc.config import TinyArchConfig, register_configs
 from bicc.data import build_task
-from bicc.host import torch_threads
-from bicc.logprobs import batch_logprobs, make_token_batch
-from bicc.models import build_tiny, num_parameters
-from bicc.plan import StepPlan, step_logprobs
+from bicc.kernels.batching import trim_rows
+from bicc.kernels.rows import QueryRows
+from bicc.machine.host import torch_threads
+from bicc.method.advantages import Advantages
+from bicc.model.load import build_tiny, num_parameters
+from bicc.model.logprobs import batch_logprobs, make_token_batch
 from bicc.rollout.collect import Collection, DataCursor, collect_rollout
 from bicc.rollout.hf import HFEngine
-from bicc.rows import QueryRows
-from bicc.sft import warm_start
-from bicc.state import build_rl_state
-from bicc.step import rl_step
-from bicc.update import update_policy
-from bicc.validation import validate
+from bicc.trainer.plan import StepPlan, step_logprobs
+from bicc.trainer.sft import warm_start
+from bicc.trainer.state import build_rl_state
+from bicc.trainer.step import rl_step
+from bicc.trainer.update import update_policy
+from bicc.trainer.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "labelled_completions.jsonl"
@@ -186,7 +186,7 @@ def computed_tokens(numerator, plan_rows: list[torch.Tensor], trimmed: bool) -> 
 
 def training_part(state, cfg, batch, adv, padded: bool, micro: int, seed: int):
     """The no-grad passes and the update on one rollout batch: before (padded) or now; returns seconds."""
-    from bicc.batching import micro_batches
+    from bicc.kernels.batching import micro_batches
 
     numerator = PaddedNumerator(batch) if padded else QueryRows(batch)
     run_cfg = copy.deepcopy(cfg)
@@ -210,7 +210,7 @@ def full_step_at_equal_flop_cost(states, cfgs, ro, grpo_split: dict[str, float])
     its update's forward and backward scaled by the model FLOPs of BiCC+RCC's passes and update over
     GRPO's (``bench.flops``), on the rows of rollout ``ro``; generation and everything else as GRPO's."""
     from bench.flops import plan_flops
-    from bicc.step import step_inputs
+    from bicc.trainer.step import step_inputs
 
     flops = {}
     for name in ("grpo", "bicc_rcc"):

@@ -25,12 +25,12 @@ import torch
 
 from bench.step_profile import compose_cfg
 from bicc.data import build_task
-from bicc.gguf import resolve_model_path
-from bicc.models import end_token_ids, load_policy
-from bicc.rewards import extract_answer
+from bicc.data.rewards import extract_answer
+from bicc.evaluation.stats import bootstrap_ci
+from bicc.model.gguf import resolve_model_path
+from bicc.model.load import end_token_ids, load_policy
 from bicc.rollout import EngineOptions, build_engine
 from bicc.rollout.collect import Collection, DataCursor, collect_rollout
-from bicc.stats import bootstrap_ci
 
 BOXED = "data.arith.instruction='Put your final answer within \\boxed{}.'"  # Hydra keeps the backslash
 SMALL = ["data.arith.min_operands=2", "data.arith.max_operands=2", "data.arith.max_operand=20"]

@@ -8,7 +8,7 @@
 The rows: ``--prompts`` prompts of ``--prompt-tokens`` tokens, G = ``--group`` outputs each, of lengths drawn
 evenly in [``--output-tokens`` / 2, ``--output-tokens``] (a reasoning batch is ragged), random token ids.
 
-- **ours**: ``bicc.update.update_policy`` as a GRPO step runs it (pi_old from the update's own forward, the
+- **ours**: ``bicc.trainer.update.update_policy`` as a GRPO step runs it (pi_old from the update's own forward, the
   registered loss, micro-batches of ``train.micro_batch_size`` rows and ``train.micro_batch_tokens``, each prompt
   computed once for its G outputs under ``train.share_prompts``, the chunked log-prob head), then AdamW; fp32
   master weights, bf16 compute on CUDA (the presets' setting), fp32 on CPU. ``--fsdp``: wrapped as
@@ -35,12 +35,12 @@ row), the same count for both. Prints
   the MFU falls short and the HFU does not, the FLOPs spent beyond the model's (the recompute that memory asks
   for) are the limit;
 - on CUDA ``RESULT update_allocated_vs_model=`` (``torch.cuda.max_memory_allocated`` over ours' timed updates, before
-  the bare loop's model is built, over ``bicc.memory``'s allocated bytes for ours here: every output at
+  the bare loop's model is built, over ``bicc.machine.memory``'s allocated bytes for ours here: every output at
   ``--output-tokens``, no reference, no rollout; target 0.9-1.1).
 
 **Depth.** Two models of Qwen3-4B's width and depth, with their AdamW states, do not fit one GPU together.
 ``--no-bare`` times ours alone (no ``update_vs_bare``). ``--layers fit`` takes the most layers, up to the shape's,
-at which ``bicc.memory`` says ours fits ``train.memory_gib`` (else the GPU's memory) as ``model.checkpoint_layers=auto``
+at which ``bicc.machine.memory`` says ours fits ``train.memory_gib`` (else the GPU's memory) as ``model.checkpoint_layers=auto``
 fills it (90%), every layer checkpointed; it leaves the bare loop out. ``model.checkpoint_layers=auto`` is resolved
 here as ``train.py`` resolves it at launch: the fewest checkpointed layers whose predicted peak fits (on CPU only
 under ``train.memory_gib``; else every layer). The log-prob chunk is a micro-batch's outputs (one chunk, kept for its
@@ -51,7 +51,7 @@ mode). ``--top N`` prints the profiled update's N most frequent aten ops and, on
 longest stretches between its first and last kernel in which the GPU ran none (the kernels on either side name
 where) and the N lines the update waits for the GPU at most often; ``--stacks
 aten::item`` where an op is launched from (Python stacks, its most frequent call sites). ``--compile``
-compiles ours' decoder layers (``model.compile=on``, ``bicc.compile``) before the timed calls; the warm-up call pays
+compiles ours' decoder layers (``model.compile=on``, ``bicc.kernels.compile``) before the timed calls; the warm-up call pays
 the compilation.
 """
 
@@ -105,7 +105,7 @@ def make_rows(prompts: int, group: int, prompt_tokens: int, output_tokens: int, 
 def update_cfg(prompt_tokens: int, output_tokens: int, micro_rows: int, checkpointing: bool, overrides=()):
     """Our update's config here: a GRPO step, micro-batches of ``micro_rows`` rows (and their tokens at the longest),
     one log-prob chunk per micro-batch's outputs, then ``overrides``; ``model.gradient_checkpointing`` as ``build``
-    sets it up (``bicc.memory`` reads it)."""
+    sets it up (``bicc.machine.memory`` reads it)."""
     from bench.step_profile import compose_cfg
 
     cfg = compose_cfg(["algo=grpo", "bicc=off", "rcc=off", f"rollout.max_new_tokens={output_tokens}",
@@ -117,21 +117,21 @@ def update_cfg(prompt_tokens: int, output_tokens: int, micro_rows: int, checkpoi
 
 
 def memory_arch(arch: dict, layers: int | None = None):
-    """``bicc.memory``'s shape of ``arch`` (an HF config's fields, read by ``bicc.fit.arch_of``), at ``layers``
+    """``bicc.machine.memory``'s shape of ``arch`` (an HF config's fields, read by ``bicc.trainer.fit.arch_of``), at ``layers``
     decoder layers where given."""
     from types import SimpleNamespace
 
-    from bicc.fit import arch_of
+    from bicc.trainer.fit import arch_of
 
     return arch_of(SimpleNamespace(**{**arch, "num_hidden_layers": layers or arch["num_hidden_layers"]}))
 
 
 def memory_run(cfg, rows, prompt_tokens: int, sharded: bool, compiled: bool, device: torch.device):
-    """What ``bicc.memory`` counts for ours in this bench (``cfg`` its update's config): one process, every output at
+    """What ``bicc.machine.memory`` counts for ours in this bench (``cfg`` its update's config): one process, every output at
     ``rollout.max_new_tokens``, ``rows``' count, no reference, no BiCC contexts, the bench's compute dtype (bf16 on
     CUDA, fp32 on CPU); no sampler, rollout or evaluation (vLLM's share of the GPU 0: those phases hold only the
     weights and AdamW's moments)."""
-    from bicc.fit import run_of
+    from bicc.trainer.fit import run_of
 
     run = run_of(cfg, 1, sharded, 0.0, prompt_tokens)
     return dataclasses.replace(run, rows=len(rows[1]), compute_bytes=2 if device.type == "cuda" else 4, reference=False,
@@ -143,8 +143,8 @@ def fit_layers(arch: dict, run, budget_gib: float) -> int:
     """``--layers fit``: the most decoder layers, up to ``arch``'s, at which ours' predicted peak (``run``'s
     checkpointing; under ``model.checkpoint_layers=auto`` every layer checkpointed, the most it can be) fits the
     share of ``budget_gib`` that ``model.checkpoint_layers=auto`` fills; ValueError where not even one layer does."""
-    from bicc.fit import AUTO_SHARE
-    from bicc.memory import peak
+    from bicc.machine.memory import peak
+    from bicc.trainer.fit import AUTO_SHARE
 
     for layers in range(arch["num_hidden_layers"], 0, -1):
         if peak(memory_arch(arch, layers), run)[1] <= AUTO_SHARE * budget_gib * GIB:
@@ -166,7 +166,7 @@ def build(arch: dict, device: torch.device, checkpointing: bool, policy: str = "
     ``model.checkpoint_layers`` (ours' only)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from bicc.models import enable_checkpointing
+    from bicc.model.load import enable_checkpointing
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -185,12 +185,12 @@ def synchronize(device: torch.device) -> None:
 
 def our_update(model, rows, cfg, device):
     """A function running one of our GRPO updates on ``rows`` (pi_old from its own first forward)."""
-    from bicc.advantages import Advantages
-    from bicc.logprobs import make_token_batch
-    from bicc.optim import build_optimizer, warmup_cosine
-    from bicc.rows import query_rows
-    from bicc.state import RLState
-    from bicc.update import update_policy
+    from bicc.kernels.rows import query_rows
+    from bicc.method.advantages import Advantages
+    from bicc.model.logprobs import make_token_batch
+    from bicc.trainer.optim import build_optimizer, warmup_cosine
+    from bicc.trainer.state import RLState
+    from bicc.trainer.update import update_policy
 
     prompts, outputs = rows
     batch = make_token_batch(prompts, outputs, 0).to(device)
@@ -203,7 +203,7 @@ def our_update(model, rows, cfg, device):
 
 def bare_update(model, rows, micro_rows: int, device):
     """A function running one bare update: micro-batches of ``micro_rows`` padded rows, full-vocab log-softmax."""
-    from bicc.logprobs import make_token_batch
+    from bicc.model.logprobs import make_token_batch
 
     prompts, outputs = rows
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
@@ -227,11 +227,11 @@ def bare_update(model, rows, micro_rows: int, device):
 
 
 def fsdp_one_rank(model, cfg, device, compute):
-    """``model`` sharded as ``bicc.distributed.wrap`` shards it under torchrun, in a process group of this one
+    """``model`` sharded as ``bicc.machine.distributed.wrap`` shards it under torchrun, in a process group of this one
     process (NCCL on CUDA, gloo on CPU)."""
     import torch.distributed as dist
 
-    from bicc.distributed import Dist, wrap
+    from bicc.machine.distributed import Dist, wrap
 
     if not dist.is_initialized():
         tmp = tempfile.mkdtemp(prefix="update_vs_bare_")
@@ -523,12 +523,12 @@ def query_heads(query, key, value) -> tuple:
 
 
 def main() -> None:
-    from bicc.host import torch_threads
+    from bicc.machine.host import torch_threads
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: cpu_small on CPU, qwen3_0.6b on CUDA")
     parser.add_argument("--layers", type=layer_count, default=None,
-                        help="override the shape's layer count; fit: the most that bicc.memory says fit ours "
+                        help="override the shape's layer count; fit: the most that bicc.machine.memory says fit ours "
                         "(train.memory_gib, else the GPU's memory), the bare loop left out")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
@@ -569,12 +569,12 @@ def main() -> None:
         except ValueError as err:
             parser.error(str(err))
         print(f"[update_vs_bare] --layers fit: {arch['num_hidden_layers']} layers fit ours in {budget:.1f} GiB "
-              "(bicc.memory); the bare loop, a second model in memory, left out")
+              "(bicc.machine.memory); the bare loop, a second model in memory, left out")
     elif args.layers:
         arch["num_hidden_layers"] = args.layers
     with_bare = not args.no_bare and args.layers != "fit"
     if checkpointing and str(cfg.model.checkpoint_layers) == "auto" and budget is not None:  # as train.py resolves it
-        from bicc.fit import resolve_checkpoint_layers
+        from bicc.trainer.fit import resolve_checkpoint_layers
 
         chosen = resolve_checkpoint_layers(memory_arch(arch), run, budget)
         cfg.model.checkpoint_layers, run = str(chosen), dataclasses.replace(run, checkpoint_layers=chosen)
@@ -588,28 +588,28 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
     ours_model = build(arch, device, checkpointing, cfg.model.checkpoint_policy, cfg.model.checkpoint_layers)
-    if args.compile:  # before the wrap, as bicc.state.build_rl_state does
-        from bicc.compile import compile_layers
+    if args.compile:  # before the wrap, as bicc.trainer.state.build_rl_state does
+        from bicc.kernels.compile import compile_layers
 
         compile_layers(ours_model, checkpoint_in_graph=cfg.model.checkpoint_in_graph)
-    compute = torch.bfloat16 if device.type == "cuda" else None  # fp32 master weights, bf16 compute (bicc.models)
+    compute = torch.bfloat16 if device.type == "cuda" else None  # fp32 master weights, bf16 compute (bicc.model.load)
     if args.fsdp:
         ours_model = fsdp_one_rank(ours_model, cfg, device, compute)
     elif compute is not None:
         ours_model.bicc_compute_dtype = compute
-    from bicc.distributed import is_sharded
+    from bicc.machine.distributed import is_sharded
 
     print("[update_vs_bare] ours: " + ("sharded by FSDP2 over a one-rank process group" if is_sharded(ours_model)
                                       else "unwrapped" + (", under autocast" if compute is not None else ""))
           + (", decoder layers compiled" if args.compile else ""), flush=True)
-    from bicc.logprobs import install_logprob_head
-    from bicc.memory import allocated, peak
+    from bicc.machine.memory import allocated, peak
+    from bicc.model.logprobs import install_logprob_head
 
     install_logprob_head(ours_model, cfg.train.logprob_chunk_tokens)
     phase, predicted = peak(memory_arch(arch), run)
     predicted_allocated = max(allocated(memory_arch(arch), run).values())
-    print(f"[update_vs_bare] bicc.memory: ours' peak {predicted / GIB:.2f} GiB ({phase}), {predicted_allocated / GIB:.2f} "
-          "GiB of it allocated tensors", flush=True)
+    print(f"[update_vs_bare] bicc.machine.memory: ours' peak {predicted / GIB:.2f} GiB ({phase}), "
+          f"{predicted_allocated / GIB:.2f} GiB of it allocated tensors", flush=True)
     ours = our_update(ours_model, rows, cfg, device)
     ours_s, bare_s, bare, ours_peak = [], [], None, None
     for round_ in (1, 2) if with_bare else (1,):  # alternate, so that drift hits both
@@ -617,7 +617,7 @@ def main() -> None:
         if round_ == 1 and device.type == "cuda":  # the timed calls', before the bare loop's model is built
             ours_peak = torch.cuda.max_memory_allocated()
         if args.compile and round_ == 1:
-            from bicc.step import compiled_graphs
+            from bicc.trainer.step import compiled_graphs
 
             print(f"[update_vs_bare] ours compiled {compiled_graphs()} Dynamo graphs", flush=True)
         if with_bare:

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from bicc.config import DistConfig
-from bicc.distributed import Dist, wrap
-from bicc.prefix_cache import prefix_cache_logprobs
+from bicc.kernels.prefix_cache import prefix_cache_logprobs
+from bicc.machine.distributed import Dist, wrap
 from tests.helpers import prefix_cache_case, tiny
 
 if __name__ == "__main__":

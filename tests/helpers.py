@@ -18,11 +18,11 @@ import torch
 
 from bicc.config import BiccConfig, TinyArchConfig
 from bicc.data import encode_prompt
-from bicc.logprobs import make_token_batch, token_logprobs
-from bicc.models import build_tiny
-from bicc.optim import build_optimizer, warmup_cosine
-from bicc.state import RLState
-from bicc.tokenizer import build_char_tokenizer
+from bicc.model.load import build_tiny
+from bicc.model.logprobs import make_token_batch, token_logprobs
+from bicc.model.tokenizer import build_char_tokenizer
+from bicc.trainer.optim import build_optimizer, warmup_cosine
+from bicc.trainer.state import RLState
 from tests.conftest import compose_cfg
 
 # ---- Paths and runs of train.py ------------------------------------------------------------------
@@ -196,7 +196,7 @@ def unpacked(model, tok, prefixes, completions):
 def full_vocab_logprobs(model, batch, temperature: float = 1.0):
     """The slow way, for exactness tests: the model's full [B, T, V] logits (its plain projection), an fp32
     log-softmax over the whole vocabulary, the targets gathered. [B, L]"""
-    from bicc.logprobs import compute_precision
+    from bicc.model.logprobs import compute_precision
 
     L = batch.completion_len
     with compute_precision(model):
@@ -219,8 +219,8 @@ def kv_case(seed=5):
     """Three contexts, eight ragged outputs behind them, as a KV-reuse numerator."""
     from omegaconf import OmegaConf
 
-    from bicc.conditioning import ConditionedPrompts
-    from bicc.rows import ContextRows
+    from bicc.kernels.rows import ContextRows
+    from bicc.method.conditioning import ConditionedPrompts
 
     gen = torch.Generator().manual_seed(seed)
     contexts = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (12, 9, 7)]
@@ -277,7 +277,7 @@ BPE_FIXTURE = ROOT / "tests" / "fixtures" / "smollm2_tokenizer"
 def bpe_tokenizer():
     """SmolLM2-135M-Instruct's byte-level BPE tokenizer and ChatML template (tests/fixtures/smollm2_tokenizer),
     unpacked once per session into a temp dir that is gone once it is read; left padding, as
-    ``bicc.models.load_pretrained`` sets it."""
+    ``bicc.model.load.load_pretrained`` sets it."""
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory(prefix="bicc-bpe-") as tmp:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from bicc.advantages import ADVANTAGES, group_stats
+from bicc.method.advantages import ADVANTAGES, group_stats
 
 
 class Cfg:

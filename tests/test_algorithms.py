@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from bicc.models import build_tiny
-from bicc.state import build_rl_state
-from bicc.step import rl_step
+from bicc.model.load import build_tiny
+from bicc.trainer.state import build_rl_state
+from bicc.trainer.step import rl_step
 from tests.conftest import CONF, compose_cfg
 from tests.helpers import ARCH, CoinTask
 

@@ -1,16 +1,16 @@
-"""Length-aware micro-batches and per-micro-batch padding (bicc/batching.py): the plan by hand, the trimmed
+"""Length-aware micro-batches and per-micro-batch padding (bicc/kernels/batching.py): the plan by hand, the trimmed
 columns by hand, and the gradient against one forward over the whole padded batch (how every step ran
 before micro-batches were cut by length)."""
 
 import pytest
 import torch
 
-from bicc.batching import logprobs_no_grad, micro_batches, padded_tokens, plan_micro_batches, trim_rows
-from bicc.distributed import Dist
-from bicc.logprobs import batch_logprobs, make_token_batch
-from bicc.losses import LOSSES, StepTotals
-from bicc.models import build_tiny
-from bicc.rows import QueryRows
+from bicc.kernels.batching import logprobs_no_grad, micro_batches, padded_tokens, plan_micro_batches, trim_rows
+from bicc.kernels.rows import QueryRows
+from bicc.machine.distributed import Dist
+from bicc.method.losses import LOSSES, StepTotals
+from bicc.model.load import build_tiny
+from bicc.model.logprobs import batch_logprobs, make_token_batch
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, kv_case
 
@@ -98,8 +98,8 @@ def test_conditioned_logprobs_do_not_depend_on_the_plan(impl):
     row."""
     from omegaconf import OmegaConf
 
-    from bicc.conditioning import ConditionedPrompts
-    from bicc.rows import ContextRows
+    from bicc.kernels.rows import ContextRows
+    from bicc.method.conditioning import ConditionedPrompts
 
     gen = torch.Generator().manual_seed(5)
     contexts = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (12, 9, 7)]
@@ -187,7 +187,7 @@ def test_the_update_forwards_stay_within_the_token_cap(bicc, monkeypatch):
     is an OOM the memory budget did not plan for)."""
     from bicc.data import build_task
     from bicc.rollout import build_engine
-    from bicc.step import rl_step
+    from bicc.trainer.step import rl_step
     from tests.helpers import CoinTask, state_for
 
     cap = 200  # rows of 45-62 tokens: three at most
@@ -211,8 +211,8 @@ def test_the_update_never_packs_past_the_cap_on_real_tokens():
     """Rows whose real tokens fit the cap but whose padded size does not go apart. Prompts of 6 tokens, outputs of
     12, 11, 11, 10: rows of 18, 17, 17, 16 tokens. At a cap of 35 the 18 goes alone (with a 17: 2 x 18 = 36 padded
     for 35 real), then 17 + 17 (34), then 16; the update's forwards and the no-grad passes embed exactly those."""
-    from bicc.advantages import Advantages
-    from bicc.update import update_policy
+    from bicc.method.advantages import Advantages
+    from bicc.trainer.update import update_policy
     from tests.helpers import state_for
 
     gen = torch.Generator().manual_seed(0)

@@ -60,7 +60,7 @@ def test_the_head_bench_checks_every_variant_then_times_it():
 def test_step_model_phases_follow_the_plan():
     from bench.step_model import step_phases
     from bench.step_profile import compose_cfg
-    from bicc.plan import StepPlan
+    from bicc.trainer.plan import StepPlan
 
     cost = {"forward": 1.0, "forward_backward": 3.0, "decode": 10.0}
     grpo = step_phases(StepPlan.from_config(compose_cfg(["bicc=off", "rcc=off"]), False), cost, 100.0, 2048)
@@ -86,7 +86,7 @@ def test_flops_count_the_work_of_the_rows_computed():
     to W + t keys: (n - 1) W + (n - 1) n / 2 = 175 + 10 + 63 + 27 + 108 + 0 + 93 + 27 = 503 pairs. One padded
     row per output instead: every context again for each of its outputs."""
     from bench.flops import forward_work, work_flops
-    from bicc.models import build_tiny
+    from bicc.model.load import build_tiny
     from tests.helpers import ARCH, kv_case
 
     numerator, _, _ = kv_case()
@@ -107,8 +107,8 @@ def test_plan_flops_count_each_pass_of_the_plan():
     pi_old and pi_ref on q, then the update on x^c; with delta's own pass, one more forward on x^c."""
     from bench.flops import plan_flops, work_flops
     from bench.step_profile import compose_cfg
-    from bicc.models import build_tiny
-    from bicc.plan import StepPlan
+    from bicc.model.load import build_tiny
+    from bicc.trainer.plan import StepPlan
     from tests.helpers import ARCH, kv_case
 
     on_xc, _, _ = kv_case()
@@ -253,7 +253,7 @@ def test_pretrained_compare_rows_compose_and_differ_only_where_named():
     row is the headline command on its own preset."""
     from bench.pretrained_compare import HEADLINE, ROWS, TASK
     from bench.step_profile import compose_cfg
-    from bicc.conditioning import context_budget
+    from bicc.method.conditioning import context_budget
 
     cfgs = {name: compose_cfg([TASK, *overrides]) for name, overrides in ROWS.items()}
     assert {name: (c.bicc.enabled, c.bicc.old_on_context, c.rcc.enabled, c.rcc.delta_context, context_budget(c.bicc))
@@ -270,15 +270,15 @@ def test_pretrained_compare_rows_compose_and_differ_only_where_named():
 
 
 def test_peer_trl_counts_the_update_flops_of_the_rows_each_step_trained_on(monkeypatch):
-    import bicc.step
+    import bicc.trainer.step
     from bench import peer_trl
 
     calls = iter([(None, None, "rows A"), (None, None, "rows B")])
-    monkeypatch.setattr(bicc.step, "step_inputs", lambda *a, **k: next(calls))
+    monkeypatch.setattr(bicc.trainer.step, "step_inputs", lambda *a, **k: next(calls))
     monkeypatch.setattr(peer_trl, "work_flops", lambda m, rows, passes: {"rows A": 10.0, "rows B": 30.0}[rows] * passes)
     work = peer_trl.UpdateWork(model=None)
     for seconds in (1.0, 3.0):
-        bicc.step.step_inputs()  # what rl_step calls: the wrapper keeps the numerator's rows
+        bicc.trainer.step.step_inputs()  # what rl_step calls: the wrapper keeps the numerator's rows
         work.record({"perf/update_forward_s": seconds / 4, "perf/update_backward_s": 3 * seconds / 4})
     assert work.flops == [30.0, 90.0]  # forward + backward = 3 forwards
     assert work.achieved() == 120.0 / 4.0

@@ -55,7 +55,7 @@ def test_no_default_path_leaves_the_repo(monkeypatch):
 def test_an_absent_file_falls_back_to_the_benchmarks_hub_dataset(monkeypatch, tmp_path, capsys):
     """eval.data_dir without the file: the benchmark's ``hub`` dataset, read with its own field names."""
     from bicc.data import benchmarks
-    from bicc.evaluation import FileBenchmark
+    from bicc.evaluation.evaluate import FileBenchmark
     from tests.conftest import compose_cfg
 
     asked = []
@@ -155,7 +155,7 @@ def test_data_jsonl_trains_on_a_local_file_with_its_own_field_names(tmp_path):
     """``data=jsonl``: a local JSONL with other field names, scored by the checker; without its files the error
     names the field before any file or model is read."""
     from bicc.data import build_task
-    from bicc.validation import validate
+    from bicc.trainer.validation import validate
     from tests.conftest import compose_cfg
 
     rows = [{"uid": f"r{i}", "question": f"What is {i} + {i}?", "solution": str(2 * i)} for i in range(1, 4)]

@@ -7,10 +7,10 @@ import tempfile
 import pytest
 import torch
 
-from bicc.answers import answer_anchors, extract
-from bicc.conditioning import _encode_template, answer_start, build_contexts, context_budget, truncate
 from bicc.data import encode_prompt
-from bicc.models import end_token_ids
+from bicc.data.answers import answer_anchors, extract
+from bicc.method.conditioning import _encode_template, answer_start, build_contexts, context_budget, truncate
+from bicc.model.load import end_token_ids
 from tests.conftest import compose_cfg
 from tests.helpers import BiccCfg, bpe_tokenizer, tiny_llama
 

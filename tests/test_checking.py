@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bicc.answers import canonical, extract
-from bicc.checking import MathChecker
+from bicc.data.answers import canonical, extract
+from bicc.data.checking import MathChecker
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_extractors_in_order():
 def test_a_long_output_is_read_at_its_end():
     """Only the last 20,000 characters are searched (a bound on untrusted text): the final answer, written last,
     is found past them, and an early draft answer is not."""
-    from bicc.answers import MAX_CHARS
+    from bicc.data.answers import MAX_CHARS
 
     text = "\\boxed{1} " + "x" * (MAX_CHARS + 5000) + " \\boxed{2}"
     assert extract(text, ("boxed",)) == "2"
@@ -89,7 +89,7 @@ def test_gsm8k_extraction_is_linear_in_newlines():
     """``A:`` lines used to be matched with a leading ``\\s*`` that re-scanned every run of newlines from each
     newline in it: 0.02 / 0.09 / 0.38 s on 5k / 10k / 20k newlines (the 20k-character cap of ``extract`` bounded
     it there), ~10 s for the 100k here, past the cap."""
-    from bicc.answers import extract_gsm8k
+    from bicc.data.answers import extract_gsm8k
 
     start = time.perf_counter()
     assert extract_gsm8k("\n" * 100_000 + "A: 12 apples") == "12"
@@ -115,7 +115,7 @@ def test_items_after_deadline_kills_do_not_wait_for_imports():
     with other work slows both). The items after that do not wait for the new spares' imports either. The deadline
     is ``eval=arith``'s 1.5 s: the easy item is scored while the two new spares import math-verify on the same
     core (the worker's pinned one), and at 0.5 s it timed out on a busy host."""
-    from bicc.checking import VerifyPool
+    from bicc.data.checking import VerifyPool
 
     deadline = 1.5
     hard = ("7", "$\\boxed{9^{9^{9^{9^{9}}}}}$", ("latex", "expr"), 6, False, True)
@@ -153,7 +153,7 @@ import sys
 
 _RESERVED = mmap.mmap(-1, 6 << 30)  # like CUDA torch at import: gigabytes mapped, little touched
 
-from bicc.checking import MathChecker
+from bicc.data.checking import MathChecker
 
 if __name__ == "__main__":
     checker = MathChecker(workers=1, deadline_s=20.0)

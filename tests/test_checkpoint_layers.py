@@ -1,6 +1,6 @@
 """``model.checkpoint_layers``: activation checkpointing on the first N decoder layers only (``all``, N, or ``auto``: the
 fewest that fit the memory budget). The update is the fully checkpointed one (fp64, eager and compiled), only the
-checkpointed layers run their forward again, what a layer left out keeps is what ``bicc.memory.saved_per_token``
+checkpointed layers run their forward again, what a layer left out keeps is what ``bicc.machine.memory.saved_per_token``
 counts, the memory model and ``auto`` follow it, and the config reaches the layers."""
 
 import dataclasses
@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from bicc.compile import compile_layers, compiled_layers, decoder_layers
-from bicc.fit import checkpoint_setting, knob, launch_check, resolve_checkpoint_layers, run_of
-from bicc.memory import GIB, QWEN3_4B, Arch, Run, peak, phases, saved_per_token
-from bicc.models import build_tiny, checkpointed_layers, enable_checkpointing, load_pretrained
+from bicc.kernels.compile import compile_layers, compiled_layers, decoder_layers
+from bicc.machine.memory import GIB, QWEN3_4B, Arch, Run, peak, phases, saved_per_token
+from bicc.model.load import build_tiny, checkpointed_layers, enable_checkpointing, load_pretrained
+from bicc.trainer.fit import checkpoint_setting, knob, launch_check, resolve_checkpoint_layers, run_of
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH
 from tests.test_compile import update
@@ -185,7 +185,7 @@ def test_what_bounds_auto_in_the_presets_is_counted_by_hand():
 def test_the_setting_reaches_the_layers(tmp_path):
     """``model.checkpoint_layers`` through ``load_pretrained`` (the policy, the reference), checked at composition
     and at load, each error naming the field; ``all`` in every preset."""
-    from bicc.validation import validate
+    from bicc.trainer.validation import validate
 
     model, tok = build_tiny(ARCH, seed=0)
     model.save_pretrained(tmp_path)
@@ -203,11 +203,11 @@ def test_the_setting_reaches_the_layers(tmp_path):
 
 
 def test_auto_resolves_at_launch_from_the_budget(tmp_path):
-    """``bicc.fit.launch_check`` with ``auto`` and a budget between two layer counts' peaks: the config names the
+    """``bicc.trainer.fit.launch_check`` with ``auto`` and a budget between two layer counts' peaks: the config names the
     count before the model loads, and its line says so; more layers than the model has are refused."""
     from bicc.data import build_task
-    from bicc.distributed import Dist
-    from bicc.fit import predicted_run
+    from bicc.machine.distributed import Dist
+    from bicc.trainer.fit import predicted_run
 
     overrides = ["model.gradient_checkpointing=true", "model.checkpoint_layers=auto", "train.memory_check=true"]
     cfg = compose_cfg(overrides)
@@ -225,6 +225,6 @@ def test_auto_resolves_at_launch_from_the_budget(tmp_path):
 
 
 def build_char_tokenizer_for(cfg):
-    from bicc.models import tokenizer_and_positions
+    from bicc.model.load import tokenizer_and_positions
 
     return tokenizer_and_positions(cfg.model)[0]

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from bicc.data import Problem
-from bicc.rewards import overlong_penalty
+from bicc.data.rewards import overlong_penalty
+from bicc.model.tokenizer import build_char_tokenizer
 from bicc.rollout import RolloutOutput
 from bicc.rollout.collect import Collection, DataCursor, collect_rollout
-from bicc.tokenizer import build_char_tokenizer
 
 
 class ScriptedTask:
@@ -135,7 +135,7 @@ def test_the_rollout_package_sits_below_the_rl_state():
 
     from tests.helpers import ROOT
 
-    above = {"bicc.state", "bicc.step", "bicc.update", "bicc.loop", "bicc.plan"}
+    above = {"bicc.trainer.state", "bicc.trainer.step", "bicc.trainer.update", "bicc.trainer.loop", "bicc.trainer.plan"}
     for path in (ROOT / "bicc" / "rollout").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (

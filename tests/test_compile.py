@@ -1,4 +1,4 @@
-"""Compiled decoder layers (``model.compile``, ``bicc.compile``): the same update as eager under activation
+"""Compiled decoder layers (``model.compile``, ``bicc.kernels.compile``): the same update as eager under activation
 checkpointing and KV reuse, a fallback to eager when compilation fails, generation left eager, copies that run
 their own weights. Dynamo runs for real here; the backend is AOTAutograd over eager kernels (``aot_eager``: the
 graphs, the joint forward/backward and the checkpoint's replay of them, without Inductor's C++ build, which a slow
@@ -15,23 +15,23 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from bicc.advantages import Advantages
-from bicc.batching import logprobs_no_grad
-from bicc.compile import (
+from bicc.kernels.batching import logprobs_no_grad
+from bicc.kernels.compile import (
     _at_offset_0,
     compile_layers,
     compiled_layers,
     decoder_layers,
     should_compile,
 )
-from bicc.logprobs import make_token_batch
-from bicc.losses import LOSSES, StepTotals
-from bicc.losses.compiled import _CompiledLoss, loss_function
-from bicc.models import build_tiny
-from bicc.optim import warmup_cosine
-from bicc.rows import QueryRows, query_rows
-from bicc.state import RLState
-from bicc.update import update_policy
+from bicc.kernels.compiled_loss import _CompiledLoss, loss_function
+from bicc.kernels.rows import QueryRows, query_rows
+from bicc.method.advantages import Advantages
+from bicc.method.losses import LOSSES, StepTotals
+from bicc.model.load import build_tiny
+from bicc.model.logprobs import make_token_batch
+from bicc.trainer.optim import warmup_cosine
+from bicc.trainer.state import RLState
+from bicc.trainer.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, graph_code, graph_nodes, rows, run_train
 from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
@@ -116,7 +116,7 @@ def test_the_prefix_pass_runs_compiled_and_the_floats_are_constants():
     checkpointed replays included. And a layer's Python floats (its norms' eps, the attention's scale) are
     constants of its graphs, not inputs: Dynamo's default lifts each into a 0-d tensor on every call
     (``aten::lift_fresh``), and on CUDA Inductor's wrapper reads each back with ``.item()`` (7,506 of an update's
-    131,665 ops on an H200 at 28 layers). Each layer's graph runs four matmuls forward, not seven (``bicc.fuse``:
+    131,665 ops on an H200 at 28 layers). Each layer's graph runs four matmuls forward, not seven (``bicc.kernels.fuse``:
     q, k and v one, gate and up one). The base model's final norm and rotary embedding, outside the layers, run
     their compiled graphs once per model forward, their floats (the norm's eps, the rotary's scaling) constants
     too; generation leaves them eager (``test_generation_stays_eager_and_a_copy_runs_its_own_weights``)."""
@@ -261,7 +261,7 @@ def test_a_layer_that_fails_to_compile_runs_eagerly():
 
 def test_generation_stays_eager_and_a_copy_runs_its_own_weights():
     """HF generate (its own growing cache) never enters the compiled graphs; a deep copy of a compiled model (the
-    HF sampler beside FSDP2, ``bicc.models.compute_copy``) computes with the copy's weights, not the original's."""
+    HF sampler beside FSDP2, ``bicc.model.load.compute_copy``) computes with the copy's weights, not the original's."""
     model, tok = build_tiny(ARCH, seed=0)
     counter = CompileCounterWithBackend("eager")
     compile_layers(model, backend=counter)

@@ -1,4 +1,4 @@
-"""How many graphs ``model.compile`` makes (``bicc.compile``): each is Dynamo, AOTAutograd and Inductor's time at a
+"""How many graphs ``model.compile`` makes (``bicc.kernels.compile``): each is Dynamo, AOTAutograd and Inductor's time at a
 run's start (minutes on a GPU at a preset's width), and one that first turns up mid-run stalls that step. The
 micro-batches' shapes must not add graphs where the math is the same: rows and lengths vary, a micro-batch may hold
 one row, FSDP2 hands the layers views, and a token count may equal a width of the model."""
@@ -11,18 +11,18 @@ import torch
 import torch.fx.experimental._config
 from torch._dynamo.backends.registry import lookup_backend
 
-from bicc.batching import logprobs_no_grad
-from bicc.compile import compile_layers
-from bicc.logprobs import batch_logprobs, make_token_batch
-from bicc.models import build_tiny
-from bicc.rows import QueryRows
+from bicc.kernels.batching import logprobs_no_grad
+from bicc.kernels.compile import compile_layers
+from bicc.kernels.rows import QueryRows
+from bicc.model.load import build_tiny
+from bicc.model.logprobs import batch_logprobs, make_token_batch
 from tests.helpers import ARCH, ROOT, graph_code, graph_nodes, rows
 
 
 def kind_of(gm) -> str:
     """Which compiled function a graph is of, from where its ops come from."""
     where, code = " ".join(n.meta.get("stack_trace") or "" for n in graph_nodes(gm)), graph_code(gm)
-    return ("head" if "bicc/head.py" in where else "loss" if "bicc/losses" in where else
+    return ("head" if "bicc/model/head.py" in where else "loss" if "bicc/method/losses" in where else
             "layer" if "scaled_dot_product_attention" in code else "rotary" if ".cos()" in code else
             "norm" if "rsqrt" in code else "other")
 
@@ -33,12 +33,12 @@ import torch
 import torch.fx.experimental._config
 from torch._dynamo.backends.registry import lookup_backend
 from bench.update_vs_bare import fsdp_one_rank
-from bicc.advantages import Advantages
-from bicc.compile import compile_layers
-from bicc.logprobs import install_logprob_head, make_token_batch
-from bicc.models import build_tiny
-from bicc.rows import query_rows
-from bicc.update import update_policy
+from bicc.method.advantages import Advantages
+from bicc.kernels.compile import compile_layers
+from bicc.model.logprobs import install_logprob_head, make_token_batch
+from bicc.model.load import build_tiny
+from bicc.kernels.rows import query_rows
+from bicc.trainer.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, rows
 from tests.test_compile_graphs import kind_of

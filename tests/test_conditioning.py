@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from bicc.conditioning import answer_start, build_contexts, fair_shares, partition, truncate
-from bicc.rewards import extract_answer
+from bicc.data.rewards import extract_answer
+from bicc.method.conditioning import answer_start, build_contexts, fair_shares, partition, truncate
 from tests.helpers import TOK, BiccCfg, enc, group
 
 
@@ -150,9 +150,9 @@ def test_budget_is_never_exceeded_on_random_groups(ratio):
 def test_truncation_keeps_the_answer_line_of_the_tasks_extractors():
     """DAPO-Math outputs end with an 'Answer:' line: with the \\boxed / 'answer is' anchors alone, middle
     truncation cut it away; the anchors now come from the data's extractors."""
-    from bicc.answers import answer_anchors
-    from bicc.conditioning import DEFAULT_ANCHORS, answer_start, truncate
-    from bicc.tokenizer import build_char_tokenizer
+    from bicc.data.answers import answer_anchors
+    from bicc.method.conditioning import DEFAULT_ANCHORS, answer_start, truncate
+    from bicc.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     text = "Let me think step by step about this long problem and its parts.\nAnswer: 42"
@@ -171,9 +171,9 @@ def test_a_group_with_one_side_dropped_falls_back_whole():
     the incorrect ones (shown O+) see attempts; the whole group keeps q instead, and is counted."""
     from omegaconf import OmegaConf
 
-    from bicc.conditioning import build_contexts
     from bicc.config import BiccConfig
-    from bicc.tokenizer import build_char_tokenizer
+    from bicc.method.conditioning import build_contexts
+    from bicc.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     cfg = OmegaConf.structured(BiccConfig(enabled=True, max_tokens=100, context_ratio=0.4, min_attempt_tokens=12,

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from bicc.validation import validate
+from bicc.trainer.validation import validate
 from tests.conftest import CONF, compose_cfg
 
 GROUPS = ["algo", "model", "data", "rollout", "eval", "logger"]
@@ -116,8 +116,8 @@ def test_rcc_on_is_the_papers_correction_with_delta_on_q():
 
 def _lengths(overrides):
     from bicc.data import build_task
-    from bicc.models import tokenizer_and_positions
-    from bicc.validation import validate_lengths
+    from bicc.model.load import tokenizer_and_positions
+    from bicc.trainer.validation import validate_lengths
 
     cfg = compose_cfg(["sft.cache_dir=/tmp/x", "model.tiny.max_position_embeddings=512", "rollout.max_new_tokens=64",
                        "bicc=stable", *overrides])
@@ -229,7 +229,7 @@ def longrope_dir(tmp_path):
     """A Phi-4-mini-shaped config (LongRoPE, original_max_position_embeddings 4096 of 131,072) with a local tokenizer."""
     from transformers import Phi3Config
 
-    from bicc.tokenizer import build_char_tokenizer
+    from bicc.model.tokenizer import build_char_tokenizer
 
     Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                vocab_size=128, max_position_embeddings=131_072, original_max_position_embeddings=4096,
@@ -245,8 +245,8 @@ def test_a_longrope_model_under_vllm_stays_in_its_short_factor_range(tmp_path, e
     positions past it: a Phi-4-mini engine sized for 4,096-token evaluations sampled every rollout from another
     policy. Under vLLM the lengths must fit 4,096 (the field is named); HF generate follows transformers."""
     from bicc.data import build_task
-    from bicc.models import tokenizer_and_positions
-    from bicc.validation import validate_lengths
+    from bicc.model.load import tokenizer_and_positions
+    from bicc.trainer.validation import validate_lengths
 
     path = longrope_dir(tmp_path)
     assert tokenizer_and_positions(OmegaConf.create({"tiny": None, "path": str(path)}))[3] == 4096
@@ -285,8 +285,8 @@ def test_diag_splits_are_checked_only_when_the_diagnostics_run():
 def test_the_context_template_counts_the_preamble_and_one_header_per_shown_attempt():
     """A context shows at most G - 1 attempts: the preamble and the headers of attempts 1 .. G-1, by hand with the
     character tokenizer (one token per character)."""
-    from bicc.tokenizer import build_char_tokenizer
-    from bicc.validation import context_template_tokens
+    from bicc.model.tokenizer import build_char_tokenizer
+    from bicc.trainer.validation import context_template_tokens
 
     tok = build_char_tokenizer()
     cfg = compose_cfg(["sft.cache_dir=/tmp/x", "bicc=on", "rollout.group_size=4", "bicc.preamble=ABC",

@@ -5,8 +5,8 @@ import pytest
 
 from bicc.data import build_task, encode_prompt
 from bicc.data.arith import _parse
-from bicc.rewards import exact_match_reward
-from bicc.tokenizer import build_char_tokenizer
+from bicc.data.rewards import exact_match_reward
+from bicc.model.tokenizer import build_char_tokenizer
 
 
 def evaluate_left_to_right(expression):

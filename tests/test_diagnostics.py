@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from bicc.diagnostics import conditioning_weights
+from bicc.method.diagnostics import conditioning_weights
 
 
 def test_conditioning_weights_split_by_reward_and_skip_unconditioned():
@@ -20,7 +20,7 @@ def test_no_conditioned_samples_gives_no_metrics():
 
 
 def test_stage_label_ends_at_the_last_step_run():
-    from bicc.plots import stage_label
+    from bicc.evaluation.plots import stage_label
 
     assert stage_label(0, 100, 150) == "1-100"
     assert stage_label(1, 100, 150) == "101-150"  # a 150-step run stops inside the second stage

@@ -1,4 +1,4 @@
-"""python -m bicc.compare (and its alias eval.py compare): paired statistics and outputs from two scored dirs."""
+"""python -m bicc.evaluation.compare (and its alias eval.py compare): paired statistics and outputs from two scored dirs."""
 
 import json
 import subprocess
@@ -23,7 +23,7 @@ def fake_result(path: Path, acc: list[float], n: int = 4):
     (path / "summary.json").write_text(json.dumps(summary))
 
 
-@pytest.mark.parametrize("command", [["-m", "bicc.compare"], ["eval.py", "compare"]])
+@pytest.mark.parametrize("command", [["-m", "bicc.evaluation.compare"], ["eval.py", "compare"]])
 def test_compare_reports_wilcoxon_and_bootstrap(tmp_path, command):
     rng = np.random.default_rng(0)
     a = rng.integers(0, 5, 40) / 4

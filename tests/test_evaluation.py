@@ -5,10 +5,10 @@ import pytest
 
 from bicc.config import BenchmarkConfig
 from bicc.data import build_task, encode_prompt
-from bicc.distributed import Dist
-from bicc.evaluation import evaluate, format_eval, markdown_table
+from bicc.evaluation.evaluate import evaluate, format_eval, markdown_table
+from bicc.machine.distributed import Dist
+from bicc.model.tokenizer import build_char_tokenizer
 from bicc.rollout import RolloutOutput
-from bicc.tokenizer import build_char_tokenizer
 
 
 class TemperatureEngine:
@@ -135,7 +135,7 @@ def test_split_problems_are_placed_by_problem_and_sample():
     """4 samples of 3 problems over 2 shards in calls of at most 3 rows: problem 1 is split by the shards' edge and
     every problem by the call size. The engine answers right on the first row of each call for a problem, so the
     right samples are the first sample of each call, wherever plan_calls puts it."""
-    from bicc.evaluation import _sampled_rewards, plan_calls
+    from bicc.evaluation.evaluate import _sampled_rewards, plan_calls
     from bicc.rollout import SamplingParams
 
     class FirstRowEngine:

@@ -3,7 +3,7 @@
 import pytest
 from hydra import compose, initialize_config_dir
 
-from bicc.validation import validate
+from bicc.trainer.validation import validate
 from tests.conftest import CONF, compose_cfg
 
 PAPER_MODELS = {"paper_qwen3_4b": "Qwen/Qwen3-4B-Instruct-2507", "paper_phi4_mini": "microsoft/Phi-4-mini-instruct"}

@@ -6,7 +6,7 @@ there are fewer queries than keys). Everything else is transformers' own flash-a
 2-D mask, unpadding, the query slice under a cache, the no-padding shortcut. That plumbing is where
 packed rows could go silently wrong (a 4-D mask is not a padding mask), so these tests check that the
 prefix-cache packing (``bicc.packing_impl=kv``) gives the one-row-per-output log-probs and gradients
-under it, and that mask packing refuses to run. The padding-free layout (``bicc.packing.padding_free``: prefixes
+under it, and that mask packing refuses to run. The padding-free layout (``bicc.kernels.packing.padding_free``: prefixes
 and completions laid end to end, ``cu_seq_lens_*`` kwargs) is checked the same way, and that it embeds exactly
 the real tokens. ``tests/test_gpu.py`` repeats the check with the real kernel on CUDA.
 """
@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bicc.logprobs import make_token_batch
-from bicc.packing import pack, packed_logprobs
-from bicc.prefix_cache import prefix_cache_logprobs
+from bicc.kernels.packing import pack, packed_logprobs
+from bicc.kernels.prefix_cache import prefix_cache_logprobs
+from bicc.model.logprobs import make_token_batch
 from tests.helpers import prefix_cache_case, tiny, unpacked
 
 CALLS = {"varlen": 0, "dense": 0}
@@ -153,11 +153,11 @@ def test_mask_packing_refuses_flash(flash_model):
 
 def test_config_rejects_mask_packing_where_flash_runs(monkeypatch):
     """On a machine where flash-attn 2 would run, the config check stops mask packing before any load."""
-    import bicc.models
-    from bicc.validation import validate
+    import bicc.model.load
+    from bicc.trainer.validation import validate
     from tests.conftest import compose_cfg
 
-    monkeypatch.setattr(bicc.models, "resolve_attn_implementation", lambda name: name)
+    monkeypatch.setattr(bicc.model.load, "resolve_attn_implementation", lambda name: name)
     flash = ["bicc=on", "model.attn_implementation=flash_attention_2", "sft.cache_dir=/tmp/x"]
     with pytest.raises(ValueError, match="bicc.packing_impl"):
         validate(compose_cfg([*flash, "bicc.packing_impl=mask"]))
@@ -195,9 +195,9 @@ def test_padding_free_micro_batches_by_real_tokens(flash_model):
     forward over every [context; output] row. Outputs of 11, 2, 7, 3, 9, 1, 7 and 3 tokens under a
     16-token budget: 11 | 9 + 7 | 7 + 3 + 3 + 2 + 1 (a padded plan cuts six micro-batches,
     tests/test_batching.py); embedded: the contexts 12 + 9 + 7, then 10 | 8 + 6 | 6 + 2 + 2 + 1 + 0."""
-    from bicc.batching import micro_batches
-    from bicc.distributed import Dist
-    from bicc.logprobs import batch_logprobs, make_token_batch
+    from bicc.kernels.batching import micro_batches
+    from bicc.machine.distributed import Dist
+    from bicc.model.logprobs import batch_logprobs, make_token_batch
     from tests.helpers import kv_case
 
     flash, sdpa, _ = flash_model
@@ -230,10 +230,10 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
     pi_ref on q, delta from the update) with micro-batches planned by tokens, activation checkpointing in
     train mode, the policy and the reference padding-free; the same rewards, correction, loss and weights
     as the same steps under SDPA (the rollout stays on SDPA in both, so the samples are the same)."""
-    import bicc.prefix_cache
-    from bicc.models import build_tiny
-    from bicc.state import build_rl_state
-    from bicc.step import rl_step
+    import bicc.kernels.prefix_cache
+    from bicc.model.load import build_tiny
+    from bicc.trainer.state import build_rl_state
+    from bicc.trainer.step import rl_step
     from tests.conftest import compose_cfg
     from tests.helpers import ARCH, CoinTask
 
@@ -245,7 +245,8 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
                        "train.micro_batch_tokens=48", "train.micro_batch_size=8", "rcc.diag_every=0",
                        "model.gradient_checkpointing=true", "optim.warmup_steps=0", "optim.lr=1e-3"])
     ragged = []  # every padding-free forward builds its cu_seq_lens here
-    monkeypatch.setattr(bicc.prefix_cache, "_ragged", lambda *a, _f=bicc.prefix_cache._ragged: ragged.append(1) or _f(*a))
+    real = bicc.kernels.prefix_cache._ragged
+    monkeypatch.setattr(bicc.kernels.prefix_cache, "_ragged", lambda *a: ragged.append(1) or real(*a))
     runs = {}
     for impl in ("sdpa", "flash_attention_2"):
         s = build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"))
@@ -283,7 +284,7 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
 def test_start_up_line_says_how_forwards_are_laid_out():
     """``[rl] forwards: ...``: a run that asked for flash-attn and fell back to SDPA (flash-attn not installed)
     says so at start-up, as does one whose rows cannot go padding-free."""
-    from bicc.loop import forward_layout
+    from bicc.trainer.loop import forward_layout
     from tests.conftest import compose_cfg
 
     flash, _ = tiny("flash_attention_2")
@@ -323,9 +324,9 @@ def test_one_token_outputs_of_a_sharded_model_still_run_every_layer(flash_model,
     forward, so under FSDP2 that rank gathered (and reduce-scattered) no layer while the others did: collectives
     out of step. A sharded model now runs every layer forward and backward, and the log-probs are unchanged.
     (Unsharded, the forward is still skipped: ``test_padding_free_short_and_empty_outputs``.)"""
-    import bicc.prefix_cache
+    import bicc.kernels.prefix_cache
 
-    monkeypatch.setattr(bicc.prefix_cache, "is_sharded", lambda model: True)
+    monkeypatch.setattr(bicc.kernels.prefix_cache, "is_sharded", lambda model: True)
     flash, sdpa, tok = flash_model
     flash.bicc_padding_free = padding_free
     layers = flash.model.layers

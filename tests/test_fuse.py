@@ -1,4 +1,4 @@
-"""Linears that share an input, fused into one matmul in a Dynamo graph (``bicc.fuse``): the rewritten graph gives
+"""Linears that share an input, fused into one matmul in a Dynamo graph (``bicc.kernels.fuse``): the rewritten graph gives
 the eager values and gradients (fp64), and fuses only where nothing else changes. Dynamo runs for real; the
 backend is AOTAutograd over eager kernels."""
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.registry import lookup_backend
 
-from bicc.fuse import fusing
+from bicc.kernels.fuse import fusing
 
 
 @pytest.fixture(autouse=True)

@@ -7,10 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bicc.answers import canonical, extract
-from bicc.checking import MathChecker
-from bicc.conditioning import build_contexts
-from bicc.rewards import exact_match_reward
+from bicc.data.answers import canonical, extract
+from bicc.data.checking import MathChecker
+from bicc.data.rewards import exact_match_reward
+from bicc.method.conditioning import build_contexts
 from tests.helpers import BiccCfg, enc, group
 
 LATEX_BITS = st.sampled_from(["\\boxed{", "{", "}", "\\frac", "\\sqrt", "^", "_", "$", "\\left(", "\\right)", "1", "-",

@@ -1,5 +1,5 @@
 """``model.path=gguf:<package>/<file>``: a GGUF file inside an installed package, converted once to a cached HF dir
-(``bicc/gguf.py``). A stand-in package and converter here; the real SmolLM2 wheel in tests/test_smollm2.py (slow)."""
+(``bicc/model/gguf.py``). A stand-in package and converter here; the real SmolLM2 wheel in tests/test_smollm2.py (slow)."""
 
 import json
 import sys
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bicc.gguf import resolve_model_path
+from bicc.model.gguf import resolve_model_path
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def test_errors_name_the_field_and_the_fix(package, tmp_path):
 def test_the_initial_score_is_cached_in_the_converted_dir_keyed_by_task_and_seed(package, tmp_path):
     from omegaconf import OmegaConf
 
-    from bicc.loop import initial_eval_cache
+    from bicc.trainer.loop import initial_eval_cache
 
     cache = tmp_path / "cache"
     converted = resolve_model_path("gguf:fake_gguf_pkg/m.gguf", str(cache), writer([]))

@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
-from bicc.checkpoint import save_hf
 from bicc.config import ModelConfig, TinyArchConfig
-from bicc.logprobs import batch_logprobs, make_token_batch
-from bicc.models import build_tiny, load_pretrained, resolve_attn_implementation
+from bicc.model.load import build_tiny, load_pretrained, resolve_attn_implementation
+from bicc.model.logprobs import batch_logprobs, make_token_batch
+from bicc.trainer.checkpoint import save_hf
 from tests.helpers import ROOT, SMALL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -51,7 +51,7 @@ def test_flash_attention_prefix_cache_packing_matches_sdpa_rows(padding_free):
     """BiCC's packing under the real flash-attn kernel, padded and padding-free (``tests/test_flash_path.py``
     checks the same with a reference kernel on CPU)."""
     pytest.importorskip("flash_attn")
-    from bicc.prefix_cache import prefix_cache_logprobs
+    from bicc.kernels.prefix_cache import prefix_cache_logprobs
     from tests.helpers import prefix_cache_case
 
     model, tokenizer = build_tiny(TinyArchConfig(), seed=0)

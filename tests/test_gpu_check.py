@@ -47,7 +47,7 @@ def test_flops_and_summary_by_hand():
 
 def test_the_memory_model_prediction_for_the_check(tmp_path, monkeypatch):
     """The rehearsal's own config as train.py composes it, read from the model dir's config and tokenizer."""
-    from bicc.memory import GIB, Arch, Run, allocated
+    from bicc.machine.memory import GIB, Arch, Run, allocated
 
     gpu_check.shape_files(tmp_path, gpu_check.QWEN3_06B)
     monkeypatch.setenv("BICC_DAPO_MATH", str(gpu_check.dapo_file(tmp_path / "dapo.jsonl", rows=50)))
@@ -58,7 +58,7 @@ def test_the_memory_model_prediction_for_the_check(tmp_path, monkeypatch):
     n = 596_049_920
     assert 16 * n / GIB < got["evaluation"] < got["log-probs"] < got["update"]
     assert got["update"] > 20 * n / GIB
-    # the same numbers as bicc.memory for the sizes spelled out (the longest prompt with the contexts' framing: 153
+    # the same numbers as bicc.machine.memory for the sizes spelled out (the longest prompt with the contexts' framing: 153
     # characters of the character tokenizer)
     arch = Arch(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151_936, tied=True)
     run = Run(world=1, micro_batch=8, output_tokens=256, prompt_tokens=153, contexts=16, rows=64, chunk_tokens=1024,
@@ -136,7 +136,7 @@ H100_RUNS = {  # output tokens: (evaluation tokens, {phase: allocated GiB})
 
 @pytest.mark.parametrize("output_tokens", sorted(H100_RUNS))
 def test_the_memory_model_holds_to_the_h100_runs(output_tokens, tmp_path, monkeypatch):
-    """bicc.memory's allocated bytes for the rehearsal's own config: the run's peak and each phase's within 10%
+    """bicc.machine.memory's allocated bytes for the rehearsal's own config: the run's peak and each phase's within 10%
     (docs/performance.md has the table)."""
     eval_tokens, measured = H100_RUNS[output_tokens]
     gpu_check.shape_files(tmp_path, gpu_check.QWEN3_06B)

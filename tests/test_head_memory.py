@@ -1,4 +1,4 @@
-"""The log-prob head's memory as ``bicc.memory`` counts it, against one chunk's resident peak measured on CPU
+"""The log-prob head's memory as ``bicc.machine.memory`` counts it, against one chunk's resident peak measured on CPU
 (``bench.memory_model.measure_head``, in a fresh process whose allocator returns freed buffers at once)."""
 
 import pytest

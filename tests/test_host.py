@@ -1,4 +1,4 @@
-"""What a process may use of its machine (bicc/host.py): its affinity mask and cgroup quota, not the machine's core
+"""What a process may use of its machine (bicc/machine/host.py): its affinity mask and cgroup quota, not the machine's core
 count, and a run under ``taskset``-like affinity sizes torch's threads to it."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bicc.host import torch_threads, usable_cores
+from bicc.machine.host import torch_threads, usable_cores
 from tests.helpers import ROOT, SMALL, worker_cores
 
 
@@ -27,7 +27,7 @@ def test_usable_cores_follow_the_affinity_mask_and_the_cgroup_quota(tmp_path, mo
 
 def test_torch_threads_share_the_usable_cores(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
-    monkeypatch.setattr("bicc.host.CGROUP_CPU_MAX", ROOT / "absent")
+    monkeypatch.setattr("bicc.machine.host.CGROUP_CPU_MAX", ROOT / "absent")
     assert torch_threads(0) == 5 and torch_threads(0, processes=2) == 2 and torch_threads(0, processes=8) == 1
     assert torch_threads(3, processes=2) == 3  # the config's threads, as given
 
@@ -122,7 +122,7 @@ def test_numerics_hold_without_vector_instructions():
 
 
 def test_the_cuda_allocator_gets_expandable_segments_unless_the_user_set_it():
-    from bicc.host import allocator_conf, cuda_allocator_default
+    from bicc.machine.host import allocator_conf, cuda_allocator_default
 
     env = {}
     cuda_allocator_default(env)
@@ -140,7 +140,7 @@ def test_the_cuda_allocator_gets_expandable_segments_unless_the_user_set_it():
 @pytest.mark.parametrize("entry", ["train", "eval"])
 def test_the_entry_points_set_the_allocator_before_torch_is_imported(entry):
     """torch reads the allocator's settings once: train.py and eval.py set the default before anything imports it."""
-    probe = ("import sys, bicc.host as h; real = h.cuda_allocator_default\n"
+    probe = ("import sys, bicc.machine.host as h; real = h.cuda_allocator_default\n"
              "def seen(env=h.os.environ):\n    print('torch imported:', 'torch' in sys.modules); real(env)\n"
              "h.cuda_allocator_default = seen\nsys.argv = [sys.argv[0], 'ckpt=/nonexistent']\nimport " + entry + "\n"
              "if hasattr(" + entry + ", 'score_main'):\n    try:\n        " + entry + ".score_main()\n"

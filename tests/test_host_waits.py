@@ -6,7 +6,7 @@ idles while the host prepares what follows (the next micro-batch's inputs, the f
 has no GPU, so the audit counts, in one update on CPU, what would wait there:
 
 - reads: the aten op that reads a value back (``_local_scalar_dense``), from anywhere;
-- blocking copies that bicc's own code asks for, to a device, other than through ``bicc.logprobs.on_device`` (which
+- blocking copies that bicc's own code asks for, to a device, other than through ``bicc.model.logprobs.on_device`` (which
   on CUDA copies from pinned memory without a sync).
 
 The same update cut into one micro-batch and into four must count the same: what waits, waits once per step.
@@ -21,15 +21,15 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bicc.advantages import Advantages
-from bicc.batching import logprobs_no_grad
-from bicc.conditioning import ConditionedPrompts
-from bicc.logprobs import make_token_batch, on_device
-from bicc.models import build_tiny
-from bicc.optim import warmup_cosine
-from bicc.rows import ContextRows, QueryRows
-from bicc.state import RLState
-from bicc.update import update_policy
+from bicc.kernels.batching import logprobs_no_grad
+from bicc.kernels.rows import ContextRows, QueryRows
+from bicc.method.advantages import Advantages
+from bicc.method.conditioning import ConditionedPrompts
+from bicc.model.load import build_tiny
+from bicc.model.logprobs import make_token_batch, on_device
+from bicc.trainer.optim import warmup_cosine
+from bicc.trainer.state import RLState
+from bicc.trainer.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, ROOT, rows
 
@@ -127,16 +127,16 @@ def test_no_loss_waits_once_per_micro_batch(algo):
 def test_the_audit_sees_a_blocking_copy_and_a_read():
     """The audit counts what it must: a copy asked for in bicc's code, through a module of bicc (``on_device`` on
     CPU is the plain copy, and does not count), and ``int`` of a tensor."""
-    import bicc.batching
+    import bicc.kernels.batching
 
     t = torch.arange(3)
     with Audit() as audit:
         on_device(t, "cpu")
-        bicc.batching.to_grid(t[None].double(), torch.ones(1, 3), 3)  # no copy to a device: not counted
+        bicc.kernels.batching.to_grid(t[None].double(), torch.ones(1, 3), 3)  # no copy to a device: not counted
         int(t.sum())
     assert audit.copies == [] and audit.reads == 1
     with Audit() as audit:
-        bicc.batching.trim_rows(make_token_batch([[1, 2]], [[3]], 0))  # reads the widths off the batch: 2 reads
+        bicc.kernels.batching.trim_rows(make_token_batch([[1, 2]], [[3]], 0))  # reads the widths off the batch: 2 reads
     assert audit.reads == 2
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from bicc.config import TinyArchConfig
-from bicc.logprobs import LogprobHead, entropy_from_logits, install_logprob_head, logprobs_from_logits, token_logprobs
-from bicc.models import build_tiny
+from bicc.model.load import build_tiny
+from bicc.model.logprobs import LogprobHead, entropy_from_logits, install_logprob_head, logprobs_from_logits, token_logprobs
 
 ARCH = TinyArchConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16)
@@ -55,7 +55,7 @@ def test_bf16_compute_head_equals_full_logits(chunk):
     """fp32 master weights computing in bf16 (the presets' policy): the head's log-probs, entropies and gradients
     equal full bf16 logits upcast to an fp32 log-softmax, the matmuls in bf16 both ways (a chunk kept or
     recomputed)."""
-    from bicc.logprobs import make_token_batch
+    from bicc.model.logprobs import make_token_batch
     from tests.helpers import full_vocab_logprobs
 
     model, _ = build_tiny(ARCH, seed=0)
@@ -99,24 +99,24 @@ def test_the_compiled_head_equals_full_logits(chunk, bf16, monkeypatch):
     graph traced there guards on it (Dynamo specialises offsets 0 and 1), so the first chunk's compiled a third."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    import bicc.compile
-    import bicc.head
+    import bicc.kernels.compile
+    import bicc.model.head
 
     eager_calls = []  # the eager path's calls on the compiled model's head (the compiled pair holds the originals)
     for name in ("chunk_forward", "chunk_backward"):
-        fn = getattr(bicc.head, name)
-        monkeypatch.setattr(bicc.head, name, lambda *a, _fn=fn, _name=name:
+        fn = getattr(bicc.model.head, name)
+        monkeypatch.setattr(bicc.model.head, name, lambda *a, _fn=fn, _name=name:
                             (a[1] is model.lm_head.weight and eager_calls.append(_name)) or _fn(*a))
 
     torch._dynamo.reset()
-    bicc.compile._HEADS.clear()
+    bicc.kernels.compile._HEADS.clear()
     model, eager, ref = (build_tiny(ARCH, seed=0)[0] for _ in range(3))
     for m in (model, eager, ref):
         m.bicc_compute_dtype = torch.bfloat16 if bf16 else None
     counter = CompileCounterWithBackend("inductor")
     for m in (model, eager):
         install_logprob_head(m, chunk)
-    bicc.compile.compile_head(model, counter)
+    bicc.kernels.compile.compile_head(model, counter)
     ids, mask, pos = inputs()
     a, ent_a = token_logprobs(model, ids, mask, pos, 9, temperature=0.7, with_entropy=True)
     c, _ = token_logprobs(eager, ids, mask, pos, 9, temperature=0.7)
@@ -190,12 +190,12 @@ def test_head_recomputes_only_when_a_forward_spans_several_chunks(chunk, calls, 
     the backward); across k chunks each runs twice (forward, recomputed in backward): 2 chunks -> 4 calls, 3 -> 6.
     A tail of one token joins the chunk before it (compiled, a chunk of one token is a graph of its own): 29 + 1 is
     one chunk of 30, recomputed (its forward spans more than ``chunk``), where 28 + 2 stay two."""
-    import bicc.head
+    import bicc.model.head
 
     model, _ = build_tiny(ARCH, seed=0)
     install_logprob_head(model, chunk)
-    seen, inner = [], bicc.head._logits
-    monkeypatch.setattr(bicc.head, "_logits", lambda h, *a: seen.append(h.shape[0]) or inner(h, *a))
+    seen, inner = [], bicc.model.head._logits
+    monkeypatch.setattr(bicc.model.head, "_logits", lambda h, *a: seen.append(h.shape[0]) or inner(h, *a))
     ids, mask, pos = inputs()
     logp, _ = token_logprobs(model, ids, mask, pos, 9)
     logp.sum().backward()
@@ -208,10 +208,10 @@ def test_bf16_policy_with_fp32_master_moves_at_lr_1e6(tmp_path):
     the policy holds fp32 master weights and computes in bf16, so one AdamW step changes most weights."""
     from omegaconf import OmegaConf
 
-    from bicc.checkpoint import save_hf
     from bicc.config import ModelConfig
-    from bicc.models import load_policy
-    from bicc.optim import build_optimizer
+    from bicc.model.load import load_policy
+    from bicc.trainer.checkpoint import save_hf
+    from bicc.trainer.optim import build_optimizer
 
     model, tok = build_tiny(ARCH, seed=0)
     save_hf(model, tok, tmp_path)

@@ -1,8 +1,8 @@
 import torch
 
 from bicc.config import TinyArchConfig
-from bicc.logprobs import make_token_batch, token_logprobs
-from bicc.models import build_tiny
+from bicc.model.load import build_tiny
+from bicc.model.logprobs import make_token_batch, token_logprobs
 
 
 def tiny_model():
@@ -71,7 +71,7 @@ def test_sdpa_padding_mask_by_hand_and_as_transformers_builds_it():
     itself. Given to the model, it gives the logits that transformers' own mask from the 2-D one gives, at every
     real position; under SDPA the model is handed the 4-D form (transformers would read the 2-D one's values), under
     eager attention the 2-D mask as it is."""
-    from bicc.logprobs import attention_input, sdpa_padding_mask
+    from bicc.model.logprobs import attention_input, sdpa_padding_mask
 
     mask = sdpa_padding_mask(torch.tensor([[0, 1, 1], [1, 1, 1]]))
     assert mask.shape == (2, 1, 3, 3)

@@ -1,12 +1,12 @@
-"""The memory check at launch (``bicc.memory``): the run's predicted peak per GPU against the memory it may use,
+"""The memory check at launch (``bicc.machine.memory``): the run's predicted peak per GPU against the memory it may use,
 before any weights load."""
 
 import dataclasses
 
 import pytest
 
-from bicc.fit import check_fit, knob, run_of
-from bicc.memory import QWEN3_4B, Run, peak
+from bicc.machine.memory import QWEN3_4B, Run, peak
+from bicc.trainer.fit import check_fit, knob, run_of
 from tests.conftest import compose_cfg
 from tests.helpers import SMALL, run_train
 
@@ -17,7 +17,7 @@ def test_the_launchers_numbers_for_the_paper_preset_are_the_memory_tables():
     """run_of reads the preset as docs/performance.md's table counts it: 4 GPUs, micro-batch 8 x 2,048 output
     tokens, 16 contexts and 64 rows a GPU (32 prompts x 2 sides or x G 8, over 4), bf16 compute under FSDP2,
     vLLM at 0.4, the reference loaded for RCC's delta, evaluation through vLLM at 4,096 new tokens."""
-    from bicc.models import resolve_attn_implementation
+    from bicc.model.load import resolve_attn_implementation
 
     cfg = compose_cfg(["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on"])
     flash = resolve_attn_implementation("flash_attention_2") == "flash_attention_2"  # SDPA without flash-attn or CUDA
@@ -41,7 +41,7 @@ def test_the_launchers_numbers_for_the_paper_preset_are_the_memory_tables():
 def test_the_no_grad_passes_by_hand_and_what_max_memory_allocated_counts():
     """A no-grad pass's head chunk is its fp32 logits beside the bf16 ones they came from (6 bytes per logit); the
     contexts' K/V only where a no-grad pass runs on x^c; ``allocated`` drops the runtime and the allocator's slack."""
-    from bicc.memory import allocated, phases
+    from bicc.machine.memory import allocated, phases
 
     run = Run()  # chunk 1,024 tokens, bf16
     on_q = phases(QWEN3_4B, run)["no-grad log-probs"]
@@ -63,7 +63,7 @@ def test_the_update_peak_by_hand():
     GPUs). Each completion's rows of its context's keys/values are picked inside its layer's call, so nothing of
     them outlives the layer. The head's chunk holds three fp32 [1,024, V] buffers: logits, exponentials, and the
     entropy's product of the two."""
-    from bicc.memory import phases
+    from bicc.machine.memory import phases
 
     preset = phases(QWEN3_4B, Run())
     update, head = preset["update: layers backward"], preset["update: head backward"]
@@ -80,7 +80,7 @@ def test_the_compiled_layers_fused_weights_by_hand():
     """``model.compile`` concatenates a layer's q/k/v (2,560 x (32 + 2 x 8) heads x 128) and gate/up (2 x 2,560 x
     9,728) weights: 65,536,000 bf16 values under FSDP2, held with their gradient in a layer's backward (the layers'
     and the contexts'), alone in a no-grad forward; fp32 in one process (its master weights); nothing when off."""
-    from bicc.memory import phases
+    from bicc.machine.memory import phases
 
     key, pair = "fused projection weights (model.compile)", "fused projection weights + their gradient (model.compile)"
     on = phases(QWEN3_4B, dataclasses.replace(Run(), compiled=True))
@@ -100,12 +100,12 @@ def test_the_compiled_layers_fused_weights_by_hand():
 
 
 def test_the_compiled_head_by_hand():
-    """Compiled (``bicc.compile.compile_head``), the head's [n, V] work after its matmul is one fused pass: the
+    """Compiled (``bicc.kernels.compile.compile_head``), the head's [n, V] work after its matmul is one fused pass: the
     update's chunk holds the matmul's output in the compute dtype and the exponentials kept for the backward in fp32,
     2 + 4 bytes a logit in bf16, where eager holds 12 (fp32 logits, exponentials, the entropy's product of the two);
     a no-grad chunk holds the matmul's output alone, 2 bytes, where eager holds 6. In fp32: 8 and 4, eager 12 and 4.
     (Resident peaks of one chunk on CPU, ``tests/test_head_memory.py``, are these counts.)"""
-    from bicc.memory import phases
+    from bicc.machine.memory import phases
 
     logits = 1024 * 151_936
     for compute, compiled, update, no_grad in ((2, True, 6, 2), (2, False, 12, 6), (4, True, 8, 4), (4, False, 12, 4)):
@@ -123,7 +123,7 @@ def test_fsdp2_options_that_hold_more_by_hand():
     minibatch's backwards but its last (the layers' and the root's backward see all 36); ``dist.reduce_grads=step``
     holds every gradient unreduced in fp32, unsharded (4 bytes x 4,022,468,096 parameters) in place of the sharded
     ones."""
-    from bicc.memory import phases
+    from bicc.machine.memory import phases
 
     layer, kept = 100_930_816 * 2, "FSDP2 gathered layers (kept: dist.reshard_after_*=false)"
     assert QWEN3_4B.layer_params() == 100_930_816 and QWEN3_4B.params() == 4_022_468_096
@@ -212,7 +212,7 @@ class FakeCuda:
 
 
 def test_each_phase_keeps_its_own_peak_and_the_run_the_largest():
-    from bicc.tracking import PhasePeaks
+    from bicc.machine.tracking import PhasePeaks
 
     cuda = FakeCuda()
     peaks = PhasePeaks("cuda:0", stats=cuda)
@@ -239,11 +239,11 @@ def test_a_step_measures_its_generate_log_probs_and_update(monkeypatch):
     import torch
 
     from bench.memory_tracker import HalfRightTask, ReplayEngine
-    from bicc.logprobs import install_logprob_head
-    from bicc.models import build_tiny
-    from bicc.optim import build_optimizer, warmup_cosine
-    from bicc.state import RLState
-    from bicc.step import rl_step
+    from bicc.model.load import build_tiny
+    from bicc.model.logprobs import install_logprob_head
+    from bicc.trainer.optim import build_optimizer, warmup_cosine
+    from bicc.trainer.state import RLState
+    from bicc.trainer.step import rl_step
 
     cfg = compose_cfg(["bicc=on", "rcc=on", "rollout.max_new_tokens=8", "rollout.prompts_per_step=2",
                        "rollout.group_size=4", "rcc.diag_every=0"])

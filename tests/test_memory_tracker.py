@@ -1,5 +1,5 @@
 """``bench.memory_tracker``: the real RL step of the paper preset traced for memory on fake tensors (4 FSDP2 ranks
-of torch's fake process group), against ``bicc.memory``'s prediction."""
+of torch's fake process group), against ``bicc.machine.memory``'s prediction."""
 
 import json
 import subprocess
@@ -36,9 +36,9 @@ def test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_
     parameter-sized besides): that much the model counts by formula and the trace by tensors, within 5%. The
     update's model is at most 10% above the trace and never below it, with FSDP2's options that keep the gathered
     layers and the unreduced gradients too, there with the top two layers outside the checkpoint (their activations
-    held for the backward, ``bicc.memory.saved_per_token``). The update holds more than the no-grad passes, which hold more than
-    the rollout. (Half the preset's prompts per step: four micro-batches a rank, not eight, each of the preset's
-    size, and eight contexts.)"""
+    held for the backward, ``bicc.machine.memory.saved_per_token``). The update holds more than the no-grad passes,
+    which hold more than the rollout. (Half the preset's prompts per step: four micro-batches a rank, not eight, each
+    of the preset's size, and eight contexts.)"""
     got, stdout = trace(tmp_path, "--layers", "4", "rollout.prompts_per_step=16", *options)
     traced, model = got["traced"], got["model"]
     assert abs(model["rollout"] / traced["rollout"] - 1) < 0.05
@@ -64,7 +64,7 @@ def test_a_run_without_a_reference_traces_none(tmp_path):
 def test_the_paper_preset_fits_an_80_gib_gpu_with_a_tenth_to_spare(tmp_path):
     """experiment=paper_qwen3_4b algo=dapo bicc=on rcc=on on 4 GPUs, every output at 2,048 tokens: the traced peak
     with the allocator's 10% and the 2.5 GiB CUDA runtime stays under 72 GiB (vLLM sleeps through the update), and
-    bicc.memory's update is the trace's within 5%, and not below it."""
+    bicc.machine.memory's update is the trace's within 5%, and not below it."""
     got, stdout = trace(tmp_path)
     assert got["on_gpu"] <= 72 * GIB, stdout[-2000:]
     assert 1.0 <= got["model"]["update"] / got["traced"]["update"] < 1.05, stdout[-2000:]

@@ -2,8 +2,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bicc.config import TinyArchConfig
-from bicc.models import build_tiny, load_pretrained, num_parameters
-from bicc.tokenizer import build_char_tokenizer
+from bicc.model.load import build_tiny, load_pretrained, num_parameters
+from bicc.model.tokenizer import build_char_tokenizer
 
 
 def test_tokenizer_round_trip(tmp_path):
@@ -35,7 +35,7 @@ def test_model_round_trip(tmp_path):
         dtype, attn_implementation, gradient_checkpointing, padding_free = "float32", "sdpa", False, False
 
     loaded, loaded_tok = load_pretrained(str(tmp_path), ModelCfg, torch.device("cpu"))
-    assert loaded.bicc_padding_free is False  # model.padding_free reaches the model bicc.packing reads
+    assert loaded.bicc_padding_free is False  # model.padding_free reaches the model bicc.kernels.packing reads
     ids = torch.tensor([tok("Compute 1+2.")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)

@@ -3,10 +3,10 @@ untouched; a finite step resets the streak."""
 
 import torch
 
-from bicc.advantages import Advantages
-from bicc.batching import logprobs_no_grad
-from bicc.rows import QueryRows
-from bicc.update import update_policy
+from bicc.kernels.batching import logprobs_no_grad
+from bicc.kernels.rows import QueryRows
+from bicc.method.advantages import Advantages
+from bicc.trainer.update import update_policy
 from tests.helpers import guard_setup
 
 

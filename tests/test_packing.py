@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bicc.packing import pack, packed_logprobs, plan_rows
+from bicc.kernels.packing import pack, packed_logprobs, plan_rows
 from tests.helpers import packing_case, prefix_cache_case, tiny, unpacked
 
 
@@ -68,7 +68,7 @@ def test_entropy_is_returned_where_asked():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_prefix_cache_equals_unpacked(attn):
-    from bicc.prefix_cache import prefix_cache_logprobs
+    from bicc.kernels.prefix_cache import prefix_cache_logprobs
 
     model, tok = tiny(attn)
     prefixes, distinct, prefix_of, completions = prefix_cache_case()
@@ -86,8 +86,8 @@ def test_the_completions_sdpa_mask_is_the_one_transformers_builds():
     from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask
 
-    from bicc.logprobs import reading_mask as _reading_mask
-    from bicc.prefix_cache import _ReadLayer
+    from bicc.kernels.prefix_cache import _ReadLayer
+    from bicc.model.logprobs import reading_mask as _reading_mask
 
     model, _ = tiny()
     prefix = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
@@ -104,7 +104,7 @@ def test_the_completions_sdpa_mask_is_the_one_transformers_builds():
 
 
 def test_prefix_cache_gradients_equal_unpacked():
-    from bicc.prefix_cache import prefix_cache_logprobs
+    from bicc.kernels.prefix_cache import prefix_cache_logprobs
 
     model, tok = tiny()
     prefixes, distinct, prefix_of, completions = prefix_cache_case()
@@ -117,7 +117,7 @@ def test_prefix_cache_under_activation_checkpointing_in_train_mode():
     """The presets' combination: KV-reuse packing, activation checkpointing, train mode. transformers drops a
     layer's cache under checkpointing (it crashed with 'NoneType' has no attribute 'batch_select_indices');
     here values and gradients equal one row per output without checkpointing."""
-    from bicc.prefix_cache import prefix_cache_logprobs
+    from bicc.kernels.prefix_cache import prefix_cache_logprobs
 
     model, tok = tiny()
     reference, _ = tiny()
@@ -147,8 +147,8 @@ def test_the_prefix_backward_holds_one_replayed_layer_at_a_time(compiled):
     Compiled layers (``model.compile``) hand their keys/values out of the graph, and the same rule keeps them."""
     import weakref
 
-    from bicc.compile import compile_layers
-    from bicc.prefix_cache import _RecordLayer, encode_prefixes
+    from bicc.kernels.compile import compile_layers
+    from bicc.kernels.prefix_cache import _RecordLayer, encode_prefixes
 
     model, tok = tiny()  # two layers
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -11,9 +11,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bicc import distributed
 from bicc.config import RolloutConfig
-from bicc.distributed import Dist
+from bicc.machine import distributed
+from bicc.machine.distributed import Dist
 from bicc.rollout import EngineOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def fake_vllm(monkeypatch):
 
 def hub_model():
     from bicc.config import TinyArchConfig
-    from bicc.models import build_tiny
+    from bicc.model.load import build_tiny
 
     model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16), 0)
@@ -128,9 +128,9 @@ def test_a_runs_vllm_engine_on_cpu_gets_the_kv_space_of_its_own_rows(fake_vllm, 
     shards x G 4 = 32) or an evaluation call (eval.batch_size 24), whichever is more, at the run's longest
     sequence; not vLLM's 256 rows."""
     from bicc.config import TinyArchConfig
-    from bicc.models import build_tiny
+    from bicc.model.load import build_tiny
     from bicc.rollout.vllm import kv_cache_bytes
-    from bicc.state import build_rl_state
+    from bicc.trainer.state import build_rl_state
     from tests.conftest import compose_cfg
 
     model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
@@ -180,7 +180,7 @@ def test_collectives_take_tensors_on_the_groups_device(monkeypatch, helper):
 
     monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
     d = Dist(rank=0, world=2, strategy="fsdp2", device="meta")
-    from bicc.losses import StepTotals
+    from bicc.method.losses import StepTotals
 
     call = {"global_totals": lambda: distributed.global_totals(StepTotals(3.0, 1.0, 8.0), d),
             "all_reduce_sum": lambda: distributed.all_reduce_sum(1.0, d),
@@ -224,9 +224,9 @@ def test_dist_device_follows_the_backend(monkeypatch):
 def test_every_end_token_stops_and_is_stripped(monkeypatch):
     """Phi-4-mini's generation config lists <|end|> and <|endoftext|>: stopping on the tokenizer's EOS alone
     ran outputs past <|end|> and showed it inside BiCC contexts."""
-    from bicc.conditioning import build_contexts
     from bicc.config import BiccConfig
-    from bicc.models import end_token_ids
+    from bicc.method.conditioning import build_contexts
+    from bicc.model.load import end_token_ids
     from bicc.rollout import SamplingParams, build_engine
 
     model, tok = hub_model()
@@ -294,7 +294,7 @@ def test_evaluation_deals_problem_sample_rows_evenly():
     """AIME (30 problems) x n = 32 over 4 ranks: chunks of 16 problems dealt rank k mod W gave ranks 2-3 nothing,
     and they sat in a collective while ranks 0-1 decoded ~2M tokens each until the NCCL watchdog killed the job.
     The 960 (problem, sample) rows now go 240 to each shard, every row exactly once, in calls of <= 64 rows."""
-    from bicc.evaluation import EvalCall, plan_calls
+    from bicc.evaluation.evaluate import EvalCall, plan_calls
 
     plan = plan_calls(30, 32, 64, 4)
     rows = [[(c.first + i, c.sample + j) for c in calls for i in range(c.problems) for j in range(c.n)] for calls in plan]
@@ -317,7 +317,7 @@ def test_evaluation_batches_are_sized_by_tokens():
     rows x (longest prompt + new tokens)."""
     from types import SimpleNamespace
 
-    from bicc.evaluation import rows_per_call
+    from bicc.evaluation.evaluate import rows_per_call
 
     cfg = SimpleNamespace(batch_size=512, batch_tokens=131_072, max_new_tokens=4096)
     assert rows_per_call(cfg, 300) == 131_072 // 4396 == 29

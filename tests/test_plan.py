@@ -1,21 +1,21 @@
-"""The step's log-prob plan (bicc/plan.py): which passes each configuration makes, that every pass it
+"""The step's log-prob plan (bicc/trainer/plan.py): which passes each configuration makes, that every pass it
 skips is replaced by the same numbers, and the HF engine's sampling log-probs."""
 
 import pytest
 import torch
 
-from bicc.advantages import Advantages
-from bicc.batching import logprobs_no_grad
 from bicc.config import TinyArchConfig
 from bicc.data import encode_prompt
-from bicc.logprobs import make_token_batch
-from bicc.models import build_tiny
-from bicc.plan import StepPlan
+from bicc.kernels.batching import logprobs_no_grad
+from bicc.kernels.rows import QueryRows
+from bicc.method.advantages import Advantages
+from bicc.model.load import build_tiny
+from bicc.model.logprobs import make_token_batch
 from bicc.rollout import EngineOptions, SamplingParams, build_engine
-from bicc.rows import QueryRows
-from bicc.state import build_rl_state
-from bicc.step import rl_step
-from bicc.update import update_policy
+from bicc.trainer.plan import StepPlan
+from bicc.trainer.state import build_rl_state
+from bicc.trainer.step import rl_step
+from bicc.trainer.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, CoinTask, rows, state_for
 

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bicc.advantages import ADVANTAGES
 from bicc.config import TinyArchConfig
-from bicc.models import build_tiny
-from bicc.probe import alignment, identity_gap, probe_batch
+from bicc.method.advantages import ADVANTAGES
+from bicc.model.load import build_tiny
+from bicc.model.tokenizer import build_char_tokenizer
 from bicc.rollout import RolloutOutput
 from bicc.rollout.collect import Rollout
-from bicc.tokenizer import build_char_tokenizer
+from bicc.trainer.probe import alignment, identity_gap, probe_batch
 from tests.conftest import compose_cfg
 
 

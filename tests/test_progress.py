@@ -2,8 +2,8 @@
 
 import itertools
 
-from bicc import progress as progress_module
-from bicc.progress import LineProgress, progress
+from bicc.machine import progress as progress_module
+from bicc.machine.progress import LineProgress, progress
 
 
 def test_a_log_file_gets_occasional_lines(capsys, monkeypatch):

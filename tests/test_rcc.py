@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from bicc.advantages import ADVANTAGES
-from bicc.batching import logprobs_no_grad
-from bicc.conditioning import build_contexts
 from bicc.config import TinyArchConfig
-from bicc.diagnostics import GradientMoments, delta_by_reward, gradient_variance, sequence_delta
-from bicc.logprobs import make_token_batch
-from bicc.models import build_tiny
-from bicc.plan import StepPlan, step_logprobs
-from bicc.rows import ContextRows, QueryRows
+from bicc.kernels.batching import logprobs_no_grad
+from bicc.kernels.rows import ContextRows, QueryRows
+from bicc.method.advantages import ADVANTAGES
+from bicc.method.conditioning import build_contexts
+from bicc.method.diagnostics import GradientMoments, delta_by_reward, gradient_variance, sequence_delta
+from bicc.model.load import build_tiny
+from bicc.model.logprobs import make_token_batch
+from bicc.trainer.plan import StepPlan, step_logprobs
 from tests.conftest import compose_cfg
 from tests.helpers import BiccCfg, rows_setup
 

@@ -1,4 +1,4 @@
-"""``model.checkpoint_in_graph`` (``bicc.compile._recomputed``): a compiled, checkpointed layer's recompute traced
+"""``model.checkpoint_in_graph`` (``bicc.kernels.compile._recomputed``): a compiled, checkpointed layer's recompute traced
 into its compiled backward. The update is the eager one (fp64), each such call runs one matmul fewer than the
 eager checkpoint's replay of the compiled forward (the MLP's down projection, whose output no backward reads), the
 prefix pass keeps the replay, a policy (``model.checkpoint_policy``) applies inside the graph, and a layer whose
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.backends.registry import lookup_backend
 
-from bicc.compile import compile_layers, compiled_layers, decoder_layers
+from bicc.kernels.compile import compile_layers, compiled_layers, decoder_layers
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, graph_code
 from tests.test_compile import checkpointed_pair, update
@@ -102,7 +102,7 @@ def test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls(sh
             metrics, matmuls, calls, runs = counted_update(model, share, in_graph)
         assert compiled_layers(model) == ARCH.num_hidden_layers
         assert runs["layer"] == len(calls[True]) + len(calls[False]) > 0, (runs, calls)
-        assert runs["head"] > 0 and runs["loss"] > 0, runs  # bicc.compile.compile_head, bicc.losses.compiled
+        assert runs["head"] > 0 and runs["loss"] > 0, runs  # bicc.kernels.compile.compile_head, bicc.kernels.compiled_loss
         assert metrics["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
         for p, q in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
@@ -161,10 +161,10 @@ def test_a_checkpointed_graph_that_fails_to_compile_still_recomputes():
 
 
 def test_the_config_chooses_the_form(tmp_path):
-    """``model.checkpoint_in_graph`` reaches ``compile_layers`` (``bicc.state``): true by default in every preset;
+    """``model.checkpoint_in_graph`` reaches ``compile_layers`` (``bicc.trainer.state``): true by default in every preset;
     false leaves the eager checkpoint in place; an uncheckpointed model gets no in-graph form."""
-    from bicc.models import build_tiny
-    from bicc.state import build_rl_state
+    from bicc.model.load import build_tiny
+    from bicc.trainer.state import build_rl_state
 
     assert compose_cfg([]).model.checkpoint_in_graph is True
     for preset in ("qwen3_4b_instruct", "phi4_mini", "smollm2_135m"):
@@ -192,9 +192,9 @@ def test_the_config_chooses_the_form(tmp_path):
 def test_a_compiled_layer_keeps_what_the_memory_model_counts(policy):
     """What one checkpointed layer call with the checkpoint in its graph keeps for its backward, beside the
     parameters: its inputs (hidden states, the rotary cos and sin: the full recompute's) and, per token, what
-    ``bicc.memory.kept_per_token`` counts for ``model.checkpoint_policy`` (fp32 here: 4 bytes a value). The generator's
+    ``bicc.machine.memory.kept_per_token`` counts for ``model.checkpoint_policy`` (fp32 here: 4 bytes a value). The generator's
     state kept for attention's recompute (a few KiB of uint8, whatever the tokens) is left out."""
-    from bicc.memory import Arch, kept_per_token
+    from bicc.machine.memory import Arch, kept_per_token
     from tests.test_checkpoint_policy import checkpointed
 
     model = checkpointed(policy).float()

@@ -1,5 +1,5 @@
-"""``bicc.step.rl_step`` (packed or KV-reused contexts, micro-batches, the step plan, delta from the update's own
-forward) against ``bicc.reference.algorithm1_step`` (the paper's Algorithm 1, one sequence per forward) on the
+"""``bicc.trainer.step.rl_step`` (packed or KV-reused contexts, micro-batches, the step plan, delta from the update's own
+forward) against ``bicc.method.reference.algorithm1_step`` (the paper's Algorithm 1, one sequence per forward) on the
 same rollout, under the published ``bicc=on rcc=on``. Both take one plain SGD step with clipping out of reach, so
 the weights after it are the gradient itself: a wrong context, ratio, delta, advantage or normaliser moves them
 differently (Adam's first step, about lr x sign(g), would hide every error of scale)."""
@@ -11,13 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bicc import step as step_module
-from bicc.diagnostics import conditioning_weights
-from bicc.models import build_tiny
-from bicc.optim import warmup_cosine
-from bicc.reference import algorithm1_step
-from bicc.state import build_rl_state
-from bicc.step import rl_step
+from bicc.method.diagnostics import conditioning_weights
+from bicc.method.reference import algorithm1_step
+from bicc.model.load import build_tiny
+from bicc.trainer import step as step_module
+from bicc.trainer.optim import warmup_cosine
+from bicc.trainer.state import build_rl_state
+from bicc.trainer.step import rl_step
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, CoinTask
 
@@ -125,7 +125,7 @@ def recorded(tmp_path_factory):
     whose TIS weights e^{-0.3 sin} lie in [0.74, 1.35], some above the cap 1.2."""
     from transformers import AutoModelForCausalLM
 
-    from bicc.logprobs import batch_logprobs, make_token_batch
+    from bicc.model.logprobs import batch_logprobs, make_token_batch
     from bicc.rollout.collect import Collection, DataCursor, collect_rollout
 
     tmp = tmp_path_factory.mktemp("combinations")

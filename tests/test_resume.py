@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bicc.checkpoint import CorruptCheckpoint, save_checkpoint, verify_checkpoint
+from bicc.trainer.checkpoint import CorruptCheckpoint, save_checkpoint, verify_checkpoint
 from tests.helpers import ROOT, SMALL, conditioned_steps, logged_steps
 
 # GRPO + BiCC + RCC (the defaults) with every diagnostic on, a checkpoint every 2 steps. Attention dropout draws
@@ -73,7 +73,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
 
 def _model():
     from bicc.config import TinyArchConfig
-    from bicc.models import build_tiny
+    from bicc.model.load import build_tiny
 
     return build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=2,
                                      num_key_value_heads=1, head_dim=16), seed=0)
@@ -85,7 +85,7 @@ def _checkpoint(tmp_path, step):
 
 
 def test_corrupt_or_partial_checkpoints_are_named_and_skipped(tmp_path):
-    from bicc.loop import resume_dir
+    from bicc.trainer.loop import resume_dir
 
     good = _checkpoint(tmp_path, 2)
     corrupt = _checkpoint(tmp_path, 4)
@@ -108,8 +108,8 @@ def test_corrupt_or_partial_checkpoints_are_named_and_skipped(tmp_path):
 def test_the_newest_of_twelve_checkpoints_is_resumed_and_kept(tmp_path):
     """Checkpoints are ordered by step number, not as text (where step_10 sorts before step_9): resume=auto and
     train.keep_last pick the newest."""
-    from bicc.checkpoint import list_checkpoints
-    from bicc.loop import resume_dir
+    from bicc.trainer.checkpoint import list_checkpoints
+    from bicc.trainer.loop import resume_dir
 
     for step in range(1, 13):
         _checkpoint(tmp_path, step)

@@ -2,8 +2,8 @@ import time
 
 import pytest
 
-from bicc.answers import last_boxed, normalize_answer
-from bicc.rewards import exact_match_reward, extract_answer
+from bicc.data.answers import last_boxed, normalize_answer
+from bicc.data.rewards import exact_match_reward, extract_answer
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def task_with(reward, batched=False):
 
 
 def test_a_reward_by_path_replaces_the_tasks_in_rollouts_and_evaluation():
-    from bicc.evaluation import TaskBenchmark
+    from bicc.evaluation.evaluate import TaskBenchmark
 
     task = task_with("tests.rewards:length_parity")
     problem = task.train_problem(3)

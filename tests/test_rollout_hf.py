@@ -12,7 +12,7 @@ class RolloutCfg:
 
 @pytest.fixture(scope="module")
 def engine():
-    from bicc.models import build_tiny
+    from bicc.model.load import build_tiny
 
     model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=0)
@@ -54,7 +54,7 @@ def test_greedy_repeats_one_decode(engine):
 
 
 def test_update_weights_copies_from_another_module(engine):
-    from bicc.models import build_tiny
+    from bicc.model.load import build_tiny
 
     other, _ = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=1)
@@ -71,7 +71,7 @@ def test_sampling_at_top_p_1_draws_from_the_whole_vocabulary():
     default is top_k = 50). A random-init model is close to uniform over the character vocabulary, so 4,000
     first tokens of one prompt show more than 50 distinct ids, and their frequencies follow the softmax; with
     top-p 0.5 they keep to the smallest set holding half the mass."""
-    from bicc.models import build_tiny
+    from bicc.model.load import build_tiny
 
     model, tok = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=0)

@@ -14,13 +14,13 @@ from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 
-from bicc.checkpoint import save_hf  # noqa: E402
 from bicc.config import ModelConfig, RolloutConfig, TinyArchConfig  # noqa: E402
 from bicc.data import encode_prompt  # noqa: E402
-from bicc.logprobs import batch_logprobs, make_token_batch  # noqa: E402
-from bicc.models import build_tiny, load_pretrained  # noqa: E402
+from bicc.model.load import build_tiny, load_pretrained  # noqa: E402
+from bicc.model.logprobs import batch_logprobs, make_token_batch  # noqa: E402
 from bicc.rollout import SamplingParams, build_engine  # noqa: E402
 from bicc.rollout.vllm import named_parameters_full  # noqa: E402
+from bicc.trainer.checkpoint import save_hf  # noqa: E402
 from tests.helpers import ROOT, SMALL, conditioned_steps, small_numa_node  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -76,7 +76,7 @@ import torch
 from omegaconf import OmegaConf
 from bicc.config import ModelConfig, RolloutConfig
 from bicc.data import encode_prompt
-from bicc.models import load_pretrained
+from bicc.model.load import load_pretrained
 from bicc.rollout import EngineOptions, SamplingParams, build_engine
 model, tok = load_pretrained({str(tmp_path / "policy")!r}, OmegaConf.structured(ModelConfig(name="t", path="x")),
                              torch.device("cpu"))

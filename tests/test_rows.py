@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from bicc.conditioning import ConditionedPrompts, build_contexts
-from bicc.losses import LOSSES, StepTotals
-from bicc.rows import ContextRows, QueryRows
+from bicc.kernels.rows import ContextRows, QueryRows
+from bicc.method.conditioning import ConditionedPrompts, build_contexts
+from bicc.method.losses import LOSSES, StepTotals
 from tests.helpers import BiccCfg, rows_setup
 from tests.losses.helpers import LOSS_OF, VARIANTS
 

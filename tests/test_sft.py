@@ -1,8 +1,8 @@
 """Warm-start data: demonstrations, optional context-bearing prompts, cache keys."""
 
 from bicc.data import build_task
-from bicc.sft import cache_key, demonstration_batch
-from bicc.tokenizer import build_char_tokenizer
+from bicc.model.tokenizer import build_char_tokenizer
+from bicc.trainer.sft import cache_key, demonstration_batch
 from tests.conftest import compose_cfg
 
 TOK = build_char_tokenizer()
@@ -77,10 +77,10 @@ def test_sft_loss_runs_plain_and_context_rows_apart_with_the_one_batch_loss_and_
     rows' cost); the loss and gradient are the one-batch token mean's."""
     import torch
 
-    from bicc.logprobs import batch_logprobs
-    from bicc.losses.agg import masked_mean
-    from bicc.models import build_tiny
-    from bicc.sft import demonstrations, sft_loss
+    from bicc.method.losses.agg import masked_mean
+    from bicc.model.load import build_tiny
+    from bicc.model.logprobs import batch_logprobs
+    from bicc.trainer.sft import demonstrations, sft_loss
 
     cfg = compose_cfg(["sft.cache_dir=/tmp/x"])
     task = build_task(cfg.data)

@@ -41,8 +41,8 @@ def greedy(engine, prompts, tokens=40):
 
 def test_greedy_text_is_the_same_through_hf_vllm_and_an_in_place_sync(cache):
     from bicc.data import encode_prompt
-    from bicc.gguf import resolve_model_path
-    from bicc.models import end_token_ids, load_pretrained
+    from bicc.model.gguf import resolve_model_path
+    from bicc.model.load import end_token_ids, load_pretrained
     from bicc.rollout import EngineOptions, build_engine
 
     cfg = compose_cfg(["model=smollm2_135m", *ENGINE])
@@ -72,7 +72,7 @@ def test_two_rl_steps_of_the_paper_method_on_vllm_and_the_checkpoint_reads_back_
     from vllm import LLM
     from vllm import SamplingParams as VSampling
 
-    from bicc.gguf import resolve_model_path
+    from bicc.model.gguf import resolve_model_path
     from bicc.rollout.vllm import kv_cache_bytes
 
     run_dir = tmp_path / "run"

@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from bicc.models import build_tiny
-from bicc.state import build_rl_state
+from bicc.model.load import build_tiny
+from bicc.trainer.state import build_rl_state
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH
 

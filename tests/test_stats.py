@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from bicc.stats import bootstrap_ci, crossed_bootstrap_diff, paired_bootstrap_diff, pass_at_k, wilcoxon_paired
+from bicc.evaluation.stats import bootstrap_ci, crossed_bootstrap_diff, paired_bootstrap_diff, pass_at_k, wilcoxon_paired
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 6])

@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 
-from bicc import step as step_module
-from bicc.models import build_tiny
+from bicc.model.load import build_tiny
 from bicc.rollout import RolloutOutput
-from bicc.state import build_rl_state
-from bicc.step import rl_step
+from bicc.trainer import step as step_module
+from bicc.trainer.state import build_rl_state
+from bicc.trainer.step import rl_step
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH
 

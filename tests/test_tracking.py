@@ -1,9 +1,9 @@
-"""The metrics sinks (bicc/tracking.py): what metrics.jsonl holds, a non-main rank writing nothing, and the
+"""The metrics sinks (bicc/machine/tracking.py): what metrics.jsonl holds, a non-main rank writing nothing, and the
 rewind a resumed run does."""
 
 import json
 
-from bicc.tracking import Tracker, rewind_jsonl
+from bicc.machine.tracking import Tracker, rewind_jsonl
 
 
 def rows(path):

@@ -72,7 +72,7 @@ def test_invalid_value_fails_before_loading(tmp_path, monkeypatch, bad):
     proc = run_train([*SMALL, bad], tmp_path, check=False)
     assert proc.returncode != 0 and f"config field '{bad.split('=')[0]}'" in proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    heavy = {"transformers", "vllm", "bicc.models"}
+    heavy = {"transformers", "vllm", "bicc.model.load"}
     assert "torch" in imported and not imported & heavy, sorted(imported & heavy)
 
 

@@ -9,17 +9,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bicc.advantages import Advantages
-from bicc.batching import logprobs_no_grad
-from bicc.conditioning import ConditionedPrompts
-from bicc.logprobs import make_token_batch
-from bicc.losses import LOSSES, StepTotals
-from bicc.models import build_tiny
-from bicc.optim import warmup_cosine
-from bicc.plan import StepPlan, step_logprobs
-from bicc.rows import ContextRows, QueryRows
-from bicc.state import RLState
-from bicc.update import update_policy
+from bicc.kernels.batching import logprobs_no_grad
+from bicc.kernels.rows import ContextRows, QueryRows
+from bicc.method.advantages import Advantages
+from bicc.method.conditioning import ConditionedPrompts
+from bicc.method.losses import LOSSES, StepTotals
+from bicc.model.load import build_tiny
+from bicc.model.logprobs import make_token_batch
+from bicc.trainer.optim import warmup_cosine
+from bicc.trainer.plan import StepPlan, step_logprobs
+from bicc.trainer.state import RLState
+from bicc.trainer.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, rows
 
@@ -56,7 +56,7 @@ def hand_loop(model, batch, old_logp, adv, cfg, step_seed, ref_logp=None):
 @pytest.mark.parametrize("micro", ["1", "4", "12", "12 tokens=30"])  # the last: length-aware micro-batches
 def test_update_equals_hand_sequenced_loop(algo, micro):
     """In fp64, so that the only differences left are the update's arithmetic, not summation order: each
-    micro-batch is computed on its own columns (bicc.batching.trim_rows), the hand loop on the minibatch's.
+    micro-batch is computed on its own columns (bicc.kernels.batching.trim_rows), the hand loop on the minibatch's.
     max_new_tokens (12) is above every output (at most 9 tokens), so Dr.GRPO's constant is not any row width."""
     size, _, tokens = micro.partition(" tokens=")
     cfg = compose_cfg([f"algo={algo}", "train.minibatches_per_rollout=2", "train.epochs_per_rollout=2",
@@ -83,12 +83,12 @@ FSDP2_ONE_RANK = """
 import sys
 import torch
 from bench.update_vs_bare import fsdp_one_rank
-from bicc.advantages import Advantages
-from bicc.batching import logprobs_no_grad
-from bicc.logprobs import make_token_batch
-from bicc.models import build_tiny
-from bicc.rows import QueryRows
-from bicc.update import update_policy
+from bicc.method.advantages import Advantages
+from bicc.kernels.batching import logprobs_no_grad
+from bicc.model.logprobs import make_token_batch
+from bicc.model.load import build_tiny
+from bicc.kernels.rows import QueryRows
+from bicc.trainer.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, rows
 from tests.test_update import hand_loop, sgd_state
@@ -240,7 +240,7 @@ def test_shared_prompts_update_equals_one_row_per_output(micro):
     """train.share_prompts: three prompts, each behind four outputs, computed once per minibatch (KV reuse) give
     the update of one padded row per output, in fp64 over 2 epochs x 2 minibatches (so a minibatch holds some
     of a prompt's outputs and the prompt is shared only within it)."""
-    from bicc.rows import query_rows
+    from bicc.kernels.rows import query_rows
 
     size, _, tokens = micro.partition(" tokens=")
     cfg = compose_cfg(["train.minibatches_per_rollout=2", "train.epochs_per_rollout=2", f"train.micro_batch_size={size}",
@@ -264,9 +264,9 @@ def test_shared_prompts_update_equals_one_row_per_output(micro):
 def test_gradients_are_freed_after_the_optimizer_step():
     """The fp32 gradients (4N/W bytes: 3.75 GiB a GPU for the Qwen3-4B preset) lived on through the next rollout,
     beside vLLM's share, until the next update's zero_grad."""
-    from bicc.batching import logprobs_no_grad
-    from bicc.rows import QueryRows
-    from bicc.update import update_policy
+    from bicc.kernels.batching import logprobs_no_grad
+    from bicc.kernels.rows import QueryRows
+    from bicc.trainer.update import update_policy
     from tests.helpers import guard_setup
 
     state, batch, cfg = guard_setup()
@@ -304,17 +304,17 @@ def test_fsdp2_options_act_in_a_minibatch_last_backward_only(share, field, hook,
     free the gathered weights in a minibatch's last backward only: its last micro-batch's, or under KV reuse the
     prompts' prefix backward on leaving the contexts (then every micro-batch's is off). The default never touches
     the setting. (Two ranks against one process: ``tests/test_distributed.py``.)"""
-    import bicc.update
-    from bicc.batching import micro_batches
-    from bicc.distributed import Dist
-    from bicc.rows import query_rows
+    import bicc.trainer.update
+    from bicc.kernels.batching import micro_batches
+    from bicc.kernels.rows import query_rows
+    from bicc.machine.distributed import Dist
 
     prompts, completions = rows()
     batch = make_token_batch(prompts, completions, 0)
     numerator = query_rows(batch, prompts, completions, share, 0, torch.device("cpu"))
     adv = Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64))
     calls = []
-    monkeypatch.setattr(bicc.update, hook, lambda model, on: calls.append(on))
+    monkeypatch.setattr(bicc.trainer.update, hook, lambda model, on: calls.append(on))
     for setting in (default, option):
         cfg = compose_cfg(["train.micro_batch_size=4", "rollout.max_new_tokens=12", f"{field}={setting}"])
         model = build_tiny(ARCH, seed=0)[0].double()

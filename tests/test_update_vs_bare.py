@@ -51,7 +51,7 @@ def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops(tmp_
     sites = out.split(head.group(0), 1)[1].split("[update_vs_bare] ours", 1)[0]
     site_counts = [int(line.split()[0]) for line in sites.splitlines()[1:] if line.split() and line.split()[0].isdigit()]
     assert site_counts == sorted(site_counts, reverse=True) and 0 < sum(site_counts) <= int(head.group(1))
-    assert "bicc/prefix_cache.py" in sites and "bicc/update.py" in sites  # ours, as the update's callers
+    assert "bicc/kernels/prefix_cache.py" in sites and "bicc/trainer/update.py" in sites  # ours, as the update's callers
     assert "update_gpu_busy_share" not in out and "update_mfu" not in out and "update_hfu" not in out  # CUDA only
 
 
@@ -67,7 +67,7 @@ def test_call_sites_without_a_python_frame_say_the_profiler_may_have_recorded_no
     out = capsys.readouterr().out
     assert "84 calls in one update, from 2 call sites" in out and "may have recorded none" in out
     assert out.index("51  aten::mul") < out.index("33  aten::copy_")  # most frequent first
-    framed = Counter({**named, ("aten::copy_", "bicc/update.py(54): update_policy"): 2})
+    framed = Counter({**named, ("aten::copy_", "bicc/trainer/update.py(54): update_policy"): 2})
     print_sites("aten::copy_", framed, 6)
     assert "may have recorded none" not in capsys.readouterr().out
 
@@ -207,7 +207,7 @@ def test_host_syncs_counts_each_wait_by_its_line_and_restores_the_debug_mode(mon
 
 def bench_run(shape: str, prompts: int, group: int, prompt_tokens: int, output_tokens: int, sharded: bool, device: str,
               overrides=(), compiled: bool = False):
-    """The shape and ``bicc.memory`` run that ``bench.update_vs_bare`` sizes ours with, for these arguments."""
+    """The shape and ``bicc.machine.memory`` run that ``bench.update_vs_bare`` sizes ours with, for these arguments."""
     import torch
 
     from bench.update_vs_bare import SHAPES, make_rows, memory_run, update_cfg
@@ -225,7 +225,7 @@ def test_ours_memory_here_is_weights_moments_and_gradients_with_no_sampler_or_re
     gradients, 16 N bytes; between updates (no rollout, no evaluation here) 12 N; FSDP2 gathers the root in bf16 on
     CUDA (2 bytes a parameter), in fp32 on CPU."""
     from bench.update_vs_bare import memory_arch
-    from bicc.memory import allocated, phases
+    from bicc.machine.memory import allocated, phases
 
     arch, run = bench_run("qwen3_4b_width", 2, 2, 8, 32, True, "cuda")
     shape = memory_arch(arch, 2)
@@ -244,8 +244,8 @@ def test_fit_takes_the_most_layers_whose_predicted_peak_fits_and_says_when_none_
     """With ``AUTO_SHARE`` (0.9) of the budget just above the predicted peak at 5 layers: 5; just below it: 4;
     a budget for any depth: the shape's 36; one below a single layer's peak: an error naming the flag."""
     from bench.update_vs_bare import fit_layers, memory_arch
-    from bicc.fit import AUTO_SHARE
-    from bicc.memory import GIB, peak
+    from bicc.machine.memory import GIB, peak
+    from bicc.trainer.fit import AUTO_SHARE
 
     arch, run = bench_run("qwen3_4b_width", 8, 8, 64, 2048, True, "cuda")
     at5 = peak(memory_arch(arch, 5), run)[1] / AUTO_SHARE / GIB
@@ -267,8 +267,8 @@ def test_layers_fit_runs_ours_alone_at_the_depth_and_checkpointing_the_memory_mo
     import dataclasses
 
     from bench.update_vs_bare import memory_arch
-    from bicc.fit import AUTO_SHARE, resolve_checkpoint_layers
-    from bicc.memory import GIB, peak
+    from bicc.machine.memory import GIB, peak
+    from bicc.trainer.fit import AUTO_SHARE, resolve_checkpoint_layers
 
     overrides = ["model.checkpoint_layers=auto", "train.logprob_chunk_tokens=8"]
     arch, run = bench_run("cpu_small", 1, 2, 8, 16, True, "cpu", overrides, compiled=True)
@@ -286,7 +286,7 @@ def test_layers_fit_runs_ours_alone_at_the_depth_and_checkpointing_the_memory_mo
     assert f"model.checkpoint_layers=auto: {chosen} of 2 layers checkpointed" in out
     assert f"checkpointing True (ours: full, layers {chosen})" in out
     at_chosen = peak(memory_arch(arch, 2), dataclasses.replace(run, checkpoint_layers=chosen))[1] / GIB
-    assert f"bicc.memory: ours' peak {at_chosen:.2f} GiB" in out and at_chosen <= AUTO_SHARE * budget
+    assert f"bicc.machine.memory: ours' peak {at_chosen:.2f} GiB" in out and at_chosen <= AUTO_SHARE * budget
     assert re.findall(r"round (\d), (ours|bare):", out) == [("1", "ours")]
     assert "RESULT update_vs_bare" not in out and "no bare loop" in out and "decoder layers compiled" in out
     assert re.search(r"one update of ours runs \S+ FLOPs", out)
@@ -334,12 +334,12 @@ def tiny_update(checkpointing: bool, overrides=(), compiled: bool = False):
     import torch
 
     from bench.update_vs_bare import build, our_update, update_cfg
-    from bicc.logprobs import install_logprob_head
+    from bicc.model.logprobs import install_logprob_head
 
     cfg = update_cfg(3, 4, 2, checkpointing, list(overrides))
     model = build(TINY, torch.device("cpu"), checkpointing)
     if compiled:
-        from bicc.compile import compile_layers
+        from bicc.kernels.compile import compile_layers
 
         compile_layers(model, checkpoint_in_graph=cfg.model.checkpoint_in_graph)
     install_logprob_head(model, cfg.train.logprob_chunk_tokens)
@@ -394,7 +394,7 @@ def test_the_flops_are_counted_inside_compiled_layers_without_a_recompile():
     import torch
 
     from bench.update_vs_bare import counted_flops, profiled
-    from bicc.step import compiled_graphs
+    from bicc.trainer.step import compiled_graphs
 
     update = tiny_update(True, compiled=True)
     update()  # compiles

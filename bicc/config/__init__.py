@@ -4,7 +4,7 @@ Every YAML file under ``conf/`` is checked against these dataclasses when Hydra 
 misspelt key fails at start-up. Fields without a sensible default are ``MISSING``: a config group
 must set them. Each schema default is the one the YAML composes (tests/test_config.py holds them
 together). Closed choices are ``Literal`` types on their fields (``bicc.config.fields.choice``) and each
-schema's ``check`` holds the ranges of its own fields; ``bicc.validation.validate`` runs them all, with
+schema's ``check`` holds the ranges of its own fields; ``bicc.trainer.validation.validate`` runs them all, with
 the registries and the checks across groups, before any model is loaded, naming the field and the fix.
 
 | module | groups |
@@ -84,7 +84,7 @@ def register_configs() -> None:
     rank under torchrun, where Hydra's ``${now:}`` is read by each process); ``${repo:}``, this repository's
     root (the data files' home, whatever the working directory); ``${job_dirname:OVERRIDES}``, a sweep job's dir
     name (``job_dirname``)."""
-    from bicc.host import launch_time
+    from bicc.machine.host import launch_time
 
     OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("repo", lambda: str(REPO), replace=True)

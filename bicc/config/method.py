@@ -1,6 +1,6 @@
 """Schemas of the method's groups: the variant (conf/algo), BiCC (conf/bicc) and RCC (conf/rcc), each with
 the range checks of its own fields. Names checked against the registries (losses, advantages) and checks
-across groups are in ``bicc.validation``."""
+across groups are in ``bicc.trainer.validation``."""
 
 from __future__ import annotations
 

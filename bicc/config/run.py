@@ -41,7 +41,7 @@ class ModelConfig:
     checkpoint_policy: str = choice(Literal["full", "save_attention", "recompute_mlp"], "full")
     compile: str = choice(Literal["off", "on", "auto"], "off")
     checkpoint_in_graph: bool = True
-    checkpoint_layers: str = "all"  # all | auto | N: the first N decoder layers checkpointed (bicc.models, bicc.fit)
+    checkpoint_layers: str = "all"  # all | auto | N: the first N decoder layers checkpointed (bicc.model.load, bicc.trainer.fit)
 
     @staticmethod
     def check(m) -> None:
@@ -193,7 +193,7 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    """Multi-process training under torchrun (bicc/distributed.py); one process ignores it."""
+    """Multi-process training under torchrun (bicc/machine/distributed.py); one process ignores it."""
 
     strategy: str = choice(Literal["fsdp2", "ddp"], "fsdp2")
     backend: str = choice(Literal["auto", "nccl", "gloo"], "auto")

@@ -26,7 +26,7 @@ def build_task(data_cfg):
     """The task ``data.task`` names; its reward replaced by ``data.reward`` (a dotted path) when that is set."""
     task = TASKS.get(data_cfg.task)(data_cfg)
     if getattr(data_cfg, "reward", None):
-        from bicc.rewards import CustomReward
+        from bicc.data.rewards import CustomReward
 
         task = CustomReward(task, data_cfg.reward, bool(getattr(data_cfg, "reward_batched", False)))
     return task

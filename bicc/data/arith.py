@@ -25,9 +25,9 @@ import random
 import re
 import zlib
 
-from bicc.answers import EXTRACTORS, answer_anchors, extract, normalize_answer
 from bicc.data import TASKS, Problem
-from bicc.rewards import exact_match_reward
+from bicc.data.answers import EXTRACTORS, answer_anchors, extract, normalize_answer
+from bicc.data.rewards import exact_match_reward
 
 
 def _stable_unit(text: str) -> float:

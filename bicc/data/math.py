@@ -1,5 +1,5 @@
 """Math word problems from files (``data.task=math``): MATH train / GSM8K train for RL, scored by the
-same checker as evaluation (``bicc.checking.MathChecker``: extraction, exact path, math-verify under a
+same checker as evaluation (``bicc.data.checking.MathChecker``: extraction, exact path, math-verify under a
 deadline). The prompt is the problem plus ``data.math.instruction``; the chat template is applied by
 the caller (``encode_prompt``)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from bicc.answers import answer_anchors
-from bicc.checking import MathChecker
 from bicc.data import TASKS, Problem
+from bicc.data.answers import answer_anchors
 from bicc.data.benchmarks import FieldNames, load_problems
+from bicc.data.checking import MathChecker
 
 
 @TASKS.register("math")

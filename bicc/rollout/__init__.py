@@ -56,7 +56,7 @@ class RolloutOutput:
 @dataclass(frozen=True)
 class EngineOptions:
     """end_ids: every token id that ends an output (EOS and the generation config's end tokens); empty =
-    the tokenizer's EOS. dist: this process's place under torchrun (``bicc.distributed.Dist``), or None.
+    the tokenizer's EOS. dist: this process's place under torchrun (``bicc.machine.distributed.Dist``), or None.
     max_model_len: the longest prompt + context + output the run needs (vLLM sizes its KV cache by it);
     None = the engine's default. dtype: the engine's compute dtype name, None = the model's. rows: the most output
     rows one generate call holds (vLLM on CPU sizes its KV space by it); None = as many as vLLM runs at once."""

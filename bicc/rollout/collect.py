@@ -1,6 +1,6 @@
 """Rollout collection for one RL step: prompts from this process's shards, G samples each from the engine,
 rewards (with DAPO's overlong shaping), dynamic sampling's refills. (The sampler's log-probs against the
-trainer's: ``bicc.losses.tis``.)"""
+trainer's: ``bicc.method.losses.tis``.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from bicc.config import overlong_buffer_tokens
 from bicc.data import encode_prompt, task_rewards
-from bicc.rewards import overlong_penalty
+from bicc.data.rewards import overlong_penalty
 from bicc.rollout import RolloutOutput, SamplingParams
 
 
@@ -96,7 +96,7 @@ def _select(out: RolloutOutput, rows: list[int]) -> RolloutOutput:
 
 def collect_rollout(engine, tokenizer, task, plan: Collection, cursor: DataCursor, seed: int, shards=(0,),
                     num_shards: int = 1) -> Rollout:
-    """The rollout of prompt shards ``shards`` out of ``num_shards`` (``bicc.distributed``), sampled by ``engine``
+    """The rollout of prompt shards ``shards`` out of ``num_shards`` (``bicc.machine.distributed``), sampled by ``engine``
     from ``task``'s training problems at ``cursor`` (advanced past them): each shard is ``prompts_per_step /
     num_shards`` queries with its own seed and its own position in the data, so a shard's samples do not depend
     on which process draws it. One shard (the default) is the whole step. Groups are numbered over the returned

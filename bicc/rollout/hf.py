@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from bicc.logprobs import compute_precision
+from bicc.model.logprobs import compute_precision
 from bicc.rollout import ENGINES, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
 
 
@@ -30,7 +30,7 @@ class HFEngine:
 
     def update_weights(self, model) -> None:
         if model is not self.model:
-            from bicc.distributed import full_state_dict
+            from bicc.machine.distributed import full_state_dict
 
             self.model.load_state_dict(full_state_dict(model))
 

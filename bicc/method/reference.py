@@ -1,0 +1,64 @@
+"""One RL update, unoptimised: one sequence per forward, no packing, no KV reuse, no micro-batches, no step plan.
+Under ``bicc=on rcc=on`` it is the paper's Algorithm 1; every other switch the config offers reads as one plain
+line below (the variant's own advantage without RCC, delta on q, pi_old and the KL's reference on x^c under
+``bicc.old_on_context``, truncated importance weights). No training path calls it; ``tests/test_reference.py``
+holds ``bicc.trainer.step.rl_step`` equal to it. Every formula is the library's own function.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bicc.method.advantages import ADVANTAGES
+from bicc.method.conditioning import build_contexts
+from bicc.method.diagnostics import sequence_delta
+from bicc.method.losses import LOSSES, StepTotals
+from bicc.method.losses.tis import sampler_grid, sampler_importance_weights
+from bicc.model.logprobs import batch_logprobs, make_token_batch
+
+
+def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg, anchors, end_ids) -> dict:
+    """One update of ``model`` on the rollout ``ro`` (``bicc.rollout.collect.Rollout``: G outputs per query q
+    sampled from pi_old = ``model`` as it is now, their rewards, and the sampler's log-probs when the engine gave
+    them). Returns the step's loss, advantages, delta (None without RCC), each output's log conditioning weight
+    log w = log pi_old(o | x^c) - log pi_old(o | q) and which outputs were conditioned (None with BiCC off)."""
+    q, outputs, pad, temperature = ro.out.prompt_ids, ro.out.completion_ids, tokenizer.pad_token_id, cfg.rollout.temperature
+    mask = make_token_batch(q, outputs, pad).completion_mask  # [N, L]
+
+    def logp(policy, prompts):  # [N, L]: log policy(o_i | prompts[i]), one forward per sequence
+        rows = [batch_logprobs(policy, make_token_batch([p], [o], pad), temperature)[0][0] for p, o in zip(prompts, outputs)]
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+    # partition O+ / O- per group; x+ = [q; O-], x- = [q; O+] (q itself where a group has one side only); BiCC off: q
+    contexts = build_contexts(ro.prompts, outputs, ro.correct, ro.group_ids, tokenizer, cfg.bicc, cfg.bicc.max_tokens, q,
+                              end_ids, anchors) if cfg.bicc.enabled else None
+    xc = contexts.prompt_ids if contexts is not None else q
+    old_on_xc = cfg.bicc.enabled and cfg.bicc.old_on_context  # the stabilised form (bicc=stable); the paper: on q
+    with torch.no_grad():
+        # pi_old(o | q): the trainer's, or the sampler's own log-probs under rollout.old_from_sampler
+        old_q = sampler_grid(ro.out.logprobs, mask.float(), mask)[0] if cfg.rollout.old_from_sampler else logp(model, q)
+        old_xc = logp(model, xc) if cfg.bicc.enabled else old_q  # pi_old(o | x^c); x^c is q with BiCC off
+        old = old_xc if old_on_xc else old_q  # the ratio's denominator
+        ref = logp(ref_model, q)  # pi_ref(o | q)
+        kl_ref = logp(ref_model, xc) if old_on_xc and cfg.algo.kl_coef > 0 else ref  # the KL's: like with like
+    log_w = ((old_xc - old_q) * mask).sum(-1)  # [N] BiCC's log conditioning weight at theta_old
+    if cfg.rcc.enabled:  # RCC: delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), A_i = r_i - mean r - 2 Cov
+        delta = sequence_delta(old_xc if cfg.rcc.delta_context == "xc" else old_q, ref, mask, cfg.rcc.delta)
+        adv, _ = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
+    else:
+        delta = None
+        adv, _ = ADVANTAGES.get(cfg.algo.advantage)(ro.rewards, ro.group_ids, None, cfg.algo)
+    # TIS: the tokens came from the sampler, so each is weighted by min(pi_old(o | q) / pi_sampler(o | q), cap)
+    tis = cfg.rollout.tis_cap > 0 and ro.out.logprobs is not None
+    is_weight = sampler_importance_weights(ro.out.logprobs, old_q, mask, cfg.rollout.tis_cap)[0] if tis else None
+    # the registered loss on rho_i = pi_theta(o_i | x^c) / pi_old(o_i | q), normalised over the whole step
+    new = logp(model, xc)
+    loss, _ = LOSSES.get(cfg.algo.loss)(new, old, kl_ref, adv, mask, cfg.algo, StepTotals.of(mask, cfg.rollout.max_new_tokens),
+                                        is_weight=is_weight)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
+    optimizer.step()
+    scheduler.step()
+    return {"loss": loss.item(), "advantages": adv, "delta": delta, "log_w": log_w,
+            "conditioned": None if contexts is None else contexts.conditioned}

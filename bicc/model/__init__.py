@@ -1,0 +1,2 @@
+"""The model and how it scores tokens: loading the policy and its tokenizer (load, tokenizer, gguf), per-token
+log-probs (logprobs) through a chunked output head (head). Imports ``bicc.machine``; imported by method and above."""

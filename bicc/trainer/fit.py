@@ -1,0 +1,157 @@
+"""The check at launch that a run fits its GPU: the run's shape and sizes read from its config (``arch_of``,
+``model_arch``, ``run_of``), ``bicc.machine.memory``'s peak against the memory it may use (``check_fit``), and the
+settings that shrink a phase (``knob``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from bicc.machine.memory import GIB, Arch, Run, peak
+
+
+def arch_of(config) -> Arch:
+    """The shape of an HF model config (Qwen3, Llama, Phi-3 layouts)."""
+    heads = config.num_attention_heads
+    return Arch(hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
+                kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                intermediate=config.intermediate_size, vocab=config.vocab_size,
+                tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -> Run:
+    """What of the run's config sizes memory on one of ``world`` GPUs of ``gpu_gib`` (every output at
+    ``rollout.max_new_tokens``, the longest training prompt ``prompt_tokens``)."""
+    from bicc.machine.distributed import DTYPES
+    from bicc.model.load import resolve_attn_implementation
+    from bicc.trainer.plan import StepPlan
+
+    r, t, e = cfg.rollout, cfg.train, cfg.eval
+    compute = DTYPES[cfg.dist.param_dtype] if sharded and cfg.dist.param_dtype else DTYPES[cfg.model.dtype]
+    vllm = r.engine == "vllm"
+    plan = StepPlan.from_config(cfg, vllm or bool(r.old_from_sampler))
+    return Run(world=world, micro_batch=t.micro_batch_size, output_tokens=r.max_new_tokens, prompt_tokens=prompt_tokens,
+               context_ratio=cfg.bicc.context_ratio, bicc=bool(cfg.bicc.enabled),
+               contexts=max(1, 2 * r.prompts_per_step // world), reference=StepPlan.loads_reference(cfg),
+               chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.gpu_memory_utilization, gpu_gib=gpu_gib,
+               compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
+               delta_from_update=plan.delta_from_update,  # where the plan defers (delta on the update's own context)
+               no_grad_on_context=any("on x^c" in p and "no grad" in p for p in plan.passes()),
+               master_bytes=DTYPES[cfg.model.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
+               eval_batch_tokens=e.batch_tokens, eval_new_tokens=e.max_new_tokens,
+               eval_rows=min(e.batch_size, e.limit * e.samples_per_problem if e.limit else e.batch_size),
+               flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2",
+               rollout_batch=r.batch_size, compiled=cfg.model.compile in ("on", "auto"),  # auto: on a GPU
+               reshard_after_forward=cfg.dist.reshard_after_forward, reshard_after_backward=cfg.dist.reshard_after_backward,
+               reduce_per_step=cfg.dist.reduce_grads == "step",
+               checkpoint_policy=cfg.model.checkpoint_policy if cfg.model.gradient_checkpointing else "full",
+               checkpoint_layers=checkpoint_setting(cfg.model))
+
+
+def checkpoint_setting(model_cfg) -> int | None:
+    """``model.checkpoint_layers`` as ``bicc.machine.memory`` counts it: None for every layer (``all``, and ``auto`` until
+    ``resolve_checkpoint_layers`` sets it), 0 without ``model.gradient_checkpointing``."""
+    if not model_cfg.gradient_checkpointing:
+        return 0
+    setting = str(model_cfg.checkpoint_layers)
+    return None if setting in ("all", "auto") else int(setting)
+
+
+AUTO_SHARE = 0.9  # of the budget that auto fills: an H100's reserved memory ran 1.22x its allocated peak
+
+
+def resolve_checkpoint_layers(arch: Arch, run: Run, budget_gib: float) -> int:
+    """``model.checkpoint_layers=auto``: the fewest checkpointed layers (from the first up) whose predicted peak fits
+    ``AUTO_SHARE`` of ``budget_gib`` (the presets' own target: 72 of 80 GiB); every layer where none does (the fit
+    check then says what else to lower)."""
+    for n in range(arch.layers + 1):
+        if peak(arch, dataclasses.replace(run, checkpoint_layers=n))[1] <= AUTO_SHARE * budget_gib * GIB:
+            return n
+    return arch.layers
+
+
+def knob(phase: str, run: Run) -> str:
+    """The settings that shrink ``phase``'s peak."""
+    if phase in ("rollout", "evaluation") and run.vllm:
+        return "rollout.gpu_memory_utilization (vLLM's share of the GPU)"
+    if phase == "evaluation":
+        return "eval.batch_tokens (rows x tokens per HF generate call)"
+    if phase == "optimizer step":
+        return "more GPUs (torchrun --nproc_per_node, dist.strategy=fsdp2 shards weights, gradients and AdamW)"
+    # FSDP2's options that hold more than the default (bicc.machine.memory)
+    keep_fwd = ["dist.reshard_after_forward=true"] if run.sharded and not run.reshard_after_forward else []
+    if phase == "no-grad log-probs":
+        return ", ".join(["train.logprob_chunk_tokens", *keep_fwd])
+    update = ["train.micro_batch_size or train.micro_batch_tokens, train.logprob_chunk_tokens"]
+    update += ["rcc.delta_from_update=false"] if run.delta_from_update else []
+    update += keep_fwd + (["dist.reshard_after_backward=true"] if run.sharded and not run.reshard_after_backward else [])
+    if run.checkpoint_layers is not None:  # layers outside the checkpoint hold their activations
+        update.append("model.checkpoint_layers (more layers checkpointed, model.gradient_checkpointing=true)")
+    return ", ".join(update + (["dist.reduce_grads=micro_batch"] if run.sharded and run.reduce_per_step else []))
+
+
+def check_fit(arch: Arch, run: Run, budget_gib: float) -> str:
+    """The prediction against ``budget_gib`` as one line; raises ValueError naming the knob to turn when the
+    largest phase does not fit."""
+    phase, value = peak(arch, run)
+    line = (f"predicted peak {value / GIB:.1f} GiB per GPU ({phase}) of {budget_gib:.1f} GiB "
+            f"(every output at {run.output_tokens} tokens, micro-batch {run.micro_batch})")
+    if value > budget_gib * GIB:
+        raise ValueError(f"config field 'train.memory_gib': {line}: it does not fit. Lower {knob(phase, run)}; "
+                         "or set train.memory_check=false to start anyway")
+    return line
+
+
+def model_arch(model_cfg, vocab: int) -> Arch:
+    """The shape of the configured model, read without loading weights (``model.tiny``, or the config.json at
+    ``model.path``); ``vocab``: the tokenizer's size (a tiny model's vocabulary)."""
+    t = model_cfg.tiny
+    if t is not None:
+        return Arch(hidden=t.hidden_size, layers=t.num_hidden_layers, heads=t.num_attention_heads,
+                    kv_heads=t.num_key_value_heads, head_dim=t.head_dim, intermediate=t.intermediate_size, vocab=vocab,
+                    tied=bool(t.tie_word_embeddings))
+    from transformers import AutoConfig
+
+    return arch_of(AutoConfig.from_pretrained(model_cfg.path))
+
+
+def auto_layers(model_cfg) -> bool:
+    """``model.checkpoint_layers=auto`` under checkpointing: the count is chosen from the memory budget."""
+    return bool(model_cfg.gradient_checkpointing) and str(model_cfg.checkpoint_layers) == "auto"
+
+
+def predicted_run(cfg, task, tokenizer, world: int, sharded: bool, gpu_gib: float) -> tuple[Arch, Run]:
+    """The shape and sizes ``bicc.machine.memory`` counts for this run on one of ``world`` GPUs of ``gpu_gib``: the configured
+    model, its longest training prompt with the contexts' framing, the config's sizes, and under
+    ``model.checkpoint_layers=auto`` the count of checkpointed layers that fits."""
+    from bicc.trainer.validation import context_template_tokens, longest_training_prompt
+
+    prompt = longest_training_prompt(task, tokenizer)[0] + context_template_tokens(cfg, tokenizer)
+    arch, run = model_arch(cfg.model, len(tokenizer)), run_of(cfg, world, sharded, gpu_gib, prompt)
+    if auto_layers(cfg.model):
+        run = dataclasses.replace(run, checkpoint_layers=resolve_checkpoint_layers(arch, run, gpu_gib))
+    return arch, run
+
+
+def launch_check(cfg, d, device, task, tokenizer) -> str | None:
+    """Before any weights load: the run's predicted peak per GPU against ``train.memory_gib`` (null: the CUDA
+    device's total memory; on CPU nothing is checked). Returns the line to print, or None; raises ValueError
+    (naming the setting to lower) when it does not fit and ``train.memory_check`` is on."""
+    import torch
+
+    budget = cfg.train.memory_gib
+    if budget is None and device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory / GIB
+    auto = auto_layers(cfg.model)
+    if budget is None or not (cfg.train.memory_check or auto):
+        return None
+    arch, run = predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", budget)
+    if run.checkpoint_layers is not None and run.checkpoint_layers > arch.layers:
+        raise ValueError(f"config field 'model.checkpoint_layers': {run.checkpoint_layers} layers, but the model has "
+                         f"{arch.layers}")
+    chosen = ""
+    if auto:  # the model is loaded with this many layers checkpointed (bicc.model.load.enable_checkpointing)
+        cfg.model.checkpoint_layers = str(run.checkpoint_layers)
+        chosen = f"model.checkpoint_layers=auto: {run.checkpoint_layers} of {arch.layers} layers checkpointed; "
+    return chosen + (check_fit(arch, run, budget) if cfg.train.memory_check else "memory check off")
+

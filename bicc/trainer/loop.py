@@ -1,0 +1,289 @@
+"""The run around the step: warm start, the initial evaluation (cached per warm start), the RL loop with
+checkpoints (atomic, resumable, distributed) and the final evaluation. ``train.py`` composes the config and
+calls ``run``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from bicc.data import build_task
+from bicc.evaluation.evaluate import evaluate, format_eval
+from bicc.kernels.packing import padding_free
+from bicc.machine import distributed
+from bicc.machine.distributed import DTYPES
+from bicc.machine.host import allocator_conf, torch_threads, usable_cores
+from bicc.machine.progress import progress
+from bicc.machine.tracking import Tracker, rewind_jsonl
+from bicc.method.conditioning import context_budget
+from bicc.model.gguf import resolve_model_path
+from bicc.model.load import num_parameters, tokenizer_and_positions
+from bicc.rollout import EngineOptions, build_engine, eval_engine_config
+from bicc.trainer.checkpoint import (
+    CorruptCheckpoint,
+    incomplete_checkpoints,
+    list_checkpoints,
+    load_trainer_state,
+    save_checkpoint,
+    set_rng_state,
+    tmp_dir,
+    verify_checkpoint,
+)
+from bicc.trainer.fit import launch_check
+from bicc.trainer.sft import config_hash, warm_start
+from bicc.trainer.state import RLState, build_rl_state, peak_lr
+from bicc.trainer.step import rl_step
+from bicc.trainer.validation import validate_lengths
+
+NAMED_FORMS = {("bicc", "stable"): "stabilised BiCC, not the paper's",
+               ("rcc", "mean"): "RCC with per-token mean delta, not the paper's"}
+
+
+def describe_choices(choices, cfg) -> str:
+    """What this run trains, by config group, with the forms that are not the paper's named as such."""
+    parts = []
+    for group in ("algo", "bicc", "rcc", "model", "data", "rollout", "eval", "experiment"):
+        choice = choices.get(group)
+        if choice is not None:
+            note = NAMED_FORMS.get((group, choice))
+            parts.append(f"{group}={choice}" + (f" ({note})" if note else ""))
+    r = cfg.rollout
+    text = (" ".join(parts) + f"; lr {peak_lr(cfg):g}, {cfg.train.steps} steps of {r.prompts_per_step} prompts x "
+            f"G={r.group_size}, max {r.max_new_tokens} tokens")
+    if cfg.algo.kl_coef > 0:
+        text += f", KL {cfg.algo.kl_coef:g} ({cfg.algo.kl_estimator})"
+    if cfg.bicc.enabled:
+        text += f", context budget {context_budget(cfg.bicc)} tokens"
+    if cfg.model.tiny is not None and cfg.data.task == "arith":
+        text += f", arith slips {cfg.data.arith.slip_rate:g} at {cfg.data.arith.slip_step} step"
+    if cfg.model.tiny is not None and cfg.sft.context_share > 0:
+        text += f", warm start shows {cfg.sft.context_attempts} attempts on {cfg.sft.context_share:g} of its prompts"
+    return text
+
+
+def initial_eval_cache(cfg, init_path: str) -> Path | None:
+    """Where the initial policy's score is kept, so that every run from one starting checkpoint shares it: inside
+    a dir this library built and keyed (a warm start, or a GGUF file converted under sft.cache_dir), named by
+    the evaluation, task, seed, engine and dtype. None for any other model (an HF id, a dir that may change)."""
+    init = Path(init_path)
+    if cfg.model.tiny is None and init.resolve().parent != Path(cfg.sft.cache_dir).resolve():
+        return None
+    return init / f"eval-{config_hash(cfg.eval, cfg.data, cfg.seed, cfg.rollout.engine, cfg.model.dtype)}.json"
+
+
+def eval_engine(s: RLState, cfg):
+    """vLLM evaluates with the rollout engine itself; HF with an engine over the sampling module (a full
+    copy under FSDP2) batched by eval.batch_size."""
+    if getattr(s.engine, "model", None) is None:
+        return s.engine
+    return build_engine("hf", s.engine.model, s.tokenizer, eval_engine_config(cfg.rollout, cfg.eval),
+                        EngineOptions(end_ids=s.end_ids))
+
+
+def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
+    """Atomic checkpoint (bicc.trainer.checkpoint); every process calls this. HF-format weights in the compute
+    dtype (``model.dtype``, what vLLM and evaluation load), gathered to a full state dict under FSDP2 and
+    written by rank 0 with the trainer state; under FSDP2 each rank also writes its optimizer shard (DCP),
+    and when the master weights are kept in a wider dtype they are written too (DCP, sharded under FSDP2),
+    so that a resume is exact. Rank 0 marks the checkpoint complete last."""
+    d = s.dist
+    sharded = distributed.is_sharded(s.model)
+    mixed = DTYPES[cfg.model.master_dtype] != DTYPES[cfg.model.dtype]
+    weights = None  # one process or DDP in the master dtype: rank 0 writes the model as is
+    if sharded or (mixed and d.is_main):
+        weights = distributed.full_state_dict(s.model, DTYPES[cfg.model.dtype])
+        if s.model.config.tie_word_embeddings:  # gathered copies are no longer shared: keep the HF layout
+            weights.pop("lm_head.weight", None)
+    tmp = tmp_dir(ckpt_dir)
+    if d.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier(d)
+    state = s.trainer_state()
+    if sharded:
+        distributed.save_sharded_optimizer(s.model, s.optimizer, tmp)
+        del state["optimizer"]
+    if mixed:
+        distributed.save_master_weights(s.model, tmp)
+    distributed.barrier(d)
+    if d.is_main:
+        save_checkpoint(ckpt_dir, s.model, s.tokenizer, state, cfg.train.keep_last, state_dict=weights, keep_tmp=True)
+    distributed.barrier(d)
+
+
+def resume_dir(resume: str, run_dir: Path) -> Path | None:
+    """``auto``: the latest checkpoint of this run dir that reads back completely, skipping (with a
+    warning) incomplete or corrupt ones; a run dir: its latest, which must be sound; else the dir itself."""
+    root = run_dir if resume == "auto" else Path(resume)
+    for bad in incomplete_checkpoints(root / "checkpoints"):
+        print(f"[rl] warning: skipping incomplete checkpoint {bad} (interrupted write)")
+    found = list_checkpoints(root / "checkpoints")
+    if resume != "auto":
+        ckpt = found[-1] if found else root
+        verify_checkpoint(ckpt)  # an explicitly named checkpoint must be sound: the error names it
+        return ckpt
+    for ckpt in reversed(found):
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt
+        except CorruptCheckpoint as err:
+            print(f"[rl] warning: skipping {err}")
+    return None
+
+
+def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
+                    d: distributed.Dist = distributed.Dist(), max_model_len: int | None = None) -> RLState:
+    ckpt = resume_dir(cfg.resume, run_dir) if cfg.resume else None
+    ckpt = distributed.broadcast_object(ckpt, d)  # rank 0's choice (nodes may not share a file system view)
+    if ckpt is None:
+        return build_rl_state(cfg, init_path, init_path, device, d, max_model_len)
+    state = load_trainer_state(ckpt)
+    s = build_rl_state(cfg, str(ckpt), state["init_path"], device, d, max_model_len)
+    distributed.load_master_weights(s.model, ckpt)  # the fp32 master behind the checkpoint's bf16 weights
+    s.load_trainer_state(state)
+    if "optimizer" not in state:  # written sharded by an FSDP2 run (any number of processes)
+        distributed.load_sharded_optimizer(s.model, s.optimizer, ckpt)
+        s.apply_schedule()
+    set_rng_state(state["rng"])
+    print(f"[rl] resumed from {ckpt} at step {s.step}")
+    return s
+
+
+def forward_layout(model, cfg) -> str:
+    """How the trainer's forwards lay out their rows (``bicc.kernels.packing.padding_free``), for the start-up line."""
+    impl = model.config._attn_implementation
+    if not padding_free(model):
+        return (f"each micro-batch padded to its longest row (attn_implementation={impl}; padding-free needs "
+                "flash_attention_2 and model.padding_free)")
+    bicc_kv = not cfg.bicc.enabled or (cfg.bicc.packing and cfg.bicc.packing_impl == "kv")
+    padded = [name for name, kv in (("the rows on q", cfg.train.share_prompts), ("BiCC's rows", bicc_kv)) if not kv]
+    if not padded:
+        return f"padding-free ({impl})"
+    return (f"padding-free ({impl}) but {' and '.join(padded)}, padded to each micro-batch's longest row "
+            "(padding-free needs KV reuse: train.share_prompts, bicc.packing_impl=kv)")
+
+
+def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
+    if s.dist.is_main:
+        print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
+              f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples on {s.dist.world} process(es)")
+        extra = f"; every {cfg.rcc.diag_every} steps the diagnostics add their own" if cfg.rcc.diag_every else ""
+        print(f"[rl] passes per step: {' -> '.join(s.plan.passes())}{extra}")
+        print(f"[rl] forwards: {forward_layout(s.model, cfg)}")
+    start = time.perf_counter()
+    bar = progress(cfg.train.steps, "rl", cfg.logger.progress and s.dist.is_main, initial=s.step)
+    while s.step < cfg.train.steps:
+        metrics, diag_record = rl_step(s, cfg)
+        if diag_record and s.dist.is_main:  # raw per-sample values for the delta histograms (bicc.evaluation.plots)
+            with open(run_dir / "diagnostics.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(diag_record) + "\n")
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", loss=f"{metrics['train/loss']:.3f}")
+        share = metrics.get("bicc/samples_conditioned_share")
+        if share is not None and share < 0.5 and s.dist.is_main and (s.step == 1 or s.step % 50 == 0):
+            print(f"[bicc] warning: step {s.step}: only {100 * share:.0f}% of samples see an opposite attempt "
+                  f"({metrics['bicc/attempts_shown']:.1f} shown on average, "
+                  f"{100 * metrics['bicc/dropped_share']:.0f}% of attempts dropped by the budget "
+                  f"bicc.context_ratio x bicc.max_tokens = {context_budget(cfg.bicc)} tokens)")
+        if s.step % cfg.train.log_every == 0:
+            tracker.log(metrics, step=s.step)
+        out_of_time = cfg.train.time_budget_s and time.perf_counter() - start > cfg.train.time_budget_s
+        out_of_time = bool(distributed.all_reduce_sum(float(bool(out_of_time)), s.dist))  # all stop together
+        diverged = s.nonfinite_streak >= cfg.train.max_nonfinite_steps
+        if ((cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time
+                or diverged):
+            save_rl_checkpoint(s, cfg, run_dir / "checkpoints" / f"step_{s.step}")
+        if diverged:
+            raise RuntimeError(f"[rl] {s.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
+                               f"norm (up to step {s.step}); stopped with a checkpoint at "
+                               f"{run_dir / 'checkpoints' / f'step_{s.step}'}. Lower optim.lr or check the data.")
+        if out_of_time:
+            print(f"[rl] time budget {cfg.train.time_budget_s}s reached at step {s.step}")
+            break
+    bar.close()
+    return s
+
+
+def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
+    """Warm start (tiny models), RL, final evaluation; ``choices``: the config group choices, for the
+    start-up summary. Returns the results (also written to ``run_dir/results.json``)."""
+    torch.set_num_threads(torch_threads(cfg.threads, d.world))
+    cuda = f"cuda:{d.local_rank}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(cuda if cfg.device == "auto" else cfg.device)
+    torch.manual_seed(cfg.seed)
+    if d.enabled:
+        print(f"[dist] rank {d.rank}/{d.world} (local rank {d.local_rank}) on {device}, collectives on {d.device}")
+    if d.is_main:
+        print(f"[run] {describe_choices(choices, cfg)}")
+        cuda_line = f", CUDA allocator: {allocator_conf()}" if device.type == "cuda" else ""
+        print(f"[host] usable cores: {usable_cores()}, torch threads per process: {torch.get_num_threads()}{cuda_line}")
+    task = build_task(cfg.data)
+    cfg.model.path = resolve_model_path(cfg.model.path, cfg.sft.cache_dir)  # gguf:<package>/<file>: an HF dir
+    tokenizer, *positions = tokenizer_and_positions(cfg.model)
+    max_model_len = validate_lengths(cfg, task, tokenizer, *positions)
+    fit = launch_check(cfg, d, device, task, tokenizer) if cfg.stage != "sft" else None
+    if d.is_main:  # the engine that samples the rollouts and both evaluations, sized to what they need
+        print(f"[rollout] {cfg.rollout.engine} engine; longest sequence {max_model_len} tokens (prompt + context + "
+              "new tokens, training or evaluation)")
+        if fit:
+            print(f"[memory] {fit}")
+
+    # ---- warm start: tiny models are fine-tuned first (cached by settings; rank 0 builds it) --------
+    init_path = cfg.model.path
+    if cfg.model.tiny is not None:
+        if d.is_main:
+            init_path = str(warm_start(cfg, task, device, cfg.logger.progress))
+        distributed.barrier(d)
+        if not d.is_main:
+            init_path = str(warm_start(cfg, task, device, False))  # the cached one
+    if cfg.stage == "sft":
+        print(f"[sft] warm start at {init_path}")
+        return {"init_path": init_path}
+    torch.manual_seed(cfg.seed)  # RL draws the same numbers whether its warm start was built here or cached
+
+    tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
+                      cfg.logger.wandb_project, enabled=d.is_main)
+    s = start_or_resume(cfg, init_path, device, run_dir, d, max_model_len)
+    if d.is_main and getattr(s.engine, "kv_bytes", None):
+        print(f"[rollout] vLLM KV space {s.engine.kv_bytes / 2**30:.2f} GiB (rollout.kv_cache_bytes)")
+    if s.step > 0 and d.is_main:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
+        for name in ("metrics.jsonl", "diagnostics.jsonl"):
+            rewind_jsonl(run_dir / name, s.step)
+    baseline = None
+    if s.step == 0:  # score the initial policy with the model RL will train (no second load), on every rank
+        cache = initial_eval_cache(cfg, init_path)
+        baseline = distributed.broadcast_object(
+            json.loads(cache.read_text(encoding="utf-8")) if d.is_main and cache is not None and cache.exists() else None, d)
+        if baseline is None:
+            with s.peaks.phase("evaluation"):
+                baseline = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, d=s.dist)
+            if cache is not None and d.is_main:
+                cache.write_text(json.dumps(baseline), encoding="utf-8")
+        if d.is_main:
+            print(f"[eval] initial policy: {format_eval(baseline)}")
+
+    s = run_rl(s, cfg, run_dir, tracker)
+    with s.peaks.phase("evaluation"):
+        final = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
+                         progress=cfg.logger.progress, d=s.dist)
+    if hasattr(s.engine, "close"):
+        s.engine.close()
+    if not d.is_main:
+        return {"steps": s.step, "init_path": init_path}
+    tracker.log(final, step=s.step)
+    tracker.finish()
+    results = {"initial": baseline, "final": final, "steps": s.step, "init_path": init_path}
+    peaks = s.peaks.gib()  # CUDA's allocated and reserved peaks per phase and of the whole run (make gpu-check reads them)
+    if peaks:
+        results["cuda_peaks_gib"] = peaks
+        results["cuda_max_reserved_gib"], results["cuda_max_allocated_gib"] = peaks["run"]["reserved"], peaks["run"]["allocated"]
+    (run_dir / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    print(f"[eval] final policy:   {format_eval(final)}")
+    print(f"[done] outputs in {run_dir}")
+    return results

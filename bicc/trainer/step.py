@@ -1,0 +1,176 @@
+"""One RL step, the paper's Algorithm 1 in marked phases: rollout -> reward -> partition/contexts ->
+log-probs (``bicc.trainer.plan``) -> advantages -> loss and optimizer step (``bicc.trainer.update``) -> weight sync -> metrics, on
+the state ``bicc.trainer.state.build_rl_state`` builds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bicc.kernels.rows import ContextRows, query_rows
+from bicc.machine import distributed
+from bicc.method.advantages import ADVANTAGES, Advantages
+from bicc.method.conditioning import build_contexts
+from bicc.method.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
+from bicc.method.losses.tis import sampler_grid, sampler_importance_weights, sampler_logprob_diff
+from bicc.model.logprobs import make_token_batch
+from bicc.rollout.collect import Collection, collect_rollout
+from bicc.trainer.plan import StepPlan, step_logprobs
+from bicc.trainer.state import RLState
+from bicc.trainer.update import loss_of_rows_fn, update_policy
+
+
+def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
+    t0, graphs = time.perf_counter(), compiled_graphs()
+    device = next(s.model.parameters()).device
+    step_seed = cfg.seed * 1_000_003 + s.step
+
+    # ---- 1-2. rollout and reward: G samples per query from pi_old, scored (binary, plus shaping) --
+    # (each process samples its own prompt shards; groups never span processes)
+    with s.peaks.phase("generate"):
+        ro = collect_rollout(s.engine, s.tokenizer, s.task, Collection.from_config(cfg), s.cursor, step_seed,
+                             distributed.local_shards(cfg.rollout, s.dist), distributed.num_shards(cfg.rollout, s.dist))
+    t_rollout = time.perf_counter()
+    if hasattr(s.engine, "sleep"):  # vLLM with rollout.sleep on GPU: free its memory until the sync
+        s.engine.sleep()
+
+    # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c ----------------
+    batch, plain, numerator, contexts, bicc_metrics = step_inputs(s, cfg, ro, device)
+
+    # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
+    if s.plan is None:  # a state built by hand (build_rl_state resolves it)
+        s.plan = StepPlan.from_config(cfg, getattr(s.engine, "returns_logprobs", False))
+    plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, distributed.is_sharded(s.model))
+    sampled = sampled_logprobs(ro, plan, batch, device)
+    t_contexts = time.perf_counter()
+    with s.peaks.phase("log-probs"):
+        lp = step_logprobs(plan, s.model, s.ref_model, plain, numerator, sampled, cfg, batch.completion_mask, s.dist)
+    t_logprobs = time.perf_counter()
+    is_weight, sampler_metrics = sampler_correction(ro, plan, lp, batch, cfg, device)
+
+    # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
+    estimator = ADVANTAGES.get("rcc" if cfg.rcc.enabled else cfg.algo.advantage)
+
+    def advantages(delta_logp) -> Advantages:
+        """The step's advantages from delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step):
+        delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), theta = theta_old here."""
+        delta = None if delta_logp is None else sequence_delta(delta_logp, lp.ref, batch.completion_mask, cfg.rcc.delta).cpu()
+        values, metrics = estimator(ro.rewards, ro.group_ids, delta, cfg.algo)
+        return Advantages(values.to(device), delta, metrics)
+
+    diag_record, diag_metrics = {}, {}
+    t_diagnostics = time.perf_counter()
+    if plan.diagnostics:  # never with delta_from_update: lp.delta is delta's log-probs
+        diag_metrics, diag_record = step_diagnostics(s, cfg, batch, numerator, ro, lp, advantages(lp.delta), is_weight,
+                                                     step_seed)
+    diagnostics_s = time.perf_counter() - t_diagnostics
+
+    # ---- 6. loss and optimizer step(s); the advantages are computed inside, on lp.delta or (under
+    # plan.delta_from_update) on the update's own first forward -----------------------------------
+    with s.peaks.phase("update"):
+        update_metrics, first_pass_log_ratio, adv = update_policy(s, batch, numerator, lp.old, lp.kl_ref, advantages,
+                                                                  cfg, step_seed, is_weight, delta_logp=lp.delta,
+                                                                  delta_from_update=plan.delta_from_update)
+    adv_metrics = {**adv.metrics, **diag_metrics}
+    t_update = time.perf_counter()
+    if contexts is not None:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass
+        log_w = first_pass_log_ratio if plan.old_context == "q" else lp.log_w
+        if log_w is not None:
+            bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
+
+    # ---- 7. weight sync: the rollout engine samples from the updated policy next step ----------
+    s.engine.update_weights(s.model)
+    s.step += 1
+    if s.cursor.shard_pos and s.dist.enabled:  # every process learns every shard's data position (checkpoints)
+        s.cursor.shard_pos = distributed.merge_shard_positions(s.cursor.shard_pos, cfg.rollout, s.dist)
+
+    # ---- 8. metrics ----------------------------------------------------------------------------
+    perf = {"perf/rollout_s": t_rollout - t0, "perf/generate_s": ro.generate_s, "perf/logprob_s": t_logprobs - t_contexts,
+            "perf/no_grad_passes": plan.no_grad_passes(), "perf/diagnostics_s": diagnostics_s,
+            "perf/update_s": t_update - t_logprobs, "perf/update_tokens": float(numerator.tokens),
+            "perf/compiled_graphs": float(compiled_graphs() - graphs)}
+    metrics = {**rollout_metrics(ro, batch, cfg), **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics, **perf}
+    return distributed.mean_metrics(step_timing(metrics, batch, t0), s.dist), diag_record
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (``model.compile``): one that turns up mid-run is a step
+    that paid for its compilation."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def step_inputs(s: RLState, cfg, ro, device):
+    """The rollout as rows on q (``query_rows``) and, under BiCC, on x^c (``ContextRows``):
+    (batch, plain, numerator, contexts or None, ``bicc/`` metrics)."""
+    batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
+    plain = query_rows(batch, ro.out.prompt_ids, ro.out.completion_ids, cfg.train.share_prompts,
+                       s.tokenizer.pad_token_id, device)
+    if not cfg.bicc.enabled:
+        return batch, plain, plain, None, {}
+    contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
+                              cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
+    numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
+                            s.tokenizer.pad_token_id, device)
+    return batch, plain, numerator, contexts, {**contexts.metrics,
+                                               "bicc/extra_token_share": numerator.tokens / plain.tokens - 1}
+
+
+def sampled_logprobs(ro, plan, batch, device) -> torch.Tensor | None:
+    """The engine's sampling log-probs on the batch's [N, L] grid, or None when it returned none."""
+    if ro.out.logprobs is None:
+        return None
+    mask = batch.completion_mask.cpu()
+    sampled, valid = sampler_grid(ro.out.logprobs, torch.zeros(mask.shape), mask)
+    if plan.old_source == "sampler" and not bool(valid[mask.bool()].all()):
+        raise ValueError("rollout.old_from_sampler: the engine returned no log-prob for some sampled tokens")
+    return sampled.to(device)
+
+
+def sampler_correction(ro, plan, lp, batch, cfg, device):
+    """The sampler against the trainer, both on q: ``rollout/logprob_diff`` and, under TIS, each token's weight
+    min(pi_old / pi_sampler, C) (tokens were drawn from pi_sampler, not pi_old). Returns (weights [N, L] or
+    None, metrics); nothing when the engine gave no log-probs or they stand for pi_old."""
+    if ro.out.logprobs is None or plan.old_source == "sampler":
+        return None, {}
+    mask, q = batch.completion_mask.cpu(), lp.on_q.cpu()
+    metrics = {"rollout/logprob_diff": sampler_logprob_diff(ro.out.logprobs, q, mask)}
+    if not plan.tis:
+        return None, metrics
+    is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q, mask, cfg.rollout.tis_cap)
+    return is_weight.to(device), {**metrics, **tis_metrics}
+
+
+def rollout_metrics(ro, batch, cfg) -> dict:
+    lengths = batch.completion_mask.sum(-1).float()
+    return {"reward/accuracy": ro.correct.mean().item(), "reward/mean": ro.rewards.mean().item(),
+            "rollout/response_len": lengths.mean().item(),
+            "rollout/truncated_share": 1 - sum(ro.out.finished) / len(ro.out.finished),
+            "rollout/prompts_drawn": ro.prompts_drawn, "rollout/generate_rounds": ro.rounds,
+            "rollout/groups": len(ro.correct) // cfg.rollout.group_size}
+
+
+def step_timing(metrics: dict, batch, t0: float) -> dict:
+    """``metrics`` with ``perf/step_s`` and ``perf/tokens_per_s`` up to now. (No phase's seconds are synchronised
+    on CUDA; ``perf/generate_s`` is part of ``perf/rollout_s``.)"""
+    seconds = time.perf_counter() - t0
+    return {**metrics, "perf/step_s": seconds, "perf/tokens_per_s": float(batch.attention_mask.sum()) / seconds}
+
+
+def step_diagnostics(s: RLState, cfg, batch, numerator, ro, lp, adv: Advantages, is_weight, step_seed: int):
+    """RCC's diagnostics on this step's batch (delta by reward, gradient variance over group splits),
+    measured without changing the update: gradients are cleared before it. Returns (metrics, the raw
+    per-sample record for bicc.evaluation.plots)."""
+    metrics, delta = {}, adv.delta
+    if not cfg.rcc.enabled:
+        _, rcc_metrics = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
+        metrics.update({k: v for k, v in rcc_metrics.items() if k.startswith("rcc/")})
+    loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, lp.old, lp.kl_ref, adv.values, cfg, is_weight)
+    s.model.train()
+    grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(adv.values.device), cfg.rcc.diag_splits,
+                                 torch.Generator().manual_seed(step_seed), cfg.train.micro_batch_size)
+    metrics.update({**delta_by_reward(delta, ro.correct), "rcc/grad_var": grad_var})
+    return metrics, {"step": s.step + 1, "delta": delta.tolist(), "correct": ro.correct.tolist(), "grad_var": grad_var}
