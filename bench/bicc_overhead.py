@@ -66,9 +66,9 @@ CONFIGS = {
 SHRINK = dict(num_hidden_layers=2, out_len=64, max_tokens=128)
 VARIANTS = {  # the stabilised BiCC form (bicc=stable) unless named; packing_impl kv is the default
     "grpo": ["bicc=off", "rcc=off"],
-    "bicc_unpacked": ["bicc=stable", "rcc=off", "bicc.packing=false"],
+    "bicc_unpacked": ["bicc=stable", "rcc=off", "train.context_packing=false"],
     "bicc_packed": ["bicc=stable", "rcc=off"],
-    "bicc_packed_mask": ["bicc=stable", "rcc=off", "bicc.packing_impl=mask"],
+    "bicc_packed_mask": ["bicc=stable", "rcc=off", "train.context_packing_impl=mask"],
     "bicc_paper_packed": ["bicc=on", "rcc=off"],
 }
 
@@ -121,7 +121,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
         cfg = compose(config_name="train", overrides=overrides)
     torch.set_num_threads(torch_threads(0))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.bicc.enabled and cfg.bicc.packing and cfg.bicc.packing_impl == "mask":
+    if cfg.bicc.enabled and cfg.train.context_packing and cfg.train.context_packing_impl == "mask":
         spec["attn"] = "sdpa"  # flash-attn takes no 4-D mask: mask packing always runs on SDPA
     model, tok = build_model(spec)
     model.to(device)
@@ -149,7 +149,7 @@ def run_variant(config_name: str, variant: str, shrink: bool = False) -> dict:
     numerator = plain
     if cfg.bicc.enabled:
         contexts = build_contexts(prompts, completions, correct, group_ids, tok, cfg.bicc, cfg.bicc.max_tokens, prompt_ids)
-        numerator = ContextRows(contexts, completions, batch.completion_len, cfg.bicc, tok.pad_token_id, device)
+        numerator = ContextRows(contexts, completions, batch.completion_len, cfg.train, tok.pad_token_id, device)
 
     plan = StepPlan.from_config(cfg, False)
 

@@ -76,7 +76,7 @@ def rehearsal_overrides(model_dir: Path, run_dir: Path, prompts: int = PROMPTS, 
     return ["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on", "rollout=hf", f"model.path={model_dir}",
             "model.name=qwen3_0.6b_shape_random", f"rollout.prompts_per_step={prompts}",
             f"rollout.max_new_tokens={output_tokens}", f"bicc.max_tokens={output_tokens}", "optim.warmup_steps=1",
-            "rcc.diag_every=0", "eval=math500", "eval.limit=2", "eval.samples_per_problem=4",
+            "diag.every=0", "eval=math500", "eval.limit=2", "eval.samples_per_problem=4",
             f"eval.max_new_tokens={eval_tokens}", "eval.checker_workers=1",
             "data.reward=tests.rewards:first_right", "data.reward_batched=true", "logger.wandb_mode=disabled",
             "logger.progress=false", f"hydra.run.dir={run_dir}"]

@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--no-eval", action="store_true", help="skip scoring both trainers at the end")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    cfg = compose_cfg(["rcc.diag_every=0", "logger.progress=false", *args.overrides])
+    cfg = compose_cfg(["diag.every=0", "logger.progress=false", *args.overrides])
     torch.set_num_threads(torch_threads(cfg.threads))
     device = torch.device("cpu")
     task = build_task(cfg.data)

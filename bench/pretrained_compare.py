@@ -259,7 +259,7 @@ def main() -> None:
         int(s) for s in args.variance_steps.split(","))
     if bad := [s for s in measured_steps if not 0 < s <= args.steps]:
         parser.error(f"--variance-steps: {bad} not among the runs' steps 1..{args.steps}")
-    extra = ["rcc.diag_every=0", *args.extra]
+    extra = ["diag.every=0", *args.extra]
     start = time.perf_counter()
     dirs: dict[str, list[Path]] = {name: [] for name in names}
     for seed in range(args.seeds):  # seed-major: an interrupted call leaves whole comparisons behind

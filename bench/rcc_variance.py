@@ -108,7 +108,7 @@ def measure(cfg, setup: Setup, batches: range, splits: int, log=print) -> list[d
         if cfg.bicc.enabled:
             contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, tokenizer, cfg.bicc,
                                       cfg.bicc.max_tokens, ro.out.prompt_ids)
-            numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
+            numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, cfg.train,
                                     tokenizer.pad_token_id, device)
         old = logprobs_no_grad(model, numerator if cfg.bicc.enabled and cfg.bicc.old_on_context else plain, N, mb, T)
         on_q = logprobs_no_grad(model, plain, N, mb, T)

@@ -76,7 +76,7 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int
         return run_dir
     cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"seed={seed}", "sft.seed=0",
            f"train.steps={steps}", f"threads={threads}", "logger.wandb_mode=disabled", "logger.progress=false",
-           "rcc.diag_every=10",  # the gradient-variance comparison needs the diagnostics on every row
+           "diag.every=10",  # the gradient-variance comparison needs the diagnostics on every row
            f"hydra.run.dir={run_dir}", *extra]
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -148,7 +148,7 @@ def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], step
                      f"±{statistics.fmean(r['ci']):.1f} | {delta} | {spread(r['t1'])} | {spread(r['greedy'])} | {gv} |")
     if res.get("BiCC-GRPO+RCC", {}).get("gv") and res.get("BiCC-GRPO", {}).get("gv"):
         ratio = res["BiCC-GRPO+RCC"]["gv"] / res["BiCC-GRPO"]["gv"]
-        lines += ["", f"Gradient variance (relative, measured every `rcc.diag_every` steps during training, mean over "
+        lines += ["", f"Gradient variance (relative, measured every `diag.every` steps during training, mean over "
                       f"steps and seeds): BiCC-GRPO+RCC / BiCC-GRPO = **{ratio:.2f}**. Runs follow different "
                       f"trajectories; `bench/rcc_variance.py` compares the two advantages on identical batches."]
     if ablation:

@@ -13,7 +13,7 @@ G = 8 = 64 outputs, prompts of 300 tokens, output lengths from the labelled comp
 99th percentile is 2,048 tokens, the BiCC context budget 0.4 x 2,048 with KV-reuse packing (two distinct
 prefixes per group, each token costing what a plain token costs), activation checkpointing (one more forward
 in the update), and the passes each configuration makes (``bicc.trainer.plan.StepPlan``; the preset reads RCC's delta
-from a pass of its own, ``rcc.delta_from_update=true`` from the update's forward). On a GPU the weight sync
+from a pass of its own, ``train.delta_from_update=true`` from the update's forward). On a GPU the weight sync
 is added: the bf16 weights at an assumed 100 GB/s. On a CPU the rollout is HF decoding, which costs ~10x a
 forward per token here; vLLM on a GPU changes that share, so read the CPU shares with that in mind.
 Ends with ``RESULT model_step_ratio_bicc_rcc=<BiCC+RCC / GRPO> target<=1.15``.
@@ -143,9 +143,9 @@ def main() -> None:
           f"per GPU {GROUPS} queries x G = {G}, prompts {PROMPT} tokens, context budget {int(0.4 * MAX_TOKENS)}")
     totals = {}
     for name, overrides in (("GRPO", ["bicc=off", "rcc=off"]), ("BiCC+RCC (paper)", ["bicc=on", "rcc=on"]),
-                            ("BiCC+RCC, delta from the update", ["bicc=on", "rcc=on", "rcc.delta_from_update=true"]),
+                            ("BiCC+RCC, delta from the update", ["bicc=on", "rcc=on", "train.delta_from_update=true"]),
                             ("BiCC+RCC, pi_old from the sampler", ["bicc=on", "rcc=on", "rollout.old_from_sampler=true"])):
-        cfg = compose_cfg(["experiment=paper_qwen3_4b", "rcc.diag_every=0", *overrides])
+        cfg = compose_cfg(["experiment=paper_qwen3_4b", "diag.every=0", *overrides])
         plan = StepPlan.from_config(cfg, cfg.rollout.old_from_sampler)
         phases = step_phases(plan, cost, mean_len, MAX_TOKENS, cfg.train.share_prompts)
         total = totals[name] = sum(phases.values())

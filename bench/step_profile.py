@@ -5,7 +5,7 @@ Run: ``.venv/bin/python -m bench.step_profile [--lengths task|realistic] [hydra 
 ``--lengths task`` (default): the embedded default (tiny model, its cached warm start, real rollouts). Times
 ``--steps`` calls of ``bicc.trainer.step.rl_step`` after ``--warmup`` and splits them with the step's own timers
 (``perf/``): generate, the plan's no-grad passes, the update's forward, backward and optimizer step, the
-diagnostics (``rcc.diag_every``: their own forwards and backwards); the rest is loop overhead (tokenising, rewards,
+diagnostics (``diag.every``: their own forwards and backwards); the rest is loop overhead (tokenising, rewards,
 batching, contexts, advantages, metrics). Ends with
 ``RESULT loop_overhead_share=<share> target<=0.05`` and ``RESULT passes_per_step=<no-grad passes + 1 update>``.
 
@@ -65,7 +65,7 @@ DATA = ROOT.parent / "shared" / "data" / "labelled_completions.jsonl"
 LARGE = dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1152, num_attention_heads=6,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
 REALISTIC = ["rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=256",
-             "rollout.batch_size=64", "train.micro_batch_size=64", "optim.lr=1e-5", "rcc.diag_every=0"]
+             "rollout.batch_size=64", "train.micro_batch_size=64", "optim.lr=1e-5", "diag.every=0"]
 PAPER = ["bicc=on", "rcc=on"]
 LEAN = ["rollout.old_from_sampler=true"]  # the paper's method, pi_old on q from the sampler: one pass fewer
 

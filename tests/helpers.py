@@ -4,12 +4,14 @@ import contextlib
 import functools
 import gzip
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zlib
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,7 +65,7 @@ def conditioned_steps(run_dir: Path) -> list[float]:
 MIXED_RUN = [*CONSTRUCTED_REWARD, "bicc=stable", "rcc=mean", "optim.lr=3e-4", "data.arith.max_operands=2",
              "data.arith.max_operand=19", "data.arith.test_size=50", "sft.steps=30", "sft.batch_size=16", "train.steps=2",
              "train.save_every=1", "train.keep_last=0", "rollout.prompts_per_step=8", "rollout.group_size=4",
-             "rollout.max_new_tokens=64", "rollout.shards=2", "eval.shards=2", "rcc.diag_every=0", "optim.warmup_steps=0",
+             "rollout.max_new_tokens=64", "rollout.shards=2", "eval.shards=2", "diag.every=0", "optim.warmup_steps=0",
              "eval.num_problems=4", "eval.samples_per_problem=1", "eval.greedy=false", "eval.max_new_tokens=64",
              "logger.wandb_mode=disabled", "logger.progress=false", "threads=1", "sft.seed=0"]
 
@@ -227,7 +229,7 @@ def kv_case(seed=5):
     keys = [0, 1, 2, 0, 1, 2, 0, 0]  # which context each output follows
     outputs = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (11, 2, 7, 3, 9, 1, 7, 3)]
     prompts = ConditionedPrompts([contexts[k] for k in keys], keys, torch.ones(8, dtype=torch.bool))
-    bicc_cfg = OmegaConf.create({"packing": True, "max_packed_len": 256, "packing_impl": "kv"})
+    bicc_cfg = OmegaConf.create({"context_packing": True, "max_packed_len": 256, "context_packing_impl": "kv"})
     return ContextRows(prompts, outputs, 11, bicc_cfg, 0, torch.device("cpu")), contexts, outputs
 
 
@@ -305,3 +307,72 @@ def tiny_llama(tokenizer, seed: int = 0, tie: bool = True):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+# ---- One SGD step on a recorded rollout (tests/test_reference.py, tests/test_method_keys.py) ----------------
+
+LR = 0.5  # plain SGD's: the weights after one step are the gradient itself
+
+
+def sgd(state):
+    """Replace the state's AdamW by plain SGD at a constant LR."""
+    state.optimizer = torch.optim.SGD(state.model.parameters(), lr=LR)
+    state.scheduler = warmup_cosine(state.optimizer, 0, 10, 1.0)
+
+
+def policy_and_reference(root):
+    """``root/init`` (pi_ref, the initial policy) and ``root/policy`` (pi_old, a policy some steps on: the initial
+    one perturbed); they differ as they do after the first step, so a delta or KL read against the wrong one
+    changes the update. Returns the tokenizer."""
+    model, tok = build_tiny(ARCH, seed=0)
+    model.save_pretrained(root / "init")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(root / "policy")
+    tok.save_pretrained(root / "policy")
+    return tok
+
+
+COMBINATION_CFG = ["sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32",
+                   "bicc.min_attempt_tokens=4", "diag.every=0", "optim.warmup_steps=0", "optim.clip_grad=1e9",
+                   "train.micro_batch_size=5"]
+
+
+class ReplayEngine:
+    """Returns one recorded rollout whatever it is asked (every combination trains on the same samples), with
+    ``logprobs`` as the sampler's log-probs (None: an engine that gives none)."""
+
+    def __init__(self, out, logprobs=None):
+        self.out, self.logprobs, self.returns_logprobs = out, logprobs, logprobs is not None
+
+    def generate(self, prompts, sampling):
+        assert prompts == self.out.prompt_ids[:: sampling.n] and sampling.n * len(prompts) == len(self.out.prompt_ids)
+        return replace(self.out, logprobs=self.logprobs)
+
+    def update_weights(self, model):
+        pass
+
+
+def recorded_rollout(tmp):
+    """Under ``tmp``: a policy (the initial one perturbed) and the initial one as the reference, loaded here from its files;
+    one recorded rollout of 4 queries x 4 with a mixed group; sampler log-probs pi_old(o | q) + 0.3 sin(i + t),
+    whose TIS weights e^{-0.3 sin} lie in [0.74, 1.35], some above the cap 1.2."""
+    from transformers import AutoModelForCausalLM
+
+    from bicc.model.logprobs import batch_logprobs
+    from bicc.rollout.collect import Collection, DataCursor, collect_rollout
+    from bicc.trainer.state import build_rl_state
+
+    tok = policy_and_reference(tmp)
+    cfg = compose_cfg([*COMBINATION_CFG, "bicc=off", "rcc=off"])
+    s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
+    ro = collect_rollout(s.engine, tok, CoinTask(s.task), Collection.from_config(cfg), DataCursor(), seed=5)
+    right = ro.correct.view(4, 4).sum(1)
+    assert ((right > 0) & (right < 4)).any()  # a mixed group: BiCC conditions, advantages are not all 0
+    batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, tok.pad_token_id)
+    with torch.no_grad():
+        old = batch_logprobs(s.model.eval(), batch, cfg.rollout.temperature)[0]
+    sampled = [[old[i, t].item() + 0.3 * math.sin(i + t) for t in range(len(c))] for i, c in enumerate(ro.out.completion_ids)]
+    return tmp, ro.out, sampled, AutoModelForCausalLM.from_pretrained(tmp / "init").eval()

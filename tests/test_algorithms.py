@@ -33,7 +33,7 @@ def test_two_steps_of_each_algorithm_with_bicc_and_rcc(algo, tmp_path):
     tok.save_pretrained(tmp_path / "init")
     cfg = compose_cfg([f"algo={algo}", "bicc=on", "rcc=on", "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4",
                        "rollout.group_size=4", "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=2", "train.steps=2",
-                       "rcc.diag_every=2", "rcc.diag_splits=2", "optim.warmup_steps=0", "optim.lr=1e-3"])
+                       "diag.every=2", "diag.splits=2", "optim.warmup_steps=0", "optim.lr=1e-3"])
     s = build_rl_state(cfg, str(tmp_path / "init"), str(tmp_path / "init"), torch.device("cpu"))
     s.task = CoinTask(s.task)
     before = [p.detach().clone() for p in s.model.parameters()]

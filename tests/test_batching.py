@@ -106,7 +106,7 @@ def test_conditioned_logprobs_do_not_depend_on_the_plan(impl):
     rows = [0, 0, 0, 1, 1, 2, 2, 2]  # which context each output follows
     outputs = [torch.randint(4, 90, (int(n),), generator=gen).tolist() for n in torch.randint(1, 12, (8,), generator=gen)]
     prompts = ConditionedPrompts([contexts[k] for k in rows], rows, torch.ones(8, dtype=torch.bool))
-    bicc_cfg = OmegaConf.create({"packing": True, "max_packed_len": 256, "packing_impl": impl})
+    bicc_cfg = OmegaConf.create({"context_packing": True, "max_packed_len": 256, "context_packing_impl": impl})
     numerator = ContextRows(prompts, outputs, max(map(len, outputs)), bicc_cfg, 0, torch.device("cpu"))
     model, _ = build_tiny(ARCH, seed=0)
     model.config._attn_implementation = "sdpa"
@@ -191,9 +191,10 @@ def test_the_update_forwards_stay_within_the_token_cap(bicc, monkeypatch):
     from tests.helpers import CoinTask, state_for
 
     cap = 200  # rows of 45-62 tokens: three at most
-    cfg = compose_cfg(["sft.cache_dir=/tmp/x", f"bicc={bicc}", "rcc=off", "bicc.packing=false", "train.share_prompts=false",
-                       "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=24",
-                       "bicc.min_attempt_tokens=4", "train.micro_batch_size=16", f"train.micro_batch_tokens={cap}"])
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", f"bicc={bicc}", "rcc=off", "train.context_packing=false",
+                       "train.share_prompts=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                       "rollout.max_new_tokens=24", "bicc.min_attempt_tokens=4", "train.micro_batch_size=16",
+                       f"train.micro_batch_tokens={cap}"])
     model, tok = build_tiny(ARCH, seed=0)
     s = state_for(model)
     s.tokenizer, s.task, s.engine = tok, CoinTask(build_task(cfg.data)), build_engine("hf", model, tok, cfg.rollout)

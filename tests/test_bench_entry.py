@@ -65,7 +65,7 @@ def test_step_model_phases_follow_the_plan():
     cost = {"forward": 1.0, "forward_backward": 3.0, "decode": 10.0}
     grpo = step_phases(StepPlan.from_config(compose_cfg(["bicc=off", "rcc=off"]), False), cost, 100.0, 2048)
     xc = ["bicc=on", "rcc=on", "rcc.delta_context=xc"]  # Algorithm 1's delta: its own pass, or the update's forward
-    paper = step_phases(StepPlan.from_config(compose_cfg([*xc, "rcc.delta_from_update=false"]), False), cost, 100.0, 2048)
+    paper = step_phases(StepPlan.from_config(compose_cfg([*xc, "train.delta_from_update=false"]), False), cost, 100.0, 2048)
     read = step_phases(StepPlan.from_config(compose_cfg(xc), False), cost, 100.0, 2048)
     on_q = step_phases(StepPlan.from_config(compose_cfg(["bicc=on", "rcc=on"]), False), cost, 100.0, 2048)
     assert list(grpo) == ["rollout", "update"]
@@ -121,7 +121,7 @@ def test_plan_flops_count_each_pass_of_the_plan():
     assert plan_flops(plan("bicc=off", "rcc=off"), model, on_q, on_xc) == 3 * q
     assert plan_flops(plan("bicc=on", "rcc=on", "rcc.delta_context=xc"), model, on_q, on_xc) == 2 * q + 3 * xc
     assert plan_flops(plan("bicc=on", "rcc=on"), model, on_q, on_xc) == 2 * q + 3 * xc  # delta on q: pi_old's
-    own = plan("bicc=on", "rcc=on", "rcc.delta_context=xc", "rcc.delta_from_update=false")
+    own = plan("bicc=on", "rcc=on", "rcc.delta_context=xc", "train.delta_from_update=false")
     assert plan_flops(own, model, on_q, on_xc) == 2 * q + 4 * xc
 
 

@@ -276,10 +276,10 @@ def test_wandb_mode_in_the_environment_is_kept(monkeypatch):
 
 
 def test_diag_splits_are_checked_only_when_the_diagnostics_run():
-    small = ["rcc=on", "rollout.prompts_per_step=2", "rcc.diag_splits=4", "sft.cache_dir=/tmp/x"]
-    with pytest.raises(ValueError, match="'rcc.diag_splits': must be <= rollout.prompts_per_step=2"):
-        validate(compose_cfg([*small, "rcc.diag_every=10"]))
-    validate(compose_cfg([*small, "rcc.diag_every=0"]))  # no diagnostics: their splits do not matter
+    small = ["rcc=on", "rollout.prompts_per_step=2", "diag.splits=4", "sft.cache_dir=/tmp/x"]
+    with pytest.raises(ValueError, match="'diag.splits': must be <= rollout.prompts_per_step=2"):
+        validate(compose_cfg([*small, "diag.every=10"]))
+    validate(compose_cfg([*small, "diag.every=0"]))  # no diagnostics: their splits do not matter
 
 
 def test_the_context_template_counts_the_preamble_and_one_header_per_shown_attempt():

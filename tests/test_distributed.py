@@ -84,7 +84,7 @@ def test_fsdp2_with_dynamic_sampling_and_uneven_ranks_matches_one_process(runs):
     two_processes([f"hydra.run.dir={once}", "dist.strategy=fsdp2", *keep, "dist.reshard_after_forward=false"], tmp)
     rows_once = tmp / "dapo_fsdp2_once_rows"
     two_processes([f"hydra.run.dir={rows_once}", "dist.strategy=fsdp2", *keep,
-                   "train.share_prompts=false", "bicc.packing=false"], tmp)
+                   "train.share_prompts=false", "train.context_packing=false"], tmp)
     rows = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
     groups = [r["rollout/groups"] for r in rows if "rollout/groups" in r]
     assert groups == [3.5, 4.5], f"ranks' mean group counts {groups}: expected (4 + 3) / 2 and (4 + 5) / 2"

@@ -5,7 +5,7 @@ flash-attn cannot run here, so the kernel is replaced by a small PyTorch one wit
 there are fewer queries than keys). Everything else is transformers' own flash-attention plumbing: the
 2-D mask, unpadding, the query slice under a cache, the no-padding shortcut. That plumbing is where
 packed rows could go silently wrong (a 4-D mask is not a padding mask), so these tests check that the
-prefix-cache packing (``bicc.packing_impl=kv``) gives the one-row-per-output log-probs and gradients
+prefix-cache packing (``train.context_packing_impl=kv``) gives the one-row-per-output log-probs and gradients
 under it, and that mask packing refuses to run. The padding-free layout (``bicc.kernels.packing.padding_free``: prefixes
 and completions laid end to end, ``cu_seq_lens_*`` kwargs) is checked the same way, and that it embeds exactly
 the real tokens. ``tests/test_gpu.py`` repeats the check with the real kernel on CUDA.
@@ -159,10 +159,10 @@ def test_config_rejects_mask_packing_where_flash_runs(monkeypatch):
 
     monkeypatch.setattr(bicc.model.load, "resolve_attn_implementation", lambda name: name)
     flash = ["bicc=on", "model.attn_implementation=flash_attention_2", "sft.cache_dir=/tmp/x"]
-    with pytest.raises(ValueError, match="bicc.packing_impl"):
-        validate(compose_cfg([*flash, "bicc.packing_impl=mask"]))
-    validate(compose_cfg([*flash, "bicc.packing_impl=kv"]))
-    validate(compose_cfg(["bicc=on", "bicc.packing_impl=mask", "sft.cache_dir=/tmp/x"]))  # SDPA: fine
+    with pytest.raises(ValueError, match="train.context_packing_impl"):
+        validate(compose_cfg([*flash, "train.context_packing_impl=mask"]))
+    validate(compose_cfg([*flash, "train.context_packing_impl=kv"]))
+    validate(compose_cfg(["bicc=on", "train.context_packing_impl=mask", "sft.cache_dir=/tmp/x"]))  # SDPA: fine
 
 
 def embedded_tokens(model):
@@ -242,7 +242,7 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
     tok.save_pretrained(tmp_path)
     cfg = compose_cfg(["bicc=on", "rcc=on", "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4",
                        "rollout.group_size=4", "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=2",
-                       "train.micro_batch_tokens=48", "train.micro_batch_size=8", "rcc.diag_every=0",
+                       "train.micro_batch_tokens=48", "train.micro_batch_size=8", "diag.every=0",
                        "model.gradient_checkpointing=true", "optim.warmup_steps=0", "optim.lr=1e-3"])
     ragged = []  # every padding-free forward builds its cu_seq_lens here
     real = bicc.kernels.prefix_cache._ragged
@@ -294,7 +294,7 @@ def test_start_up_line_says_how_forwards_are_laid_out():
     assert forward_layout(sdpa, paper).startswith("each micro-batch padded to its longest row (attn_implementation=sdpa")
     unshared = forward_layout(flash, compose_cfg(["bicc=off", "train.share_prompts=false", "sft.cache_dir=/tmp/x"]))
     assert unshared.startswith("padding-free (flash_attention_2) but the rows on q, padded")
-    unpacked = compose_cfg(["bicc=on", "bicc.packing=false", "sft.cache_dir=/tmp/x"])
+    unpacked = compose_cfg(["bicc=on", "train.context_packing=false", "sft.cache_dir=/tmp/x"])
     assert "but BiCC's rows, padded" in forward_layout(flash, unpacked)
     flash.bicc_padding_free = False  # model.padding_free=false
     assert forward_layout(flash, paper).startswith("each micro-batch padded")

@@ -84,7 +84,7 @@ def numerators(form: str, batch, prompts, completions):
     packing = {"kv": (True, "kv"), "mask": (True, "mask"), "rows": (False, "kv")}[form]
     contexts = ConditionedPrompts([p + [50, 51, 52] for p in prompts], [i // 4 for i in range(len(prompts))],
                                   torch.ones(len(prompts), dtype=torch.bool))
-    cfg = OmegaConf.create({"packing": packing[0], "packing_impl": packing[1], "max_packed_len": 64})
+    cfg = OmegaConf.create({"context_packing": packing[0], "context_packing_impl": packing[1], "max_packed_len": 64})
     return ContextRows(contexts, completions, batch.completion_len, cfg, 0, torch.device("cpu"))
 
 

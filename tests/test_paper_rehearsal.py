@@ -37,7 +37,7 @@ SHRINK = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new
           "rollout.gpu_memory_utilization=0.15", "rollout.enforce_eager=true", "train.micro_batch_size=3",
           "train.save_every=2", "optim.warmup_steps=1", "eval.limit=2", "eval.samples_per_problem=2",
           "eval.max_new_tokens=24", "eval.checker_workers=1", "logger.wandb_mode=disabled", "logger.progress=false",
-          "rcc.diag_every=0"]
+          "diag.every=0"]
 
 
 def env(tmp_path, data_file):

@@ -4,7 +4,7 @@ skips is replaced by the same numbers, and the HF engine's sampling log-probs.""
 import pytest
 import torch
 
-from bicc.config import TinyArchConfig
+from bicc.config import TinyArchConfig, diag_every
 from bicc.data import encode_prompt
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import QueryRows
@@ -28,8 +28,8 @@ def passes(overrides, sampler=False, diagnostics=False):
 @pytest.mark.parametrize("overrides, loads", [
     (["bicc=off", "rcc=off"], False),  # plain GRPO: nothing reads pi_ref
     (["bicc=on", "rcc=off"], False),  # the paper's BiCC alone: pi_old on q, no reference
-    (["bicc=off", "rcc=on", "rcc.diag_every=0"], True),  # RCC's delta
-    (["bicc=off", "rcc=off", "rcc.diag_every=5"], True),  # only the diagnostics' steps read it
+    (["bicc=off", "rcc=on", "diag.every=0"], True),  # RCC's delta
+    (["bicc=off", "rcc=off", "diag.every=5"], True),  # only the diagnostics' steps read it
     (["algo=dr_grpo", "bicc=off", "rcc=off"], True),  # Dr.GRPO's KL term (kl_coef 0.01)
     (["bicc=off", "rcc=off", "algo.ratio_denominator=ref"], True),
 ])
@@ -37,7 +37,7 @@ def test_the_run_loads_the_reference_exactly_when_a_step_plan_reads_it(overrides
     cfg = compose_cfg(["sft.cache_dir=/tmp/x", *overrides])
     assert StepPlan.loads_reference(cfg) is loads
     plans = [StepPlan.from_config(cfg, False), StepPlan.from_config(cfg, False, diagnostics=True)]
-    assert any(p.reference for p in plans[: 2 if cfg.rcc.diag_every > 0 else 1]) is loads
+    assert any(p.reference for p in plans[: 2 if diag_every(cfg) > 0 else 1]) is loads
 
 
 def test_passes_per_configuration():
@@ -51,11 +51,11 @@ def test_passes_per_configuration():
     paper = ["pi_old on q (no grad)", "pi_ref on q (no grad)", update_delta]
     assert passes(["bicc=on", "rcc=on", "rcc.delta_context=xc"]) == paper
     own_pass = [*paper[:2], "pi_theta_old on x^c for RCC's delta (no grad)", update]
-    assert passes(["bicc=on", "rcc=on", "rcc.delta_context=xc", "rcc.delta_from_update=false"]) == own_pass
+    assert passes(["bicc=on", "rcc=on", "rcc.delta_context=xc", "train.delta_from_update=false"]) == own_pass
     assert passes(["bicc=on", "rcc=on", "rcc.delta_context=xc", "train.minibatches_per_rollout=2"]) == own_pass
     # delta on q (Section 4.2, rcc=on itself) reuses pi_old on q, with or without delta_from_update (the paper
     # presets' setting): one pass fewer there; the sampler's log-probs replace pi_old on q
-    assert passes(["bicc=on", "rcc=on"]) == passes(["bicc=on", "rcc=on", "rcc.delta_from_update=false"]) == [*paper[:2], update]
+    assert passes(["bicc=on", "rcc=on"]) == passes(["bicc=on", "rcc=on", "train.delta_from_update=false"]) == [*paper[:2], update]
     assert passes(["experiment=paper_qwen3_4b", "bicc=on", "rcc=on"]) == [*paper[:2], update]
     assert passes(["bicc=on", "rcc=on", "rcc.delta_context=xc", "rollout.old_from_sampler=true"], sampler=True) == paper[1:]
     assert passes(["bicc=on", "rcc=on", "rcc.delta_context=q", "rollout.old_from_sampler=true"],
@@ -64,7 +64,7 @@ def test_passes_per_configuration():
     assert passes(["bicc=stable", "rcc=off"]) == ["update on x^c (forward + backward, supplies pi_old)"]
     stable_xc = ["bicc=stable", "rcc=on", "rcc.delta_context=xc"]
     assert passes(stable_xc) == ["pi_ref on q (no grad)", "update on x^c (forward + backward, supplies pi_old and RCC's delta)"]
-    assert passes([*stable_xc, "rcc.delta_from_update=false"]) == ["pi_old on x^c (no grad)", paper[1], update]
+    assert passes([*stable_xc, "train.delta_from_update=false"]) == ["pi_old on x^c (no grad)", paper[1], update]
     # ... and with delta on q it needs pi_old on q beside pi_old on x^c
     assert passes(["bicc=stable", "rcc=on"]) == ["pi_old on x^c (no grad)", *paper[:2], update]
     # a base variant with RCC: pi_old and delta (both on q) from the update
@@ -105,7 +105,7 @@ def test_pi_old_from_the_update_forward_gives_the_same_update():
 
 @pytest.mark.parametrize("form", ["on", "stable", "off"])
 def test_delta_from_the_update_gives_the_same_steps(form, tmp_path):
-    """rcc.delta_from_update: RCC's delta read from the update's own first forward (every micro-batch's
+    """train.delta_from_update: RCC's delta read from the update's own first forward (every micro-batch's
     forward, then the advantages, then the backwards) makes one no-grad pass fewer and the same steps as
     its own pass: the same correction and the same weights after two ``rl_step`` calls of 4 micro-batches."""
     model, tok = build_tiny(ARCH, seed=0)
@@ -113,10 +113,10 @@ def test_delta_from_the_update_gives_the_same_steps(form, tmp_path):
     tok.save_pretrained(tmp_path)
     base = [f"bicc={form}", "rcc=on", "rcc.delta_context=xc", "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4",
             "rollout.group_size=4", "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=2", "train.micro_batch_size=5",
-            "rcc.diag_every=0", "optim.warmup_steps=0", "optim.lr=1e-3"]
+            "diag.every=0", "optim.warmup_steps=0", "optim.lr=1e-3"]
     runs = {}
     for deferred in (True, False):
-        cfg = compose_cfg([*base, f"rcc.delta_from_update={str(deferred).lower()}"])
+        cfg = compose_cfg([*base, f"train.delta_from_update={str(deferred).lower()}"])
         s = build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"))
         s.task = CoinTask(s.task)
         assert s.plan.delta_from_update == deferred
@@ -138,7 +138,7 @@ def test_delta_from_the_update_gives_the_same_steps(form, tmp_path):
 
 def test_delta_from_the_update_needs_one_update_per_rollout():
     cfg = compose_cfg(["train.epochs_per_rollout=2"])
-    with pytest.raises(ValueError, match="rcc.delta_from_update=false"):
+    with pytest.raises(ValueError, match="train.delta_from_update=false"):
         update_policy(state_for(build_tiny(ARCH, seed=0)[0]), None, None, None, None, Advantages.given(torch.zeros(1)), cfg, 0,
                       delta_from_update=True)
 

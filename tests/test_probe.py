@@ -93,7 +93,7 @@ def test_right_answer_in_context_lowers_w_of_wrong_outputs():
     finds its own wrong answer less likely than on q, so w < 1 on O- (the paper's case study)."""
     tok = build_char_tokenizer()
     ro = rollout(tok, ["7", "7", "7"], ["3", "3", "3"])
-    cfg = probe_cfg("bicc.packing=false")
+    cfg = probe_cfg("train.context_packing=false")
     out = probe_batch(CopyModel(len(tok)), tok, ro, cfg, ("answer is",), [tok.eos_token_id], torch.device("cpu"),
                       ADVANTAGES.get("grpo"))
     assert max(out["log_w_neg"]) < 0  # w < 1 on every incorrect output

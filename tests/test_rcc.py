@@ -5,7 +5,7 @@ import torch
 
 from bicc.config import TinyArchConfig
 from bicc.kernels.batching import logprobs_no_grad
-from bicc.kernels.rows import ContextRows, QueryRows
+from bicc.kernels.rows import ContextRows, Packing, QueryRows
 from bicc.method.advantages import ADVANTAGES
 from bicc.method.conditioning import build_contexts
 from bicc.method.diagnostics import GradientMoments, delta_by_reward, gradient_variance, sequence_delta
@@ -94,11 +94,11 @@ def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
     texts = ["Compute 1+1."] * 2 + ["Compute 22+1."] * 2
     ctx = build_contexts(texts, completions, correct, torch.tensor([0, 0, 1, 1]), tok, BiccCfg(min_attempt_tokens=4),
                          64, prompts)
-    numerator = ContextRows(ctx, completions, batch.completion_len, BiccCfg(min_attempt_tokens=4),
+    numerator = ContextRows(ctx, completions, batch.completion_len, Packing(),
                             tok.pad_token_id, "cpu")
     plain = QueryRows(batch)
     # the paper: delta on x^c, here from its own no-grad pass (tests/test_plan.py: from the update's forward)
-    cfg = compose_cfg(["bicc=on", "rcc=on", "rcc.delta_context=xc", "train.micro_batch_size=2", "rcc.delta_from_update=false"])
+    cfg = compose_cfg(["bicc=on", "rcc=on", "rcc.delta_context=xc", "train.micro_batch_size=2", "train.delta_from_update=false"])
     lp = step_logprobs(StepPlan.from_config(cfg, False), policy, ref, plain, numerator, None, cfg, batch.completion_mask)
     delta = sequence_delta(lp.delta, lp.ref, batch.completion_mask)
     # by hand: each output scored alone after its conditioned prompt (policy) and after q (reference)

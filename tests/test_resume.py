@@ -18,7 +18,7 @@ from tests.helpers import ROOT, SMALL, conditioned_steps, logged_steps
 # from the global RNG in every training forward (the rollouts' sampling does not): a resume that skipped restoring
 # that RNG's state would train on other dropout masks and end elsewhere.
 RUN = [*[a for a in SMALL if not a.startswith("train.steps")], "train.steps=8", "train.save_every=2",
-       "train.keep_last=0", "rcc.diag_every=1", "rcc.diag_splits=2", "eval.num_problems=2", "eval.greedy=false",
+       "train.keep_last=0", "diag.every=1", "diag.splits=2", "eval.num_problems=2", "eval.greedy=false",
        "model.tiny.attention_dropout=0.3"]
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bicc.kernels.rows import ContextRows, QueryRows
+from bicc.kernels.rows import ContextRows, Packing, QueryRows
 from bicc.method.conditioning import ConditionedPrompts, build_contexts
 from bicc.method.losses import LOSSES, StepTotals
 from tests.helpers import BiccCfg, rows_setup
@@ -16,7 +16,7 @@ def test_empty_context_reduces_to_base_variant(packing, variant):
     model, tok, prompts, completions, batch = rows_setup()
     empty = ConditionedPrompts([list(p) for p in prompts], list(range(4)), torch.zeros(4, dtype=torch.bool))
     conditioned = ContextRows(empty, completions, batch.completion_len,
-                              BiccCfg(packing=packing[0], packing_impl=packing[1]), tok.pad_token_id,
+                              Packing(context_packing=packing[0], context_packing_impl=packing[1]), tok.pad_token_id,
                               torch.device("cpu"))
     rows = torch.arange(4)
     a, _ = conditioned.logprobs(model, rows, 1.0)
@@ -41,8 +41,8 @@ def test_packed_and_unpacked_conditioned_numerators_agree(impl):
     assert ctx.conditioned.all()
     rows = torch.arange(4)
     packed = ContextRows(ctx, completions, batch.completion_len,
-                         BiccCfg(packing=True, packing_impl=impl, min_attempt_tokens=4), tok.pad_token_id, "cpu")
-    unpacked = BiccCfg(packing=False, min_attempt_tokens=4)
+                         Packing(context_packing=True, context_packing_impl=impl), tok.pad_token_id, "cpu")
+    unpacked = Packing(context_packing=False)
     single = ContextRows(ctx, completions, batch.completion_len, unpacked, tok.pad_token_id, "cpu")
     a, _ = packed.logprobs(model, rows, 1.0)
     b, _ = single.logprobs(model, rows, 1.0)
@@ -59,8 +59,8 @@ def test_mixed_shared_and_single_prefixes_keep_row_order():
     ctx = ConditionedPrompts([shared_prefix, prompts[1], shared_prefix, prompts[3]], [7, 1, 7, 3],
                              torch.ones(4, dtype=torch.bool))
     rows = torch.tensor([3, 0, 1, 2])  # any order
-    packed = ContextRows(ctx, completions, batch.completion_len, BiccCfg(packing=True), tok.pad_token_id, "cpu")
-    single = ContextRows(ctx, completions, batch.completion_len, BiccCfg(packing=False), tok.pad_token_id, "cpu")
+    packed = ContextRows(ctx, completions, batch.completion_len, Packing(context_packing=True), tok.pad_token_id, "cpu")
+    single = ContextRows(ctx, completions, batch.completion_len, Packing(context_packing=False), tok.pad_token_id, "cpu")
     a, ea = packed.logprobs(model, rows, 1.0, with_entropy=True)
     b, eb = single.logprobs(model, rows, 1.0, with_entropy=True)
     m = batch.completion_mask[rows].bool()

@@ -78,7 +78,7 @@ def test_two_rl_steps_of_the_paper_method_on_vllm_and_the_checkpoint_reads_back_
     run_dir = tmp_path / "run"
     args = ["model=smollm2_135m", "algo=dapo", "bicc=on", "rcc=on", *ENGINE, *CONSTRUCTED_REWARD, "train.steps=2",
             "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=32", "bicc.max_tokens=32",
-            "bicc.min_attempt_tokens=4", "algo.dynamic_sampling=false", "rcc.diag_every=0", "eval.num_problems=2",
+            "bicc.min_attempt_tokens=4", "algo.dynamic_sampling=false", "diag.every=0", "eval.num_problems=2",
             "eval.samples_per_problem=1", "eval.max_new_tokens=16", "logger.wandb_mode=disabled", "logger.progress=false",
             f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "BICC_CACHE": str(cache), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}

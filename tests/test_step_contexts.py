@@ -66,7 +66,7 @@ def step_contexts(tmp_path, monkeypatch):
     tok.save_pretrained(tmp_path / "init")
     # 100-token outputs: a 40-token budget, 20 per attempt, above the 5-token elision + 'Answer: n' line
     cfg = compose_cfg(["bicc=on", "rcc=on", "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=3",
-                       f"rollout.group_size={G}", "rollout.max_new_tokens=100", "rcc.diag_every=0"])
+                       f"rollout.group_size={G}", "rollout.max_new_tokens=100", "diag.every=0"])
     s = build_rl_state(cfg, str(tmp_path / "init"), str(tmp_path / "init"), torch.device("cpu"))
     s.task, s.engine = AnswerLineTask(s.task), LongAttemptEngine(tok)
     built = []

@@ -193,7 +193,7 @@ def bicc_setup(form):
     batch = make_token_batch(prompts, completions, 0)
     contexts = ConditionedPrompts([p + [50, 51, 52] for p in prompts], [10, 10, 11, 11], torch.ones(4, dtype=torch.bool))
     numerator = ContextRows(contexts, completions, batch.completion_len,
-                            OmegaConf.create({"packing": True, "max_packed_len": 64, "packing_impl": "kv"}), 0,
+                            OmegaConf.create({"context_packing": True, "max_packed_len": 64, "context_packing_impl": "kv"}), 0,
                             torch.device("cpu"))
     return cfg, batch, QueryRows(batch), numerator
 
@@ -227,7 +227,7 @@ def test_rcc_delta_context(form, context):
     """The paper evaluates delta's policy term on x^c (Algorithm 1) and on q (Section 4.2, Appendices B/C)."""
     cfg, batch, plain, numerator = bicc_setup(form)
     cfg.rcc.delta_context = context
-    cfg.rcc.delta_from_update = False  # its own no-grad pass here (tests/test_plan.py: from the update's forward)
+    cfg.train.delta_from_update = False  # its own no-grad pass here (tests/test_plan.py: from the update's forward)
     policy, _ = build_tiny(ARCH, seed=0)
     got = step_logprobs(StepPlan.from_config(cfg, False), policy, None, plain, numerator, None, cfg,
                         batch.completion_mask).delta

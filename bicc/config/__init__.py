@@ -30,6 +30,7 @@ from bicc.config.method import AlgoConfig, BiccConfig, RccConfig, overlong_buffe
 from bicc.config.run import (
     ArithConfig,
     DataConfig,
+    DiagConfig,
     DistConfig,
     MathDataConfig,
     ModelConfig,
@@ -38,6 +39,7 @@ from bicc.config.run import (
     SFTConfig,
     TinyArchConfig,
     TrainConfig,
+    diag_every,
 )
 
 
@@ -57,6 +59,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    diag: DiagConfig = field(default_factory=DiagConfig)
     seed: int = 0
     stage: str = choice(Literal["all", "sft"], "all")
     device: str = "auto"
@@ -102,8 +105,8 @@ def register_configs() -> None:
 
 
 __all__ = [
-    "AlgoConfig", "ArithConfig", "BenchmarkConfig", "BiccConfig", "DataConfig",
+    "AlgoConfig", "ArithConfig", "BenchmarkConfig", "BiccConfig", "DataConfig", "DiagConfig",
     "DistConfig", "EvalConfig", "LoggerConfig", "MathDataConfig", "ModelConfig", "OptimConfig", "RccConfig",
-    "RolloutConfig", "RunConfig", "SFTConfig", "TinyArchConfig", "TrainConfig", "overlong_buffer_tokens",
+    "RolloutConfig", "RunConfig", "SFTConfig", "TinyArchConfig", "TrainConfig", "diag_every", "overlong_buffer_tokens",
     "register_configs",
 ]

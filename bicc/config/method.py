@@ -65,9 +65,6 @@ class BiccConfig:
     preamble: str = "\n\nOther attempts at this problem:"
     attempt_header: str = "\nAttempt {i}:\n"
     elision: str = " ... "
-    packing: bool = True
-    packing_impl: str = choice(Literal["kv", "mask"], "kv")
-    max_packed_len: int = 4096
     old_on_context: bool = False
     lr_scale: float = 1.0
 
@@ -84,18 +81,8 @@ class BiccConfig:
 
 @dataclass
 class RccConfig:
-    """Reward-confidence correction (conf/rcc) and the paper's diagnostics (conf/rcc: diag_*)."""
+    """Reward-confidence correction (conf/rcc)."""
 
     enabled: bool = MISSING
     delta: str = choice(Literal["sum", "mean"], "mean")
     delta_context: str = choice(Literal["xc", "q"], "q")
-    delta_from_update: bool = True
-    diag_every: int = 0
-    diag_splits: int = 4
-    stage_steps: int = 100
-
-    @staticmethod
-    def check(rc) -> None:
-        need(rc.diag_every >= 0, "rcc.diag_every", f"must be >= 0 (0 = off), got {rc.diag_every}")
-        need(rc.diag_splits >= 2, "rcc.diag_splits", f"must be >= 2 (a variance needs 2+ estimates), got {rc.diag_splits}")
-        need(rc.stage_steps >= 1, "rcc.stage_steps", f"must be >= 1, got {rc.stage_steps}")

@@ -179,6 +179,10 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     memory_check: bool = True
     memory_gib: Optional[float] = None
+    context_packing: bool = True
+    context_packing_impl: str = choice(Literal["kv", "mask"], "kv")
+    max_packed_len: int = 4096
+    delta_from_update: bool = True
 
     @staticmethod
     def check(t) -> None:
@@ -189,6 +193,34 @@ class TrainConfig:
         need(t.micro_batch_tokens >= 0, "train.micro_batch_tokens",
              f"must be >= 0 (0 = fixed micro-batches), got {t.micro_batch_tokens}")
         need(t.memory_gib is None or t.memory_gib > 0, "train.memory_gib", f"must be > 0 or null, got {t.memory_gib}")
+        need(t.max_packed_len >= 1, "train.max_packed_len", f"must be >= 1, got {t.max_packed_len}")
+
+
+@dataclass
+class DiagConfig:
+    """The paper's diagnostics (delta by reward, Cov(R, delta), gradient variance); they never change the update."""
+
+    every: Optional[int] = None
+    splits: int = 4
+    stage_steps: int = 100
+
+    @staticmethod
+    def check(d) -> None:
+        need(d.every is None or d.every >= 0, "diag.every", f"must be >= 0 (0 = off) or null (auto), got {d.every}")
+        need(d.splits >= 2, "diag.splits", f"must be >= 2 (a variance needs 2+ estimates), got {d.splits}")
+        need(d.stage_steps >= 1, "diag.stage_steps", f"must be >= 1, got {d.stage_steps}")
+
+
+# diag.every=null: the diagnostics run this often while RCC is on, never while it is off.
+DIAG_EVERY_UNDER_RCC = 10
+
+
+def diag_every(cfg) -> int:
+    """Steps between the diagnostics' runs, 0 = never: ``diag.every``, or when it is null, every
+    ``DIAG_EVERY_UNDER_RCC`` steps under RCC and never without it."""
+    if cfg.diag.every is not None:
+        return int(cfg.diag.every)
+    return DIAG_EVERY_UNDER_RCC if cfg.rcc.enabled else 0
 
 
 @dataclass

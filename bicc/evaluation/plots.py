@@ -3,7 +3,7 @@
 Writes PNGs (matplotlib, Agg backend) into ``--out`` (default: the first run dir):
 
 - ``dynamics.png``: reward and loss per step, smoothed; solid for BiCC runs, dashed for their baselines.
-- ``cov_by_stage.png``: Cov(R, delta) averaged per training stage (``rcc.stage_steps``).
+- ``cov_by_stage.png``: Cov(R, delta) averaged per training stage (``diag.stage_steps``).
 - ``delta_hist.png``: delta histograms split by reward, one panel per run label and stage.
 - ``grad_var.png``: the relative gradient variance per stage (see ``bicc.method.diagnostics.gradient_variance``).
 
@@ -40,7 +40,7 @@ class Run:
         self.algo = str(cfg.algo.name)
         self.bicc = bool(cfg.bicc.enabled)
         self.rcc = bool(cfg.rcc.enabled)
-        self.stage_steps = int(cfg.rcc.stage_steps)
+        self.stage_steps = int(cfg.diag.stage_steps)
         self.metrics = _read_jsonl(path / "metrics.jsonl", key="step")
         self.diag = _read_jsonl(path / "diagnostics.jsonl", key="step")
 

@@ -8,7 +8,7 @@ predicted from the prefix's last position, the rest from o_j's own previous posi
 
 The mask goes to SDPA as a bool mask (True = attend); eager attention gets the additive float form.
 flash-attn has no 4-D mask (it would read one as padding and attend across outputs), so packed rows
-refuse it: under flash_attention_2 BiCC uses KV reuse (``bicc.kernels.prefix_cache``, ``bicc.packing_impl=kv``).
+refuse it: under flash_attention_2 BiCC uses KV reuse (``bicc.kernels.prefix_cache``, ``train.context_packing_impl=kv``).
 
 Padding-free forwards. Under a kernel that takes ragged sequences (``VARLEN_ATTENTION``: flash-attn's
 varlen path, through transformers' ``cu_seq_lens_*`` kwargs) and ``model.padding_free`` (``padding_free``),
@@ -149,8 +149,9 @@ def packed_logprobs(model, packed: PackedBatch, num_samples: int, length: int, t
     """Per-token log-probs [num_samples, length] (zeros past each output's end) from packed rows."""
     impl = model.config._attn_implementation
     if impl not in MASK_ATTENTION:
-        raise ValueError(f"bicc.packing_impl=mask needs an attention kernel that takes a 4-D mask ({', '.join(MASK_ATTENTION)}); "
-                         f"the model runs attn_implementation={impl}. Use bicc.packing_impl=kv")
+        raise ValueError("train.context_packing_impl=mask needs an attention kernel that takes a 4-D mask "
+                         f"({', '.join(MASK_ATTENTION)}); "
+                         f"the model runs attn_implementation={impl}. Use train.context_packing_impl=kv")
     mask = packed.attention_mask
     if impl == "eager":
         mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, torch.finfo(model.dtype).min)

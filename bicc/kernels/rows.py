@@ -73,22 +73,22 @@ def query_rows(batch: TokenBatch, prompt_ids: list[list[int]], completion_ids: l
 
 @dataclass(frozen=True)
 class Packing:
-    """What ``ContextRows`` reads of ``bicc_cfg``: whether and how rows behind one prefix share it."""
+    """What ``ContextRows`` reads of ``cfg.train``: whether and how rows behind one prefix share it."""
 
-    packing: bool
-    packing_impl: str
-    max_packed_len: int
+    context_packing: bool = True
+    context_packing_impl: str = "kv"
+    max_packed_len: int = 4096
 
 
-KV_REUSE = Packing(packing=True, packing_impl="kv", max_packed_len=0)  # max_packed_len: mask packing only
+KV_REUSE = Packing(context_packing=True, context_packing_impl="kv", max_packed_len=0)  # max_packed_len: mask packing only
 
 
 class ContextRows:
-    def __init__(self, contexts: ConditionedPrompts, completion_ids: list[list[int]], length: int, bicc_cfg,
+    def __init__(self, contexts: ConditionedPrompts, completion_ids: list[list[int]], length: int, packing,
                  pad_id: int, device: torch.device):
         self.contexts, self.completion_ids, self.length = contexts, completion_ids, length
-        self.packing, self.max_packed_len = bicc_cfg.packing, bicc_cfg.max_packed_len
-        self.packing_impl = bicc_cfg.packing_impl
+        self.packing, self.max_packed_len = packing.context_packing, packing.max_packed_len
+        self.packing_impl = packing.context_packing_impl
         self.pad_id, self.device = pad_id, device
         completion_tokens = sum(map(len, completion_ids))
         self.kv = self.packing and self.packing_impl == "kv"

@@ -83,7 +83,7 @@ def knob(phase: str, run: Run) -> str:
     if phase == "no-grad log-probs":
         return ", ".join(["train.logprob_chunk_tokens", *keep_fwd])
     update = ["train.micro_batch_size or train.micro_batch_tokens, train.logprob_chunk_tokens"]
-    update += ["rcc.delta_from_update=false"] if run.delta_from_update else []
+    update += ["train.delta_from_update=false"] if run.delta_from_update else []
     update += keep_fwd + (["dist.reshard_after_backward=true"] if run.sharded and not run.reshard_after_backward else [])
     if run.checkpoint_layers is not None:  # layers outside the checkpoint hold their activations
         update.append("model.checkpoint_layers (more layers checkpointed, model.gradient_checkpointing=true)")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from bicc.config import diag_every
 from bicc.data import build_task
 from bicc.evaluation.evaluate import evaluate, format_eval
 from bicc.kernels.packing import padding_free
@@ -161,19 +162,19 @@ def forward_layout(model, cfg) -> str:
     if not padding_free(model):
         return (f"each micro-batch padded to its longest row (attn_implementation={impl}; padding-free needs "
                 "flash_attention_2 and model.padding_free)")
-    bicc_kv = not cfg.bicc.enabled or (cfg.bicc.packing and cfg.bicc.packing_impl == "kv")
+    bicc_kv = not cfg.bicc.enabled or (cfg.train.context_packing and cfg.train.context_packing_impl == "kv")
     padded = [name for name, kv in (("the rows on q", cfg.train.share_prompts), ("BiCC's rows", bicc_kv)) if not kv]
     if not padded:
         return f"padding-free ({impl})"
     return (f"padding-free ({impl}) but {' and '.join(padded)}, padded to each micro-batch's longest row "
-            "(padding-free needs KV reuse: train.share_prompts, bicc.packing_impl=kv)")
+            "(padding-free needs KV reuse: train.share_prompts, train.context_packing_impl=kv)")
 
 
 def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
     if s.dist.is_main:
         print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples on {s.dist.world} process(es)")
-        extra = f"; every {cfg.rcc.diag_every} steps the diagnostics add their own" if cfg.rcc.diag_every else ""
+        extra = f"; every {diag_every(cfg)} steps the diagnostics add their own" if diag_every(cfg) else ""
         print(f"[rl] passes per step: {' -> '.join(s.plan.passes())}{extra}")
         print(f"[rl] forwards: {forward_layout(s.model, cfg)}")
     start = time.perf_counter()

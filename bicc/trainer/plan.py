@@ -14,7 +14,7 @@ Every no-grad forward has to earn its place:
   grows as exp(log pi_ref(o|q) - log pi_theta(o|x^c)) and swamps the update (BiCC-Dr.GRPO collapsed).
 - RCC's delta needs log pi_theta_old(o | x^c) (Algorithm 1) or (o | q) (Section 4.2) before the
   advantages. When its context is the numerator's and there is one update per rollout, the update's own
-  first forward computes exactly it (``delta_from_update``, ``rcc.delta_from_update``): the update runs
+  first forward computes exactly it (``delta_from_update``, ``train.delta_from_update``): the update runs
   every micro-batch's forward, then the advantages, then the backwards, holding the minibatch's graphs in
   between. Else it comes before the update: on q it is pi_old on q (the sampler's under
   ``rollout.old_from_sampler``, as in the ratio); on x^c under the paper's form one more no-grad forward on x^c.
@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from bicc.config import diag_every
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.machine.distributed import Dist
 
@@ -67,7 +68,7 @@ class StepPlan:
     @classmethod
     def from_config(cls, cfg, sampler_logprobs: bool, diagnostics: bool = False) -> "StepPlan":
         """The plan for a step; ``sampler_logprobs``: the engine returns sampling log-probs;
-        ``diagnostics``: this step runs the gradient-variance diagnostic (``rcc.diag_every``)."""
+        ``diagnostics``: this step runs the gradient-variance diagnostic (``diag.every``)."""
         conditioned = bool(cfg.bicc.enabled)
         old_context = "xc" if conditioned and cfg.bicc.old_on_context else "q"
         from_sampler = bool(cfg.rollout.old_from_sampler)
@@ -83,7 +84,7 @@ class StepPlan:
         same_context = (old_context == "xc") == conditioned
         # delta on the numerator's own context (x^c, or q when BiCC is off), at theta_old = the update's weights; not
         # where that is q and pi_old on q is the sampler's: delta reads the same pi_old on q as the ratio does
-        deferred = (cfg.rcc.delta_from_update and single_update and not diagnostics and delta is not None
+        deferred = (cfg.train.delta_from_update and single_update and not diagnostics and delta is not None
                     and ((conditioned and delta == "xc") or (not conditioned and not from_sampler)))
         before_update = (delta is not None and not deferred) or tis or diagnostics or sampler_logprobs  # + mismatch metric
         if from_sampler:
@@ -100,9 +101,9 @@ class StepPlan:
                    delta_from_update=deferred)
 
     def at_step(self, cfg, step: int, sampler_logprobs: bool, sharded: bool) -> "StepPlan":
-        """This plan, or the diagnostics' plan on the steps ``rcc.diag_every`` picks (not under FSDP2:
+        """This plan, or the diagnostics' plan on the steps ``diag.every`` picks (not under FSDP2:
         its sharded gradients are averaged over processes inside backward)."""
-        every = cfg.rcc.diag_every
+        every = diag_every(cfg)
         if every > 0 and step % every == 0 and not sharded:
             return StepPlan.from_config(cfg, sampler_logprobs, diagnostics=True)
         return self
@@ -111,7 +112,7 @@ class StepPlan:
     def loads_reference(cfg) -> bool:
         """Whether the run loads the frozen initial policy: some step's plan reads pi_ref (every step's, or the
         diagnostics' steps')."""
-        diagnostics = cfg.rcc.diag_every > 0
+        diagnostics = diag_every(cfg) > 0
         return reads_reference(cfg, cfg.rcc.delta_context if (cfg.rcc.enabled or diagnostics) else None)
 
     @property

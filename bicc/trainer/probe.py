@@ -129,7 +129,7 @@ def probe_batch(model, tokenizer, ro, cfg, task_anchors, end_ids, device, advant
                                  end_ids, task_anchors, ro.out.prompt_ids),
         "tmpl": template_contexts(ro.prompts, ro.group_ids, tokenizer, cfg.bicc),
     }
-    numerators = {name: ContextRows(c, ro.out.completion_ids, L, cfg.bicc, tokenizer.pad_token_id, device)
+    numerators = {name: ContextRows(c, ro.out.completion_ids, L, cfg.train, tokenizer.pad_token_id, device)
                   for name, c in contexts.items()}
     plain = QueryRows(batch)
     on_q = logprobs_no_grad(model, plain, N, mb, T)

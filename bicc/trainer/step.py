@@ -113,7 +113,7 @@ def step_inputs(s: RLState, cfg, ro, device):
         return batch, plain, plain, None, {}
     contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
                               cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
-    numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, cfg.bicc,
+    numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, cfg.train,
                             s.tokenizer.pad_token_id, device)
     return batch, plain, numerator, contexts, {**contexts.metrics,
                                                "bicc/extra_token_share": numerator.tokens / plain.tokens - 1}
@@ -170,7 +170,7 @@ def step_diagnostics(s: RLState, cfg, batch, numerator, ro, lp, adv: Advantages,
         metrics.update({k: v for k, v in rcc_metrics.items() if k.startswith("rcc/")})
     loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, lp.old, lp.kl_ref, adv.values, cfg, is_weight)
     s.model.train()
-    grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(adv.values.device), cfg.rcc.diag_splits,
+    grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(adv.values.device), cfg.diag.splits,
                                  torch.Generator().manual_seed(step_seed), cfg.train.micro_batch_size)
     metrics.update({**delta_by_reward(delta, ro.correct), "rcc/grad_var": grad_var})
     return metrics, {"step": s.step + 1, "delta": delta.tolist(), "correct": ro.correct.tolist(), "grad_var": grad_var}

@@ -72,7 +72,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     deferred = delta_from_update
     if deferred and (cfg.train.epochs_per_rollout > 1 or cfg.train.minibatches_per_rollout > 1):
         raise ValueError("advantages from the update's own forward need one update per rollout "
-                         "(train.epochs_per_rollout = train.minibatches_per_rollout = 1); set rcc.delta_from_update=false")
+                         "(train.epochs_per_rollout = train.minibatches_per_rollout = 1); set train.delta_from_update=false")
     model = state.model
     n = batch.input_ids.shape[0]
     generator = torch.Generator().manual_seed(step_seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bicc.config import RunConfig
+from bicc.config import RunConfig, diag_every
 from bicc.config.fields import check_schema, need
 
 
@@ -33,19 +33,18 @@ def validate(cfg: Any) -> None:
     rollout_size = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     need(rollout_size % cfg.train.minibatches_per_rollout == 0, "train.minibatches_per_rollout",
          f"must divide prompts_per_step * group_size = {rollout_size}, got {cfg.train.minibatches_per_rollout}")
-    need(not cfg.rcc.diag_every or cfg.rcc.diag_splits <= cfg.rollout.prompts_per_step, "rcc.diag_splits",
+    need(not diag_every(cfg) or cfg.diag.splits <= cfg.rollout.prompts_per_step, "diag.splits",
          f"must be <= rollout.prompts_per_step={cfg.rollout.prompts_per_step} (splits are disjoint sets of groups), "
-         f"got {cfg.rcc.diag_splits}")
+         f"got {cfg.diag.splits}")
     if cfg.data.task == "math":  # data=jsonl leaves both empty for the user to fill
         for split in ("train_source", "test_source"):
             need(bool(cfg.data.math[split]), f"data.math.{split}", "is empty: set a .jsonl/.parquet path or an HF dataset id")
-    b = cfg.bicc
-    if b.enabled and b.packing and b.packing_impl == "mask":
+    if cfg.bicc.enabled and cfg.train.context_packing and cfg.train.context_packing_impl == "mask":
         from bicc.kernels.packing import MASK_ATTENTION
         from bicc.model.load import resolve_attn_implementation
 
         impl = resolve_attn_implementation(cfg.model.attn_implementation)
-        need(impl in MASK_ATTENTION, "bicc.packing_impl",
+        need(impl in MASK_ATTENTION, "train.context_packing_impl",
              f"'mask' needs a 4-D attention mask, which model.attn_implementation={impl} ignores; use kv")
 
 
