@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bicc.machine.memory import GIB, QWEN3_4B, Arch, Run, phases
+from bicc.rollout import Engine
 from bicc.trainer.fit import run_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ PRESET = ["experiment=paper_qwen3_4b", "algo=dapo", "bicc=on", "rcc=on", "rollou
 PROMPT_CHARS = 300  # a long DAPO-Math prompt, one token per character under the character tokenizer
 
 
-class ReplayEngine:
+class ReplayEngine(Engine):
     """Every prompt's G outputs at ``max_new_tokens`` tokens, the first half of each group right."""
 
     returns_logprobs = False

@@ -178,7 +178,7 @@ def main() -> None:
             work.record(metrics)
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, timer = trl_trainer(cfg, init_path, task, tmp, total, getattr(ours.engine, "kv_bytes", None))
+        trainer, timer = trl_trainer(cfg, init_path, task, tmp, total, ours.engine.kv_bytes)
         # TRL trains in one call; a round is a pause in its loop (a callback that stops, then resumes)
         from transformers import TrainerCallback
 

@@ -23,6 +23,7 @@ from bicc.data import encode_prompt
 from bicc.model.load import build_tiny
 from bicc.model.logprobs import make_token_batch, token_logprobs
 from bicc.model.tokenizer import build_char_tokenizer
+from bicc.rollout import Engine
 from bicc.trainer.optim import build_optimizer, warmup_cosine
 from bicc.trainer.state import RLState
 from tests.conftest import compose_cfg
@@ -340,7 +341,7 @@ COMBINATION_CFG = ["sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4", "rollou
                    "train.micro_batch_size=5"]
 
 
-class ReplayEngine:
+class ReplayEngine(Engine):
     """Returns one recorded rollout whatever it is asked (every combination trains on the same samples), with
     ``logprobs`` as the sampler's log-probs (None: an engine that gives none)."""
 

@@ -6,7 +6,7 @@ import torch
 from bicc.data import Problem
 from bicc.data.rewards import overlong_penalty
 from bicc.model.tokenizer import build_char_tokenizer
-from bicc.rollout import RolloutOutput
+from bicc.rollout import Engine, RolloutOutput
 from bicc.rollout.collect import Collection, DataCursor, collect_rollout
 
 
@@ -20,7 +20,7 @@ class ScriptedTask:
         return float(text == "right")
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     def __init__(self, tokenizer, long_completion=False):
         self.tokenizer, self.calls, self.long_completion = tokenizer, 0, long_completion
         self.asked = []  # (problem indices, seed) of each call

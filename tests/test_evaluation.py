@@ -8,10 +8,10 @@ from bicc.data import build_task, encode_prompt
 from bicc.evaluation.evaluate import evaluate, format_eval, markdown_table
 from bicc.machine.distributed import Dist
 from bicc.model.tokenizer import build_char_tokenizer
-from bicc.rollout import RolloutOutput
+from bicc.rollout import Engine, RolloutOutput
 
 
-class TemperatureEngine:
+class TemperatureEngine(Engine):
     """Answers every problem right at T <= 0.6 (greedy included) and right on every other sample at T = 1."""
 
     def __init__(self, answers: dict[tuple, str]):
@@ -64,7 +64,7 @@ def test_eval_engine_config_is_an_engine_config():
         engine_args("m", "bfloat16", cfg.eval, EngineOptions(), cuda=True)
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     """Decodes each prompt and answers by its text: the embedded task's sums always right; file problem
     "half" right in all 4 samples (as a fraction the checker must match to 0.5), "four" in sample 0 only."""
 
@@ -138,7 +138,7 @@ def test_split_problems_are_placed_by_problem_and_sample():
     from bicc.evaluation.evaluate import _sampled_rewards, plan_calls
     from bicc.rollout import SamplingParams
 
-    class FirstRowEngine:
+    class FirstRowEngine(Engine):
         def generate(self, prompts, sampling):
             texts = ["right" if j == 0 else "wrong" for _ in prompts for j in range(sampling.n)]
             rows = len(texts)

@@ -117,3 +117,27 @@ def test_a_static_cache_samples_what_the_growing_cache_samples(engine):
             flat = lambda out: torch.tensor([x for row in out.logprobs for x in row])  # noqa: E731  (rows are ragged)
             torch.testing.assert_close(flat(static), flat(growing), atol=1e-5, rtol=0)
     hook.remove()
+
+
+def test_every_engine_implements_the_whole_contract_and_the_trainer_never_probes_one(engine):
+    """Every registered engine subclasses ``Engine``, so each member exists (a no-op where it means nothing), and
+    the trainer and evaluation call them as they are, never through ``hasattr`` / ``getattr`` on an engine."""
+    import ast
+    import typing
+
+    from bicc.rollout import ENGINES, Engine
+    from tests.conftest import ROOT
+
+    members = set(typing.get_type_hints(Engine)) | {n for n in vars(Engine) if not n.startswith("_")}
+    assert {"generate", "update_weights", "sleep", "close", "model", "returns_logprobs", "kv_bytes"} <= members
+    for name in ENGINES.names():
+        assert Engine in ENGINES.get(name).__mro__, name
+    assert isinstance(engine, Engine) and engine.kv_bytes is None and engine.returns_logprobs is False
+    engine.sleep(), engine.close()  # no-ops for HF: they exist and return
+    probes = []
+    for path in [*(ROOT / "bicc" / "trainer").glob("*.py"), *(ROOT / "bicc" / "evaluation").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("hasattr", "getattr") and node.args
+                    and "engine" in ast.unparse(node.args[0])):
+                probes.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not probes, probes

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bicc.model.load import build_tiny
-from bicc.rollout import RolloutOutput
+from bicc.rollout import Engine, RolloutOutput
 from bicc.trainer import step as step_module
 from bicc.trainer.state import build_rl_state
 from bicc.trainer.step import rl_step
@@ -34,7 +34,7 @@ class AnswerLineTask:
         return float(completion.rstrip().endswith(f"Answer: {problem.answer}"))
 
 
-class LongAttemptEngine:
+class LongAttemptEngine(Engine):
     """Sample j of a prompt: 'Work on <expression>:' and 30 + 4j filler characters, then its answer line, right
     (the sum) when j is even and one off when j is odd."""
 

@@ -185,7 +185,7 @@ def evaluate_benchmark(engine, tokenizer, task, bench, eval_cfg, seed: int, prog
         raise ValueError(f"benchmark {bench.name}: no problems loaded from {bench.source}")
     prompts = [source.prompt(tokenizer, p) for p in problems]
     n = eval_cfg.samples_per_problem
-    rows = rows_per_call(eval_cfg, max(len(p) for p in prompts), paged=getattr(engine, "model", None) is None)
+    rows = rows_per_call(eval_cfg, max(len(p) for p in prompts), paged=engine.model is None)
     try:
         score = lambda sampling, desc: _sampled_rewards(  # noqa: E731
             engine, prompts, problems, source, sampling, rows, desc, progress, d, eval_cfg.shards)

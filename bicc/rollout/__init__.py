@@ -1,23 +1,18 @@
 """Rollout engines: generate G samples per prompt and accept new weights. Nothing else.
 
-An engine is built by name (``ENGINES.get(cfg.rollout.engine)(model, tokenizer, cfg)``) and offers
-
-- ``generate(prompts, sampling) -> RolloutOutput``: ``prompts`` are token-id lists; each is sampled
-  ``sampling.n`` times; output rows are grouped by prompt (rows ``i*n .. i*n+n-1`` belong to prompt ``i``).
-- ``update_weights(model)``: make the engine sample from ``model``'s current parameters;
-- optionally ``sleep()``: free what it holds on the GPU while the trainer updates (vLLM), and ``close()``: shut
-  it down while the process group still exists (vLLM);
-- ``model`` (HF engine): its sampling model, which the evaluation's HF engine reuses.
-
-The trainer never reaches into an engine beyond these five, so HF ``generate`` (``hf.py``) and vLLM
-(``vllm.py``) are interchangeable. ``EngineOptions`` carries what an engine needs beyond its config: the
-tokens that end an output, the process layout, the longest sequence it must hold.
+An engine is built by name (``build_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout, options)``) and
+implements the whole of ``Engine`` below: generating, taking new weights, freeing its memory while the trainer
+updates, shutting down, and saying whether it returns sampling log-probs, which HF module it samples with and how
+much KV space it holds. A member that means nothing for an engine is a no-op (the defaults ``Engine`` gives its
+subclasses), so the trainer never asks an engine what it has, and HF ``generate`` (``hf.py``) and vLLM
+(``vllm.py``) are interchangeable. ``EngineOptions`` carries what an engine needs beyond its config: the tokens
+that end an output, the process layout, the longest sequence it must hold.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 from bicc.registry import Registry
 
@@ -68,14 +63,44 @@ class EngineOptions:
     rows: Optional[int] = None
 
 
-def build_engine(name: str, model, tokenizer, rollout_cfg, options: EngineOptions = EngineOptions()):
-    return ENGINES.get(name)(model, tokenizer, rollout_cfg, options)
+@runtime_checkable
+class Engine(Protocol):
+    """What the trainer and evaluation use of a rollout engine. Engines subclass it and so inherit the no-op
+    members below where those mean nothing for them."""
+
+    # Its HF sampling module, which the evaluation's HF engine reuses; None: it samples without one (vLLM).
+    model: Optional[object] = None
+    # Whether ``generate`` fills ``RolloutOutput.logprobs`` (the sampler's own log-probs of its tokens).
+    returns_logprobs: bool = False
+    # The KV space it reserved, in bytes; None: no fixed pool.
+    kv_bytes: Optional[int] = None
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        """Sample ``sampling.n`` outputs for each token-id prompt; rows ``i*n .. i*n+n-1`` belong to prompt ``i``."""
+        ...
+
+    def update_weights(self, model) -> None:
+        """Sample from ``model``'s current parameters from now on; nothing cached under older ones serves again."""
+        ...
+
+    def sleep(self) -> None:
+        """Free what it holds on the GPU until the next ``update_weights`` (vLLM's sleep mode); else nothing."""
+
+    def close(self) -> None:
+        """Shut down while the process group still exists; else nothing."""
+
+
+def build_engine(name: str, model, tokenizer, rollout_cfg, options: EngineOptions = EngineOptions()) -> Engine:
+    engine = ENGINES.get(name)(model, tokenizer, rollout_cfg, options)
+    if not isinstance(engine, Engine):
+        raise TypeError(f"rollout engine '{name}' ({type(engine).__name__}) does not implement bicc.rollout.Engine")
+    return engine
 
 
 def eval_engine_config(rollout_cfg, eval_cfg):
     """The engine settings evaluation runs with: the run's rollout engine settings (vLLM's memory share,
     longest sequence, eager mode), evaluation's batch size, and neither sleep mode nor sampling log-probs
-    (``cfg.eval`` alone is not an engine config: a vLLM engine built from it had no ``sleep``)."""
+    (``cfg.eval`` alone is not an engine config: a vLLM engine built from it had no ``sleep`` setting)."""
     from omegaconf import OmegaConf
 
     return OmegaConf.merge(rollout_cfg, {"batch_size": eval_cfg.batch_size, "sleep": False, "old_from_sampler": False})

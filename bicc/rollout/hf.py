@@ -14,16 +14,17 @@ from __future__ import annotations
 import torch
 
 from bicc.model.logprobs import compute_precision
-from bicc.rollout import ENGINES, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
+from bicc.rollout import ENGINES, Engine, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
 
 
 @ENGINES.register("hf")
-class HFEngine:
+class HFEngine(Engine):
     def __init__(self, model, tokenizer, rollout_cfg, options: EngineOptions = EngineOptions()):
         self.model = model
         self.tokenizer = tokenizer
         self.max_rows = rollout_cfg.batch_size
         self.end_ids = end_ids_of(tokenizer, options)
+        # an evaluation's engine config has neither switch (bicc.rollout.eval_engine_config)
         self.returns_logprobs = bool(getattr(rollout_cfg, "old_from_sampler", False))
         # a KV cache of the whole length up front, which transformers compiles the decoding steps for on CUDA
         self.cache = "static" if getattr(rollout_cfg, "static_cache", False) else None

@@ -43,7 +43,7 @@ import sys
 
 import torch
 
-from bicc.rollout import ENGINES, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
+from bicc.rollout import ENGINES, Engine, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
 
 
 def named_parameters_full(model, dtype: torch.dtype | None = None):
@@ -123,7 +123,7 @@ def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions
 
 
 @ENGINES.register("vllm")
-class VLLMEngine:
+class VLLMEngine(Engine):
     def __init__(self, model, tokenizer, rollout_cfg, options: EngineOptions = EngineOptions()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
         encoding = locale.getpreferredencoding(False)

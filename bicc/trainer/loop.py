@@ -81,7 +81,7 @@ def initial_eval_cache(cfg, init_path: str) -> Path | None:
 def eval_engine(s: RLState, cfg):
     """vLLM evaluates with the rollout engine itself; HF with an engine over the sampling module (a full
     copy under FSDP2) batched by eval.batch_size."""
-    if getattr(s.engine, "model", None) is None:
+    if s.engine.model is None:
         return s.engine
     return build_engine("hf", s.engine.model, s.tokenizer, eval_engine_config(cfg.rollout, cfg.eval),
                         EngineOptions(end_ids=s.end_ids))
@@ -251,7 +251,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
                       cfg.logger.wandb_project, enabled=d.is_main)
     s = start_or_resume(cfg, init_path, device, run_dir, d, max_model_len)
-    if d.is_main and getattr(s.engine, "kv_bytes", None):
+    if d.is_main and s.engine.kv_bytes:
         print(f"[rollout] vLLM KV space {s.engine.kv_bytes / 2**30:.2f} GiB (rollout.kv_cache_bytes)")
     if s.step > 0 and d.is_main:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
         for name in ("metrics.jsonl", "diagnostics.jsonl"):
@@ -273,8 +273,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     with s.peaks.phase("evaluation"):
         final = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
                          progress=cfg.logger.progress, d=s.dist)
-    if hasattr(s.engine, "close"):
-        s.engine.close()
+    s.engine.close()
     if not d.is_main:
         return {"steps": s.step, "init_path": init_path}
     tracker.log(final, step=s.step)

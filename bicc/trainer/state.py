@@ -94,7 +94,7 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     rows = engine_rows(cfg.rollout, cfg.eval, distributed.num_shards(cfg.rollout, d))
     options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype, rows=rows)
     engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
-    plan = StepPlan.from_config(cfg, getattr(engine, "returns_logprobs", False))
+    plan = StepPlan.from_config(cfg, engine.returns_logprobs)
     return RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
                    task=build_task(cfg.data), init_path=init_path, dist=d,
                    end_ids=end_ids, plan=plan, peaks=PhasePeaks(device))

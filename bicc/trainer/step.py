@@ -33,15 +33,14 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         ro = collect_rollout(s.engine, s.tokenizer, s.task, Collection.from_config(cfg), s.cursor, step_seed,
                              distributed.local_shards(cfg.rollout, s.dist), distributed.num_shards(cfg.rollout, s.dist))
     t_rollout = time.perf_counter()
-    if hasattr(s.engine, "sleep"):  # vLLM with rollout.sleep on GPU: free its memory until the sync
-        s.engine.sleep()
+    s.engine.sleep()  # vLLM with rollout.sleep on GPU: free its memory until the sync
 
     # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c ----------------
     batch, plain, numerator, contexts, bicc_metrics = step_inputs(s, cfg, ro, device)
 
     # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
     if s.plan is None:  # a state built by hand (build_rl_state resolves it)
-        s.plan = StepPlan.from_config(cfg, getattr(s.engine, "returns_logprobs", False))
+        s.plan = StepPlan.from_config(cfg, s.engine.returns_logprobs)
     plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, distributed.is_sharded(s.model))
     sampled = sampled_logprobs(ro, plan, batch, device)
     t_contexts = time.perf_counter()
