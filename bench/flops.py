@@ -2,7 +2,7 @@
 ``bicc.kernels.packing`` lays them out: 2 per non-embedding parameter per embedded token, 2 x hidden x vocab per
 predicted token (the output projection) and 4 x layers x attention width per query-key pair (scores and
 the weighted sum); a forward + backward counts 3 forwards. The ratio of two steps' counts is their time
-ratio where every FLOP costs the same in both (``bench.bicc_overhead``, ``bench.step_profile``); larger
+ratio where every FLOP costs the same in both (``bench.step_profile``, ``bench.step_model``); larger
 forwards often run at a better FLOP rate, so a measured ratio can come out somewhat below it."""
 
 from __future__ import annotations

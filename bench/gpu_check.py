@@ -57,12 +57,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-GIB = 1024**3
-# dense bf16 peak TFLOP/s by device name (the SXM parts; a PCIe card is slower: --peak-tflops)
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
-QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                 intermediate_size=3072, vocab_size=151_936, tie_word_embeddings=True, max_position_embeddings=40_960)
+from bench.common import GIB, PEAK_TFLOPS, QWEN3_06B, ROOT
+
 PROMPTS, STEPS, OUTPUT_TOKENS, EVAL_TOKENS = 8, 3, 256, 128
 BUDGET_S = 480  # make gpu-check's whole wall time
 COMPILE_BUDGET_S = 720  # with --compile: each of the three processes compiles (one H100, caches empty: leg 1 370 s)
@@ -230,7 +226,7 @@ def predicted_gib(model_dir: Path, gpu_gib: float, extra: tuple = (), **sizes) -
     run phase, for the rehearsal's own config (with the overrides ``extra``) as ``train.py`` composes it: one process
     under torchrun (FSDP2 over one rank), its longest training prompt, HF generate for the rollout and the
     evaluation, SDPA."""
-    from bench.step_profile import compose_cfg
+    from bench.common import compose_cfg
     from bicc.data import build_task
     from bicc.machine.memory import allocated
     from bicc.model.load import tokenizer_and_positions

@@ -38,8 +38,8 @@ import time
 import torch
 
 import bicc.trainer.step
+from bench.common import compose_cfg
 from bench.flops import work_flops
-from bench.step_profile import compose_cfg
 from bicc.data import build_task
 from bicc.evaluation.evaluate import evaluate, format_eval
 from bicc.machine.host import torch_threads

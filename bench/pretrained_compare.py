@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.results import run_dir_of, run_one
+from bench.common import run_dir_of, run_one
 from bicc.evaluation.stats import crossed_bootstrap_diff
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,8 +140,8 @@ def variance_steps(steps: int) -> tuple[int, int]:
 def measure_variance(dirs: dict[str, list[Path]], out: Path, steps: tuple[int, int], batches: int,
                      extra: list[str]) -> tuple[dict, float]:
     """Per (row, step): the per-batch gradient-variance ratios over every seed's checkpoint (cached as JSON)."""
+    from bench.common import compose_cfg
     from bench.rcc_variance import Setup, measure, ratios
-    from bench.step_profile import compose_cfg
 
     start, setup, pooled = time.perf_counter(), None, {}
     for name in VARIANCE_ROWS:

@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of conf/train.yaml")
     args = parser.parse_args()
 
-    from bench.step_profile import compose_cfg
+    from bench.common import compose_cfg
 
     cfg = compose_cfg(args.overrides)
     torch.manual_seed(cfg.seed)

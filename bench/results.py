@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, run_dir_of, run_one
 
 # The warm start that has learnt to read attempts: a quarter of its SFT prompts show informative attempts (right
 # or slipped, under a correct target) in the BiCC template, with 1,200 SFT steps instead of 900 so that its plain
@@ -63,32 +62,6 @@ DEFAULT_RATIO = 0.4  # the BiCC-GRPO row's own ratio: its seed-0 run is that abl
 def ablation_configs(ratios) -> dict:
     return {f"BiCC-GRPO ratio={r}": (["algo=grpo", "bicc=stable", "rcc=off", f"bicc.context_ratio={r}", *PLAIN], None)
             for r in ratios if r != DEFAULT_RATIO}
-
-
-def run_dir_of(out_root: Path, name: str, seed: int) -> Path:
-    # no "=" in the dir name: Hydra reads it in paths
-    return out_root / name.replace(" (", "_").replace(")", "").replace(" ", "-").replace("=", "") / f"s{seed}"
-
-
-def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int, out_root: Path, extra: list[str]) -> Path:
-    run_dir = run_dir_of(out_root, name, seed)
-    if (run_dir / "results.json").exists():
-        return run_dir
-    cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"seed={seed}", "sft.seed=0",
-           f"train.steps={steps}", f"threads={threads}", "logger.wandb_mode=disabled", "logger.progress=false",
-           "diag.every=10",  # the gradient-variance comparison needs the diagnostics on every row
-           f"hydra.run.dir={run_dir}", *extra]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with open(run_dir / "stdout.log", "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}); see {run_dir / 'stdout.log'}")
-    seconds = time.perf_counter() - t0
-    (run_dir / "wall_s.txt").write_text(f"{seconds:.0f}\n", encoding="utf-8")  # what a later summary quotes
-    print(f"[results] {name} s{seed}: {seconds:.0f}s", flush=True)
-    return run_dir
 
 
 def mean_metric(run_dir: Path, name: str) -> float | None:

@@ -27,11 +27,11 @@ import time
 
 import torch
 
-from bench.memory_model import QWEN3_4B
-from bench.step_profile import compose_cfg, drawn_lengths
+from bench.common import compose_cfg, drawn_lengths
 from bicc.config import TinyArchConfig
 from bicc.kernels.rows import QueryRows
 from bicc.machine.host import torch_threads
+from bicc.machine.memory import QWEN3_4B
 from bicc.model.load import build_tiny, num_parameters
 from bicc.model.logprobs import make_token_batch
 from bicc.trainer.plan import StepPlan

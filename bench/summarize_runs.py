@@ -5,8 +5,8 @@ metrics.jsonl (steps, wall time of the RL stage)."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -31,4 +31,6 @@ def main(runs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", help="run dirs (each with results.json and metrics.jsonl)")
+    main(parser.parse_args().runs)

@@ -49,8 +49,7 @@ backward): ``train.logprob_chunk_tokens`` lower leaves room for more layers.
 On CUDA it also prints how many times one update makes the host wait for the GPU (``host_syncs``, CUDA's sync debug
 mode). ``--top N`` prints the profiled update's N most frequent aten ops and, on CUDA, its N longest kernels, the N
 longest stretches between its first and last kernel in which the GPU ran none (the kernels on either side name
-where) and the N lines the update waits for the GPU at most often; ``--stacks
-aten::item`` where an op is launched from (Python stacks, its most frequent call sites). ``--compile``
+where) and the N lines the update waits for the GPU at most often. ``--compile``
 compiles ours' decoder layers (``model.compile=on``, ``bicc.kernels.compile``) before the timed calls; the warm-up call pays
 the compilation.
 """
@@ -70,7 +69,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.gpu_check import GIB, PEAK_TFLOPS, QWEN3_06B
+from bench.common import GIB, PEAK_TFLOPS, QWEN3_06B
 
 SHAPES = {
     # what this bench runs by default on CPU: a Qwen3 of 23M parameters, 32k vocabulary
@@ -106,7 +105,7 @@ def update_cfg(prompt_tokens: int, output_tokens: int, micro_rows: int, checkpoi
     """Our update's config here: a GRPO step, micro-batches of ``micro_rows`` rows (and their tokens at the longest),
     one log-prob chunk per micro-batch's outputs, then ``overrides``; ``model.gradient_checkpointing`` as ``build``
     sets it up (``bicc.machine.memory`` reads it)."""
-    from bench.step_profile import compose_cfg
+    from bench.common import compose_cfg
 
     cfg = compose_cfg(["algo=grpo", "bicc=off", "rcc=off", f"rollout.max_new_tokens={output_tokens}",
                        f"train.micro_batch_size={micro_rows}",
@@ -372,46 +371,6 @@ def host_syncs(fn, top: int = 0) -> int:
     return sum(sites.values())
 
 
-def stacks(fn, device, op: str, top: int = 6, depth: int = 8) -> None:
-    """One call under torch.profiler with Python stacks: print where ``op`` (an aten op's name) is launched from,
-    the ``top`` most frequent call sites, each as the outermost aten op it runs inside and ``depth`` Python frames
-    (innermost first; nn.Module's call wrappers left out)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, with_stack=True) as prof:
-        fn()
-        synchronize(device)
-    sites = Counter()
-    for e in prof.events():
-        if e.name != op:
-            continue
-        frames, outer, parent = [], op, e.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("aten::"):
-                outer = parent.name
-            elif "(" in parent.name and "_call_impl" not in parent.name and "_wrapped_call_impl" not in parent.name:
-                frames.append(parent.name)
-            parent = parent.cpu_parent
-        sites[(outer, *frames[:depth])] += 1
-    print_sites(op, sites, top)
-
-
-def print_sites(op: str, sites: Counter, top: int) -> None:
-    """``stacks``' table: (outermost aten op, *frames) -> calls, the ``top`` most frequent; and a warning where no
-    site has a Python frame (torch 2.11's CUDA build on a host without a GPU records none for any op, so a missing
-    frame says nothing of where an op ran)."""
-    print(f"[update_vs_bare] {op}: {sum(sites.values())} calls in one update, from {len(sites)} call sites; "
-          f"the {top} most frequent (inside the outermost aten op, then Python frames innermost first):")
-    for (outer, *frames), count in sites.most_common(top):
-        print(f"    {count:8d}  {outer}")
-        for frame in frames:
-            print(f"              {frame[:150]}")
-    if sites and not any(".py(" in frame for _, *frames in sites for frame in frames):
-        print(f"[update_vs_bare] no call site of {op} has a Python frame: this profiler (torch {torch.__version__}) "
-              "may have recorded none at all")
-
-
 def computed_tokens(prompt_ids: list[list[int]], completion_ids: list[list[int]], share: bool) -> int:
     """The tokens ours' forward runs over: every output's, and each distinct prompt's once under
     ``train.share_prompts`` (its keys and values read by its G outputs), else each row's prompt."""
@@ -544,8 +503,6 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="ours with its decoder layers compiled (model.compile=on)")
     parser.add_argument("--top", type=int, default=0,
                         help="print the profiled update's most frequent ops, longest kernels and idle stretches")
-    parser.add_argument("--stacks", action="append", default=[], metavar="OP",
-                        help="print where the update launches this aten op from (e.g. aten::item); repeatable")
     parser.add_argument("overrides", nargs="*",
                         help="Hydra overrides of our update's config (train.*, dist.*, model.checkpoint_policy, "
                         "model.checkpoint_layers)")
@@ -646,8 +603,6 @@ def main() -> None:
         print(f"RESULT update_hfu={flops / min(ours_s) / (tflops * 1e12):.3f}")
     print("[update_vs_bare] profiling one update of ours", flush=True)
     prof = profiled(ours, device, args.top)
-    for op in args.stacks:
-        stacks(ours, device, op)
     print(f"[update_vs_bare] ours launches {prof.ops} aten ops in one update"
           + (f", {prof.compiled} calls into compiled graphs" if args.compile else ""))
     print(f"RESULT update_ops_per_token={1000 * prof.ops / tokens:.1f}")

@@ -12,9 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-BENCHES = ["bench.step_profile", "bench.peer_trl", "bench.bicc_overhead", "bench.checker_agreement", "bench.memory_model",
-           "bench.rcc_variance", "bench.results", "bench.rollout_throughput", "bench.soak", "bench.step_model",
-           "bench.task_fit", "bench.pretrained_compare", "bench.head_speed"]
+# every bench a user runs (a module with a __main__), not the helpers they share
+BENCHES = sorted(f"bench.{p.stem}" for p in (ROOT / "bench").glob("*.py") if "__main__" in p.read_text(encoding="utf-8"))
 HELP = """
 import runpy, sys
 for module in sys.argv[1:]:
@@ -36,30 +35,9 @@ def test_every_bench_starts_as_a_module():
     assert proc.stdout.count("usage:") == len(BENCHES)
 
 
-def test_the_head_bench_checks_every_variant_then_times_it():
-    """``bench.head_speed`` on CPU at 32 tokens: each of the head's four forms checked against the eager kept head
-    (log-probs, weight gradient) before it is timed, then its RESULT lines, each the ratio of the times printed. The
-    compiled forms through ``aot_eager`` (Inductor's kernels are ``tests/test_logprob_head.py``'s: here they would
-    only add 20 s of C++ compilation)."""
-    cmd = [sys.executable, "-m", "bench.head_speed", "--tokens", "32", "--chunks", "2", "--iters", "1",
-           "--backend", "aot_eager"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    forms = ["eager kept", "compiled kept", "eager recomputed", "compiled recomputed"]
-    for form in forms:
-        assert re.search(rf"^\[head_speed\] {form}: log-probs within [0-9.e+-]+ of the eager kept head's", out, re.M), form
-    ms = {name: float(v) for name, v in re.findall(r"^\[head_speed\] (\w+(?: \w+)?) +([0-9.]+) ms", out, re.M)}
-    assert sorted(ms) == sorted([*forms, "matmuls"])
-    results = dict(re.findall(r"^RESULT (\w+)=([0-9.]+)", out, re.M))
-    assert float(results["head_compiled_vs_eager"]) == pytest.approx(ms["eager kept"] / ms["compiled kept"], rel=0.02)
-    assert float(results["head_eager_vs_matmul"]) == pytest.approx(ms["eager kept"] / ms["matmuls"], rel=0.02)
-    assert "head_liger_vs_compiled" not in results  # CUDA only
-
-
 def test_step_model_phases_follow_the_plan():
+    from bench.common import compose_cfg
     from bench.step_model import step_phases
-    from bench.step_profile import compose_cfg
     from bicc.trainer.plan import StepPlan
 
     cost = {"forward": 1.0, "forward_backward": 3.0, "decode": 10.0}
@@ -105,8 +83,8 @@ def test_flops_count_the_work_of_the_rows_computed():
 def test_plan_flops_count_each_pass_of_the_plan():
     """A step's FLOPs follow its plan: GRPO, the update on q (3 forwards' worth); the paper's BiCC + RCC,
     pi_old and pi_ref on q, then the update on x^c; with delta's own pass, one more forward on x^c."""
+    from bench.common import compose_cfg
     from bench.flops import plan_flops, work_flops
-    from bench.step_profile import compose_cfg
     from bicc.model.load import build_tiny
     from bicc.trainer.plan import StepPlan
     from tests.helpers import ARCH, kv_case
@@ -159,27 +137,6 @@ def test_memory_model_counts_every_phase_by_hand():
     assert root["fp32 reduce-scatter staging (root)"] == 4 * (151_936 * 2560 + 2560)
     assert table["update: layers backward"]["fp32 reduce-scatter staging (one layer)"] == 4 * QWEN3_4B.layer_params()
     assert 50 < gib(rollout) < 72  # the preset's peak fits an 80 GiB GPU with room
-
-
-def test_task_fit_counts_pass_at_1_and_mixed_groups_by_hand():
-    import torch
-
-    from bench.step_profile import compose_cfg
-    from bench.task_fit import VARIANTS, group_stats
-    from bicc.data import build_task
-
-    # groups of 4: half right, all right, all wrong, one right -> pass@1 (0.5 + 1 + 0 + 0.25) / 4, mixed 2 of 4
-    correct = torch.tensor([1, 0, 1, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0])
-    stats = group_stats(correct, 4)
-    assert stats["pass@1"] == 0.4375 and stats["mixed"] == 0.5
-    assert stats["ci_low"] <= 0.4375 <= stats["ci_high"] and stats["ci_low"] < stats["ci_high"]
-    # every variant composes and makes a task whose prompt carries what its name says
-    for name, overrides in VARIANTS.items():
-        if name == "gsm8k":
-            continue
-        prompt = build_task(compose_cfg(overrides).data).train_problem(0).prompt
-        assert ("\\boxed{}" in prompt) == ("boxed" in name), name
-        assert prompt.startswith("Example:\nCompute ") == ("example" in name), name
 
 
 def _fake_run(d, accuracy, initial=0.5, steps=20, **metrics):
@@ -251,8 +208,8 @@ def test_pretrained_compare_rows_compose_and_differ_only_where_named():
     """Every row is a valid run of the preset and is what its name says: BiCC on or off (the stable form with
     pi_old on x^c), RCC on (delta on q, ``rcc=on`` itself) or off, and the opposite attempts' budget; the headline
     row is the headline command on its own preset."""
+    from bench.common import compose_cfg
     from bench.pretrained_compare import HEADLINE, ROWS, TASK
-    from bench.step_profile import compose_cfg
     from bicc.method.conditioning import context_budget
 
     cfgs = {name: compose_cfg([TASK, *overrides]) for name, overrides in ROWS.items()}
@@ -286,8 +243,8 @@ def test_peer_trl_counts_the_update_flops_of_the_rows_each_step_trained_on(monke
 
 
 def test_peer_trl_runs_trl_in_colocate_mode_only_beside_our_vllm_rollouts(monkeypatch):
+    from bench.common import compose_cfg
     from bench.peer_trl import trl_vllm_args
-    from bench.step_profile import compose_cfg
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "")  # so that the test's own setting is undone after it
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")

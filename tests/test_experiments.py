@@ -135,7 +135,7 @@ def test_dapo_overlong_buffer_scales_with_the_response_limit():
 
 
 def test_smollm2_preset_is_the_measured_task_with_the_paper_switches():
-    """experiment=smollm2_arith: the task bench/task_fit.py picked, every held-out problem evaluated, and bicc=on /
+    """experiment=smollm2_arith: the task bench/task_fit.py (at 33c7de3) picked, every held-out problem evaluated, and bicc=on /
     rcc=on the paper's forms over it; the preset itself switches neither on."""
     from bicc.data import build_task
 
