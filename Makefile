@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED := 1
 # in the locale's encoding otherwise).
 export PYTHONUTF8 := 1
 
-.PHONY: setup setup-gpu setup-smollm2 gpu-check train train-dist test test-all lint bench results clean
+.PHONY: setup setup-gpu setup-smollm2 gpu-check train train-dist test test-fast test-all lint bench results clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ TEST_WORKERS ?= 2
 PYTEST := VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP) $(VLLM_STAMP)
 	$(PYTEST) -m "not slow and not gpu" tests
+
+# The fast loop while changing code: the unit tests, without those that start a process or an engine (`launch`) or
+# compile with Inductor (`compile`); under 3 minutes on 2 cores (docs/results.md). `make test` is the whole default set.
+test-fast: $(STAMP) $(VLLM_STAMP)
+	$(PYTEST) -m "not slow and not gpu and not launch and not compile" tests
 
 # Ruff (pyproject.toml): pycodestyle, pyflakes, import order; CI runs it before the tests.
 lint: $(STAMP)

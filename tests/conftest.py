@@ -1,4 +1,6 @@
+import multiprocessing.process
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,45 @@ LONGEST_FIRST = ("test_compile.py", "test_distributed.py", "test_paper_rehearsal
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+# ---- make test-fast: no test there starts a process ------------------------------------------------------------
+# A test that starts another Python process (train.py, torchrun, a bench, a checker's pool) is marked `launch`, and
+# `make test-fast` leaves it out with the `compile` ones; an unmarked test that starts one fails at that line, so the
+# fast loop stays free of launches. (Compilers that Inductor runs are not Python processes and are not counted.)
+RUNNING = {"item": None}
+_popen_init = subprocess.Popen.__init__
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def starts_python(args) -> bool:
+    argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    return bool(argv) and "python" in os.path.basename(argv[0]) and not any("torch._inductor" in a for a in argv)
+
+
+def refuse_unmarked_launch(what: str) -> None:
+    item = RUNNING["item"]
+    if item is not None and item.get_closest_marker("launch") is None and item.get_closest_marker("compile") is None:
+        raise RuntimeError(f"{item.nodeid} starts {what}: mark it @pytest.mark.launch (make test-fast leaves those out)")
+
+
+def popen_init(self, args, *rest, **kwargs):
+    if starts_python(args):
+        refuse_unmarked_launch(f"a process ({' '.join(map(str, args))[:120] if isinstance(args, (list, tuple)) else args})")
+    return _popen_init(self, args, *rest, **kwargs)
+
+
+def process_start(self):
+    refuse_unmarked_launch(f"a multiprocessing process ({self.name})")
+    return _process_start(self)
+
+
+subprocess.Popen.__init__ = popen_init
+multiprocessing.process.BaseProcess.start = process_start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    RUNNING["item"] = item
+    yield
+    RUNNING["item"] = None

@@ -26,6 +26,7 @@ for module in sys.argv[1:]:
 """
 
 
+@pytest.mark.launch
 def test_every_bench_starts_as_a_module():
     """``python -m bench.X --help`` for every bench, in one interpreter: a broken import (a bench that only ran
     with its own directory on sys.path) or argument parser shows here."""

@@ -10,6 +10,9 @@ import pytest
 from bicc.data.answers import canonical, extract
 from bicc.data.checking import MathChecker
 
+# The answer checker scores in worker processes (math-verify under a deadline).
+pytestmark = pytest.mark.launch
+
 
 @pytest.fixture(scope="module")
 def checker():

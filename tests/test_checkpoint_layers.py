@@ -61,6 +61,7 @@ def test_checkpointing_the_first_layer_only_gives_the_same_update(share):
     assert first == [2 * none[0], none[1]], (first, none)
 
 
+@pytest.mark.compile
 def test_compiled_only_the_checkpointed_layers_take_the_recompute_form():
     """Compiled (aot_eager), the checkpointed first layer traces its recompute into its graph and the second compiles
     its plain forward; the update (one micro-batch of every row, so fewer graphs to compile) is the eager one."""
@@ -99,7 +100,7 @@ def saved_bytes(model, dtype, autocast, rows, tokens) -> tuple[int, int]:
     return kept[0], cos.nbytes + sin.nbytes
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
                          ids=["fp32", "bf16", "autocast"])
 def test_a_layer_outside_the_checkpoint_keeps_what_the_memory_model_counts(dtype, autocast, compiled):

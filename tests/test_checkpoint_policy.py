@@ -63,6 +63,7 @@ def test_keeping_attention_gives_the_full_recompute_update_with_fewer_attention_
     assert (runs["recompute_mlp"][3] - plain_mm) * 6 == (full_mm - plain_mm) * 2, (runs["recompute_mlp"][3], full_mm, plain_mm)
 
 
+@pytest.mark.compile
 def test_keeping_attention_works_through_compiled_layers():
     """Compiled (a counting aot_eager backend) with the eager checkpoint replaying the compiled forward (the prefix
     pass's form; every pass's under ``model.checkpoint_in_graph=false``): every layer call, the recompute included,

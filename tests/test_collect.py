@@ -126,6 +126,7 @@ def test_dynamic_sampling_filters_on_correctness_not_shaped_reward():
     assert all(0 < g.sum() < 4 for g in groups)
 
 
+@pytest.mark.launch
 def test_the_rollout_package_sits_below_the_rl_state():
     """Collection takes the engine, the task and its settings as arguments: no module of ``bicc/rollout`` imports
     the RL state or anything built on it (not even for type hints), and importing collection loads none of them."""

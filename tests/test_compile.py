@@ -36,6 +36,8 @@ from tests.conftest import compose_cfg
 from tests.helpers import ARCH, graph_code, graph_nodes, rows, run_train
 from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
 
+pytestmark = pytest.mark.compile
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.fx.experimental._config
 from torch._dynamo.backends.registry import lookup_backend
@@ -17,6 +18,8 @@ from bicc.kernels.rows import QueryRows
 from bicc.model.load import build_tiny
 from bicc.model.logprobs import batch_logprobs, make_token_batch
 from tests.helpers import ARCH, ROOT, graph_code, graph_nodes, rows
+
+pytestmark = pytest.mark.compile
 
 
 def kind_of(gm) -> str:

@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 
 from tests.helpers import MIXED_RUN, ROOT
 
+pytestmark = pytest.mark.launch
+
 # DAPO's dynamic sampling with one sampling round: each shard keeps only its informative groups. Under the
 # constructed reward (tests/rewards.py) shard 0 keeps 4 of its 6 groups at both steps and shard 1 keeps 3, then
 # 5, so the two ranks hold different numbers of rows; micro-batches of 3 rows make several forwards per rank.

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+pytestmark = pytest.mark.launch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -89,6 +89,7 @@ class ScriptedEngine(Engine):
                              [True] * rows)
 
 
+@pytest.mark.launch
 def test_a_task_and_a_file_benchmark_with_hand_computed_pass_at_k(cfg, tmp_path):
     """Two benchmarks in one evaluation. The file's problems get the instruction, the task's do not; the file's
     answers go through the math checker (\\frac{1}{2} = 0.5); pass@k by hand for n = 4: problem "half" 4/4 right,

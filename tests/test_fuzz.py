@@ -3,6 +3,7 @@ arbitrary groups through the BiCC context builder. Nothing may raise or run long
 
 import time
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,9 @@ from bicc.data.checking import MathChecker
 from bicc.data.rewards import exact_match_reward
 from bicc.method.conditioning import build_contexts
 from tests.helpers import BiccCfg, enc, group
+
+# The answer checker scores in worker processes (math-verify under a deadline).
+pytestmark = pytest.mark.launch
 
 LATEX_BITS = st.sampled_from(["\\boxed{", "{", "}", "\\frac", "\\sqrt", "^", "_", "$", "\\left(", "\\right)", "1", "-",
                               "answer is", "####", "A:", "\\", "\n", "__import__", "e9", "9^{9^{9}}", ",", ".", " "])

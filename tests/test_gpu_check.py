@@ -12,6 +12,7 @@ from bench import gpu_check
 from tests.helpers import ROOT
 
 
+@pytest.mark.launch
 def test_without_a_gpu_it_says_so_and_exits_nonzero_at_once(monkeypatch):
     monkeypatch.setattr(gpu_check, "NVIDIA_NODES", ("/nonexistent/nvidiactl",))
     assert "no NVIDIA GPU" in gpu_check.no_cuda_message()
@@ -71,6 +72,7 @@ def test_the_memory_model_prediction_for_the_check(tmp_path, monkeypatch):
     assert auto["update"] == max(allocated(arch, run)[p] for p in gpu_check.PHASES["update"]) / GIB > got["update"]
 
 
+@pytest.mark.launch
 def test_the_rehearsal_runs_on_cpu_at_a_small_shape(tmp_path, capfd):
     """The check's own pipeline, shrunk: a 2-layer model with Qwen3's 151,936-id vocabulary and the filled
     character tokenizer, the headline overrides, the DAPO-layout file, the constructed reward, 2 steps in two
@@ -93,6 +95,7 @@ def test_the_rehearsal_runs_on_cpu_at_a_small_shape(tmp_path, capfd):
     assert out["gpu_train_tokens_per_s"] > 0 and out["gpu_allocated_vs_model"] is None
 
 
+@pytest.mark.launch
 def test_the_bare_baseline_phase_runs_ours_sharded_and_reads_its_ratio(capfd):
     """The check's third phase on CPU at a tiny shape (its later arguments override the check's own)."""
     small = ("--shape", "cpu_small", "--layers", "1", "--prompts", "1", "--group", "2", "--prompt-tokens", "8",
@@ -103,6 +106,7 @@ def test_the_bare_baseline_phase_runs_ours_sharded_and_reads_its_ratio(capfd):
     assert ratio == float(out.split("RESULT update_vs_bare=", 1)[1].split()[0]) > 0
 
 
+@pytest.mark.launch
 def test_a_phase_that_would_overrun_its_budget_is_stopped_and_says_so(tmp_path):
     import sys
 

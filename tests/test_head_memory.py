@@ -4,7 +4,8 @@
 import pytest
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.launch
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)], ids=["eager", "compiled"])
 def test_one_head_chunk_holds_what_the_memory_model_counts(compiled):
     """bf16, a chunk of 512 tokens x 32,768 logits. Eager: a no-grad chunk holds the matmul's bf16 output and its fp32
     copy (6 bytes a logit), the update's its fp32 logits, exponentials and the entropy's product (12). Compiled: the

@@ -57,6 +57,7 @@ def test_the_tests_run_torch_on_one_thread():
     assert torch.get_num_threads() == 1
 
 
+@pytest.mark.launch
 def test_a_run_pinned_to_one_core_uses_one_thread(tmp_path):
     """A run started on one core (as ``taskset -c 0`` starts it) on a machine of several: torch gets one thread, not
     one per core of the machine (oversubscribed)."""
@@ -70,6 +71,7 @@ def test_a_run_pinned_to_one_core_uses_one_thread(tmp_path):
     assert "[host] usable cores: 1, torch threads per process: 1" in proc.stdout
 
 
+@pytest.mark.launch
 def test_a_run_on_a_bare_host(tmp_path):
     """train.py then eval.py where nothing is set up: an ASCII locale without Python's UTF-8 mode, a time zone 12:45
     ahead of UTC, a HOME that is a file (nothing can be created under it) and no HF_HOME / XDG / matplotlib dirs
@@ -108,6 +110,7 @@ def test_vllm_on_a_host_without_a_utf8_locale_says_what_to_set(monkeypatch):
         engine.VLLMEngine(None, None, None)
 
 
+@pytest.mark.launch
 def test_numerics_hold_without_vector_instructions():
     """The exactness tests' tolerances hold on a CPU without AVX (torch's default kernels, another summation
     order): the head's fp32 log-probs differed from the full-vocab reference by 1.4e-6 there, a few ulps. The
@@ -137,6 +140,7 @@ def test_the_cuda_allocator_gets_expandable_segments_unless_the_user_set_it():
     assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("entry", ["train", "eval"])
 def test_the_entry_points_set_the_allocator_before_torch_is_imported(entry):
     """torch reads the allocator's settings once: train.py and eval.py set the default before anything imports it."""

@@ -87,6 +87,7 @@ def test_bf16_compute_head_equals_full_logits(chunk):
         torch.testing.assert_close(ga, gb, atol=tol, rtol=0)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("chunk,bf16", [(4096, False), (5, True)], ids=["kept-fp32", "recomputed-bf16-compute"])
 def test_the_compiled_head_equals_full_logits(chunk, bf16, monkeypatch):
     """The head's chunks as ``model.compile`` runs them (Inductor's generated kernels: the forward's reductions and

@@ -176,6 +176,7 @@ def test_each_phase_names_its_own_knob():
         check_fit(QWEN3_4B, big, 40.0)
 
 
+@pytest.mark.launch
 def test_a_run_that_cannot_fit_is_refused_before_anything_loads(tmp_path):
     """train.py with a 1 MiB budget: refused with the knob, before the warm start, the weights or a step."""
     proc = run_train([*SMALL, "train.memory_gib=0.001", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, check=False)

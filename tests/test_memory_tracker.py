@@ -9,6 +9,8 @@ import pytest
 
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.launch
+
 GIB = 1024**3
 
 

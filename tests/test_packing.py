@@ -138,7 +138,7 @@ def test_prefix_cache_under_activation_checkpointing_in_train_mode():
                    for layer in model.model.layers)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)], ids=["eager", "compiled"])
 def test_the_prefix_backward_holds_one_replayed_layer_at_a_time(compiled):
     """Under checkpointing the backward through the prefix forward replays each layer, top layer first. A replay's
     keys/values (and the graph behind them: the layer's norms and projections) must be gone once its layer's

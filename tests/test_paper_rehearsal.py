@@ -25,6 +25,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.launch
+
 pytest.importorskip("vllm")
 
 from tests.helpers import CONSTRUCTED_REWARD, ROOT  # noqa: E402

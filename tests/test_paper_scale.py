@@ -62,6 +62,7 @@ def hub_model():
     return model, tok
 
 
+@pytest.mark.launch
 def test_vllm_engine_per_rank_from_an_hf_id(fake_vllm):
     from bicc.rollout import build_engine
 

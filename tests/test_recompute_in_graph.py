@@ -15,6 +15,8 @@ from tests.conftest import compose_cfg
 from tests.helpers import ARCH, graph_code
 from tests.test_compile import checkpointed_pair, update
 
+pytestmark = pytest.mark.compile
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from bicc.trainer.checkpoint import CorruptCheckpoint, save_checkpoint, verify_checkpoint
 from tests.helpers import ROOT, SMALL, conditioned_steps, logged_steps
 
+pytestmark = pytest.mark.launch
+
 # GRPO + BiCC + RCC (the defaults) with every diagnostic on, a checkpoint every 2 steps. Attention dropout draws
 # from the global RNG in every training forward (the rollouts' sampling does not): a resume that skipped restoring
 # that RNG's state would train on other dropout masks and end elsewhere.

@@ -12,6 +12,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.launch
+
 pytest.importorskip("vllm")
 
 from bicc.config import ModelConfig, RolloutConfig, TinyArchConfig  # noqa: E402

@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 
 from tests.helpers import ROOT, SMALL, conditioned_steps, run_train
 
+pytestmark = pytest.mark.launch
+
 
 def test_two_step_run_writes_metrics_checkpoint_and_results(tmp_path):
     run_dir = tmp_path / "run"

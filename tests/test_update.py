@@ -109,6 +109,7 @@ print(max((p - q).abs().max().item() for p, q in zip(full, reference.parameters(
 """
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("options", [[], ["dist.reshard_after_forward=false", "dist.reshard_after_backward=false",
                                           "dist.reduce_grads=step"]], ids=["default", "kept-and-unreduced"])
 def test_the_update_under_fsdp2_equals_the_hand_loop_with_its_options(options):

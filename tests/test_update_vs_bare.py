@@ -11,6 +11,7 @@ import pytest
 from tests.helpers import ROOT
 
 
+@pytest.mark.launch
 def test_the_bench_runs_ours_under_fsdp2_and_prints_its_results_and_top_ops(tmp_path):
     tmp = tmp_path / "tmp"  # the process's temp dir: the one-rank process group's store leaves nothing in it
     tmp.mkdir()
@@ -360,6 +361,7 @@ def test_attention_counts_grouped_key_value_heads_as_the_query_heads():
         assert backward(q, q, kv, kv) == backward(q, q, repeated, repeated) == 1_200
 
 
+@pytest.mark.launch
 def test_the_flops_are_counted_inside_compiled_layers_without_a_recompile():
     """The HFU at depth runs compiled: the counted update runs its compiled graphs (as many calls into them as an
     update outside the counter), the counter sees their matmuls, its mode costs no graph of its own, and the updates
