@@ -33,3 +33,37 @@ def test_every_logged_metric_is_in_the_glossary():
     assert {"train/loss", "rcc/cov", "bicc/log_w_{name}", "perf/update_tokens", "eval/pass@1"} <= names  # the scan works
     missing = sorted(n for n in names if not documented(n, page))
     assert not missing, f"docs/metrics.md lacks: {missing}"
+
+
+# A figure in the README: a decimal (84.4, 0.422) or a quantity with its unit (590 s, 29 min, 107 GiB, 96%).
+FIGURE = re.compile(r"(?<![\w.,-])(\d+\.\d+|\d[\d,]*(?:\.\d+)? ?(?:s|min|GiB|%)(?![\w]))")
+LINK = re.compile(r"\]\((docs/[\w/.-]+\.md)\)")
+
+
+def readme_blocks() -> list[str]:
+    """The README's prose and table rows, a paragraph or a row each, without code blocks or `code spans`."""
+    text = re.sub(r"```.*?```", "", (ROOT / "README.md").read_text(encoding="utf-8"), flags=re.S)
+    blocks = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        lines = paragraph.splitlines()
+        blocks += lines if all(line.startswith("|") for line in lines) else [paragraph]
+    return [re.sub(r"`[^`]*`", "", block) for block in blocks]
+
+
+def test_every_figure_in_the_readme_is_in_the_doc_it_cites():
+    """Each figure the README states appears, as written, in a doc linked from the same paragraph or table row
+    (any doc the README links, where the block links none): a figure that a later run changed is then changed
+    where it was measured first, or it goes."""
+    every_doc = set(LINK.findall((ROOT / "README.md").read_text(encoding="utf-8")))
+    stale = []
+    for block in readme_blocks():
+        docs = set(LINK.findall(block)) or every_doc
+        pages = "\n".join((ROOT / doc).read_text(encoding="utf-8") for doc in docs)
+        stale += [f"{figure!r} (cited: {', '.join(sorted(docs))})" for figure in FIGURE.findall(block)
+                  if figure not in pages]
+    assert not stale, "figures in the README that no doc it cites states:\n" + "\n".join(stale)
+
+
+def test_the_readme_and_performance_page_stay_short():
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 150
+    assert len((ROOT / "docs" / "performance.md").read_text(encoding="utf-8").splitlines()) <= 250
