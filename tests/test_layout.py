@@ -90,8 +90,14 @@ def flat(node, prefix=""):
     return {prefix[:-1]: json.loads(json.dumps(node).replace(json.dumps(str(ROOT))[1:-1], "<repo>"))}
 
 
+# What the YAML reads from the environment (CI sets WANDB_MODE=disabled): the snapshot was taken without them.
+ENVIRONMENT = ("WANDB_MODE", "BICC_CACHE", "BICC_DATA_DIR", "BICC_DAPO_MATH")
+
+
 @pytest.mark.parametrize("preset", ["", *SNAPSHOT["presets"]])
-def test_every_preset_resolves_as_before_the_layout_changed(preset):
+def test_every_preset_resolves_as_before_the_layout_changed(preset, monkeypatch):
+    for name in ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
     entry = SNAPSHOT["presets"].get(preset, {})
     before = {k: v for k, v in SNAPSHOT["base"].items() if k not in entry.get("absent", [])} | entry.get("differs", {})
     cfg = compose_cfg([*SNAPSHOT["overrides_always"], *preset.split()])
