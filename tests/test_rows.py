@@ -66,3 +66,17 @@ def test_mixed_shared_and_single_prefixes_keep_row_order():
     m = batch.completion_mask[rows].bool()
     torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
     torch.testing.assert_close(ea[m], eb[m], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, per_row_prefix", [([], False), (["train.context_packing=false"], True),
+                                                         (["train.context_packing_impl=mask"], True)])
+def test_the_train_keys_choose_how_context_rows_are_laid_out(overrides, per_row_prefix):
+    """``cfg.train`` is what ContextRows reads: KV reuse plans on outputs alone (each context computed once, apart),
+    one row per output and mask packing carry the prefix in each planned row."""
+    from tests.conftest import compose_cfg
+
+    _, tok, prompts, completions, batch = rows_setup()
+    ctx = ConditionedPrompts([p + [50, 51] for p in prompts], [0, 0, 1, 1], torch.ones(4, dtype=torch.bool))
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", *overrides])
+    rows = ContextRows(ctx, completions, batch.completion_len, cfg.train, tok.pad_token_id, "cpu")
+    assert bool((rows.lengths[:, 0] > 0).all()) is per_row_prefix and bool((rows.lengths[:, 0] == 0).all()) is not per_row_prefix
