@@ -10,7 +10,7 @@ import torch
 
 from bicc.config import AlgoConfig, BiccConfig, RccConfig
 from bicc.rollout.collect import Collection
-from bicc.trainer.state import build_rl_state
+from bicc.trainer.state import build_rl_state, peak_lr
 from bicc.trainer.step import rl_step
 from tests.conftest import compose_cfg
 from tests.helpers import COMBINATION_CFG, CoinTask, ReplayEngine, recorded_rollout, sgd
@@ -71,9 +71,8 @@ def one_step(recorded, overrides):
     s.engine, s.plan = ReplayEngine(out), None
     s.task = CoinTask(s.task)
     sgd(s)
-    if cfg.bicc.enabled:
-        for group in s.optimizer.param_groups:
-            group["lr"] *= cfg.bicc.lr_scale
+    for group in s.optimizer.param_groups:  # the run's peak lr over optim.lr: bicc.lr_scale under BiCC
+        group["lr"] *= peak_lr(cfg) / cfg.optim.lr
     rl_step(s, cfg)
     return torch.cat([p.detach().flatten() for p in s.model.parameters()])
 
