@@ -54,8 +54,8 @@ class ReplayEngine(Engine):
         texts = ["right" if i % sampling.n < sampling.n // 2 else "wrong" for i in range(len(rows))]
         return RolloutOutput(rows, outputs, texts, [False] * len(rows))
 
-    def update_weights(self, model):
-        pass
+    def update_weights(self, model, version):
+        self.version = version
 
 
 @dataclasses.dataclass

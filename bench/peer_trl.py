@@ -41,6 +41,7 @@ import bicc.trainer.step
 from bench.common import compose_cfg
 from bench.flops import work_flops
 from bicc.data import build_task
+from bicc.config import tis_cap
 from bicc.evaluation.evaluate import evaluate, format_eval
 from bicc.machine.host import torch_threads
 from bicc.model.gguf import resolve_model_path
@@ -96,7 +97,7 @@ def trl_vllm_args(cfg, kv_bytes: int | None = None) -> dict:
     if kv_bytes:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(-(-kv_bytes // 2**30)))
     return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": r.gpu_memory_utilization,
-            "vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": r.tis_cap > 0}
+            "vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": tis_cap(r) > 0}
 
 
 def trl_trainer(cfg, init_path: str, task, out_dir: str, total_steps: int, kv_bytes: int | None = None):

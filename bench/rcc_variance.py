@@ -78,7 +78,7 @@ class Setup:
 
         other = AutoModelForCausalLM.from_pretrained(ckpt, dtype=next(self.model.parameters()).dtype)
         self.model.load_state_dict(other.state_dict())
-        self.engine.update_weights(self.model)
+        self.engine.update_weights(self.model, self.engine.version + 1)
         self.ckpt = ckpt
 
 

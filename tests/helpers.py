@@ -352,8 +352,8 @@ class ReplayEngine(Engine):
         assert prompts == self.out.prompt_ids[:: sampling.n] and sampling.n * len(prompts) == len(self.out.prompt_ids)
         return replace(self.out, logprobs=self.logprobs)
 
-    def update_weights(self, model):
-        pass
+    def update_weights(self, model, version):
+        self.version = version
 
 
 def recorded_rollout(tmp):

@@ -157,7 +157,7 @@ def test_vllm_sleeps_at_level_2_and_wakes_weights_before_the_sync(fake_vllm):
                           EngineOptions(dtype="bfloat16"))
     engine.sleep_enabled = True  # as on a GPU
     engine.sleep()
-    engine.update_weights(model)
+    engine.update_weights(model, 1)
     names = [(name, kwargs.get("level", kwargs.get("tags"))) for name, kwargs in fake_vllm.calls[1:]]
     assert names == [("sleep", 2), ("wake_up", ["weights"]), ("collective_rpc", None), ("wake_up", ["kv_cache"]),
                      ("reset_prefix_cache", None)]

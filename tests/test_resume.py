@@ -73,6 +73,67 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     assert da == db
 
 
+# ---- Rollout workers (rollout.async_steps): the batches drawn ahead are in the checkpoint -------------------
+
+ASYNC_RUN = [*RUN, "rollout.async_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def async_reference(tmp_path_factory):
+    """The uninterrupted async run (it builds the warm start the others reuse): its dir and its environment."""
+    root = tmp_path_factory.mktemp("async")
+    train([*ASYNC_RUN, f"hydra.run.dir={root / 'reference'}"], root)
+    return root
+
+
+def same_run(reference, other):
+    """The two run dirs end with the same weights, optimizer and data position, and log the same steps."""
+    a = load_file(reference / "checkpoints" / "step_8" / "model.safetensors")
+    b = load_file(other / "checkpoints" / "step_8" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa = torch.load(reference / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
+    sb = torch.load(other / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
+    for key, value in sa["optimizer"]["state"].items():
+        assert all(torch.equal(value[k], sb["optimizer"]["state"][key][k]) for k in value)
+    assert sa["data_pos"] == sb["data_pos"] and len(sa["pending_batches"]) == 2
+    rows = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    keys = ("step", "reward/mean", "rollout/staleness_max", "rollout/prompts_drawn", "train/loss")
+    assert [[r.get(k) for k in keys] for r in rows(reference)] == [[r.get(k) for k in keys] for r in rows(other)]
+
+
+@pytest.mark.parametrize("kill_after", [3, 6])
+def test_async_sigkill_then_resume_is_bit_identical(kill_after, async_reference, tmp_path):
+    """Killed after step 3 (the step-2 checkpoint holds batches 2 and 3, drawn ahead) or 6: the resumed run trains
+    each prompt once, on the batches the uninterrupted run trained."""
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "train.py", *ASYNC_RUN, f"hydra.run.dir={killed}"], cwd=ROOT,
+                            env=env(async_reference), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while logged_steps(killed) < kill_after and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 0 < logged_steps(killed) < 8, "the run must die mid-way for this test to mean anything"
+    out = train([*ASYNC_RUN, "resume=auto", f"hydra.run.dir={killed}"], async_reference)
+    assert "2 drawn batch(es) read back from the checkpoint" in out.stdout
+    same_run(async_reference / "reference", killed)
+
+
+def test_a_dead_worker_stops_the_run_and_its_checkpoint_resumes(async_reference, tmp_path):
+    """The worker exits while drawing batch 7: the run stops with an error naming it, the step-4 checkpoint stays
+    sound, and resuming from it ends where the uninterrupted run does."""
+    failed = tmp_path / "failed"
+    proc = subprocess.run([sys.executable, "train.py", *ASYNC_RUN, f"hydra.run.dir={failed}"], cwd=ROOT,
+                          env={**env(async_reference), "BICC_WORKER_FAULT": "sample:7:exit"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "rollout worker 0 (CPU cores" in proc.stderr and "exited with code 3 while sampling step 7" in proc.stderr
+    verify_checkpoint(failed / "checkpoints" / "step_4")
+    assert not (failed / "checkpoints" / "step_6").exists() or logged_steps(failed) >= 6
+    train([*ASYNC_RUN, "resume=auto", f"hydra.run.dir={failed}"], async_reference)
+    same_run(async_reference / "reference", failed)
+
+
 def _model():
     from bicc.config import TinyArchConfig
     from bicc.model.load import build_tiny

@@ -58,8 +58,9 @@ def test_update_weights_copies_from_another_module(engine):
 
     other, _ = build_tiny(TinyArchConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16), seed=1)
-    engine.update_weights(other)
+    engine.update_weights(other, 3)
     assert all(torch.equal(p, q) for p, q in zip(engine.model.parameters(), other.parameters()))
+    assert engine.version == 3  # what the rollouts it samples from now on are stamped with
 
 
 def test_engine_registry_names():

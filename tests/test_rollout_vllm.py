@@ -109,7 +109,7 @@ def test_after_a_step_and_a_sync_vllm_samples_the_updated_policy(engines):
     assert len({tuple(c) for c in before.completion_ids}) > 1, "degenerate model: the comparison would be vacuous"
 
     train_one_step(model)
-    vllm_engine.update_weights(model)
+    vllm_engine.update_weights(model, 1)
     after = vllm_engine.generate(prompts, greedy)
     assert after.completion_ids == hf_engine.generate(prompts, greedy).completion_ids
     assert after.completion_ids != before.completion_ids  # the sync did change what vLLM samples

@@ -61,7 +61,7 @@ def test_greedy_text_is_the_same_through_hf_vllm_and_an_in_place_sync(cache):
     optimizer.step()
     after = greedy(hf, prompts)
     assert after != before  # the step changed what the model says: the comparison below is not vacuous
-    vllm.update_weights(model)
+    vllm.update_weights(model, 1)
     assert greedy(vllm, prompts) == after
     vllm.close()
 

@@ -40,6 +40,7 @@ from bicc.config.run import (
     TinyArchConfig,
     TrainConfig,
     diag_every,
+    tis_cap,
 )
 
 
@@ -108,5 +109,5 @@ __all__ = [
     "AlgoConfig", "ArithConfig", "BenchmarkConfig", "BiccConfig", "DataConfig", "DiagConfig",
     "DistConfig", "EvalConfig", "LoggerConfig", "MathDataConfig", "ModelConfig", "OptimConfig", "RccConfig",
     "RolloutConfig", "RunConfig", "SFTConfig", "TinyArchConfig", "TrainConfig", "diag_every", "overlong_buffer_tokens",
-    "register_configs",
+    "register_configs", "tis_cap",
 ]

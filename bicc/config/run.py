@@ -125,9 +125,11 @@ class RolloutConfig:
     enforce_eager: bool = False
     max_model_len: Optional[int] = None
     kv_cache_bytes: Optional[int] = None
-    tis_cap: float = 0.0
+    tis_cap: Optional[float] = None
     old_from_sampler: bool = False
     static_cache: bool = False
+    async_steps: int = 0
+    devices: Optional[list[int]] = None
 
     @staticmethod
     def check(r) -> None:
@@ -137,12 +139,30 @@ class RolloutConfig:
         need(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
         need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
         need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
-        need(r.tis_cap >= 0, "rollout.tis_cap", f"must be >= 0 (0 = no correction), got {r.tis_cap}")
+        need(r.tis_cap is None or r.tis_cap >= 0, "rollout.tis_cap",
+             f"must be null (on under rollout.async_steps, else off) or >= 0 (0 = no correction), got {r.tis_cap}")
+        need(r.async_steps >= 0, "rollout.async_steps",
+             f"must be >= 0 (0 = synchronous; N = batches sampled by weights up to N steps old), got {r.async_steps}")
+        need(r.devices is None or (len(r.devices) >= 1 and all(int(d) >= 0 for d in r.devices)), "rollout.devices",
+             f"must be null (chosen for rollout.async_steps) or a non-empty list of CUDA ids or CPU cores, got {r.devices}")
         need(r.kv_cache_bytes is None or r.kv_cache_bytes > 0, "rollout.kv_cache_bytes",
              f"must be null (what the run needs, on CPU) or a positive number of bytes, got {r.kv_cache_bytes}")
         need(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",
              f"must be null (one per process) or a divisor of rollout.prompts_per_step={r.prompts_per_step}, "
              f"got {r.shards}")
+
+
+# The truncated importance weight's cap under rollout.async_steps when rollout.tis_cap is null: the
+# behaviour policy is then up to N steps older than pi_old, and peers without the weight collapsed.
+ASYNC_TIS_CAP = 2.0
+
+
+def tis_cap(r) -> float:
+    """The cap of the truncated importance weights min(pi_old / pi_behaviour, C) a run uses (0 = none):
+    ``rollout.tis_cap``, or when it is null ``ASYNC_TIS_CAP`` under ``rollout.async_steps`` and 0 without."""
+    if r.tis_cap is not None:
+        return float(r.tis_cap)
+    return ASYNC_TIS_CAP if r.async_steps > 0 else 0.0
 
 
 @dataclass
@@ -156,7 +176,7 @@ class OptimConfig:
 
     @staticmethod
     def check(o) -> None:
-        need(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+        need(o.lr >= 0, "optim.lr", f"must be >= 0 (0: the weights stay where they are), got {o.lr}")
         need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
         need(o.clip_grad > 0, "optim.clip_grad", f"must be > 0, got {o.clip_grad}")
 

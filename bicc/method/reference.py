@@ -1,4 +1,5 @@
-"""One RL update, unoptimised: one sequence per forward, no packing, no KV reuse, no micro-batches, no step plan.
+"""One RL update, unoptimised: one sequence per forward, no packing, no KV reuse, no micro-batches, no step plan;
+and the loop of updates on stale batches that ``rollout.async_steps`` runs (``stale_loop``).
 Under ``bicc=on rcc=on`` it is the paper's Algorithm 1; every other switch the config offers reads as one plain
 line below (the variant's own advantage without RCC, delta on q, pi_old and the KL's reference on x^c under
 ``bicc.old_on_context``, truncated importance weights). No training path calls it; ``tests/test_reference.py``
@@ -7,8 +8,11 @@ holds ``bicc.trainer.step.rl_step`` equal to it. Every formula is the library's 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
+from bicc.config import tis_cap
 from bicc.method.advantages import ADVANTAGES
 from bicc.method.conditioning import build_contexts
 from bicc.method.diagnostics import sequence_delta
@@ -49,8 +53,8 @@ def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg, 
         delta = None
         adv, _ = ADVANTAGES.get(cfg.algo.advantage)(ro.rewards, ro.group_ids, None, cfg.algo)
     # TIS: the tokens came from the sampler, so each is weighted by min(pi_old(o | q) / pi_sampler(o | q), cap)
-    tis = cfg.rollout.tis_cap > 0 and ro.out.logprobs is not None
-    is_weight = sampler_importance_weights(ro.out.logprobs, old_q, mask, cfg.rollout.tis_cap)[0] if tis else None
+    tis = tis_cap(cfg.rollout) > 0 and ro.out.logprobs is not None
+    is_weight = sampler_importance_weights(ro.out.logprobs, old_q, mask, tis_cap(cfg.rollout))[0] if tis else None
     # the registered loss on rho_i = pi_theta(o_i | x^c) / pi_old(o_i | q), normalised over the whole step
     new = logp(model, xc)
     loss, _ = LOSSES.get(cfg.algo.loss)(new, old, kl_ref, adv, mask, cfg.algo, StepTotals.of(mask, cfg.rollout.max_new_tokens),
@@ -62,3 +66,20 @@ def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg, 
     scheduler.step()
     return {"loss": loss.item(), "advantages": adv, "delta": delta, "log_w": log_w,
             "conditioned": None if contexts is None else contexts.conditioned}
+
+
+def stale_loop(model, ref_model, optimizer, scheduler, tokenizer, sample, steps: int, async_steps: int, cfg, anchors,
+               end_ids) -> list[dict]:
+    """``steps`` updates of ``model`` under ``rollout.async_steps`` = N: batch t is ``sample(t, policy)``, drawn by
+    ``policy`` = theta_{max(0, t - N)}, the weights after step t - N (theta_0 for the first N steps), with that
+    sampler's log-probs (the behaviour policy). Each update is ``algorithm1_step`` on the current weights theta_t:
+    pi_old is theta_t's own pass (the proximal policy), each token weighted by min(pi_old / pi_behaviour, C) under
+    TIS; BiCC's ratio keeps pi_old(o | q) as its denominator and RCC's delta reads the same pi_old. N = 0 is the
+    synchronous loop. Returns each step's ``algorithm1_step`` result."""
+    snapshots = [copy.deepcopy(model)]  # theta_0, theta_1, ...
+    results = []
+    for t in range(steps):
+        ro = sample(t, snapshots[max(0, t - async_steps)])
+        results.append(algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg, anchors, end_ids))
+        snapshots.append(copy.deepcopy(model))
+    return results

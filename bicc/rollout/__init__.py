@@ -54,13 +54,15 @@ class EngineOptions:
     the tokenizer's EOS. dist: this process's place under torchrun (``bicc.machine.distributed.Dist``), or None.
     max_model_len: the longest prompt + context + output the run needs (vLLM sizes its KV cache by it);
     None = the engine's default. dtype: the engine's compute dtype name, None = the model's. rows: the most output
-    rows one generate call holds (vLLM on CPU sizes its KV space by it); None = as many as vLLM runs at once."""
+    rows one generate call holds (vLLM on CPU sizes its KV space by it); None = as many as vLLM runs at once. logprobs: return the sampling log-probs whatever the config says (a rollout
+    worker's are the behaviour policy)."""
 
     end_ids: tuple[int, ...] = ()
     dist: Optional[object] = None
     max_model_len: Optional[int] = None
     dtype: Optional[str] = None
     rows: Optional[int] = None
+    logprobs: bool = False
 
 
 @runtime_checkable
@@ -79,8 +81,13 @@ class Engine(Protocol):
         """Sample ``sampling.n`` outputs for each token-id prompt; rows ``i*n .. i*n+n-1`` belong to prompt ``i``."""
         ...
 
-    def update_weights(self, model) -> None:
-        """Sample from ``model``'s current parameters from now on; nothing cached under older ones serves again."""
+    # The weight version it samples with: the number of optimizer steps behind the weights it was last given
+    # (``update_weights``). Every rollout carries it, so a weight push that did not happen is seen.
+    version: int = 0
+
+    def update_weights(self, model, version: int) -> None:
+        """Sample from ``model``'s current parameters, weight version ``version``, from now on; nothing cached
+        under older ones serves again."""
         ...
 
     def sleep(self) -> None:

@@ -75,6 +75,24 @@ class Rollout:
     prompts_drawn: int
     rounds: int
     generate_s: float = 0.0  # seconds inside the engine's generate calls
+    version: int = 0  # the weight version that drew it (``Engine.version``: optimizer steps behind those weights)
+
+    def to_plain(self) -> dict:
+        """Lists, numbers and tensors only: what a checkpoint holds (read back with ``weights_only``)."""
+        out = {f: getattr(self.out, f) for f in (*FIELDS, "logprobs")}
+        return {"out": out, "prompts": self.prompts, "correct": self.correct, "rewards": self.rewards,
+                "group_ids": self.group_ids, "prompts_drawn": self.prompts_drawn, "rounds": self.rounds,
+                "generate_s": self.generate_s, "version": self.version}
+
+    @classmethod
+    def from_plain(cls, d: dict) -> "Rollout":
+        return cls(**{**d, "out": RolloutOutput(**d["out"])})
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of RL step ``step`` of a run seeded ``seed`` (each shard and dynamic-sampling round
+    derives its own from it): a step's samples are a function of (weights, data position, seed, step)."""
+    return seed * 1_000_003 + step
 
 
 FIELDS = ("prompt_ids", "completion_ids", "texts", "finished")
@@ -105,15 +123,24 @@ def collect_rollout(engine, tokenizer, task, plan: Collection, cursor: DataCurso
         cursor.shard_pos = [0] * num_shards
     parts = [_collect_shard(engine, tokenizer, task, plan, cursor, seed + 104_729 * shard, shard, num_shards)
              for shard in shards]
+    for part in parts:
+        part.version = engine.version
+    return merge_shards(parts, plan.group_size)
+
+
+def merge_shards(parts: list[Rollout], group_size: int) -> Rollout:
+    """One rollout of the shards' rollouts ``parts`` in order, groups numbered over all of them; its version is
+    the oldest part's."""
     if len(parts) == 1:
         return parts[0]
     offsets = [0]
     for p in parts[:-1]:
-        offsets.append(offsets[-1] + len(p.correct) // plan.group_size)
+        offsets.append(offsets[-1] + len(p.correct) // group_size)
     return Rollout(_concat([p.out for p in parts]), [t for p in parts for t in p.prompts],
                    torch.cat([p.correct for p in parts]), torch.cat([p.rewards for p in parts]),
                    torch.cat([p.group_ids + o for p, o in zip(parts, offsets)]),
-                   sum(p.prompts_drawn for p in parts), max(p.rounds for p in parts), sum(p.generate_s for p in parts))
+                   sum(p.prompts_drawn for p in parts), max(p.rounds for p in parts), sum(p.generate_s for p in parts),
+                   min(p.version for p in parts))
 
 
 def _problems(task, cursor: DataCursor, want: int, shard: int, num_shards: int) -> list:

@@ -25,15 +25,16 @@ class HFEngine(Engine):
         self.max_rows = rollout_cfg.batch_size
         self.end_ids = end_ids_of(tokenizer, options)
         # an evaluation's engine config has neither switch (bicc.rollout.eval_engine_config)
-        self.returns_logprobs = bool(getattr(rollout_cfg, "old_from_sampler", False))
+        self.returns_logprobs = bool(getattr(rollout_cfg, "old_from_sampler", False)) or options.logprobs
         # a KV cache of the whole length up front, which transformers compiles the decoding steps for on CUDA
         self.cache = "static" if getattr(rollout_cfg, "static_cache", False) else None
 
-    def update_weights(self, model) -> None:
+    def update_weights(self, model, version: int) -> None:
         if model is not self.model:
             from bicc.machine.distributed import full_state_dict
 
             self.model.load_state_dict(full_state_dict(model))
+        self.version = version
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:

@@ -149,7 +149,7 @@ class VLLMEngine(Engine):
         self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, cuda, self.kv_bytes))
         self.model = None  # no HF module: evaluation with this engine samples through vLLM as well
 
-    def update_weights(self, model) -> None:
+    def update_weights(self, model, version: int) -> None:
         """Push ``model``'s current parameters into vLLM and drop prefix-cache entries of the old ones."""
         if self.sleep_enabled:
             self.llm.wake_up(tags=["weights"])
@@ -158,6 +158,7 @@ class VLLMEngine(Engine):
         if self.sleep_enabled:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
+        self.version = version
 
     def sleep(self) -> None:
         if self.sleep_enabled:

@@ -26,6 +26,8 @@ from bicc.method.conditioning import context_budget
 from bicc.model.gguf import resolve_model_path
 from bicc.model.load import num_parameters, tokenizer_and_positions
 from bicc.rollout import EngineOptions, build_engine, eval_engine_config
+from bicc.rollout.collect import DataCursor
+from bicc.rollout.workers import RolloutWorkers
 from bicc.trainer.checkpoint import (
     CorruptCheckpoint,
     incomplete_checkpoints,
@@ -153,6 +155,10 @@ def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
         s.apply_schedule()
     set_rng_state(state["rng"])
     print(f"[rl] resumed from {ckpt} at step {s.step}")
+    if s.pending and not cfg.rollout.async_steps:  # drawn by an async run's workers: the synchronous step redraws them
+        s.cursor = DataCursor(**s.pending["batches"][0]["cursors"]["before"])
+        print(f"[rl] {len(s.pending['batches'])} batch(es) drawn ahead by rollout workers are drawn again synchronously")
+        s.pending = None
     return s
 
 
@@ -168,6 +174,22 @@ def forward_layout(model, cfg) -> str:
         return f"padding-free ({impl})"
     return (f"padding-free ({impl}) but {' and '.join(padded)}, padded to each micro-batch's longest row "
             "(padding-free needs KV reuse: train.share_prompts, train.context_packing_impl=kv)")
+
+
+def start_workers(s: RLState, cfg, max_model_len: int | None = None) -> None:
+    """The rollout workers of ``rollout.async_steps``, started with the policy's weights at ``s.step`` and any
+    batches the checkpoint it resumed from held."""
+    s.workers = RolloutWorkers(cfg, s.init_path, s.cursor, s.dist, max_model_len, pending=s.pending)
+    if s.dist.is_main:
+        names = ", ".join(spec.name for spec in s.workers.specs)
+        print(f"[rollout] async_steps={cfg.rollout.async_steps}: {cfg.rollout.engine} on {names}; the trainer keeps "
+              f"{torch.get_num_threads()} thread(s)" + (f"; {len(s.pending['batches']) - s.workers.dropped} drawn "
+                                                        "batch(es) read back from the checkpoint" if s.pending else ""))
+        if s.workers.dropped:
+            print(f"[rollout] {s.workers.dropped} drawn batch(es) of the checkpoint are older than rollout.async_steps="
+                  f"{cfg.rollout.async_steps} allows: drawn again")
+    s.workers.start(s.model, s.step)
+    s.pending = None
 
 
 def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
@@ -269,7 +291,14 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
         if d.is_main:
             print(f"[eval] initial policy: {format_eval(baseline)}")
 
-    s = run_rl(s, cfg, run_dir, tracker)
+    try:
+        if cfg.rollout.async_steps:
+            start_workers(s, cfg, max_model_len)
+        s = run_rl(s, cfg, run_dir, tracker)
+    finally:
+        if s.workers is not None:
+            s.workers.close()
+            s.workers = None
     with s.peaks.phase("evaluation"):
         final = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
                          progress=cfg.logger.progress, d=s.dist)

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from bicc.config import diag_every
+from bicc.config import diag_every, tis_cap
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.machine.distributed import Dist
 
@@ -78,7 +78,7 @@ class StepPlan:
         if from_sampler and not sampler_logprobs:
             raise ValueError(f"rollout.old_from_sampler needs sampling log-probs from the engine "
                              f"(rollout={cfg.rollout.engine} returns none)")
-        tis = sampler_logprobs and cfg.rollout.tis_cap > 0 and not from_sampler
+        tis = sampler_logprobs and tis_cap(cfg.rollout) > 0 and not from_sampler
         delta = cfg.rcc.delta_context if (cfg.rcc.enabled or diagnostics) else None
         single_update = cfg.train.epochs_per_rollout == 1 and cfg.train.minibatches_per_rollout == 1
         same_context = (old_context == "xc") == conditioned

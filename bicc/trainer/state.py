@@ -41,16 +41,28 @@ class RLState:
     end_ids: tuple = ()  # tokens that end an output (stripped from attempts shown in BiCC contexts)
     plan: Any = None  # the step's log-prob plan (bicc.trainer.plan.StepPlan), resolved once from the config
     peaks: PhasePeaks = field(default_factory=PhasePeaks)  # CUDA memory peaks per phase (none on CPU)
+    workers: Any = None  # the rollout workers under rollout.async_steps (bicc.rollout.workers.RolloutWorkers)
+    pending: Optional[dict] = None  # ... and the batches they had drawn, as a checkpoint holds them
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "data_pos": self.cursor.pos, "shard_pos": list(self.cursor.shard_pos),
-                "init_path": self.init_path,
-                "nonfinite_skips": self.nonfinite_skips, "nonfinite_streak": self.nonfinite_streak,
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        cursor = {"pos": self.cursor.pos, "shard_pos": list(self.cursor.shard_pos)}
+        pending = self.workers.pending_state(self.step) if self.workers is not None else None
+        if pending:  # the data position after the batches drawn but not trained, which the checkpoint holds
+            cursor = pending["cursor"]
+        state = {"step": self.step, "data_pos": cursor["pos"], "shard_pos": list(cursor["shard_pos"]),
+                 "init_path": self.init_path,
+                 "nonfinite_skips": self.nonfinite_skips, "nonfinite_streak": self.nonfinite_streak,
+                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if pending:
+            state["pending_batches"] = pending["batches"]
+        return state
 
     def load_trainer_state(self, state: dict) -> None:
         self.step = state["step"]
         self.cursor = DataCursor(state["data_pos"], list(state.get("shard_pos", [])))
+        if state.get("pending_batches"):
+            self.pending = {"batches": state["pending_batches"],
+                            "cursor": {"pos": self.cursor.pos, "shard_pos": list(self.cursor.shard_pos)}}
         self.nonfinite_skips = state.get("nonfinite_skips", 0)
         self.nonfinite_streak = state.get("nonfinite_streak", 0)
         if "optimizer" in state:  # else saved sharded (FSDP2): bicc.machine.distributed.load_sharded_optimizer
@@ -80,7 +92,7 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     full copy of the policy in the compute dtype; otherwise it samples from the policy itself."""
     model, tokenizer = load_policy(policy_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
     ref_model = frozen_copy(init_path, cfg.model, device) if StepPlan.loads_reference(cfg) else None
-    sharded_hf = d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf"
+    sharded_hf = d.enabled and d.strategy == "fsdp2" and (cfg.rollout.engine == "hf" or cfg.rollout.async_steps > 0)
     sampler = compute_copy(model, cfg.model) if sharded_hf else model
     if should_compile(cfg.model.compile, device):  # the trainer's forwards only (generation stays eager)
         layers = compile_layers(model, checkpoint_in_graph=cfg.model.checkpoint_in_graph)
@@ -93,8 +105,15 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
     rows = engine_rows(cfg.rollout, cfg.eval, distributed.num_shards(cfg.rollout, d))
     options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype, rows=rows)
-    engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
-    plan = StepPlan.from_config(cfg, engine.returns_logprobs)
+    # under rollout.async_steps the workers sample with cfg.rollout.engine; the trainer's own engine evaluates
+    engine = build_engine("hf" if cfg.rollout.async_steps else cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
+    plan = StepPlan.from_config(cfg, sampler_logprobs(cfg, engine))
     return RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
                    task=build_task(cfg.data), init_path=init_path, dist=d,
                    end_ids=end_ids, plan=plan, peaks=PhasePeaks(device))
+
+
+def sampler_logprobs(cfg, engine) -> bool:
+    """Whether each rollout comes with the sampler's log-probs: from every rollout worker (the behaviour policy),
+    else as the engine says."""
+    return cfg.rollout.async_steps > 0 or engine.returns_logprobs

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from bicc.config import tis_cap
 from bicc.kernels.rows import ContextRows, query_rows
 from bicc.machine import distributed
 from bicc.method.advantages import ADVANTAGES, Advantages
@@ -16,23 +17,30 @@ from bicc.method.conditioning import build_contexts
 from bicc.method.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
 from bicc.method.losses.tis import sampler_grid, sampler_importance_weights, sampler_logprob_diff
 from bicc.model.logprobs import make_token_batch
-from bicc.rollout.collect import Collection, collect_rollout
+from bicc.rollout.collect import Collection, collect_rollout, step_seed
+from bicc.rollout.workers import check_staleness
 from bicc.trainer.plan import StepPlan, step_logprobs
-from bicc.trainer.state import RLState
+from bicc.trainer.state import RLState, sampler_logprobs
 from bicc.trainer.update import loss_of_rows_fn, update_policy
 
 
 def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     t0, graphs = time.perf_counter(), compiled_graphs()
     device = next(s.model.parameters()).device
-    step_seed = cfg.seed * 1_000_003 + s.step
+    seed, N = step_seed(cfg.seed, s.step), cfg.rollout.async_steps
 
-    # ---- 1-2. rollout and reward: G samples per query from pi_old, scored (binary, plus shaping) --
-    # (each process samples its own prompt shards; groups never span processes)
+    # ---- 1-2. rollout and reward: G samples per query, scored (binary, plus shaping), drawn by the weights
+    # after step t-N (async_steps N; 0: pi_old itself). Each process takes its own prompt shards; groups never
+    # span processes. The batch's weight version is checked: none older than N reaches the loss.
     with s.peaks.phase("generate"):
-        ro = collect_rollout(s.engine, s.tokenizer, s.task, Collection.from_config(cfg), s.cursor, step_seed,
-                             distributed.local_shards(cfg.rollout, s.dist), distributed.num_shards(cfg.rollout, s.dist))
-    t_rollout = time.perf_counter()
+        if s.workers is not None:  # drawn by the rollout workers while the previous steps trained
+            ro, async_metrics = s.workers.take(s.step)
+        else:
+            ro, async_metrics = collect_rollout(s.engine, s.tokenizer, s.task, Collection.from_config(cfg), s.cursor, seed,
+                                                distributed.local_shards(cfg.rollout, s.dist),
+                                                distributed.num_shards(cfg.rollout, s.dist)), {}
+    async_metrics.update(check_staleness(ro, s.step, N))
+    t_rollout, busy_start = time.perf_counter(), time.monotonic()
     s.engine.sleep()  # vLLM with rollout.sleep on GPU: free its memory until the sync
 
     # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c ----------------
@@ -40,7 +48,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
     if s.plan is None:  # a state built by hand (build_rl_state resolves it)
-        s.plan = StepPlan.from_config(cfg, s.engine.returns_logprobs)
+        s.plan = StepPlan.from_config(cfg, sampler_logprobs(cfg, s.engine))
     plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, distributed.is_sharded(s.model))
     sampled = sampled_logprobs(ro, plan, batch, device)
     t_contexts = time.perf_counter()
@@ -63,14 +71,14 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     t_diagnostics = time.perf_counter()
     if plan.diagnostics:  # never with delta_from_update: lp.delta is delta's log-probs
         diag_metrics, diag_record = step_diagnostics(s, cfg, batch, numerator, ro, lp, advantages(lp.delta), is_weight,
-                                                     step_seed)
+                                                     seed)
     diagnostics_s = time.perf_counter() - t_diagnostics
 
     # ---- 6. loss and optimizer step(s); the advantages are computed inside, on lp.delta or (under
     # plan.delta_from_update) on the update's own first forward -----------------------------------
     with s.peaks.phase("update"):
         update_metrics, first_pass_log_ratio, adv = update_policy(s, batch, numerator, lp.old, lp.kl_ref, advantages,
-                                                                  cfg, step_seed, is_weight, delta_logp=lp.delta,
+                                                                  cfg, seed, is_weight, delta_logp=lp.delta,
                                                                   delta_from_update=plan.delta_from_update)
     adv_metrics = {**adv.metrics, **diag_metrics}
     t_update = time.perf_counter()
@@ -79,8 +87,14 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         if log_w is not None:
             bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
 
-    # ---- 7. weight sync: the rollout engine samples from the updated policy next step ----------
-    s.engine.update_weights(s.model)
+    # ---- 7. weight sync: the rollout engine samples from the updated policy next step; under async_steps the
+    # workers get the weights, version step + 1, and the batch of step + 1 + N is requested (drawn by them) ------
+    if s.workers is not None:
+        s.workers.push(s.model, s.step + 1)
+        s.workers.request(s.step + 1 + N)
+        s.workers.mark_busy(busy_start, time.monotonic())
+    else:
+        s.engine.update_weights(s.model, s.step + 1)
     s.step += 1
     if s.cursor.shard_pos and s.dist.enabled:  # every process learns every shard's data position (checkpoints)
         s.cursor.shard_pos = distributed.merge_shard_positions(s.cursor.shard_pos, cfg.rollout, s.dist)
@@ -90,7 +104,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
             "perf/no_grad_passes": plan.no_grad_passes(), "perf/diagnostics_s": diagnostics_s,
             "perf/update_s": t_update - t_logprobs, "perf/update_tokens": float(numerator.tokens),
             "perf/compiled_graphs": float(compiled_graphs() - graphs)}
-    metrics = {**rollout_metrics(ro, batch, cfg), **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics, **perf}
+    metrics = {**rollout_metrics(ro, batch, cfg), **async_metrics, **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics, **perf}
     return distributed.mean_metrics(step_timing(metrics, batch, t0), s.dist), diag_record
 
 
@@ -139,7 +153,7 @@ def sampler_correction(ro, plan, lp, batch, cfg, device):
     metrics = {"rollout/logprob_diff": sampler_logprob_diff(ro.out.logprobs, q, mask)}
     if not plan.tis:
         return None, metrics
-    is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q, mask, cfg.rollout.tis_cap)
+    is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q, mask, tis_cap(cfg.rollout))
     return is_weight.to(device), {**metrics, **tis_metrics}
 
 

@@ -1,0 +1,178 @@
+"""Rollout workers (``rollout.async_steps``): the async run against the synchronous one and against the reference's stale
+loop, the version every batch carries, and the clear stop a failing worker gets. The workers are processes, so
+these tests are ``launch`` tests (the sync-mode checks at the end start none)."""
+
+import copy
+import time
+
+import pytest
+import torch
+
+from bicc.data import build_task
+from bicc.method.reference import stale_loop
+from bicc.rollout import EngineOptions
+from bicc.rollout.collect import Collection, DataCursor, collect_rollout, step_seed
+from bicc.rollout.hf import HFEngine
+from bicc.rollout.worker import FAULT_ENV
+from bicc.rollout.workers import RolloutWorkers, WorkerFailure, check_staleness, fresh_pending
+from bicc.trainer import step as step_module
+from bicc.trainer.optim import warmup_cosine
+from bicc.trainer.state import build_rl_state
+from bicc.trainer.step import rl_step
+from tests.conftest import compose_cfg
+from tests.helpers import CONSTRUCTED_REWARD, LR, policy_and_reference, sgd
+
+# BiCC + RCC (the paper's) on 4 queries x 4 with the constructed reward (mixed groups whatever is sampled),
+# 32-token outputs so that contexts are built; clipping out of reach so that plain SGD's weights are the gradient
+ASYNC_CFG = ["bicc=on", "rcc=on", *CONSTRUCTED_REWARD, "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4",
+             "rollout.group_size=4", "rollout.max_new_tokens=32", "bicc.min_attempt_tokens=4", "diag.every=0",
+             "optim.warmup_steps=0", "optim.clip_grad=1e9"]
+STEPS = 3
+
+
+@pytest.fixture
+def one_thread():
+    """The workers sample on one core: the trainer's own sampling (the synchronous run, the reference) on one
+    thread too, so that both draw the same tokens."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def state(tmp_path, overrides):
+    cfg = compose_cfg([*ASYNC_CFG, *overrides])
+    s = build_rl_state(cfg, str(tmp_path / "policy"), str(tmp_path / "init"), torch.device("cpu"))
+    return s, cfg
+
+
+def run_steps(s, cfg, tmp_path, monkeypatch, steps=STEPS):
+    """``steps`` of ``rl_step``, with the workers when ``rollout.async_steps`` asks; (metrics, rollouts) per step."""
+    rollouts = []
+    monkeypatch.setattr(step_module, "check_staleness", lambda ro, *a: rollouts.append(ro) or check_staleness(ro, *a))
+    if cfg.rollout.async_steps:
+        s.workers = RolloutWorkers(cfg, str(tmp_path / "policy"), s.cursor)
+        s.workers.start(s.model, s.step)
+    try:
+        metrics = [rl_step(s, cfg)[0] for _ in range(steps)]
+    finally:
+        if s.workers is not None:
+            s.workers.close()
+    return metrics, rollouts
+
+
+@pytest.mark.launch
+def test_async_at_lr_0_is_the_synchronous_run(tmp_path, monkeypatch, one_thread):
+    """With the weights held still, a batch drawn a step early is the batch the synchronous step draws: the same
+    prompts, seeds and tokens; only the staleness differs, and the losses (TIS against the workers' log-probs)."""
+    policy_and_reference(tmp_path)
+    sync, cfg = state(tmp_path, ["optim.lr=0"])
+    m_sync, r_sync = run_steps(sync, cfg, tmp_path, monkeypatch)
+    s, cfg_async = state(tmp_path, ["optim.lr=0", "rollout.async_steps=1"])
+    m_async, r_async = run_steps(s, cfg_async, tmp_path, monkeypatch)
+    assert [r.out.completion_ids for r in r_async] == [r.out.completion_ids for r in r_sync]
+    assert [r.prompts for r in r_async] == [r.prompts for r in r_sync]
+    assert len({tuple(map(tuple, r.out.completion_ids)) for r in r_sync}) == STEPS  # each step drew its own
+    assert [m["rollout/staleness_max"] for m in m_sync] == [0.0] * STEPS
+    assert [m["rollout/staleness_max"] for m in m_async] == [0.0, 1.0, 1.0]
+    assert [r.version for r in r_async] == [0, 0, 1]
+    for a, b in zip(m_async, m_sync):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-5)
+        assert a["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # the workers' log-probs are pi_old's
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("async_steps", [1, 2])
+def test_async_run_is_the_reference_stale_loop(async_steps, tmp_path, monkeypatch, one_thread):
+    """Algorithm 1 with batch t drawn by theta_{t-N} (``bicc.method.reference.stale_loop``, one sequence per
+    forward), against ``rl_step`` fed by the workers: the same weights after every step."""
+    tok = policy_and_reference(tmp_path)
+    s, cfg = state(tmp_path, [f"rollout.async_steps={async_steps}"])
+    sgd(s)
+    before, ref_model = copy.deepcopy(s.model), copy.deepcopy(s.ref_model)
+    metrics, rollouts = run_steps(s, cfg, tmp_path, monkeypatch)
+    assert all(m["bicc/samples_conditioned_share"] > 0 for m in metrics)
+    assert [r.version for r in rollouts] == [max(0, t - async_steps) for t in range(STEPS)]
+
+    task, cursor = build_task(cfg.data), DataCursor()
+    options = EngineOptions(end_ids=s.end_ids, logprobs=True)
+
+    def sample(t, policy):
+        engine = HFEngine(policy, tok, cfg.rollout, options)
+        return collect_rollout(engine, tok, task, Collection.from_config(cfg), cursor, step_seed(cfg.seed, t))
+
+    reference = copy.deepcopy(before)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    out = stale_loop(reference, ref_model, optimizer, warmup_cosine(optimizer, 0, 10, 1.0), tok, sample, STEPS,
+                     async_steps, cfg, task.answer_anchors, s.end_ids)
+    assert all(o["advantages"].abs().sum() > 0 for o in out)
+    moved = max((p - b).abs().max().item() for p, b in zip(reference.parameters(), before.parameters()))
+    assert moved > 1e-3  # the steps moved the weights: the comparison below is not of two no-ops
+    for (name, p), q in zip(s.model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=5e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(("fault", "expected"), [
+    ("sample:2:exit", "exited with code 3 while sampling step 2"),
+    ("sample:2:hang", "while sampling step 2"),
+    ("load:1:hang", "(loaded weight version 0 of 2)"),
+])
+def test_a_failing_worker_stops_the_run_with_its_name(fault, expected, tmp_path, monkeypatch):
+    """A worker that exits, hangs in a step or hangs taking new weights: the step raises within the timeout (3 s
+    here), naming the worker, its cores and what it was doing, and the worker is gone."""
+    policy_and_reference(tmp_path)
+    s, cfg = state(tmp_path, ["rollout.async_steps=1"])
+    monkeypatch.setenv(FAULT_ENV, fault)
+    s.workers = RolloutWorkers(cfg, str(tmp_path / "policy"), s.cursor)
+    s.workers.start(s.model, 0)
+    s.workers.timeout = 3  # dist.timeout_minutes, in seconds, once started (starting imports torch)
+    procs = list(s.workers.procs)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match="rollout worker 0 \\(CPU cores") as err:
+        for _ in range(4):
+            rl_step(s, cfg)
+            start = time.monotonic()
+    assert expected in str(err.value)
+    assert time.monotonic() - start < 3 + 10  # the timeout, plus one step and stopping the worker
+    assert not any(p.is_alive() for p in procs)
+
+
+# ---- Both modes: the version each batch carries, the seed each step draws with (no process started) -------
+
+def test_every_batch_is_drawn_by_the_weights_of_its_step_and_a_seed_of_its_own(tmp_path, monkeypatch):
+    """Synchronous: step t's batch carries version t (the engine was given the weights of every step), and each
+    step and prompt shard samples with its own seed. A step that skips the push, or reuses a seed, fails here."""
+    policy_and_reference(tmp_path)
+    s, cfg = state(tmp_path, ["rollout.shards=2"])
+    seeds, generate = [], s.engine.generate
+    monkeypatch.setattr(s.engine, "generate", lambda prompts, sampling: seeds.append(sampling.seed) or generate(prompts, sampling))
+    metrics, rollouts = run_steps(s, cfg, tmp_path, monkeypatch)
+    assert [r.version for r in rollouts] == list(range(STEPS)) and s.engine.version == STEPS
+    assert len(seeds) == 2 * STEPS and len(set(seeds)) == len(seeds)
+
+
+def test_a_batch_older_than_async_steps_never_reaches_the_loss(tmp_path, monkeypatch):
+    policy_and_reference(tmp_path)
+    s, cfg = state(tmp_path, [])
+    monkeypatch.setattr(s.engine, "update_weights", lambda model, version: None)  # a push skipped
+    rl_step(s, cfg)
+    with pytest.raises(WorkerFailure, match="step 1: its batch was sampled by weight version 0, 1 steps old"):
+        rl_step(s, cfg)
+    ro = type("R", (), {"version": 3})()
+    assert check_staleness(ro, 5, 2)["rollout/staleness_max"] == 2.0
+    with pytest.raises(WorkerFailure):
+        check_staleness(ro, 6, 2)
+
+
+def test_a_resume_with_fewer_async_steps_draws_the_too_old_batches_again():
+    """Batches 5 and 6 drawn by versions 4 and 4 (async_steps 2): a resume at async_steps 1 keeps batch 5 and
+    draws 6 again from the data position it started at."""
+    entry = lambda step, version, before, after: {  # noqa: E731
+        "step": step, "shards": {0: {"version": version}},
+        "cursors": {"before": {"pos": before, "shard_pos": []}, "after": {"pos": after, "shard_pos": []}}}
+    pending = {"batches": [entry(5, 4, 20, 24), entry(6, 4, 24, 28)], "cursor": {"pos": 28, "shard_pos": []}}
+    assert fresh_pending(pending, 2) == pending
+    kept = fresh_pending(pending, 1)
+    assert [b["step"] for b in kept["batches"]] == [5] and kept["cursor"] == {"pos": 24, "shard_pos": []}
+    assert fresh_pending(pending, 0) == {"batches": [], "cursor": {"pos": 20, "shard_pos": []}}
