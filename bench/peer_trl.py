@@ -40,8 +40,8 @@ import torch
 import bicc.trainer.step
 from bench.common import compose_cfg
 from bench.flops import work_flops
-from bicc.data import build_task
 from bicc.config import tis_cap
+from bicc.data import build_task
 from bicc.evaluation.evaluate import evaluate, format_eval
 from bicc.machine.host import torch_threads
 from bicc.model.gguf import resolve_model_path

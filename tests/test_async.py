@@ -146,7 +146,8 @@ def test_every_batch_is_drawn_by_the_weights_of_its_step_and_a_seed_of_its_own(t
     policy_and_reference(tmp_path)
     s, cfg = state(tmp_path, ["rollout.shards=2"])
     seeds, generate = [], s.engine.generate
-    monkeypatch.setattr(s.engine, "generate", lambda prompts, sampling: seeds.append(sampling.seed) or generate(prompts, sampling))
+    monkeypatch.setattr(s.engine, "generate",
+                        lambda prompts, sampling: seeds.append(sampling.seed) or generate(prompts, sampling))
     metrics, rollouts = run_steps(s, cfg, tmp_path, monkeypatch)
     assert [r.version for r in rollouts] == list(range(STEPS)) and s.engine.version == STEPS
     assert len(seeds) == 2 * STEPS and len(set(seeds)) == len(seeds)

@@ -54,8 +54,8 @@ class EngineOptions:
     the tokenizer's EOS. dist: this process's place under torchrun (``bicc.machine.distributed.Dist``), or None.
     max_model_len: the longest prompt + context + output the run needs (vLLM sizes its KV cache by it);
     None = the engine's default. dtype: the engine's compute dtype name, None = the model's. rows: the most output
-    rows one generate call holds (vLLM on CPU sizes its KV space by it); None = as many as vLLM runs at once. logprobs: return the sampling log-probs whatever the config says (a rollout
-    worker's are the behaviour policy)."""
+    rows one generate call holds (vLLM on CPU sizes its KV space by it); None = as many as vLLM runs at once.
+    logprobs: return the sampling log-probs whatever the config says (a rollout worker's are the behaviour policy)."""
 
     end_ids: tuple[int, ...] = ()
     dist: Optional[object] = None

@@ -104,7 +104,8 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
             "perf/no_grad_passes": plan.no_grad_passes(), "perf/diagnostics_s": diagnostics_s,
             "perf/update_s": t_update - t_logprobs, "perf/update_tokens": float(numerator.tokens),
             "perf/compiled_graphs": float(compiled_graphs() - graphs)}
-    metrics = {**rollout_metrics(ro, batch, cfg), **async_metrics, **adv_metrics, **update_metrics, **bicc_metrics, **sampler_metrics, **perf}
+    metrics = {**rollout_metrics(ro, batch, cfg), **async_metrics, **adv_metrics, **update_metrics, **bicc_metrics,
+               **sampler_metrics, **perf}
     return distributed.mean_metrics(step_timing(metrics, batch, t0), s.dist), diag_record
 
 
