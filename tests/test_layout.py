@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from bicc import LAYERS
-from bicc.config import diag_every
+from bicc.config import diag_every, tis_cap
 from tests.conftest import ROOT, compose_cfg
 
 BICC = ROOT / "bicc"
@@ -77,7 +77,9 @@ MOVED = {
     "rcc.stage_steps": lambda cfg: cfg.diag.stage_steps,
 }
 NEW = {"train.context_packing", "train.context_packing_impl", "train.max_packed_len", "train.delta_from_update",
-       "diag.every", "diag.splits", "diag.stage_steps"}
+       "diag.every", "diag.splits", "diag.stage_steps", "rollout.async_steps", "rollout.devices"}
+# Keys whose default became null = "chosen by the run", and the value a run resolves it to.
+RESOLVED = {"rollout.tis_cap": lambda cfg: tis_cap(cfg.rollout)}
 # Every group option, preset and the paper's command lines, resolved at 33c7de3 (before the layout changed): the
 # values of the default config, and each preset's differences from it.
 SNAPSHOT = json.loads((Path(__file__).parent / "data" / "presets_33c7de3.json").read_text(encoding="utf-8"))
@@ -103,6 +105,7 @@ def test_every_preset_resolves_as_before_the_layout_changed(preset, monkeypatch)
     cfg = compose_cfg([*SNAPSHOT["overrides_always"], *preset.split()])
     now = flat(OmegaConf.to_container(cfg, resolve=True))
     assert set(now) == set(before) - set(MOVED) | NEW
-    changed = {k: (v, MOVED[k](cfg) if k in MOVED else now[k]) for k, v in before.items()
-               if v != (MOVED[k](cfg) if k in MOVED else now[k])}
+    resolve = {**MOVED, **RESOLVED}
+    changed = {k: (v, resolve[k](cfg) if k in resolve else now[k]) for k, v in before.items()
+               if v != (resolve[k](cfg) if k in resolve else now[k])}
     assert not changed, changed
