@@ -233,3 +233,23 @@ def test_eval_entry_point_with_vllm(tmp_path):
     assert f"longest sequence {longest} tokens" in proc.stdout and f"max_seq_len={longest}," in proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["eval/arith/num_problems"] == 4 and 0.0 <= summary["eval/arith/pass@1"] <= 1.0
+
+
+def test_a_vllm_rollout_worker_draws_each_batch_with_the_weights_of_its_version(tmp_path):
+    """rollout.async_steps=1 with a vLLM worker on its own core: batch 0 is drawn by the trainer's own weights (its
+    log-probs equal the trainer's pi_old), batches 1 and 2 by the weights one step older than pi_old, which TIS
+    weighs (on by default under async)."""
+    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled"}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", *SMALL, *VLLM_CFG, "train.steps=3", "optim.lr=1e-3",
+                           "rollout.kv_cache_bytes=100000000", "rollout.async_steps=1", f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[rollout] async_steps=1: vllm on rollout worker 0 (CPU cores" in proc.stdout
+    steps = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "train/loss" in r]
+    assert [r["rollout/staleness_max"] for r in steps] == [0.0, 1.0, 1.0]
+    assert [r["rollout/weight_version"] for r in steps] == [0.0, 0.0, 1.0]
+    diff = [r["rollout/logprob_diff"] for r in steps]
+    assert diff[0] < 1e-5 and min(diff[1:]) > 10 * diff[0]  # the same weights, then weights a step old
+    assert all("rollout/tis_weight_mean" in r for r in steps)
