@@ -17,6 +17,17 @@ from a pass of its own, ``train.delta_from_update=true`` from the update's forwa
 is added: the bf16 weights at an assumed 100 GB/s. On a CPU the rollout is HF decoding, which costs ~10x a
 forward per token here; vLLM on a GPU changes that share, so read the CPU shares with that in mind.
 Ends with ``RESULT model_step_ratio_bicc_rcc=<BiCC+RCC / GRPO> target<=1.15``.
+
+``--layouts``: the paper preset's whole step (32 queries x G = 8, BiCC + RCC) on 4 GPUs, laid out three ways:
+colocated and synchronous (every GPU samples, then every GPU trains), and rollout workers (``rollout.async_steps=1``)
+on 1 or 2 GPUs beside 3 or 2 training GPUs. It is a model, not a measurement, built from the rates measured on
+the H100 and H200 that docs/performance.md and its history quote (``LAYOUT_RATES``): the update's tokens/s at
+Qwen3-4B's width, and HF generate's seconds per decoding step of 64 rows at Qwen3-0.6B's shape. Its assumptions:
+HF generate is bound by the host's kernel launches (34 ms a step at 64 rows, against 0.4 ms to read the 0.6B
+weights), so a step's time scales with the layers and not with the rows up to the 256 of a whole batch; a batch
+takes as many decoding steps as its longest output; a no-grad pass runs at 3x the update's tokens/s; training
+scales linearly over GPUs; the async weight push crosses the host at 25 GB/s each way. Ends with
+``RESULT model_async_vs_sync_<device>=<best async layout / colocated> target<1``.
 """
 
 from __future__ import annotations
@@ -132,9 +143,65 @@ def step_phases(plan: StepPlan, cost: dict[str, float], mean_len: float, max_len
     return phases
 
 
+# Measured rates (docs/performance.md; docs/history/performance-2026-11.md): the update's tokens/s per GPU at
+# Qwen3-4B's width (H200: 36 layers; H100: 8 layers, scaled by 8/36 to the full depth), and HF generate's seconds
+# per decoding step (H100, Qwen3-0.6B's 28 layers, 64 rows x 1,024 tokens in 34.98 s, the growing cache).
+LAYOUT_RATES = {"H100": {"update_tokens_s": 55_519 * 8 / 36, "decode_step_s": 34.98 / 1024 * 36 / 28},
+                "H200": {"update_tokens_s": 15_410, "decode_step_s": 34.98 / 1024 * 36 / 28}}
+HOST_GBPS, LAYOUT_GPUS, LAYOUT_QUERIES = 25.0, 4, 32
+
+
+def layout_times(rates: dict, train_tokens: float, no_grad_tokens: float, longest: int,
+                 faster: float = 1.0) -> dict[str, float]:
+    """Seconds per step of each layout: colocated (generation then training on every GPU) or k training GPUs
+    beside 4 - k rollout GPUs (one batch ahead: the slower of the two sides, plus the push on the trainer's);
+    ``faster``: generation that many times faster than the measured HF generate, rows still free."""
+    generate = longest * rates["decode_step_s"] / faster  # host-bound steps: the same at 64 rows a GPU or 256
+    work = train_tokens / rates["update_tokens_s"] + no_grad_tokens / (3 * rates["update_tokens_s"])  # one GPU's
+    push = QWEN3_4B.params() * 2 / (HOST_GBPS * 1e9)  # bf16 weights to the host (the worker reads them back)
+    times = {"4 GPUs colocated, synchronous": generate + work / LAYOUT_GPUS}
+    for trainers in (3, 2):
+        times[f"{trainers} training + {LAYOUT_GPUS - trainers} rollout GPUs, async_steps=1"] = max(
+            generate, work / trainers + push)
+    return times
+
+
+def layouts(mean_len: float, longest: int) -> None:
+    cfg = compose_cfg(["experiment=paper_qwen3_4b", "diag.every=0", "bicc=on", "rcc=on"])
+    plan = StepPlan.from_config(cfg, True)
+    n = LAYOUT_QUERIES * G
+    q_tokens = LAYOUT_QUERIES * PROMPT + n * mean_len
+    xc_tokens = LAYOUT_QUERIES * 2 * (PROMPT + int(0.4 * MAX_TOKENS)) + n * mean_len
+    no_grad = sum(xc_tokens if "x^c" in name else q_tokens for name in plan.passes()[:-1])
+    train = (xc_tokens if plan.conditioned else q_tokens) * 4 / 3  # activation checkpointing's replayed forward
+    print(f"the paper preset's step on {LAYOUT_GPUS} GPUs (a model, not a measurement): {n} outputs, mean {mean_len:.0f} "
+          f"tokens, longest {longest}; passes: {' -> '.join(plan.passes())}")
+    for device, rates in LAYOUT_RATES.items():
+        times = layout_times(rates, train, no_grad, longest)
+        colocated = times["4 GPUs colocated, synchronous"]
+        print(f"\n{device}:")
+        for name, seconds in times.items():
+            print(f"  {name:48s} {seconds:7.1f}s  {colocated / seconds:5.2f}x colocated")
+        best = min(times, key=times.get)
+        print(f"  fastest: {best}")
+        for faster in (5, 20, 50):  # a faster sampler (vLLM's rate at this size is unmeasured here)
+            other = layout_times(rates, train, no_grad, longest, faster)
+            name = min(other, key=other.get)
+            print(f"  generation {faster}x faster: fastest {name}, "
+                  f"{other['4 GPUs colocated, synchronous'] / other[name]:.2f}x colocated")
+        print(f"RESULT model_async_vs_sync_{device}={min(times.values()) / colocated:.3f} target<1")
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # no options: --help only
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layouts", action="store_true", help="4 GPUs: colocated sync against 3+1 and 2+2 async")
+    args = parser.parse_args()
     torch.set_num_threads(torch_threads(0))
+    if args.layouts:
+        _, tok = build_tiny(TinyArchConfig(**SMALL[0]), seed=0)
+        lengths = drawn_lengths(MAX_TOKENS, tok).float()
+        layouts(float(lengths.mean()), MAX_TOKENS)
+        return
     cost = measured_costs()
     _, tok = build_tiny(TinyArchConfig(**SMALL[0]), seed=0)
     lengths = drawn_lengths(MAX_TOKENS, tok).float()

@@ -145,3 +145,16 @@ def test_the_rollout_package_sits_below_the_rl_state():
     code = "import sys, bicc.rollout.collect; print(sorted(m for m in sys.modules if m in %r))" % above
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_queries_that_do_not_split_over_the_processes_are_refused_by_name():
+    """32 queries over 3 processes (rollout.shards null: one shard each) would train 30 a step without a word."""
+    from types import SimpleNamespace
+
+    from bicc.machine.distributed import Dist, num_shards
+
+    rollout = SimpleNamespace(prompts_per_step=32, shards=None)
+    assert num_shards(rollout, Dist(world=2)) == 2
+    with pytest.raises(ValueError, match="'rollout.prompts_per_step': 32 queries cannot be split into 3 prompt shards"):
+        num_shards(rollout, Dist(world=3))
+    assert num_shards(SimpleNamespace(prompts_per_step=33, shards=None), Dist(world=3)) == 3

@@ -99,8 +99,14 @@ def barrier(d: Dist) -> None:
 
 
 def num_shards(rollout_cfg, d: Dist) -> int:
-    """Prompt shards per step: ``rollout.shards``, or one per rank when it is null."""
-    return rollout_cfg.shards or d.world
+    """Prompt shards per step: ``rollout.shards``, or one per rank when it is null; each takes an equal share of
+    ``rollout.prompts_per_step``."""
+    shards = rollout_cfg.shards or d.world
+    if rollout_cfg.prompts_per_step % shards:
+        raise ValueError(f"config field 'rollout.prompts_per_step': {rollout_cfg.prompts_per_step} queries cannot be "
+                         f"split into {shards} prompt shards (rollout.shards, null = one per process); use a multiple "
+                         f"of {shards}")
+    return shards
 
 
 def local_shards(rollout_cfg, d: Dist) -> range:
