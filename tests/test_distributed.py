@@ -235,3 +235,17 @@ def test_fsdp2_rank_with_one_token_outputs_stays_in_step(tmp_path, layout):
     with torch.no_grad():
         one = prefix_cache_logprobs(model, distinct, prefix_of, [c[:1] for c in completions], 9, tok.pad_token_id)[0]
     assert abs(logp0 - one.sum().item()) < 1e-4
+
+
+def test_rollout_workers_under_torchrun_match_one_process(runs):
+    """rollout.async_steps=1 under FSDP2 on two ranks (rank 0 owns the worker, every rank joins the weight
+    gathering, each takes its prompt shard of each batch) against one process drawing both shards from its worker."""
+    tmp, _ = runs
+    single, multi = tmp / "async_single", tmp / "async_fsdp2"
+    one_process([f"hydra.run.dir={single}", "rollout.async_steps=1"], tmp)
+    two_processes([f"hydra.run.dir={multi}", "rollout.async_steps=1", "dist.strategy=fsdp2"], tmp)
+    rows = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/staleness_max"] for r in rows if "rollout/staleness_max" in r] == [0.0, 1.0]
+    a, b = losses(single), losses(multi)
+    assert len(a) == len(b) == 2 and all(abs(x - y) <= 1e-5 for x, y in zip(a, b)), (a, b)
+    assert max_diff(weights(single, 2), weights(multi, 2)) <= 1e-5
