@@ -177,3 +177,37 @@ def test_a_resume_with_fewer_async_steps_draws_the_too_old_batches_again():
     kept = fresh_pending(pending, 1)
     assert [b["step"] for b in kept["batches"]] == [5] and kept["cursor"] == {"pos": 24, "shard_pos": []}
     assert fresh_pending(pending, 0) == {"batches": [], "cursor": {"pos": 20, "shard_pos": []}}
+
+
+def test_the_workers_devices(monkeypatch):
+    """CPU: the worker takes the cores listed, or the second half of this process's; CUDA: one worker per GPU
+    listed, or per GPU after the trainer's ranks, and a clear error when none is left."""
+    from types import SimpleNamespace
+
+    from bicc.machine.distributed import Dist
+    from bicc.rollout.workers import worker_devices
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert worker_devices(SimpleNamespace(devices=None), Dist(), cuda=False) == (["cpu"], [[2, 3]])
+    assert worker_devices(SimpleNamespace(devices=[1]), Dist(), cuda=False) == (["cpu"], [[1]])
+    with pytest.raises(ValueError, match=r"rollout.devices: cores \[7\] are not among"):
+        worker_devices(SimpleNamespace(devices=[7]), Dist(), cuda=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert worker_devices(SimpleNamespace(devices=None), Dist(world=3), cuda=True) == (["3"], [None])
+    assert worker_devices(SimpleNamespace(devices=[2, 3]), Dist(world=2), cuda=True) == (["2", "3"], [None, None])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="no GPU is left for rollout workers"):
+        worker_devices(SimpleNamespace(devices=None), Dist(world=4), cuda=True)
+
+
+def test_each_shard_keeps_the_data_position_of_the_worker_that_draws_it():
+    from types import SimpleNamespace
+
+    from bicc.rollout.workers import merge_cursors
+
+    specs = [SimpleNamespace(shards=[0, 2]), SimpleNamespace(shards=[1, 3])]
+    a = {"before": {"pos": 0, "shard_pos": [4, 0, 4, 0]}, "after": {"pos": 0, "shard_pos": [8, 0, 8, 0]}}
+    b = {"before": {"pos": 0, "shard_pos": [0, 4, 0, 4]}, "after": {"pos": 0, "shard_pos": [0, 9, 0, 8]}}
+    merged = merge_cursors([a, b], specs)
+    assert merged["before"]["shard_pos"] == [4, 4, 4, 4] and merged["after"]["shard_pos"] == [8, 9, 8, 8]

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from bicc.config import diag_every
+from bicc.config import diag_every, tis_cap
 from bicc.data import build_task
 from bicc.evaluation.evaluate import evaluate, format_eval
 from bicc.kernels.packing import padding_free
@@ -63,6 +63,10 @@ def describe_choices(choices, cfg) -> str:
         text += f", KL {cfg.algo.kl_coef:g} ({cfg.algo.kl_estimator})"
     if cfg.bicc.enabled:
         text += f", context budget {context_budget(cfg.bicc)} tokens"
+    if r.async_steps:
+        cap = tis_cap(r)
+        text += (f", rollout workers {r.async_steps} step(s) ahead with "
+                 + (f"TIS (cap {cap:g})" if cap else "no importance weights"))
     if cfg.model.tiny is not None and cfg.data.task == "arith":
         text += f", arith slips {cfg.data.arith.slip_rate:g} at {cfg.data.arith.slip_step} step"
     if cfg.model.tiny is not None and cfg.sft.context_share > 0:
