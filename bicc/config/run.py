@@ -194,6 +194,7 @@ class TrainConfig:
     share_prompts: bool = True
     logprob_chunk_tokens: int = 1024
     log_every: int = 1
+    eval_every: int = 0
     save_every: int = 100
     keep_last: int = 2
     max_nonfinite_steps: int = 5
@@ -210,6 +211,7 @@ class TrainConfig:
                      "max_nonfinite_steps"):
             need(t[name] >= 1, f"train.{name}", f"must be >= 1, got {t[name]}")
         need(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
+        need(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = before and after RL only), got {t.eval_every}")
         need(t.micro_batch_tokens >= 0, "train.micro_batch_tokens",
              f"must be >= 0 (0 = fixed micro-batches), got {t.micro_batch_tokens}")
         need(t.memory_gib is None or t.memory_gib > 0, "train.memory_gib", f"must be > 0 or null, got {t.memory_gib}")

@@ -158,6 +158,7 @@ def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
         distributed.load_sharded_optimizer(s.model, s.optimizer, ckpt)
         s.apply_schedule()
     set_rng_state(state["rng"])
+    s.engine.version = s.step  # it was built from the checkpoint's weights, the version of this step
     print(f"[rl] resumed from {ckpt} at step {s.step}")
     if s.pending and not cfg.rollout.async_steps:  # drawn by an async run's workers: the synchronous step redraws them
         s.cursor = DataCursor(**s.pending["batches"][0]["cursors"]["before"])
@@ -205,21 +206,29 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
         print(f"[rl] forwards: {forward_layout(s.model, cfg)}")
     start = time.perf_counter()
     bar = progress(cfg.train.steps, "rl", cfg.logger.progress and s.dist.is_main, initial=s.step)
+    last_eval = None  # the last evaluation's pass@1, shown on the progress line
     while s.step < cfg.train.steps:
         metrics, diag_record = rl_step(s, cfg)
         if diag_record and s.dist.is_main:  # raw per-sample values for the delta histograms (bicc.evaluation.plots)
             with open(run_dir / "diagnostics.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(diag_record) + "\n")
+        if s.step % cfg.train.log_every == 0:
+            tracker.log(metrics, step=s.step)
+        if cfg.train.eval_every and s.step % cfg.train.eval_every == 0 and s.step < cfg.train.steps:
+            # before the step's checkpoint: a run killed between the two evaluates again, after the rewind
+            with s.peaks.phase("evaluation"):
+                scores = evaluate(eval_engine(s, cfg), s.tokenizer, s.task, cfg.eval, cfg.seed, d=s.dist)
+            tracker.log(scores, step=s.step)
+            last_eval = f"{100 * scores['eval/pass@1']:.1f}%"
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", loss=f"{metrics['train/loss']:.3f}")
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", loss=f"{metrics['train/loss']:.3f}",
+                        **({"eval": last_eval} if last_eval else {}))
         share = metrics.get("bicc/samples_conditioned_share")
         if share is not None and share < 0.5 and s.dist.is_main and (s.step == 1 or s.step % 50 == 0):
             print(f"[bicc] warning: step {s.step}: only {100 * share:.0f}% of samples see an opposite attempt "
                   f"({metrics['bicc/attempts_shown']:.1f} shown on average, "
                   f"{100 * metrics['bicc/dropped_share']:.0f}% of attempts dropped by the budget "
                   f"bicc.context_ratio x bicc.max_tokens = {context_budget(cfg.bicc)} tokens)")
-        if s.step % cfg.train.log_every == 0:
-            tracker.log(metrics, step=s.step)
         out_of_time = cfg.train.time_budget_s and time.perf_counter() - start > cfg.train.time_budget_s
         out_of_time = bool(distributed.all_reduce_sum(float(bool(out_of_time)), s.dist))  # all stop together
         diverged = s.nonfinite_streak >= cfg.train.max_nonfinite_steps
