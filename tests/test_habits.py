@@ -31,3 +31,28 @@ def test_evaluation_every_n_steps_is_logged_once_even_across_a_resume(tmp_path):
     (run_dir / "results.json").unlink()
     run_train([*EVAL_RUN, "resume=auto", f"hydra.run.dir={run_dir}"], tmp_path)
     assert eval_steps(run_dir) == [2, 4]
+
+
+def test_samples_every_n_steps_hold_the_contexts_the_update_read(tmp_path):
+    """A 4-step BiCC run evaluating and keeping samples every 2 steps: samples.jsonl rows at steps 2 and 4, and each
+    conditioned row's context is x^c as the update's rows hold it (the training process's ContextRows, recorded by
+    tests/record_contexts.py), with the attempts it shows; the viewer prints a step's rows with escapes."""
+    import io
+
+    from bicc.trainer.samples import show
+
+    run_dir = tmp_path / "run"
+    run_train([*EVAL_RUN, "logger.samples_every=2", "logger.samples_rows=8", f"hydra.run.dir={run_dir}"], tmp_path,
+              script="tests/record_contexts.py")
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [2, 4] and len(rows) == 16
+    read = json.loads((run_dir / "contexts_read.json").read_text())  # step -> the contexts the update read, decoded
+    conditioned = [r for r in rows if r["conditioned"]]
+    assert conditioned, "the constructed reward mixes every group: some rows must be conditioned"
+    for r in rows:
+        assert r["context"] == (read[str(r["step"])][r["row"]] if r["conditioned"] else None)
+        assert (len(r["attempts"]) > 0) == r["conditioned"] and set(r["attempts_cut"]) <= set(r["attempts"])
+    assert eval_steps(run_dir) == [2, 4]
+    out = io.StringIO()
+    assert show(run_dir, out=out) == 4
+    assert "=== step 4, row 0" in out.getvalue() and "--- context x^c" in out.getvalue()

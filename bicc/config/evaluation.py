@@ -86,3 +86,12 @@ class LoggerConfig:
     wandb_mode: str = choice(Literal["online", "offline", "disabled"], "offline")
     wandb_project: str = "bicc"
     progress: bool = True
+    samples_every: int = 10
+    samples_rows: int = 8
+    samples_max_chars: int = 2000
+
+    @staticmethod
+    def check(lg) -> None:
+        for name in ("samples_every", "samples_rows"):
+            need(lg[name] >= 0, f"logger.{name}", f"must be >= 0, got {lg[name]}")
+        need(lg.samples_max_chars >= 16, "logger.samples_max_chars", f"must be >= 16, got {lg.samples_max_chars}")

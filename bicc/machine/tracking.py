@@ -36,6 +36,17 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
+    def table(self, name: str, rows: list[dict], step: int) -> None:
+        """Rows of one step as a wandb table named ``name`` (the run dir's JSONL holds them already)."""
+        if self._wandb is None or not rows:
+            return
+        import wandb
+
+        columns = list(rows[0])
+        self._wandb.log({name: wandb.Table(columns=columns, data=[[json.dumps(r.get(c)) if isinstance(r.get(c), list)
+                                                                   else r.get(c) for c in columns] for r in rows])},
+                        step=step)
+
     def finish(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()

@@ -35,12 +35,16 @@ class ConditionedPrompts:
     context_key: N ints; samples with equal keys have identical ``prompt_ids`` (a shareable prefix)
     conditioned: [N] bool, True where the sample sees opposite attempts
     metrics:     ``bicc/`` diagnostics of the build
+    shown:       N lists: the rows whose attempts the sample's context shows, in order (empty on q)
+    cut:         N lists: those of them shown truncated (the middle cut, the final answer kept)
     """
 
     prompt_ids: list[list[int]]
     context_key: list[int]
     conditioned: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
+    shown: list = field(default_factory=list)
+    cut: list = field(default_factory=list)
 
 
 def partition(correct: torch.Tensor, threshold: float | None) -> torch.Tensor:
@@ -161,7 +165,9 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
     shown, whole = torch.zeros(n), torch.zeros(n)
     stats = {"groups": 0, "groups_conditioned": 0, "groups_dropped": 0, "attempts": 0, "truncated": 0, "dropped": 0,
              "context_tokens": 0, "contexts": 0}
-    cache: dict[tuple, tuple[list[int] | None, int, int, int]] = {}
+    cache: dict[tuple, tuple] = {}
+    shown_rows: list[list[int]] = [[] for _ in range(n)]
+    cut_rows: list[list[int]] = [[] for _ in range(n)]
     next_key = n
     for g in torch.unique(group_ids).tolist():
         rows = (group_ids == g).nonzero().flatten().tolist()
@@ -180,9 +186,9 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
                     k = min(bicc_cfg.paired_k, len(opposite))
                     chosen = tuple(opposite[(j * k + t) % len(opposite)] for t in range(k))
                 if chosen not in cache:
-                    ids, used, count, uncut = _render(enc, [attempts[o] for o in chosen], budget, bicc_cfg, tokenizer,
-                                                      stats, anchors)
-                    cache[chosen] = (ids, next_key, count, uncut)
+                    ids, used, kept, cut = _render(enc, [attempts[o] for o in chosen], budget, bicc_cfg, tokenizer,
+                                                   stats, anchors)
+                    cache[chosen] = (ids, next_key, [chosen[c] for c in kept], [chosen[c] for c in cut])
                     next_key += 1
                     stats["context_tokens"] += used
                     stats["contexts"] += 1
@@ -191,8 +197,9 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
             stats["groups_dropped"] += 1
             continue
         stats["groups_conditioned"] += 1
-        for r, (ids, key, count, uncut) in assigned.items():
-            out_ids[r], keys[r], conditioned[r], shown[r], whole[r] = ids, key, True, count, uncut
+        for r, (ids, key, kept, cut) in assigned.items():
+            out_ids[r], keys[r], conditioned[r], shown[r], whole[r] = ids, key, True, len(kept), len(kept) - len(cut)
+            shown_rows[r], cut_rows[r] = kept, cut
     metrics = {
         "bicc/groups_conditioned_share": stats["groups_conditioned"] / max(1, stats["groups"]),
         "bicc/groups_dropped_share": stats["groups_dropped"] / max(1, stats["groups"]),
@@ -204,13 +211,13 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
         "bicc/truncated_share": stats["truncated"] / max(1, stats["attempts"]),
         "bicc/dropped_share": stats["dropped"] / max(1, stats["attempts"]),
     }
-    return ConditionedPrompts(out_ids, keys, conditioned, metrics)
+    return ConditionedPrompts(out_ids, keys, conditioned, metrics, shown_rows, cut_rows)
 
 
 def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, tokenizer, stats,
-            anchors=DEFAULT_ANCHORS) -> tuple[list[int] | None, int, int, int]:
-    """Context ids for the chosen attempts, the attempt tokens used (elision markers included), and the
-    attempts shown and shown uncut; ids None when no attempt fits. Attempts that would fall below the minimum length
+            anchors=DEFAULT_ANCHORS) -> tuple[list[int] | None, int, list[int], list[int]]:
+    """Context ids for the chosen attempts, the attempt tokens used (elision markers included), and which of
+    ``chosen`` are shown and which of those cut (indices); ids None when no attempt fits. Attempts that would fall below the minimum length
     are dropped one at a time (latest first) and the budget re-shared among the rest."""
     starts = [answer_start(a, tokenizer, anchors) if bicc_cfg.truncate == "middle" else len(a) for a in chosen]
     candidates = list(range(len(chosen)))
@@ -225,13 +232,13 @@ def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, token
         candidates.pop(failed[-1])
         stats["dropped"] += 1
     if not candidates:
-        return None, 0, 0, 0
+        return None, 0, [], []
     body: list[int] = []
-    whole = sum(cut == chosen[c] for c, cut in zip(candidates, cuts))
-    stats["truncated"] += len(candidates) - whole
+    truncated = [c for c, cut in zip(candidates, cuts) if cut != chosen[c]]
+    stats["truncated"] += len(truncated)
     for shown, cut in enumerate(cuts):
         body += enc.headers[shown] + cut
-    return enc.head + enc.preamble + body + enc.tail, sum(len(cut) for cut in cuts), len(candidates), whole
+    return enc.head + enc.preamble + body + enc.tail, sum(len(cut) for cut in cuts), candidates, truncated
 
 
 def render_context(tokenizer, prompt: str, attempts: list[list[int]], bicc_cfg, budget: int,

@@ -39,6 +39,7 @@ from bicc.trainer.checkpoint import (
     verify_checkpoint,
 )
 from bicc.trainer.fit import launch_check
+from bicc.trainer.samples import write_samples
 from bicc.trainer.sft import config_hash, warm_start
 from bicc.trainer.state import RLState, build_rl_state, peak_lr
 from bicc.trainer.step import rl_step
@@ -209,6 +210,9 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
     last_eval = None  # the last evaluation's pass@1, shown on the progress line
     while s.step < cfg.train.steps:
         metrics, diag_record = rl_step(s, cfg)
+        if s.samples and s.dist.is_main:  # the step's rows kept for reading (python -m bicc.trainer.samples)
+            write_samples(run_dir, s.samples, tracker)
+        s.samples = None
         if diag_record and s.dist.is_main:  # raw per-sample values for the delta histograms (bicc.evaluation.plots)
             with open(run_dir / "diagnostics.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(diag_record) + "\n")
@@ -289,7 +293,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     if d.is_main and s.engine.kv_bytes:
         print(f"[rollout] vLLM KV space {s.engine.kv_bytes / 2**30:.2f} GiB (rollout.kv_cache_bytes)")
     if s.step > 0 and d.is_main:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
-        for name in ("metrics.jsonl", "diagnostics.jsonl"):
+        for name in ("metrics.jsonl", "diagnostics.jsonl", "samples.jsonl"):
             rewind_jsonl(run_dir / name, s.step)
     baseline = None
     if s.step == 0:  # score the initial policy with the model RL will train (no second load), on every rank

@@ -43,6 +43,7 @@ class RLState:
     peaks: PhasePeaks = field(default_factory=PhasePeaks)  # CUDA memory peaks per phase (none on CPU)
     workers: Any = None  # the rollout workers under rollout.async_steps (bicc.rollout.workers.RolloutWorkers)
     pending: Optional[dict] = None  # ... and the batches they had drawn, as a checkpoint holds them
+    samples: Optional[list] = None  # the step's rows kept for reading (bicc.trainer.samples), until the loop writes them
 
     def trainer_state(self) -> dict:
         cursor = {"pos": self.cursor.pos, "shard_pos": list(self.cursor.shard_pos)}

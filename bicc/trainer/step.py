@@ -20,6 +20,7 @@ from bicc.model.logprobs import make_token_batch
 from bicc.rollout.collect import Collection, collect_rollout, step_seed
 from bicc.rollout.workers import check_staleness
 from bicc.trainer.plan import StepPlan, step_logprobs
+from bicc.trainer.samples import sample_rows
 from bicc.trainer.state import RLState, sampler_logprobs
 from bicc.trainer.update import loss_of_rows_fn, update_policy
 
@@ -86,6 +87,9 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         log_w = first_pass_log_ratio if plan.old_context == "q" else lp.log_w
         if log_w is not None:
             bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
+
+    if cfg.logger.samples_every and (s.step + 1) % cfg.logger.samples_every == 0:  # rows kept for reading
+        s.samples = sample_rows(s.step + 1, ro, adv.values.cpu(), contexts, s.tokenizer, cfg.logger)
 
     # ---- 7. weight sync: the rollout engine samples from the updated policy next step; under async_steps the
     # workers get the weights, version step + 1, and the batch of step + 1 + N is requested (drawn by them) ------
