@@ -217,8 +217,8 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
 def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, tokenizer, stats,
             anchors=DEFAULT_ANCHORS) -> tuple[list[int] | None, int, list[int], list[int]]:
     """Context ids for the chosen attempts, the attempt tokens used (elision markers included), and which of
-    ``chosen`` are shown and which of those cut (indices); ids None when no attempt fits. Attempts that would fall below the minimum length
-    are dropped one at a time (latest first) and the budget re-shared among the rest."""
+    ``chosen`` are shown and which of those cut (indices); ids None when no attempt fits. Attempts that would fall
+    below the minimum length are dropped one at a time (latest first) and the budget re-shared among the rest."""
     starts = [answer_start(a, tokenizer, anchors) if bicc_cfg.truncate == "middle" else len(a) for a in chosen]
     candidates = list(range(len(chosen)))
     stats["attempts"] += len(chosen)
