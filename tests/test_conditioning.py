@@ -91,6 +91,8 @@ def test_partition_mode_contexts_budget_and_sampled_ids():
     assert all(extract_answer(a) in ("4", "5") for a in shown_to_pos)  # every kept attempt keeps its answer
     assert "..." in shown_to_pos[1]  # the long one was cut in the middle
     assert attempts_in(out.prompt_ids[1]) == ["1+2=3\n\\boxed{3}"] * 2
+    # which rows each context shows, in order, and which of them were cut (what samples.jsonl reports)
+    assert out.shown == [[1, 2], [0, 3], [0, 3], [1, 2]] and out.cut == [[2], [], [], [2]]
     # the context is the plain prompt with the attempts inside the user turn, assistant turn last
     text = TOK.decode(out.prompt_ids[0])
     assert text.startswith("<|im_start|>user\nCompute 1+2.\nOther attempts:")
@@ -128,6 +130,7 @@ def test_too_small_budget_drops_attempts_and_counts_them():
     shown = attempts_in(out.prompt_ids[3])
     assert 1 <= len(shown) < 3 and sum(len(enc(a)) for a in shown) <= 25
     assert out.metrics["bicc/dropped_share"] > 0
+    assert out.shown[3] == [0, 1, 2][:len(shown)]  # the latest attempts dropped first
 
 
 @pytest.mark.parametrize("ratio", [0.2, 0.4, 0.6])
