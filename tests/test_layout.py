@@ -77,9 +77,16 @@ MOVED = {
     "rcc.stage_steps": lambda cfg: cfg.diag.stage_steps,
 }
 NEW = {"train.context_packing", "train.context_packing_impl", "train.max_packed_len", "train.delta_from_update",
-       "diag.every", "diag.splits", "diag.stage_steps", "rollout.async_steps", "rollout.devices"}
-# Keys whose default became null = "chosen by the run", and the value a run resolves it to.
-RESOLVED = {"rollout.tis_cap": lambda cfg: tis_cap(cfg.rollout)}
+       "diag.every", "diag.splits", "diag.stage_steps",
+       # added since: rollout workers, evaluation during training, kept samples, datasets by subset/split/revision
+       "rollout.async_steps", "rollout.devices", "train.eval_every", "logger.samples_every", "logger.samples_rows",
+       "logger.samples_max_chars", "data.math.subset", "data.math.revision", "data.math.train_split",
+       "data.math.test_split", "data.math.test_subset"}
+# Keys whose value a run now reads another way, and how to read it as before: rollout.tis_cap's default became null
+# ("chosen by the run"), and each benchmark gained the keys subset and revision (null).
+RESOLVED = {"rollout.tis_cap": lambda cfg: tis_cap(cfg.rollout),
+            "eval.benchmarks": lambda cfg: [{k: v for k, v in b.items() if k not in ("subset", "revision")}
+                                            for b in flat(OmegaConf.to_container(cfg, resolve=True))["eval.benchmarks"]]}
 # Every group option, preset and the paper's command lines, resolved at 33c7de3 (before the layout changed): the
 # values of the default config, and each preset's differences from it.
 SNAPSHOT = json.loads((Path(__file__).parent / "data" / "presets_33c7de3.json").read_text(encoding="utf-8"))

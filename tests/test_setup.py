@@ -1,5 +1,5 @@
-"""The install targets a user runs: `make setup-gpu` puts vLLM (pinned to the release built for the project's torch),
-datasets and flash-attn into the same .venv the make targets use."""
+"""The install targets a user runs: `make setup-gpu` puts vLLM (pinned to the release built for the project's torch)
+and flash-attn into the same .venv the make targets use."""
 
 import os
 import re

@@ -29,6 +29,8 @@ class BenchmarkConfig:
     name: str = MISSING
     source: str = "task"
     split: str = "test"
+    subset: Optional[str] = None
+    revision: Optional[str] = None
     problem_field: str = "problem"
     answer_field: str = "answer"
     id_field: str = "id"

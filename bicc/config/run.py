@@ -83,6 +83,11 @@ class MathDataConfig:
 
     train_source: str = ""
     test_source: str = ""
+    subset: Optional[str] = None
+    revision: Optional[str] = None
+    train_split: str = "train"
+    test_split: str = "test"
+    test_subset: Optional[str] = None
     dedupe: bool = False
     shuffle: bool = False
     problem_field: str = "problem"

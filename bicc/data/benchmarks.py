@@ -1,8 +1,12 @@
-"""Math benchmarks and training sets from a local JSONL / parquet file or a Hugging Face dataset id.
+"""Math benchmarks and training sets through one loader: a local JSONL or parquet file, a directory saved by
+``datasets`` (``save_to_disk``), or a Hugging Face dataset id (or a local dataset directory of data files) with its
+subset (config name), split and revision. A column map (``FieldNames``) names the problem, answer and id fields,
+dotted paths reaching into nested ones.
 
 Rows are validated as they load: a line that is not UTF-8 or not JSON, a missing or empty problem or
-answer, or a duplicate id is an error naming the file and line. With ``on_bad_row="skip"`` such rows
-are skipped instead, counted by reason, and summarised in one line; nothing is dropped silently.
+answer, or a duplicate id is an error naming the dataset, its split and the row (a file's line). With
+``on_bad_row="skip"`` such rows are skipped instead, counted by reason, and summarised in one line; nothing is
+dropped silently.
 """
 
 from __future__ import annotations
@@ -54,20 +58,42 @@ def _rows_parquet(path: Path):
         yield number, row
 
 
-def _rows_hub(dataset_id: str, split: str):
+def _datasets(what: str):
     try:
         import datasets
     except ImportError:
-        raise ImportError(f"loading the HF dataset {dataset_id!r} needs the `datasets` package "
-                          f"(make setup-gpu, or pip install datasets), or point the path at a local JSONL/parquet file") from None
-    for number, row in enumerate(datasets.load_dataset(dataset_id, split=split), 1):
+        raise ImportError(f"loading {what} needs the `datasets` package (in requirements.txt: make setup, or pip "
+                          "install datasets), or point the source at a local JSONL or parquet file") from None
+    return datasets
+
+
+def _rows_hub(dataset_id: str, split: str, subset: str | None = None, revision: str | None = None):
+    datasets = _datasets(f"the HF dataset {dataset_id!r}")
+    for number, row in enumerate(datasets.load_dataset(dataset_id, name=subset, split=split, revision=revision), 1):
+        yield number, dict(row)
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A directory written by ``datasets``' ``save_to_disk`` (one split, or a dict of splits)."""
+    return path.is_dir() and any((path / name).exists() for name in ("dataset_dict.json", "state.json"))
+
+
+def _rows_saved(path: Path, split: str):
+    saved = _datasets(f"the saved dataset {path}").load_from_disk(str(path))
+    if hasattr(saved, "keys"):  # a DatasetDict
+        if split not in saved:
+            raise KeyError(f"{path}: no split {split!r}; it has {sorted(saved.keys())}")
+        saved = saved[split]
+    for number, row in enumerate(saved, 1):
         yield number, dict(row)
 
 
 def load_problems(source: str, fields: FieldNames | None = None, split: str = "test", on_bad_row: str = "error",
-                  limit: int | None = None, dedupe: bool = False) -> tuple[list[Problem], dict[str, int]]:
-    """Problems from ``source`` (a .jsonl / .parquet path, or an HF dataset id when no such file
-    exists) and the counts of skipped rows by reason. ``dedupe``: a row whose problem text and answer
+                  limit: int | None = None, dedupe: bool = False, subset: str | None = None,
+                  revision: str | None = None) -> tuple[list[Problem], dict[str, int]]:
+    """Problems from ``source`` (a .jsonl / .parquet path, a dir saved by ``datasets`` (its ``split``), or an HF
+    dataset id when no such file exists, read with ``subset``, ``split`` and ``revision``) and the counts of
+    skipped rows by reason. ``dedupe``: a row whose problem text and answer
     repeat an earlier row's is skipped and counted ("repeated problem"), whatever its id (the HF copy of
     DAPO-Math-17k holds each prompt about 100 times); a repeated text with another answer is a bad row (under
     ``skip`` the first row's answer is kept)."""
@@ -79,12 +105,15 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
         rows, where = _rows_jsonl(path), str(path)
     elif path.suffix == ".parquet" and path.exists():
         rows, where = _rows_parquet(path), str(path)
+    elif is_saved_dataset(path):
+        rows, where = _rows_saved(path, split), f"{path}[{split}]"
     elif is_absent_file(source):
         raise FileNotFoundError(f"data file {source} does not exist (the benchmarks ship in the repo's data/; "
                                 "BICC_DATA_DIR or eval.data_dir points elsewhere)")
     else:
-        rows, where = _rows_hub(source, split), f"{source}[{split}]"
+        rows, where = _rows_hub(source, split, subset, revision), f"{source}[{subset + ', ' if subset else ''}{split}]"
     problems, skipped, seen, texts = [], Counter(), {}, {}
+    row_of = (lambda n: f"{where}:{n}") if where == str(path) else (lambda n: f"{where} row {n}")  # file: line
     for number, row in rows:
         if dedupe and isinstance(row, dict) and field_value(row, fields.problem) is not None:
             text, answer = str(field_value(row, fields.problem)), str(field_value(row, fields.answer)).strip()
@@ -93,7 +122,7 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
                 if first_answer != answer:
                     reason = f"problem repeats line {first} with answer {answer!r} instead of {first_answer!r}"
                     if on_bad_row == "error":
-                        raise BadRowError(f"{where}:{number}: {reason} (set on_bad_row=skip to keep the first)")
+                        raise BadRowError(f"{row_of(number)}: {reason} (set on_bad_row=skip to keep the first)")
                     skipped["repeated problem with another answer"] += 1
                     continue
                 skipped["repeated problem"] += 1
@@ -106,7 +135,7 @@ def load_problems(source: str, fields: FieldNames | None = None, split: str = "t
         reason = _check_row(row, fields, seen)
         if reason is not None:
             if on_bad_row == "error":
-                raise BadRowError(f"{where}:{number}: {reason} (set on_bad_row=skip to skip such rows)")
+                raise BadRowError(f"{row_of(number)}: {reason} (set on_bad_row=skip to skip such rows)")
             skipped[reason.split(" (")[0]] += 1
             continue
         pid = field_value(row, fields.id)

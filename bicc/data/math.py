@@ -18,7 +18,8 @@ class MathTask:
     def __init__(self, data_cfg):
         cfg = data_cfg.math
         fields = FieldNames(cfg.problem_field, cfg.answer_field, cfg.id_field)
-        self.train, _ = load_problems(cfg.train_source, fields, "train", cfg.on_bad_row, dedupe=cfg.dedupe)
+        self.train, _ = load_problems(cfg.train_source, fields, cfg.train_split, cfg.on_bad_row, dedupe=cfg.dedupe,
+                                      subset=cfg.subset, revision=cfg.revision)
         if cfg.shuffle:  # a file in curriculum or source order would otherwise be read in that order
             order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(data_cfg.seed)).tolist()
             self.train = [self.train[i] for i in order]
@@ -41,7 +42,8 @@ class MathTask:
 
     def test_problems(self, n: int) -> list[Problem]:
         if self._test is None:
-            problems, _ = load_problems(self.test_source, self.test_fields, "test", self.cfg.on_bad_row)
+            problems, _ = load_problems(self.test_source, self.test_fields, self.cfg.test_split, self.cfg.on_bad_row,
+                                        subset=self.cfg.test_subset or self.cfg.subset, revision=self.cfg.revision)
             self._test = [self._with_instruction(p) for p in problems]
         return self._test[:n]
 

@@ -69,7 +69,8 @@ class FileBenchmark:
         if b.hub.id and is_absent_file(b.source):
             print(f"[data] {b.name}: {b.source} is absent; loading the HF dataset {b.hub.id}[{b.hub.split}] instead")
             source, fields, split = b.hub.id, FieldNames(b.hub.problem_field, b.hub.answer_field, b.hub.id_field), b.hub.split
-        return load_problems(source, fields, split, self.eval_cfg.on_bad_row, self.eval_cfg.limit)[0]
+        return load_problems(source, fields, split, self.eval_cfg.on_bad_row, self.eval_cfg.limit, subset=b.subset,
+                             revision=b.revision)[0]
 
     def prompt(self, tokenizer, problem: Problem) -> list[int]:
         instruction = self.eval_cfg.instruction
