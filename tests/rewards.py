@@ -2,6 +2,7 @@
 ``data.reward_batched=true``): they build the groups a test needs whatever the model samples, so no test's
 precondition depends on what a trained model happens to sample on a given CPU."""
 
+import re
 import zlib
 
 
@@ -38,3 +39,29 @@ def first_right(completions, problems):
     """1 for the first row of each group, 0 for the others: every group is mixed (one right answer in G), so DAPO's
     dynamic sampling keeps every group of its first round and BiCC conditions every sample."""
     return [float(i == 0 or p != problems[i - 1]) for i, p in enumerate(problems)]
+
+
+# ---- Rewards in TRL's form (``reward_funcs``): keyword arguments, a list of floats back ----------------------
+
+def boxed_is_ground_truth(completions, ground_truth, **kwargs):
+    """1 where the completion's first boxed value equals the sample's ground truth, else 0 (TRL's form: the
+    dataset's columns arrive as keyword arguments)."""
+    found = [re.search(r"\\boxed\{([^}]*)\}", text) for text in completions]
+    return [float(m is not None and m.group(1).strip() == truth) for m, truth in zip(found, ground_truth)]
+
+
+def brevity(prompts, completions, **kwargs):
+    """Minus the completion's length in hundreds of characters."""
+    assert len(prompts) == len(completions) and "answer" in kwargs
+    return [-len(text) / 100 for text in completions]
+
+
+def one_short(completions, **kwargs):
+    """One value whatever it is given: right for one completion (the start-up check), short for more."""
+    return [0.0]
+
+
+def fails_on_long(completions, **kwargs):
+    if any(len(text) > 3 for text in completions):
+        raise RuntimeError("too long")
+    return [1.0] * len(completions)

@@ -56,3 +56,16 @@ def test_samples_every_n_steps_hold_the_contexts_the_update_read(tmp_path):
     out = io.StringIO()
     assert show(run_dir, out=out) == 4
     assert "=== step 4, row 0" in out.getvalue() and "--- context x^c" in out.getvalue()
+
+
+def test_a_run_with_trl_style_rewards_logs_each_by_name(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [a for a in SMALL if not a.startswith(("data.reward", "bicc=", "rcc="))]
+    run_train([*args, "data.rewards=[tests.rewards:boxed_is_ground_truth,tests.rewards:brevity]",
+               "data.reward_weights=[1.0,0.5]", f"hydra.run.dir={run_dir}"], tmp_path)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["reward/brevity"] < 0 and 0 <= r["reward/boxed_is_ground_truth"] <= 1
+        assert r["reward/mean"] == pytest.approx(r["reward/boxed_is_ground_truth"] + 0.5 * r["reward/brevity"], abs=1e-5)

@@ -1,3 +1,4 @@
+import re
 import time
 
 import pytest
@@ -87,7 +88,7 @@ def test_a_batched_reward_sees_a_groups_rows_together():
     ("tests.no_such_module:score", False, "cannot import"),
     ("tests.rewards:no_such_function", False, "cannot import"),
     ("tests.rewards:takes_one", False, "must take (completion, problem)"),
-    ("tests.rewards:length_parity", True, "must return a list of finite numbers"),
+    ("tests.rewards:length_parity", True, "not a list of one number per completion"),
     ("tests.rewards:returns_text", False, "returned '1'"),
     ("tests.rewards:returns_nan", False, "returned nan"),
 ])
@@ -101,6 +102,51 @@ def test_a_bad_value_at_run_time_names_the_problem():
     from tests import rewards
 
     task = task_with("tests.rewards:length_parity")
-    task.fn = rewards.returns_text  # passed the start-up check, then returned text
-    with pytest.raises(ValueError, match="arith-train-0"):
-        task.reward_many(["a"], [task.train_problem(0)])
+    task.functions[0].fn = rewards.returns_text  # passed the start-up check, then returned text
+    with pytest.raises(ValueError, match="tests.rewards:length_parity .* returned '1' on sample 0 of 2 "
+                                         "\\(problem arith-train-0\\)"):
+        task.reward_many(["ab", "a"], [task.train_problem(0), task.train_problem(1)])
+
+
+# ---- Rewards as TRL users write them, several with weights ---------------------------------------------------
+
+def trl_task(*extra):
+    from bicc.data import build_task
+    from tests.conftest import compose_cfg
+
+    return build_task(compose_cfg(["sft.cache_dir=/tmp/unused", *extra]).data)
+
+
+def test_trl_style_rewards_with_weights_are_summed_and_kept_by_name():
+    """A reward written in TRL's form (keyword columns, a list back) and one taking prompts too, weighted 1 and 0.5:
+    the sum is the reward, each function's values are kept under its name."""
+    task = trl_task("data.rewards=[tests.rewards:boxed_is_ground_truth,tests.rewards:brevity]",
+                    "data.reward_weights=[1.0,0.5]")
+    p = task.train_problem(0)
+    right, wrong = rf"so \boxed{{{p.answer}}}", r"\boxed{-1}"
+    total, parts = task.score([right, wrong], [p, p])
+    assert parts["boxed_is_ground_truth"] == [1.0, 0.0]
+    assert parts["brevity"] == [-len(right) / 100, -len(wrong) / 100]
+    assert total == pytest.approx([1.0 - 0.5 * len(right) / 100, -0.5 * len(wrong) / 100])
+    assert task.reward_many([right], [p]) == pytest.approx([1.0 - 0.5 * len(right) / 100])
+
+
+@pytest.mark.parametrize(("reward", "says"), [
+    ("tests.rewards:one_short", "returned 1 values for 2 completions on sample 0 of 2"),
+    ("tests.rewards:fails_on_long", "raised RuntimeError: too long on sample 0 of 2"),
+])
+def test_a_failing_trl_reward_names_itself_and_the_sample_or_scores_0_when_asked(reward, says):
+    task = trl_task(f"data.rewards=[{reward}]")
+    p = task.train_problem(0)
+    with pytest.raises(ValueError, match=re.escape(f"{reward} (data.rewards) {says}")):
+        task.score(["long one", "x"], [p, p])
+    forgiving = trl_task(f"data.rewards=[{reward}]", "data.reward_errors=zero")
+    total, parts = forgiving.score(["long one", "x"], [p, p])
+    assert total == [0.0, 0.0] and parts["scoring_errors"] == [1.0, 1.0]
+
+
+def test_data_reward_and_data_rewards_are_not_both_set():
+    with pytest.raises(ValueError, match="'data.reward' and 'data.rewards': set one"):
+        trl_task("data.reward=tests.rewards:length_parity", "data.rewards=[tests.rewards:brevity]")
+    with pytest.raises(ValueError, match="'data.reward_weights': 1 weights for 2 rewards"):
+        trl_task("data.rewards=[tests.rewards:brevity,tests.rewards:boxed_is_ground_truth]", "data.reward_weights=[1.0]")

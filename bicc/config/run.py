@@ -109,6 +109,9 @@ class DataConfig:
     seed: int = 0
     reward: Optional[str] = None
     reward_batched: bool = False
+    rewards: List[str] = field(default_factory=list)
+    reward_weights: Optional[List[float]] = None
+    reward_errors: str = choice(Literal["raise", "zero"], "raise")
     arith: ArithConfig = field(default_factory=ArithConfig)
     math: MathDataConfig = field(default_factory=MathDataConfig)
 

@@ -25,19 +25,28 @@ class Problem:
 def build_task(data_cfg):
     """The task ``data.task`` names; its reward replaced by ``data.reward`` (a dotted path) when that is set."""
     task = TASKS.get(data_cfg.task)(data_cfg)
-    if getattr(data_cfg, "reward", None):
+    if getattr(data_cfg, "reward", None) or getattr(data_cfg, "rewards", None):
         from bicc.data.rewards import CustomReward
 
-        task = CustomReward(task, data_cfg.reward, bool(getattr(data_cfg, "reward_batched", False)))
+        task = CustomReward(task, data_cfg)
     return task
 
 
 
 def task_rewards(task, completions: list[str], problems: list[Problem]) -> list[float]:
     """The task's reward of each completion: in one call where the task scores lists (``reward_many``)."""
+    return scored(task, completions, problems)[0]
+
+
+def scored(task, completions: list[str], problems: list[Problem]) -> tuple[list[float], dict[str, list[float]]]:
+    """(each completion's reward, each named reward function's values: ``data.rewards``, else none)."""
+    from bicc.data.rewards import CustomReward
+
+    if isinstance(task, CustomReward):
+        return task.score(completions, problems)
     if hasattr(task, "reward_many"):
-        return task.reward_many(completions, problems)
-    return [task.reward(c, p) for c, p in zip(completions, problems)]
+        return task.reward_many(completions, problems), {}
+    return [task.reward(c, p) for c, p in zip(completions, problems)], {}
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:

@@ -34,52 +34,107 @@ def overlong_penalty(lengths, max_len: int, buffer: int, penalty: float):
     return (-(lengths.double() - (max_len - buffer)) / buffer).clamp(max=0) * penalty
 
 
-# ---- a reward named by dotted path (data.reward) ------------------------------------------------
+# ---- rewards named by dotted path (data.reward, data.rewards) ---------------------------------
 
-def load_reward(path: str, batched: bool, probe):
-    """The function ``data.reward`` names (``package.module:function``), checked on ``probe`` (a Problem) before
-    any model loads: it must import, take ``(completion, problem)`` (``data.reward_batched``: lists of both) and
-    return a finite number (a list of them) for an empty completion."""
-    import importlib
-    import inspect
+# The keyword arguments a TRL-style reward receives besides ``prompts`` and ``completions``: each sample's
+# ground-truth answer under the names such rewards read it by (and the dataset's own answer column name).
+ANSWER_COLUMNS = ("answer", "ground_truth")
+
+
+class RewardFunction:
+    """One reward function and how it is called: ``sample`` ``fn(completion, problem)``, ``batch``
+    ``fn(completions, problems)`` (``data.reward_batched``), or ``trl`` (it takes ``**kwargs``: TRL's
+    ``fn(prompts=..., completions=..., answer=..., ground_truth=..., ...)``, a list of floats back)."""
+
+    def __init__(self, path: str, batched: bool, weight: float, answer_column: str, field_name: str):
+        import importlib
+        import inspect
+
+        self.path, self.weight, self.field = path, weight, field_name
+        module_name, _, attr = path.partition(":")
+        if not module_name or not attr:
+            raise ValueError(f"config field '{field_name}': {path!r} is not of the form package.module:function")
+        try:
+            self.fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"config field '{field_name}': cannot import {path!r} ({err})") from None
+        params = inspect.signature(self.fn).parameters.values()
+        self.style = ("trl" if any(p.kind is p.VAR_KEYWORD for p in params) else "batch" if batched else "sample")
+        self.name = attr
+        self.columns = tuple(dict.fromkeys((*ANSWER_COLUMNS, answer_column)))
+
+    def __call__(self, completions: list[str], problems: list) -> list:
+        if self.style == "sample":
+            return [self.fn(c, p) for c, p in zip(completions, problems)]
+        if self.style == "batch":
+            out = self.fn(completions, problems)
+        else:
+            answers = [p.answer for p in problems]
+            out = self.fn(prompts=[p.prompt for p in problems], completions=completions,
+                          problem_id=[p.id for p in problems], **{c: answers for c in self.columns})
+        if not isinstance(out, (list, tuple)):
+            raise TypeError(f"returned {out!r}, not a list of one number per completion")
+        return list(out)
+
+    def check(self, probe) -> None:
+        """Called once on an empty completion of ``probe`` before any model loads: it must take its arguments and
+        return one finite number."""
+        import inspect
+
+        args = {"sample": ("", probe), "batch": ([""], [probe])}.get(self.style)
+        if args is not None:
+            try:
+                inspect.signature(self.fn).bind(*args)
+            except (TypeError, ValueError) as err:
+                kind = "(completions, problems)" if self.style == "batch" else "(completion, problem)"
+                raise ValueError(f"config field '{self.field}': {self.path} must take {kind}, or TRL's "
+                                 f"(prompts, completions, **kwargs) ({err})") from None
+        try:
+            out = self([""], [probe])
+        except Exception as err:  # noqa: BLE001 (named, with the function)
+            raise ValueError(f"config field '{self.field}': {self.path} raised {type(err).__name__}: {err} on an empty "
+                             f"completion of problem {probe.id}") from None
+        if len(out) != 1 or not _finite(out[0]):
+            shown = repr(out[0]) if len(out) == 1 else f"{len(out)} values"
+            raise ValueError(f"config field '{self.field}': {self.path} returned {shown} for an empty completion of "
+                             f"problem {probe.id}; it must return a finite number for each completion")
+
+
+def _finite(value) -> bool:
+    """A finite real number (a bool counts: True is 1)."""
     import math
-
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"config field 'data.reward': {path!r} is not of the form package.module:function")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"config field 'data.reward': cannot import {path!r} ({err})") from None
-    args = ([""], [probe]) if batched else ("", probe)
-    try:
-        inspect.signature(fn).bind(*args)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"config field 'data.reward': {path} must take (completion{'s' if batched else ''}, "
-                         f"problem{'s' if batched else ''}) ({err})") from None
-    out = fn(*args)
-    values = out if batched and isinstance(out, (list, tuple)) else [out] if not batched else None
-    if values is None or len(values) != 1 or not all(_is_number(v) and math.isfinite(v) for v in values):
-        wanted = "a list of finite numbers, one per completion" if batched else "a finite number"
-        raise ValueError(f"config field 'data.reward': {path} returned {out!r} for an empty completion of problem "
-                         f"{probe.id}; it must return {wanted}")
-    return fn
-
-
-def _is_number(value) -> bool:
     import numbers
 
-    return isinstance(value, numbers.Real)
+    return isinstance(value, bool) or (isinstance(value, numbers.Real) and math.isfinite(value))
 
 
 class CustomReward:
-    """A task whose reward is ``data.reward``: problems, prompts, answer anchors and demonstrations stay the
-    task's. Every returned value is checked (finite, one per completion); a bad one is an error naming the
-    problem."""
+    """A task whose reward is ``data.reward`` or the weighted sum of ``data.rewards`` (``data.reward_weights``, 1 each
+    by default): problems, prompts, answer anchors and demonstrations stay the task's. Every value is checked (one
+    finite number per completion). A function that raises or returns a bad value is an error naming it and the
+    sample's index and problem, or under ``data.reward_errors=zero`` scores that sample 0 for that function and is
+    counted (``reward/scoring_errors``). ``score`` also gives each function's values (``reward/<name>``)."""
 
-    def __init__(self, task, path: str, batched: bool):
-        self.task, self.path, self.batched = task, path, batched
-        self.fn = load_reward(path, batched, task.train_problem(0))
+    def __init__(self, task, data_cfg):
+        self.task = task
+        paths = list(getattr(data_cfg, "rewards", None) or [])
+        if data_cfg.reward and paths:
+            raise ValueError("config fields 'data.reward' and 'data.rewards': set one (data.rewards lists several)")
+        field_name = "data.rewards" if paths else "data.reward"
+        paths = paths or [data_cfg.reward]
+        weights = list(getattr(data_cfg, "reward_weights", None) or [1.0] * len(paths))
+        if len(weights) != len(paths):
+            raise ValueError(f"config field 'data.reward_weights': {len(weights)} weights for {len(paths)} rewards")
+        answer_column = getattr(getattr(data_cfg, "math", None), "answer_field", "answer") or "answer"
+        self.functions = [RewardFunction(p, bool(data_cfg.reward_batched), float(w), answer_column, field_name)
+                          for p, w in zip(paths, weights)]
+        names = [f.name for f in self.functions]
+        for i, f in enumerate(self.functions):  # one metric name each
+            f.name = f.name if names.count(f.name) == 1 else f"{f.name}_{i}"
+        self.on_error = getattr(data_cfg, "reward_errors", "raise")
+        probe = task.train_problem(0)
+        for f in self.functions:
+            f.check(probe)
 
     def __getattr__(self, name):
         return getattr(self.task, name)
@@ -88,13 +143,27 @@ class CustomReward:
         return self.reward_many([completion], [problem])[0]
 
     def reward_many(self, completions: list[str], problems: list) -> list[float]:
-        import math
+        return self.score(completions, problems)[0]
 
-        out = list(self.fn(completions, problems)) if self.batched else [self.fn(c, p) for c, p in zip(completions, problems)]
-        if len(out) != len(completions):
-            raise ValueError(f"data.reward={self.path}: returned {len(out)} values for {len(completions)} completions")
-        for value, problem in zip(out, problems):
-            if not (_is_number(value) and math.isfinite(value)):
-                raise ValueError(f"data.reward={self.path}: returned {value!r} on problem {problem.id}; "
-                                 "it must return a finite number")
-        return [float(v) for v in out]
+    def score(self, completions: list[str], problems: list) -> tuple[list[float], dict[str, list[float]]]:
+        """(the weighted sum per completion, {function name: its values, "scoring_errors": 1 where a value was zeroed})."""
+        n = len(completions)
+        total, parts, errors = [0.0] * n, {}, [0.0] * n
+        for f in self.functions:
+            try:
+                out = f(completions, problems)
+                bad = ([] if len(out) == n else list(range(n))) or [i for i, v in enumerate(out) if not _finite(v)]
+                what = (f"returned {len(out)} values for {n} completions" if len(out) != n
+                        else f"returned {out[bad[0]]!r}" if bad else "")
+            except Exception as err:  # noqa: BLE001 (named, with the function and the samples)
+                out, bad, what = [0.0] * n, list(range(n)), f"raised {type(err).__name__}: {err}"
+            if bad and self.on_error != "zero":
+                i = bad[0]
+                raise ValueError(f"reward {f.path} ({f.field}) {what} on sample {i} of {n} (problem {problems[i].id}); "
+                                 "it must return a finite number per completion (data.reward_errors=zero scores it 0)")
+            values = [0.0 if i in set(bad) else float(v) for i, v in enumerate(out[:n] if len(out) >= n else [0.0] * n)]
+            for i in bad:
+                errors[i] = 1.0
+            parts[f.name] = values
+            total = [t + f.weight * v for t, v in zip(total, values)]
+        return total, {**parts, "scoring_errors": errors} if self.on_error == "zero" else parts

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bicc.config import overlong_buffer_tokens
-from bicc.data import encode_prompt, task_rewards
+from bicc.data import encode_prompt, scored
 from bicc.data.rewards import overlong_penalty
 from bicc.rollout import RolloutOutput, SamplingParams
 
@@ -76,13 +76,14 @@ class Rollout:
     rounds: int
     generate_s: float = 0.0  # seconds inside the engine's generate calls
     version: int = 0  # the weight version that drew it (``Engine.version``: optimizer steps behind those weights)
+    reward_parts: dict = field(default_factory=dict)  # each named reward function's [N] values (data.rewards)
 
     def to_plain(self) -> dict:
         """Lists, numbers and tensors only: what a checkpoint holds (read back with ``weights_only``)."""
         out = {f: getattr(self.out, f) for f in (*FIELDS, "logprobs")}
         return {"out": out, "prompts": self.prompts, "correct": self.correct, "rewards": self.rewards,
                 "group_ids": self.group_ids, "prompts_drawn": self.prompts_drawn, "rounds": self.rounds,
-                "generate_s": self.generate_s, "version": self.version}
+                "generate_s": self.generate_s, "version": self.version, "reward_parts": self.reward_parts}
 
     @classmethod
     def from_plain(cls, d: dict) -> "Rollout":
@@ -140,7 +141,8 @@ def merge_shards(parts: list[Rollout], group_size: int) -> Rollout:
                    torch.cat([p.correct for p in parts]), torch.cat([p.rewards for p in parts]),
                    torch.cat([p.group_ids + o for p, o in zip(parts, offsets)]),
                    sum(p.prompts_drawn for p in parts), max(p.rounds for p in parts), sum(p.generate_s for p in parts),
-                   min(p.version for p in parts))
+                   min(p.version for p in parts),
+                   {k: torch.cat([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts})
 
 
 def _problems(task, cursor: DataCursor, want: int, shard: int, num_shards: int) -> list:
@@ -160,7 +162,7 @@ def _collect_shard(engine, tokenizer, task, plan: Collection, cursor: DataCursor
     queries for the groups it drops, up to ``plan.max_rounds`` generate calls; a batch still short after that
     is used as is."""
     P, G = plan.prompts_per_step // num_shards, plan.group_size
-    kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor]] = []
+    kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor, dict]] = []
     num_kept, drawn, rounds, generate_s = 0, 0, 0, 0.0
     while num_kept < P and rounds < plan.max_rounds:
         want = P - num_kept
@@ -174,16 +176,19 @@ def _collect_shard(engine, tokenizer, task, plan: Collection, cursor: DataCursor
         generate_s += time.perf_counter() - start
         rounds += 1
         golds = [problems[i // G] for i in range(len(out.texts))]
-        correct = torch.tensor(task_rewards(task, out.texts, golds)).view(want, G)
+        values, named = scored(task, out.texts, golds)
+        correct = torch.tensor(values).view(want, G)
+        named = {k: torch.tensor(v, dtype=torch.float) for k, v in named.items()}
         lengths = torch.tensor([len(c) for c in out.completion_ids]).view(want, G)
         shaped = correct.double() + overlong_penalty(lengths, plan.max_new_tokens, plan.overlong_buffer,
                                                      plan.overlong_penalty)  # [want, G]
         queries = [problems[i // G].prompt for i in range(want * G)]  # each row's user-turn text
-        last_draw = (out, queries, correct.flatten(), shaped.flatten())
+        last_draw = (out, queries, correct.flatten(), shaped.flatten(), named)
         rows = (plan.keep(correct).nonzero() * G + torch.arange(G)).flatten().tolist()  # sample rows of the kept groups
         if rows:
             part = _select(out, rows)
-            kept.append((part, [queries[r] for r in rows], correct.flatten()[rows], shaped.flatten()[rows]))
+            kept.append((part, [queries[r] for r in rows], correct.flatten()[rows], shaped.flatten()[rows],
+                         {k: v[rows] for k, v in named.items()}))
             num_kept += len(rows) // G
     if not kept:  # every group was degenerate in every round: train on the last draw (zero advantages)
         kept.append(last_draw)
@@ -192,4 +197,5 @@ def _collect_shard(engine, tokenizer, task, plan: Collection, cursor: DataCursor
     correct = torch.cat([k[2] for k in kept])
     rewards = torch.cat([k[3] for k in kept]).float()
     group_ids = torch.arange(len(correct) // G).repeat_interleave(G)
-    return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds, generate_s)
+    parts = {k: torch.cat([k_[4][k] for k_ in kept]) for k in kept[0][4]}
+    return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds, generate_s, reward_parts=parts)
