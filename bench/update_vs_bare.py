@@ -122,7 +122,8 @@ def memory_arch(arch: dict, layers: int | None = None):
 
     from bicc.trainer.fit import arch_of
 
-    return arch_of(SimpleNamespace(**{**arch, "num_hidden_layers": layers or arch["num_hidden_layers"]}))
+    shape = {"model_type": "qwen3", **arch, "num_hidden_layers": layers or arch["num_hidden_layers"]}
+    return arch_of(SimpleNamespace(**shape))
 
 
 def memory_run(cfg, rows, prompt_tokens: int, sharded: bool, compiled: bool, device: torch.device):

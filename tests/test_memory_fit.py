@@ -2,8 +2,10 @@
 before any weights load."""
 
 import dataclasses
+import re
 
 import pytest
+import torch
 
 from bicc.machine.memory import QWEN3_4B, Run, peak
 from bicc.trainer.fit import check_fit, knob, run_of
@@ -272,3 +274,31 @@ def test_a_step_measures_its_generate_log_probs_and_update(monkeypatch):
     rl_step(s, cfg)
     assert events == [(e, n) for n in ("generate", "log-probs", "update") for e in ("open", "close")]
     assert torch.isfinite(next(model.parameters())).all()
+
+
+def test_a_model_it_cannot_count_gets_a_warning_naming_why_and_starts(monkeypatch):
+    """A mixture of experts (Qwen3-MoE's config keys) or another model type: the check says what it cannot count
+    and returns its warning instead of refusing; under checkpoint_layers=auto every layer is checkpointed."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from bicc.machine.distributed import Dist
+    from bicc.trainer import fit
+    from tests.conftest import compose_cfg
+
+    dense = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                 vocab_size=1000)
+    assert fit.arch_of(SimpleNamespace(**dense)).layers == 2
+    for config, says in ((dict(dense, model_type="qwen3_moe", num_experts=128, moe_intermediate_size=768),
+                          "qwen3_moe is a mixture of experts (num_experts=128, moe_intermediate_size=768)"),
+                         (dict(dense, model_type="mamba"), "model type 'mamba' is not one of the dense layouts")):
+        with pytest.raises(fit.UncountedModel, match=re.escape(says)):
+            fit.arch_of(SimpleNamespace(**config))
+        monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda path, c=config: SimpleNamespace(**c))
+        cfg = compose_cfg(["sft.cache_dir=/tmp/x", "model=qwen3_4b_instruct", "train.memory_gib=0.001",
+                           "model.gradient_checkpointing=true", "model.checkpoint_layers=auto"])
+        monkeypatch.setattr(fit, "predicted_run", lambda *a: (fit.model_arch(cfg.model, 1000), None))
+        line = fit.launch_check(cfg, Dist(), torch.device("cpu"), None, None)
+        assert line.startswith("warning: the memory check cannot count this model: " + says)
+        assert cfg.model.checkpoint_layers == "all" and "the run starts" in line

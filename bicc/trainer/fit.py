@@ -8,9 +8,28 @@ import dataclasses
 
 from bicc.machine.memory import GIB, Arch, Run, peak
 
+# Model types whose layout bicc.machine.memory counts: dense decoders with one attention and one MLP per layer.
+COUNTED = ("qwen2", "qwen3", "llama", "mistral", "phi3")
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+class UncountedModel(ValueError):
+    """A model whose layout the memory model does not count (a mixture of experts, another architecture)."""
+
 
 def arch_of(config) -> Arch:
-    """The shape of an HF model config (Qwen3, Llama, Phi-3 layouts)."""
+    """The shape of an HF model config (Qwen3, Llama, Phi-3 layouts); ``UncountedModel`` names what it cannot
+    count (experts, another model type, a missing size)."""
+    model_type = getattr(config, "model_type", None)
+    experts = [k for k in MOE_KEYS if getattr(config, k, None)]
+    if experts:
+        raise UncountedModel(f"{model_type} is a mixture of experts ({', '.join(f'{k}={getattr(config, k)}' for k in experts)})")
+    if model_type not in COUNTED:
+        raise UncountedModel(f"model type {model_type!r} is not one of the dense layouts it counts ({', '.join(COUNTED)})")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+               if getattr(config, k, None) is None]
+    if missing:
+        raise UncountedModel(f"{model_type} config has no {', '.join(missing)}")
     heads = config.num_attention_heads
     return Arch(hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
                 kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -145,7 +164,14 @@ def launch_check(cfg, d, device, task, tokenizer) -> str | None:
     auto = auto_layers(cfg.model)
     if budget is None or not (cfg.train.memory_check or auto):
         return None
-    arch, run = predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", budget)
+    try:
+        arch, run = predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", budget)
+    except UncountedModel as err:  # what it cannot count it does not refuse: the run starts, told so
+        line = f"warning: the memory check cannot count this model: {err}; not checked, the run starts"
+        if auto:
+            cfg.model.checkpoint_layers = "all"
+            line += " with model.checkpoint_layers=auto read as all (every layer checkpointed)"
+        return line
     if run.checkpoint_layers is not None and run.checkpoint_layers > arch.layers:
         raise ValueError(f"config field 'model.checkpoint_layers': {run.checkpoint_layers} layers, but the model has "
                          f"{arch.layers}")
