@@ -158,3 +158,40 @@ def test_queries_that_do_not_split_over_the_processes_are_refused_by_name():
     with pytest.raises(ValueError, match="'rollout.prompts_per_step': 32 queries cannot be split into 3 prompt shards"):
         num_shards(rollout, Dist(world=3))
     assert num_shards(SimpleNamespace(prompts_per_step=33, shards=None), Dist(world=3)) == 3
+
+
+class LongEveryThird(ScriptedTask):
+    """Problem i's prompt is padded in front to a long one when i % 3 == 1."""
+
+    def train_problem(self, index):
+        return Problem(id=str(index), prompt=("x" * 40 if index % 3 == 1 else "") + f"q{index}", answer="1")
+
+
+@pytest.mark.parametrize("overflow", ["drop", "truncate"])
+def test_prompts_over_max_prompt_length_are_dropped_or_truncated_and_counted(overflow):
+    """data.max_prompt_length as TRL and verl read it: a prompt over it is replaced by the next problem (drop) or
+    keeps its last tokens (truncate); either way counted."""
+    from dataclasses import replace
+
+    tok = build_char_tokenizer()
+    engine = ScriptedEngine(tok)
+    short, long = (len(collect_ids(tok, LongEveryThird().train_problem(i))) for i in (0, 1))
+    limit = short + 2
+    assert long > limit
+    plan = replace(make_plan(False, prompts=4, G=2), max_prompt_length=limit, prompt_overflow=overflow)
+    cursor = DataCursor()
+    ro = collect_rollout(engine, tok, LongEveryThird(), plan, cursor, seed=0)
+    assert all(len(ids) <= limit for ids in ro.out.prompt_ids)
+    if overflow == "drop":  # problems 0, 2, 3, 5: 1 and 4 were drawn and dropped
+        assert [p.lstrip("x") for p in ro.prompts[::2]] == ["q0", "q2", "q3", "q5"]
+        assert ro.prompts_over_length == 2 and ro.prompts_drawn == 6 and cursor.pos == 6
+    else:  # problems 0..3, 1 cut to its last tokens (the end of the question and the assistant turn)
+        assert [p.lstrip("x") for p in ro.prompts[::2]] == ["q0", "q1", "q2", "q3"]
+        assert ro.prompts_over_length == 1 and cursor.pos == 4
+        assert ro.out.prompt_ids[2] == collect_ids(tok, LongEveryThird().train_problem(1))[-limit:]
+
+
+def collect_ids(tok, problem):
+    from bicc.data import encode_prompt
+
+    return encode_prompt(tok, problem.prompt)

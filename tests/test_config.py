@@ -293,3 +293,30 @@ def test_the_context_template_counts_the_preamble_and_one_header_per_shown_attem
                        "bicc.attempt_header='#{i}:'"])
     assert context_template_tokens(cfg, tok) == 3 + 3 * len("#1:")  # "#1:", "#2:", "#3:"
     assert context_template_tokens(compose_cfg(["sft.cache_dir=/tmp/x", "bicc=off"]), tok) == 0
+
+
+def test_every_key_we_give_for_a_trl_or_verl_name_composes():
+    """docs/config.md's table of TRL's and verl's names: each `key=value` (or group choice) in our column composes
+    into a config that validates, and says what it sets."""
+    import re as regex
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    from bicc.trainer.validation import validate
+    from tests.helpers import ROOT
+
+    page = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    table = page.split("## The names you know from TRL and verl", 1)[1]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `") or line.startswith("| —")]
+    assert len(rows) >= 20
+    for row in rows:
+        ours = regex.findall(r"`([^`]+)`", row[2])
+        assert ours, row
+        for override in ours:
+            key, _, value = override.partition("=")
+            cfg = compose_cfg(["sft.cache_dir=/tmp/x", override])
+            validate(cfg)
+            if "." in key:  # a key: it holds the value given (a group choice: the group composed)
+                actual, given = OmegaConf.select(cfg, key), OmegaConf.create({"v": yaml.safe_load(value)}).v
+                assert actual == (float(given) if isinstance(actual, float) else given), override

@@ -109,11 +109,18 @@ class DataConfig:
     seed: int = 0
     reward: Optional[str] = None
     reward_batched: bool = False
+    max_prompt_length: Optional[int] = None
+    prompt_overflow: str = choice(Literal["drop", "truncate"], "drop")
     rewards: List[str] = field(default_factory=list)
     reward_weights: Optional[List[float]] = None
     reward_errors: str = choice(Literal["raise", "zero"], "raise")
     arith: ArithConfig = field(default_factory=ArithConfig)
     math: MathDataConfig = field(default_factory=MathDataConfig)
+
+    @staticmethod
+    def check(d) -> None:
+        need(d.max_prompt_length is None or d.max_prompt_length >= 1, "data.max_prompt_length",
+             f"must be null (no limit) or >= 1 tokens, got {d.max_prompt_length}")
 
 
 @dataclass

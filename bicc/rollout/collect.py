@@ -20,7 +20,9 @@ class Collection:
     """What one step samples and keeps (``from_config``): ``prompts_per_step`` queries (over all shards) x
     ``group_size`` samples at ``temperature`` / ``top_p``, at most ``max_new_tokens`` each; DAPO's dynamic sampling
     (``dynamic_sampling``: groups whose correctness is all 0 or all 1 are dropped and more queries drawn, in at most
-    ``max_rounds`` generate calls) and overlong shaping (``overlong_buffer`` tokens, ``overlong_penalty``)."""
+    ``max_rounds`` generate calls) and overlong shaping (``overlong_buffer`` tokens, ``overlong_penalty``); prompts
+    longer than ``max_prompt_length`` tokens (None: no limit) are dropped for the next problems, or under
+    ``prompt_overflow="truncate"`` cut to their last ``max_prompt_length`` tokens (as TRL cuts them)."""
 
     prompts_per_step: int
     group_size: int
@@ -31,12 +33,15 @@ class Collection:
     max_rounds: int = 1
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    max_prompt_length: int | None = None
+    prompt_overflow: str = "drop"
 
     @classmethod
     def from_config(cls, cfg) -> "Collection":
         r, algo = cfg.rollout, cfg.algo
         return cls(r.prompts_per_step, r.group_size, r.temperature, r.top_p, r.max_new_tokens, bool(algo.dynamic_sampling),
-                   algo.max_sampling_rounds, overlong_buffer_tokens(algo, r.max_new_tokens), algo.overlong_penalty)
+                   algo.max_sampling_rounds, overlong_buffer_tokens(algo, r.max_new_tokens), algo.overlong_penalty,
+                   cfg.data.max_prompt_length, cfg.data.prompt_overflow)
 
     def keep(self, correct: torch.Tensor) -> torch.Tensor:
         """[groups] which groups of ``correct`` [groups, G] are kept: every one, or (dynamic sampling) the mixed."""
@@ -77,13 +82,15 @@ class Rollout:
     generate_s: float = 0.0  # seconds inside the engine's generate calls
     version: int = 0  # the weight version that drew it (``Engine.version``: optimizer steps behind those weights)
     reward_parts: dict = field(default_factory=dict)  # each named reward function's [N] values (data.rewards)
+    prompts_over_length: int = 0  # prompts over data.max_prompt_length, dropped or truncated
 
     def to_plain(self) -> dict:
         """Lists, numbers and tensors only: what a checkpoint holds (read back with ``weights_only``)."""
         out = {f: getattr(self.out, f) for f in (*FIELDS, "logprobs")}
         return {"out": out, "prompts": self.prompts, "correct": self.correct, "rewards": self.rewards,
                 "group_ids": self.group_ids, "prompts_drawn": self.prompts_drawn, "rounds": self.rounds,
-                "generate_s": self.generate_s, "version": self.version, "reward_parts": self.reward_parts}
+                "generate_s": self.generate_s, "version": self.version, "reward_parts": self.reward_parts,
+                "prompts_over_length": self.prompts_over_length}
 
     @classmethod
     def from_plain(cls, d: dict) -> "Rollout":
@@ -142,7 +149,8 @@ def merge_shards(parts: list[Rollout], group_size: int) -> Rollout:
                    torch.cat([p.group_ids + o for p, o in zip(parts, offsets)]),
                    sum(p.prompts_drawn for p in parts), max(p.rounds for p in parts), sum(p.generate_s for p in parts),
                    min(p.version for p in parts),
-                   {k: torch.cat([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts})
+                   {k: torch.cat([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts},
+                   sum(p.prompts_over_length for p in parts))
 
 
 def _problems(task, cursor: DataCursor, want: int, shard: int, num_shards: int) -> list:
@@ -163,12 +171,14 @@ def _collect_shard(engine, tokenizer, task, plan: Collection, cursor: DataCursor
     is used as is."""
     P, G = plan.prompts_per_step // num_shards, plan.group_size
     kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor, dict]] = []
-    num_kept, drawn, rounds, generate_s = 0, 0, 0, 0.0
+    num_kept, drawn, rounds, generate_s, over = 0, 0, 0, 0.0, 0
     while num_kept < P and rounds < plan.max_rounds:
         want = P - num_kept
-        problems = _problems(task, cursor, want, shard, num_shards)
-        drawn += want
-        prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+        problems, prompts, skipped = _fitting_problems(task, tokenizer, plan, cursor, want, shard, num_shards)
+        drawn += want + skipped
+        over += skipped + sum(len(p) > (plan.max_prompt_length or len(p)) for p in prompts)
+        if plan.max_prompt_length:  # "truncate": the prompt's last tokens (drop left none longer)
+            prompts = [p[-plan.max_prompt_length:] for p in prompts]
         sampling = SamplingParams(n=G, temperature=plan.temperature, top_p=plan.top_p,
                                   max_new_tokens=plan.max_new_tokens, seed=seed + 7919 * rounds)
         start = time.perf_counter()
@@ -198,4 +208,27 @@ def _collect_shard(engine, tokenizer, task, plan: Collection, cursor: DataCursor
     rewards = torch.cat([k[3] for k in kept]).float()
     group_ids = torch.arange(len(correct) // G).repeat_interleave(G)
     parts = {k: torch.cat([k_[4][k] for k_ in kept]) for k in kept[0][4]}
-    return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds, generate_s, reward_parts=parts)
+    return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds, generate_s, reward_parts=parts,
+                   prompts_over_length=over)
+
+
+def _fitting_problems(task, tokenizer, plan: Collection, cursor: DataCursor, want: int, shard: int, num_shards: int):
+    """``want`` problems of the shard and their encoded prompts; under ``max_prompt_length`` with ``drop``, a prompt
+    over it is skipped for the next problem (counted). Returns (problems, prompts, how many were skipped)."""
+    problems = _problems(task, cursor, want, shard, num_shards)
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+    if not plan.max_prompt_length or plan.prompt_overflow != "drop":
+        return problems, prompts, 0
+    kept = [(p, ids) for p, ids in zip(problems, prompts) if len(ids) <= plan.max_prompt_length]
+    skipped = want - len(kept)
+    while len(kept) < want:
+        if skipped > 100 * want:
+            raise ValueError(f"config field 'data.max_prompt_length': {skipped} training prompts in a row are longer "
+                             f"than {plan.max_prompt_length} tokens; raise it, or data.prompt_overflow=truncate")
+        (problem,) = _problems(task, cursor, 1, shard, num_shards)
+        ids = encode_prompt(tokenizer, problem.prompt)
+        if len(ids) <= plan.max_prompt_length:
+            kept.append((problem, ids))
+        else:
+            skipped += 1
+    return [p for p, _ in kept], [ids for _, ids in kept], skipped

@@ -145,7 +145,8 @@ def predicted_run(cfg, task, tokenizer, world: int, sharded: bool, gpu_gib: floa
     ``model.checkpoint_layers=auto`` the count of checkpointed layers that fits."""
     from bicc.trainer.validation import context_template_tokens, longest_training_prompt
 
-    prompt = longest_training_prompt(task, tokenizer)[0] + context_template_tokens(cfg, tokenizer)
+    prompt = (longest_training_prompt(task, tokenizer, max_len=cfg.data.max_prompt_length)[0]
+              + context_template_tokens(cfg, tokenizer))
     arch, run = model_arch(cfg.model, len(tokenizer)), run_of(cfg, world, sharded, gpu_gib, prompt)
     if auto_layers(cfg.model):
         run = dataclasses.replace(run, checkpoint_layers=resolve_checkpoint_layers(arch, run, gpu_gib))

@@ -168,6 +168,7 @@ def rollout_metrics(ro, batch, cfg) -> dict:
             "rollout/response_len": lengths.mean().item(),
             "rollout/truncated_share": 1 - sum(ro.out.finished) / len(ro.out.finished),
             "rollout/prompts_drawn": ro.prompts_drawn, "rollout/generate_rounds": ro.rounds,
+            "rollout/prompts_over_length": float(ro.prompts_over_length),
             "rollout/groups": len(ro.correct) // cfg.rollout.group_size,
             **{f"reward/{name}": float(v.sum() if name == "scoring_errors" else v.mean())
                for name, v in ro.reward_parts.items()}}

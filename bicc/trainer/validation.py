@@ -54,11 +54,13 @@ def longest(problems, encode) -> tuple[int, object]:
     return max(lengths) if lengths else (0, None)
 
 
-def longest_training_prompt(task, tokenizer, sample: int = 256) -> tuple[int, object]:
-    """The longest templated prompt of the first ``sample`` training problems: (tokens, problem id)."""
+def longest_training_prompt(task, tokenizer, sample: int = 256, max_len: int | None = None) -> tuple[int, object]:
+    """The longest templated prompt of the first ``sample`` training problems, at most ``max_len`` tokens
+    (``data.max_prompt_length``: longer ones are dropped or cut): (tokens, problem id)."""
     from bicc.data import encode_prompt
 
-    return longest([task.train_problem(i) for i in range(sample)], lambda p: encode_prompt(tokenizer, p.prompt))
+    tokens, problem = longest([task.train_problem(i) for i in range(sample)], lambda p: encode_prompt(tokenizer, p.prompt))
+    return (min(tokens, max_len), problem) if max_len else (tokens, problem)
 
 
 def context_template_tokens(cfg: Any, tokenizer) -> int:
@@ -88,7 +90,8 @@ def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field:
     from bicc.evaluation.evaluate import benchmark_source
     from bicc.method.conditioning import context_budget
 
-    train_len, train_id = longest_training_prompt(task, tokenizer, sample) if train else (0, None)
+    train_len, train_id = (longest_training_prompt(task, tokenizer, sample, cfg.data.max_prompt_length) if train
+                           else (0, None))
     budget = context_budget(cfg.bicc) if cfg.bicc.enabled else 0
     template, shown = context_template_tokens(cfg, tokenizer), cfg.rollout.group_size - 1
     need_train = train_len + budget + template + cfg.rollout.max_new_tokens if train else 0
