@@ -211,3 +211,34 @@ def test_each_shard_keeps_the_data_position_of_the_worker_that_draws_it():
     b = {"before": {"pos": 0, "shard_pos": [0, 4, 0, 4]}, "after": {"pos": 0, "shard_pos": [0, 9, 0, 8]}}
     merged = merge_cursors([a, b], specs)
     assert merged["before"]["shard_pos"] == [4, 4, 4, 4] and merged["after"]["shard_pos"] == [8, 9, 8, 8]
+
+
+@pytest.mark.launch
+def test_workers_end_when_their_trainer_is_killed(tmp_path):
+    """SIGKILL leaves the trainer no chance to stop its workers: they see it gone and end within seconds, instead of
+    waiting for requests forever (and holding their memory and device)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    policy_and_reference(tmp_path)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_trainer.py"), str(tmp_path / "policy")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.split()]
+    assert pids
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:  # an exited child not yet reaped by init counts as gone
+            return f.read().split()[2] != "Z"
+
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids)

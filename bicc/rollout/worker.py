@@ -10,6 +10,8 @@ It holds its own copy of the policy and reads, in order, the messages the traine
   answer ``("batch", worker, step, {shard: rollout} saved by ``torch.save``, cursors, (start, end), idle_s)``;
 - ``("stop",)``.
 
+A worker whose trainer has died (its parent process is gone: a SIGKILL gives it no word) ends by itself.
+
 Messages are served in the order sent, so the weights a batch is drawn with are the last ones sent before its
 request. It owns the data cursor of its shards from the start position it is given. Any exception is sent as
 ``("error", worker, traceback)`` before the process exits with code 1.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import queue
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -46,6 +49,7 @@ class WorkerSpec:
     cursor: dict
     max_model_len: int | None = None
     slots: list = field(default_factory=list)
+    trainer_pid: int = 0  # the process that started it: when it is gone (killed), the worker ends too
 
     @property
     def name(self) -> str:
@@ -100,7 +104,12 @@ def serve(spec: WorkerSpec, requests, results) -> None:
     results.put(("ready", spec.index, os.getpid()))
     idle_since = time.monotonic()
     while True:
-        message = requests.get()
+        try:
+            message = requests.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != spec.trainer_pid:  # the trainer died without a word (SIGKILL): nothing more will come
+                return
+            continue
         idle = time.monotonic() - idle_since
         if message[0] == "stop":
             engine.close()

@@ -109,7 +109,7 @@ class RolloutWorkers:
         for i, (device, worker_cores) in enumerate(zip(devices, cores)):
             shards = [s for s in range(self.num_shards) if s % len(devices) == i]
             self.specs.append(WorkerSpec(i, plain, model_path, device, worker_cores, shards, self.num_shards,
-                                         pending["cursor"], max_model_len))
+                                         pending["cursor"], max_model_len, trainer_pid=os.getpid()))
         self.first_cursor = pending["cursor"]
 
     def start(self, model, step: int) -> None:
