@@ -39,6 +39,10 @@ def sft_seed(cfg) -> int:
     return cfg.seed if cfg.sft.seed is None else cfg.sft.seed
 
 
+# data.* keys that RL reads and the warm start does not (the rewards' extras, the prompt length limit).
+NOT_IN_WARM_START = ("rewards", "reward_weights", "reward_errors", "max_prompt_length", "prompt_overflow")
+
+
 def cache_key(cfg) -> str:
     """Hash of the resolved settings that determine the SFT checkpoint."""
     sft = OmegaConf.to_container(cfg.sft, resolve=True)
@@ -47,6 +51,8 @@ def cache_key(cfg) -> str:
     if sft["context_share"] == 0:  # no attempts are shown: which ones would be shapes nothing
         sft.pop("context_attempts")
     data = OmegaConf.to_container(cfg.data, resolve=True)
+    for key in NOT_IN_WARM_START:  # read by RL only: a run that sets them reuses the warm start of one that does not
+        data.pop(key, None)
     for task in ("arith", "math"):  # only the active task's settings shape the warm start
         if data["task"] != task:
             data.pop(task, None)
