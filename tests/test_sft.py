@@ -97,3 +97,13 @@ def test_sft_loss_runs_plain_and_context_rows_apart_with_the_one_batch_loss_and_
     reference.backward()
     assert torch.allclose(loss, reference.detach(), atol=1e-12)
     assert all(torch.allclose(a, p.grad, atol=1e-10) for a, p in zip(split, model.parameters()))
+
+
+def test_the_data_keys_only_rl_reads_leave_the_warm_start_as_it_was():
+    """Rewards' extras and the prompt length limit shape RL, not the warm start: setting them reuses the cache;
+    a key the warm start reads (the arithmetic's operands) does not."""
+    base = cache_key(compose_cfg(["sft.cache_dir=/tmp/x"]))
+    rl_only = ["data.rewards=[tests.rewards:brevity]", "data.reward_weights=[0.5]", "data.reward_errors=zero",
+               "data.max_prompt_length=64", "data.prompt_overflow=truncate"]
+    assert cache_key(compose_cfg(["sft.cache_dir=/tmp/x", *rl_only])) == base
+    assert cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "data.arith.max_operand=50"])) != base
