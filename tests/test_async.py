@@ -76,6 +76,11 @@ def test_async_at_lr_0_is_the_synchronous_run(tmp_path, monkeypatch, one_thread)
     assert [m["rollout/staleness_max"] for m in m_sync] == [0.0] * STEPS
     assert [m["rollout/staleness_max"] for m in m_async] == [0.0, 1.0, 1.0]
     assert [r.version for r in r_async] == [0, 0, 1]
+    assert s.engine.version == 0  # the workers sampled; the trainer's own engine waits for an evaluation ...
+    from bicc.trainer.loop import eval_engine
+
+    eval_engine(s, cfg_async)
+    assert s.engine.version == STEPS  # ... which gives it the current weights first
     for a, b in zip(m_async, m_sync):
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-5)
         assert a["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # the workers' log-probs are pi_old's

@@ -87,7 +87,10 @@ def initial_eval_cache(cfg, init_path: str) -> Path | None:
 
 def eval_engine(s: RLState, cfg):
     """vLLM evaluates with the rollout engine itself; HF with an engine over the sampling module (a full
-    copy under FSDP2) batched by eval.batch_size."""
+    copy under FSDP2) batched by eval.batch_size. Under rollout.async_steps the workers sample and the trainer's
+    engine is given the current weights here first (synchronously, every step does that)."""
+    if cfg.rollout.async_steps and s.engine.version != s.step:
+        s.engine.update_weights(s.model, s.step)
     if s.engine.model is None:
         return s.engine
     return build_engine("hf", s.engine.model, s.tokenizer, eval_engine_config(cfg.rollout, cfg.eval),
@@ -196,6 +199,7 @@ def start_workers(s: RLState, cfg, max_model_len: int | None = None) -> None:
                   f"{cfg.rollout.async_steps} allows: drawn again")
     s.workers.start(s.model, s.step)
     s.pending = None
+    s.engine.sleep()  # the trainer's engine only evaluates now: vLLM's sleep mode frees its memory until then
 
 
 def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
@@ -222,6 +226,8 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
             # before the step's checkpoint: a run killed between the two evaluates again, after the rewind
             with s.peaks.phase("evaluation"):
                 scores = evaluate(eval_engine(s, cfg), s.tokenizer, s.task, cfg.eval, cfg.seed, d=s.dist)
+            if s.workers is not None:
+                s.engine.sleep()
             tracker.log(scores, step=s.step)
             last_eval = f"{100 * scores['eval/pass@1']:.1f}%"
         bar.update(1)

@@ -93,7 +93,7 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     full copy of the policy in the compute dtype; otherwise it samples from the policy itself."""
     model, tokenizer = load_policy(policy_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
     ref_model = frozen_copy(init_path, cfg.model, device) if StepPlan.loads_reference(cfg) else None
-    sharded_hf = d.enabled and d.strategy == "fsdp2" and (cfg.rollout.engine == "hf" or cfg.rollout.async_steps > 0)
+    sharded_hf = d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf"
     sampler = compute_copy(model, cfg.model) if sharded_hf else model
     if should_compile(cfg.model.compile, device):  # the trainer's forwards only (generation stays eager)
         layers = compile_layers(model, checkpoint_in_graph=cfg.model.checkpoint_in_graph)
@@ -106,8 +106,8 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
     rows = engine_rows(cfg.rollout, cfg.eval, distributed.num_shards(cfg.rollout, d))
     options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype, rows=rows)
-    # under rollout.async_steps the workers sample with cfg.rollout.engine; the trainer's own engine evaluates
-    engine = build_engine("hf" if cfg.rollout.async_steps else cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
+    # under rollout.async_steps the workers sample; the trainer's own engine (the same kind) evaluates
+    engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
     plan = StepPlan.from_config(cfg, sampler_logprobs(cfg, engine))
     return RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
                    task=build_task(cfg.data), init_path=init_path, dist=d,
