@@ -35,6 +35,18 @@ def train(args, tmp_path):
     return proc
 
 
+def kill_mid_way(args, run_dir, environment, after: int) -> None:
+    """``train.py <args>`` into ``run_dir``, SIGKILLed once it has logged step ``after``, before its last (8)."""
+    proc = subprocess.Popen([sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=environment,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while logged_steps(run_dir) < after and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 0 < logged_steps(run_dir) < 8, "the run must die mid-way for this test to mean anything"
+
+
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
     """The straight run builds the warm start in its process and the others reuse it: RL draws the same numbers
     either way (the SFT's draws used to shift them)."""
@@ -42,15 +54,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     train([*RUN, f"hydra.run.dir={reference}"], tmp_path)  # builds the warm start the other runs reuse
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "train.py", *RUN, f"hydra.run.dir={killed}"], cwd=ROOT, env=env(tmp_path),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    kill_after = 5  # past the step-4 checkpoint, before the end
-    deadline = time.time() + 300
-    while logged_steps(killed) < kill_after and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert 0 < logged_steps(killed) < 8, "the run must die mid-way for this test to mean anything"
+    kill_mid_way(RUN, killed, env(tmp_path), after=5)  # past the step-4 checkpoint, before the end
 
     out = train([*RUN, "resume=auto", f"hydra.run.dir={killed}"], tmp_path)
     assert "resumed from" in out.stdout
@@ -106,14 +110,7 @@ def test_async_sigkill_then_resume_is_bit_identical(kill_after, async_reference,
     """Killed after step 3 (the step-2 checkpoint holds batches 2 and 3, drawn ahead) or 6: the resumed run trains
     each prompt once, on the batches the uninterrupted run trained."""
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "train.py", *ASYNC_RUN, f"hydra.run.dir={killed}"], cwd=ROOT,
-                            env=env(async_reference), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while logged_steps(killed) < kill_after and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert 0 < logged_steps(killed) < 8, "the run must die mid-way for this test to mean anything"
+    kill_mid_way(ASYNC_RUN, killed, env(async_reference), after=kill_after)
     out = train([*ASYNC_RUN, "resume=auto", f"hydra.run.dir={killed}"], async_reference)
     assert "2 drawn batch(es) read back from the checkpoint" in out.stdout
     same_run(async_reference / "reference", killed)
