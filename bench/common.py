@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -72,3 +73,29 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int
     (run_dir / "wall_s.txt").write_text(f"{seconds:.0f}\n", encoding="utf-8")  # what a later summary quotes
     print(f"[results] {name} s{seed}: {seconds:.0f}s", flush=True)
     return run_dir
+
+
+# ---- reading a finished train.py run dir -------------------------------------------------------------
+def per_problem(run_dir: Path) -> dict[str, float]:
+    """The final evaluation's accuracy per problem at the headline sampling (``eval/<benchmark>/per_problem.jsonl``)."""
+    files = sorted((run_dir / "eval").glob("*/per_problem.jsonl"))
+    if len(files) != 1:
+        raise FileNotFoundError(f"{run_dir / 'eval'}: expected one benchmark's per_problem.jsonl, found {len(files)}")
+    rows = [json.loads(line) for line in files[0].read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {r["id"]: r["accuracy"] for r in rows}
+
+
+def series(run_dir: Path, key: str) -> dict[int, float]:
+    """step -> the metric's value, from the run's ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {int(r["step"]): r[key] for r in rows if key in r and "step" in r}
+
+
+def results(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+
+
+def mean_of(runs: list[Path], key: str, steps: tuple[int, int] | None = None) -> float | None:
+    """Mean of a per-step metric over the runs' steps (all, or ``steps`` inclusive), None when no run logs it."""
+    values = [v for d in runs for s, v in series(d, key).items() if steps is None or steps[0] <= s <= steps[1]]
+    return statistics.fmean(values) if values else None

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import run_dir_of, run_one
+from bench.common import mean_of, per_problem, results, run_dir_of, run_one, series
 from bicc.evaluation.stats import crossed_bootstrap_diff
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,31 +56,6 @@ ROWS = {"GRPO": ["bicc=off", "rcc=off"], "GRPO+RCC": ["bicc=off", "rcc=on"], "Bi
 VARIANCE_ROWS = ("GRPO+RCC", "BiCC-GRPO+RCC")  # their checkpoints halfway and at the end are measured
 HEADLINE = ("headline", ["experiment=smollm2_arith", "algo=dapo", "bicc=on", "rcc=on"], 6, (0, 1))
 STAGES = ((1, 1), (2, 5), (6, 10), (11, 15), (16, 20))  # steps over which Cov(R, delta) is averaged
-
-
-def per_problem(run_dir: Path) -> dict[str, float]:
-    """The final evaluation's accuracy per problem at the headline sampling (``eval/<benchmark>/per_problem.jsonl``)."""
-    files = sorted((run_dir / "eval").glob("*/per_problem.jsonl"))
-    if len(files) != 1:
-        raise FileNotFoundError(f"{run_dir / 'eval'}: expected one benchmark's per_problem.jsonl, found {len(files)}")
-    rows = [json.loads(line) for line in files[0].read_text(encoding="utf-8").splitlines() if line.strip()]
-    return {r["id"]: r["accuracy"] for r in rows}
-
-
-def series(run_dir: Path, key: str) -> dict[int, float]:
-    """step -> the metric's value, from the run's ``metrics.jsonl``."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
-    return {int(r["step"]): r[key] for r in rows if key in r and "step" in r}
-
-
-def results(run_dir: Path) -> dict:
-    return json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
-
-
-def mean_of(runs: list[Path], key: str, steps: tuple[int, int] | None = None) -> float | None:
-    """Mean of a per-step metric over the runs' steps (all, or ``steps`` inclusive), None when no run logs it."""
-    values = [v for d in runs for s, v in series(d, key).items() if steps is None or steps[0] <= s <= steps[1]]
-    return statistics.fmean(values) if values else None
 
 
 def paired(base: list[Path], runs: list[Path]) -> tuple[float, float, float]:

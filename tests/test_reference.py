@@ -72,6 +72,17 @@ COMBINATIONS = [(bicc, rcc, kl, tis, where, "") for bicc in ("off", "on", "stabl
 COMBINATIONS += [(bicc, rcc, 0.0, 0.0, "xc", "diag.every=1") for bicc in ("off", "on", "stable") for rcc in ("off", "on")]
 COMBINATIONS += [(bicc, rcc, 0.05, 0.0, where, "rollout.old_from_sampler=true") for bicc in ("off", "on")
                  for rcc, where in (("off", "xc"), ("on", "xc"), ("on", "q"))]
+# ... and RCC's diagnostic form divided by the group's reward std (rcc=std, not the paper's)
+COMBINATIONS += [(bicc, "std", 0.0, 0.0, where, "") for bicc in ("off", "on") for where in ("xc", "q")]
+
+
+def group_cov_loop(rewards: torch.Tensor, values: torch.Tensor, group_ids: torch.Tensor) -> float:
+    """Mean over groups of (1/G) sum_i (r_i - R_bar)(v_i - v_bar), one group at a time."""
+    covs = []
+    for g in group_ids.unique():
+        r, v = rewards[group_ids == g].double(), values[group_ids == g].double()
+        covs.append(((r - r.mean()) * (v - v.mean())).mean().item())
+    return sum(covs) / len(covs)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +120,10 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
         on_q = bicc == "on" or tis > 0 or (rcc != "off" and where == "q") or "diag" in extra
         logged = {k: metrics[k] for k in expected if k in metrics}
         assert expected and logged == (pytest.approx(expected, abs=1e-4) if on_q else {})
+        if on_q:  # what delta on x^c would add to Cov(r, delta): Cov(r, log w), group by group
+            cov = group_cov_loop(ro.rewards, out["log_w"], ro.group_ids)
+            assert metrics["bicc/cov_r_log_w"] == pytest.approx(cov, abs=1e-4) and abs(cov) > 1e-3
+    assert metrics["train/adv_abs_mean"] == pytest.approx(out["advantages"].abs().mean().item(), rel=1e-5)
     moved = max((p - b).abs().max().item() for p, b in zip(reference.parameters(), before.parameters()))
     assert moved > 1e-3  # the step moved the weights: the comparison below is not of two no-ops
     for (name, p), q in zip(s.model.named_parameters(), reference.parameters()):

@@ -86,3 +86,4 @@ class RccConfig:
     enabled: bool = MISSING
     delta: str = choice(Literal["sum", "mean"], "mean")
     delta_context: str = choice(Literal["xc", "q"], "q")
+    scale: str = choice(Literal["none", "std"], "none")

@@ -74,6 +74,25 @@ def mean_centered_advantage(rewards, group_ids, delta, cfg):
     return adv.to(rewards.dtype), {"train/adv_zero_group_share": _degenerate_share(std, counts)}
 
 
+def advantage_name(cfg) -> str:
+    """The run's advantage estimator: RCC's (``rcc=on``; ``rcc=std`` its diagnostic form divided by the group's
+    std) when RCC is on, else the variant's own (``algo.advantage``)."""
+    if not cfg.rcc.enabled:
+        return cfg.algo.advantage
+    return "rcc_std" if cfg.rcc.scale == "std" else "rcc"
+
+
+def advantage_metrics(adv: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
+    """What the advantages' scale is, whatever the estimator: mean |A| over samples, and the mean group std of
+    the rewards over mixed groups (those with a learning signal; GRPO divides their centred rewards by it)."""
+    _, std, counts = group_stats(rewards, group_ids)
+    mixed = std > 0
+    per_group = 1.0 / counts
+    return {"train/adv_abs_mean": adv.double().abs().mean().item(),
+            "train/reward_std_mixed": ((std * per_group)[mixed].sum() / per_group[mixed].sum()).item()
+            if mixed.any() else 0.0}
+
+
 @ADVANTAGES.register("rcc")
 def rcc_advantage(rewards, group_ids, delta, cfg):
     """Reward-confidence correction (paper eq. 17; Algorithm 1 lines 9-11). Per group of G samples:
@@ -100,3 +119,13 @@ def rcc_advantage(rewards, group_ids, delta, cfg):
         "rcc/abs_cov": ((cov.abs() * per_group).sum() / num_groups).item(),
         "rcc/correction_share": ((cov != 0).double() * per_group).sum().item() / num_groups.item(),
     }
+
+
+@ADVANTAGES.register("rcc_std")
+def rcc_std_advantage(rewards, group_ids, delta, cfg):
+    """RCC's corrected advantage divided by the group's reward std, as GRPO divides: (r_i - R_bar - 2 Cov) /
+    (std r + eps). Not the paper's (eq. 17 has no std): ``rcc=std``, a named diagnostic form that keeps GRPO's
+    scale to tell RCC's correction from its dropping of the std (docs/pretrained.md)."""
+    adv, metrics = rcc_advantage(rewards, group_ids, delta, cfg)
+    _, std, _ = group_stats(rewards, group_ids)
+    return (adv.double() / (std + cfg.adv_eps)).to(rewards.dtype), metrics

@@ -20,6 +20,28 @@ def conditioning_weights(log_w: torch.Tensor, conditioned: torch.Tensor, correct
     return metrics
 
 
+@torch.no_grad()
+def shift_and_delta(log_w: torch.Tensor, delta: torch.Tensor | None, rewards: torch.Tensor, group_ids: torch.Tensor,
+                    conditioned: torch.Tensor) -> dict[str, float]:
+    """How BiCC's conditioning shift log w meets RCC's Cov. ``bicc/cov_r_log_w``: the mean over groups of
+    Cov(r, log w) = (1/G) sum_i (r_i - R_bar)(log w_i - mean log w), what reading delta on x^c instead of q adds to
+    Cov(r, delta) (delta on x^c = delta on q + log w). ``rcc/delta_log_w_corr`` (with a delta): the Pearson
+    correlation over conditioned samples of delta and log w, each centred in its group."""
+    from bicc.method.advantages import group_stats
+
+    _, _, counts = group_stats(rewards, group_ids)
+    r = rewards.double() - group_stats(rewards, group_ids)[0]
+    w = log_w.double() - group_stats(log_w, group_ids)[0]
+    cov = group_stats(r * w, group_ids)[0]  # each sample holds its group's mean of the products
+    metrics = {"bicc/cov_r_log_w": ((cov / counts).sum() / (1.0 / counts).sum()).item()}
+    if delta is not None and int(conditioned.sum()) > 2:
+        d = (delta.double() - group_stats(delta, group_ids)[0])[conditioned]
+        w = w[conditioned]
+        denom = (d.norm() * w.norm()).item()
+        metrics["rcc/delta_log_w_corr"] = float((d * w).sum().item() / denom) if denom > 0 else 0.0
+    return metrics
+
+
 def sequence_delta(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, reduce: str = "sum") -> torch.Tensor:
     """RCC's delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q) per sequence [N], from per-token
     log-probs [N, L] on the completion grid: summed over the output's tokens (the paper) or their mean."""

@@ -49,6 +49,9 @@ def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg, 
     if cfg.rcc.enabled:  # RCC: delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), A_i = r_i - mean r - 2 Cov
         delta = sequence_delta(old_xc if cfg.rcc.delta_context == "xc" else old_q, ref, mask, cfg.rcc.delta)
         adv, _ = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
+        if cfg.rcc.scale == "std":  # rcc=std, a diagnostic form (not the paper's): over each group's reward std
+            std = torch.stack([ro.rewards[ro.group_ids == g].double().std(unbiased=False) for g in ro.group_ids])
+            adv = (adv.double() / (std + cfg.algo.adv_eps)).to(adv.dtype)
     else:
         delta = None
         adv, _ = ADVANTAGES.get(cfg.algo.advantage)(ro.rewards, ro.group_ids, None, cfg.algo)

@@ -12,9 +12,15 @@ import torch
 from bicc.config import tis_cap
 from bicc.kernels.rows import ContextRows, query_rows
 from bicc.machine import distributed
-from bicc.method.advantages import ADVANTAGES, Advantages
+from bicc.method.advantages import ADVANTAGES, Advantages, advantage_metrics, advantage_name
 from bicc.method.conditioning import build_contexts
-from bicc.method.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta
+from bicc.method.diagnostics import (
+    conditioning_weights,
+    delta_by_reward,
+    gradient_variance,
+    sequence_delta,
+    shift_and_delta,
+)
 from bicc.method.losses.tis import sampler_grid, sampler_importance_weights, sampler_logprob_diff
 from bicc.model.logprobs import make_token_batch
 from bicc.rollout.collect import Collection, collect_rollout, step_seed
@@ -59,7 +65,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     is_weight, sampler_metrics = sampler_correction(ro, plan, lp, batch, cfg, device)
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
-    estimator = ADVANTAGES.get("rcc" if cfg.rcc.enabled else cfg.algo.advantage)
+    estimator = ADVANTAGES.get(advantage_name(cfg))
 
     def advantages(delta_logp) -> Advantages:
         """The step's advantages from delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step):
@@ -81,12 +87,13 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
         update_metrics, first_pass_log_ratio, adv = update_policy(s, batch, numerator, lp.old, lp.kl_ref, advantages,
                                                                   cfg, seed, is_weight, delta_logp=lp.delta,
                                                                   delta_from_update=plan.delta_from_update)
-    adv_metrics = {**adv.metrics, **diag_metrics}
+    adv_metrics = {**adv.metrics, **diag_metrics, **advantage_metrics(adv.values.cpu(), ro.rewards, ro.group_ids)}
     t_update = time.perf_counter()
     if contexts is not None:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass
         log_w = first_pass_log_ratio if plan.old_context == "q" else lp.log_w
         if log_w is not None:
             bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
+            bicc_metrics.update(shift_and_delta(log_w, adv.delta, ro.rewards, ro.group_ids, contexts.conditioned))
 
     if cfg.logger.samples_every and (s.step + 1) % cfg.logger.samples_every == 0:  # rows kept for reading
         s.samples = sample_rows(s.step + 1, ro, adv.values.cpu(), contexts, s.tokenizer, cfg.logger)
