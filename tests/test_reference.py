@@ -105,6 +105,8 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
     monkeypatch.setattr(step_module, "collect_rollout", lambda *a, **k: rollouts.append(collect(*a, **k)) or rollouts[-1])
     metrics, _ = rl_step(s, cfg)
     ro = rollouts[0]
+    # without a context, pi_old on q is the update's first forward, and TIS's weights are read from it
+    assert s.plan.sampler_from_update is (bicc == "off" and tis > 0 and not extra)
     if bicc != "off":
         assert metrics["bicc/samples_conditioned_share"] > 0  # contexts were built and read
     if tis > 0:
@@ -128,3 +130,28 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
     assert moved > 1e-3  # the step moved the weights: the comparison below is not of two no-ops
     for (name, p), q in zip(s.model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), atol=2e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("rcc", ["off", "on"])
+def test_sampler_weights_from_the_update_equal_their_own_pass(rcc, recorded):
+    """Without a context, TIS's weights and the sampler gap read from the update's first forward (pi_old on q) are
+    those of a no-grad pass of their own, one pass fewer: the same metrics and the same weights after the step."""
+    tmp, out, sampled, _ = recorded
+    runs = {}
+    for deferred in (True, False):
+        cfg = compose_cfg([*COMBINATION_CFG, "bicc=off", f"rcc={rcc}", "rollout.tis_cap=1.2",
+                           f"train.delta_from_update={str(deferred).lower()}"])
+        s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
+        s.engine, s.plan, s.task = ReplayEngine(out, sampled), None, CoinTask(s.task)
+        sgd(s)
+        metrics, _ = rl_step(s, cfg)
+        assert s.plan.sampler_from_update is deferred
+        runs[deferred] = metrics, [p.detach().clone() for p in s.model.parameters()]
+    (read, weights_read), (own, weights_own) = runs[True], runs[False]
+    assert read["perf/no_grad_passes"] == own["perf/no_grad_passes"] - 1
+    assert 0 < own["rollout/tis_clip_frac"] < 1 and own["rollout/logprob_diff"] > 0.05
+    for key in ("rollout/tis_weight_mean", "rollout/tis_weight_min", "rollout/tis_clip_frac", "rollout/logprob_diff",
+                "train/loss"):
+        assert read[key] == pytest.approx(own[key], abs=1e-6), key
+    for p, q in zip(weights_read, weights_own):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)

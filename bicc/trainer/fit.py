@@ -54,7 +54,8 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
                contexts=max(1, 2 * r.prompts_per_step // world), reference=StepPlan.loads_reference(cfg),
                chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.gpu_memory_utilization, gpu_gib=gpu_gib,
                compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
-               delta_from_update=plan.delta_from_update,  # where the plan defers (delta on the update's own context)
+               # where the plan defers (delta on the update's own context, or the sampler's weights from its forward)
+               delta_from_update=plan.delta_from_update or plan.sampler_from_update,
                no_grad_on_context=any("on x^c" in p and "no grad" in p for p in plan.passes()),
                master_bytes=DTYPES[cfg.model.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
                eval_batch_tokens=e.batch_tokens, eval_new_tokens=e.max_new_tokens,

@@ -16,7 +16,9 @@ Every no-grad forward has to earn its place:
   advantages. When its context is the numerator's and there is one update per rollout, the update's own
   first forward computes exactly it (``delta_from_update``, ``train.delta_from_update``): the update runs
   every micro-batch's forward, then the advantages, then the backwards, holding the minibatch's graphs in
-  between. Else it comes before the update: on q it is pi_old on q (the sampler's under
+  between. The sampler's correction (TIS's weights min(pi_old / pi_sampler, C) and the log-prob gap) waits for
+  that forward the same way when it is pi_old on q (no BiCC context; ``sampler_from_update``). Else delta comes
+  before the update: on q it is pi_old on q (the sampler's under
   ``rollout.old_from_sampler``, as in the ratio); on x^c under the paper's form one more no-grad forward on x^c.
 """
 
@@ -52,6 +54,8 @@ class StepPlan:
     diagnostics:  the gradient-variance diagnostic runs this step
     delta_from_update: the update's first forward supplies delta's log-probs, and the advantages are computed
                   between its forwards and its backwards (``bicc.trainer.update.update_policy``)
+    sampler_from_update: the update's first forward (pi_old on q) supplies the sampler's correction: TIS's weights and
+                  ``rollout/logprob_diff``, computed between its forwards and its backwards, as the deferred advantages
     """
 
     conditioned: bool
@@ -64,6 +68,7 @@ class StepPlan:
     tis: bool
     diagnostics: bool = False
     delta_from_update: bool = False
+    sampler_from_update: bool = False
 
     @classmethod
     def from_config(cls, cfg, sampler_logprobs: bool, diagnostics: bool = False) -> "StepPlan":
@@ -86,7 +91,12 @@ class StepPlan:
         # where that is q and pi_old on q is the sampler's: delta reads the same pi_old on q as the ratio does
         deferred = (cfg.train.delta_from_update and single_update and not diagnostics and delta is not None
                     and ((conditioned and delta == "xc") or (not conditioned and not from_sampler)))
-        before_update = (delta is not None and not deferred) or tis or diagnostics or sampler_logprobs  # + mismatch metric
+        # the sampler's correction (its gap to pi_old on q, TIS's weights) from the update's first forward where that
+        # forward is pi_old on q: no BiCC context, one update per rollout
+        sampler_deferred = (cfg.train.delta_from_update and single_update and not diagnostics and sampler_logprobs
+                            and not from_sampler and not conditioned)
+        before_update = ((delta is not None and not deferred) or diagnostics
+                         or (sampler_logprobs and not sampler_deferred))  # TIS's weights and the mismatch metric
         if from_sampler:
             source = "sampler"
         elif single_update and same_context and not before_update:
@@ -98,7 +108,7 @@ class StepPlan:
         reference = reads_reference(cfg, delta)
         kl_ref_xc = old_context == "xc" and cfg.algo.kl_coef > 0
         return cls(conditioned, old_context, source, need_q, reference, kl_ref_xc, delta, tis, diagnostics,
-                   delta_from_update=deferred)
+                   delta_from_update=deferred, sampler_from_update=sampler_deferred and source == "update")
 
     def at_step(self, cfg, step: int, sampler_logprobs: bool, sharded: bool) -> "StepPlan":
         """This plan, or the diagnostics' plan on the steps ``diag.every`` picks (not under FSDP2:
@@ -137,7 +147,8 @@ class StepPlan:
             out.append("pi_theta_old on x^c for RCC's delta (no grad)")
         numerator = "x^c" if self.conditioned else "q"
         supplies = [name for name, yes in (("pi_old", self.old_source == "update"),
-                                           ("RCC's delta", self.delta_from_update)) if yes]
+                                           ("RCC's delta", self.delta_from_update),
+                                           ("the sampler's weights", self.sampler_from_update)) if yes]
         out.append(f"update on {numerator} (forward + backward" + (f", supplies {' and '.join(supplies)})" if supplies else ")"))
         return out
 

@@ -62,7 +62,8 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     with s.peaks.phase("log-probs"):
         lp = step_logprobs(plan, s.model, s.ref_model, plain, numerator, sampled, cfg, batch.completion_mask, s.dist)
     t_logprobs = time.perf_counter()
-    is_weight, sampler_metrics = sampler_correction(ro, plan, lp, batch, cfg, device)
+    correct_sampler = lambda on_q: sampler_correction(ro, plan, on_q, batch, cfg, device)  # noqa: E731
+    is_weight, sampler_metrics = (None, {}) if plan.sampler_from_update else correct_sampler(lp.on_q)
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
     estimator = ADVANTAGES.get(advantage_name(cfg))
@@ -83,10 +84,12 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
 
     # ---- 6. loss and optimizer step(s); the advantages are computed inside, on lp.delta or (under
     # plan.delta_from_update) on the update's own first forward -----------------------------------
+    sampler_fn = correct_sampler if plan.sampler_from_update else None
     with s.peaks.phase("update"):
         update_metrics, first_pass_log_ratio, adv = update_policy(s, batch, numerator, lp.old, lp.kl_ref, advantages,
                                                                   cfg, seed, is_weight, delta_logp=lp.delta,
-                                                                  delta_from_update=plan.delta_from_update)
+                                                                  delta_from_update=plan.delta_from_update,
+                                                                  sampler_fn=sampler_fn)
     adv_metrics = {**adv.metrics, **diag_metrics, **advantage_metrics(adv.values.cpu(), ro.rewards, ro.group_ids)}
     t_update = time.perf_counter()
     if contexts is not None:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass
@@ -155,13 +158,13 @@ def sampled_logprobs(ro, plan, batch, device) -> torch.Tensor | None:
     return sampled.to(device)
 
 
-def sampler_correction(ro, plan, lp, batch, cfg, device):
-    """The sampler against the trainer, both on q: ``rollout/logprob_diff`` and, under TIS, each token's weight
-    min(pi_old / pi_sampler, C) (tokens were drawn from pi_sampler, not pi_old). Returns (weights [N, L] or
-    None, metrics); nothing when the engine gave no log-probs or they stand for pi_old."""
+def sampler_correction(ro, plan, on_q, batch, cfg, device):
+    """The sampler against the trainer, both on q (``on_q`` [N, L]: pi_old on q): ``rollout/logprob_diff`` and,
+    under TIS, each token's weight min(pi_old / pi_sampler, C) (tokens were drawn from pi_sampler, not pi_old).
+    Returns (weights [N, L] or None, metrics); nothing when the engine gave no log-probs or they stand for pi_old."""
     if ro.out.logprobs is None or plan.old_source == "sampler":
         return None, {}
-    mask, q = batch.completion_mask.cpu(), lp.on_q.cpu()
+    mask, q = batch.completion_mask.cpu(), on_q.cpu()
     metrics = {"rollout/logprob_diff": sampler_logprob_diff(ro.out.logprobs, q, mask)}
     if not plan.tis:
         return None, metrics

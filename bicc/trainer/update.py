@@ -54,7 +54,7 @@ def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv
 
 def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, advantages: AdvantageFn, cfg,
                   step_seed: int, is_weight: torch.Tensor | None = None, *, delta_logp: torch.Tensor | None = None,
-                  delta_from_update: bool = False) -> tuple[dict, torch.Tensor, Advantages]:
+                  delta_from_update: bool = False, sampler_fn=None) -> tuple[dict, torch.Tensor, Advantages]:
     """Epochs x minibatches optimizer steps over one rollout batch; gradients accumulate over
     micro-batches, each normalised by its minibatch's global ``StepTotals``. ``numerator`` gives the
     trainable log-probs (plain or BiCC-conditioned); ``batch`` the completion masks. Returns (metrics,
@@ -67,9 +67,12 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     ``delta_logp`` before the first forward, or, under ``delta_from_update`` (RCC's delta read from the update,
     ``StepPlan.delta_from_update``; one update per rollout only), on the update's own first-forward log-probs
     (detached, zeros past each output): then every micro-batch runs its forward, the advantages are computed,
-    and only then the losses and backwards, the graphs held in between. Returns (metrics, first-pass log
-    ratios, the ``Advantages`` used)."""
-    deferred = delta_from_update
+    and only then the losses and backwards, the graphs held in between. ``sampler_fn`` (``StepPlan.sampler_from_update``)
+    maps pi_old on q [N, L], the same first-forward log-probs, to the sampler's correction (TIS's weights or None,
+    metrics), computed there too; it replaces ``is_weight``. Returns (metrics, first-pass log ratios, the
+    ``Advantages`` used)."""
+    deferred = delta_from_update or sampler_fn is not None
+    sampler_metrics = {}
     if deferred and (cfg.train.epochs_per_rollout > 1 or cfg.train.minibatches_per_rollout > 1):
         raise ValueError("advantages from the update's own forward need one update per rollout "
                          "(train.epochs_per_rollout = train.minibatches_per_rollout = 1); set train.delta_from_update=false")
@@ -159,7 +162,9 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                     # tensors they hold past their backward, through the optimizer step
                     for rows, first in [(rows, logp.detach()) for rows, logp, _ in held if rows is not None]:
                         grid[on_device(rows, device)] = first
-                    adv = advantages(grid)  # what finish() reads
+                    if sampler_fn is not None:  # the forward ran pi_old on q: the sampler's weights, read by finish()
+                        is_weight, sampler_metrics = sampler_fn(grid)
+                    adv = advantages(grid if delta_from_update else delta_logp)  # what finish() reads
                     while held:
                         last_backward(len(held) == 1 and not prefix_backward)
                         step_loss += finish(*held.pop(0), totals, epoch == 0)
@@ -194,5 +199,6 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     means = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device) / counts[k] for k in names])
     metrics = dict(zip(names, means.tolist())) if names else {}  # one read of every metric of the update
     metrics["train/lr"] = state.scheduler.get_last_lr()[0]
+    metrics.update(sampler_metrics)
     metrics.update({f"perf/update_{name}_s": value for name, value in timers.items()})
     return metrics, first_pass.cpu(), adv
