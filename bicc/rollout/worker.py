@@ -83,11 +83,13 @@ def serve(spec: WorkerSpec, requests, results) -> None:
     from transformers.utils import logging as hf_logging
 
     from bicc.data import build_task
+    from bicc.machine.host import steady_malloc
     from bicc.model.load import end_token_ids, load_policy
     from bicc.rollout import EngineOptions, build_engine, engine_rows
     from bicc.rollout.collect import Collection, DataCursor, collect_rollout, step_seed
 
     hf_logging.disable_progress_bar()  # as train.py does
+    steady_malloc()  # a fresh process: large tensors would be mapped and unmapped on every generate call
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(len(spec.cores))
