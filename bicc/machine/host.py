@@ -96,3 +96,12 @@ def steady_malloc(libc=None) -> bool:
                                                                                               STEADY_TRIM_BYTES))
     except (OSError, AttributeError):  # not glibc (macOS, musl): its own allocator's defaults
         return False
+
+
+def set_torch_threads(n: int) -> None:
+    """torch's own thread setter: an in-process vLLM-cpu engine replaces ``torch.set_num_threads`` with a no-op once it
+    binds its threads, which left a trainer beside rollout workers running 2 threads on its 1 core (its forwards 3x
+    slower on SmolLM2)."""
+    import torch
+
+    torch._C.set_num_threads(n)

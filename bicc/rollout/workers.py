@@ -27,6 +27,7 @@ import time
 import torch
 
 from bicc.machine import distributed
+from bicc.machine.host import set_torch_threads
 from bicc.rollout.collect import DataCursor, Rollout, merge_shards
 from bicc.rollout.worker import WorkerSpec, worker_main
 
@@ -100,7 +101,7 @@ class RolloutWorkers:
             rest = sorted(set(os.sched_getaffinity(0)) - set(cores[0]))
             if rest:  # the trainer keeps the other cores; a one-core machine shares its core
                 os.sched_setaffinity(0, rest)
-                torch.set_num_threads(min(torch.get_num_threads(), len(rest)))
+                set_torch_threads(min(torch.get_num_threads(), len(rest)))
         ctx = torch.multiprocessing.get_context("spawn")
         self.requests = [ctx.Queue() for _ in devices]
         self.results = ctx.Queue()
@@ -193,7 +194,7 @@ class RolloutWorkers:
         self.procs = []
         if self.d.is_main:  # the trainer's cores and threads as they were (the final evaluation uses them all)
             os.sched_setaffinity(0, self.affinity)
-            torch.set_num_threads(self.threads)
+            set_torch_threads(self.threads)
 
     # ---- inside ---------------------------------------------------------------------------------
     def _restored(self, step: int) -> bool:  # a batch read back from a checkpoint (one answer, marked worker 0)
