@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import compose_cfg, mean_of, per_problem, results, run_dir_of, run_one, series
+from bench.common import compose_cfg, headline_table, mean_of, per_problem, results, run_dir_of, run_one, series
 from bicc.evaluation.stats import crossed_bootstrap_diff
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,24 +263,6 @@ def variance_table(out: Path) -> tuple[list[str], dict]:
     return lines, found
 
 
-def headline_table(out: Path) -> tuple[list[str], list[float]]:
-    lines = ["| seed | pass@1 T 0.6 start → end ± 95% CI | greedy | training accuracy by step | `rcc/cov` by step |",
-             "| --- | --- | --- | --- | --- |"]
-    gains = []
-    for seed in HEADLINE_SEEDS:
-        d = run_dir_of(out, "headline", seed)
-        if not (d / "results.json").exists():
-            continue
-        before, after = results(d)["initial"], results(d)["final"]
-        gains.append(100 * (after["eval/pass@1"] - before["eval/pass@1"]))
-        acc = " ".join(f"{v:.2f}" for v in series(d, "reward/accuracy").values())
-        cov = " ".join(f"{v:.3f}" for v in series(d, "rcc/cov").values())
-        lines.append(f"| {seed} | {100 * before['eval/pass@1']:.1f} → {100 * after['eval/pass@1']:.1f} ± "
-                     f"{100 * after['eval/pass@1_ci95']:.1f} | {100 * before['eval/greedy_acc']:.1f} → "
-                     f"{100 * after['eval/greedy_acc']:.1f} | {acc} | {cov} |")
-    return lines, gains
-
-
 PANELS = (("reward/accuracy", "training accuracy"), ("train/adv_abs_mean", "mean |A|"),
           ("train/clip_frac_low", "clipped share, A < 0"), ("train/clip_frac_high", "clipped share, A > 0"),
           ("rcc/cov", "Cov(R, δ)"), ("bicc/log_w_pos", "log w, right outputs"), ("bicc/log_w_neg", "log w, wrong outputs"),
@@ -336,7 +318,8 @@ def report(out: Path, docs: Path, seeds: int, wall_s: float) -> None:
     vlines, ratios_found = variance_table(out)
     if len(vlines) > 2:
         text += ["", "RCC's gradient variance (per-batch ratios on the same samples and splits):", "", *vlines]
-    hlines, gains = headline_table(out)
+    hlines, gains = headline_table({s: run_dir_of(out, "headline", s) for s in HEADLINE_SEEDS
+                                    if (run_dir_of(out, "headline", s) / "results.json").exists()})
     if gains:
         text += ["", "The headline command, `python train.py experiment=smollm2_arith algo=dapo bicc=on rcc=on seed=S`:",
                  "", *hlines]

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import mean_of, per_problem, results, run_dir_of, run_one, series
+from bench.common import headline_table, mean_of, per_problem, results, run_dir_of, run_one, series
 from bicc.evaluation.stats import crossed_bootstrap_diff
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,22 +158,6 @@ def variance_table(pooled: dict) -> list[str]:
     return lines
 
 
-def headline_table(runs: list[Path]) -> tuple[list[str], list[float]]:
-    lines = ["| seed | pass@1 T 0.6 start → end ± 95% CI | greedy | training accuracy by step | `rcc/cov` by step |",
-             "| --- | --- | --- | --- | --- |"]
-    gains = []
-    for seed, d in zip(HEADLINE[3], runs):
-        r = results(d)
-        before, after = r["initial"], r["final"]
-        gains.append(100 * (after["eval/pass@1"] - before["eval/pass@1"]))
-        acc = " ".join(f"{v:.2f}" for v in series(d, "reward/accuracy").values())
-        cov = " ".join(f"{v:.3f}" for v in series(d, "rcc/cov").values())
-        lines.append(f"| {seed} | {100 * before['eval/pass@1']:.1f} → {100 * after['eval/pass@1']:.1f} ± "
-                     f"{100 * after['eval/pass@1_ci95']:.1f} | {100 * before['eval/greedy_acc']:.1f} → "
-                     f"{100 * after['eval/greedy_acc']:.1f} | {acc} | {cov} |")
-    return lines, gains
-
-
 def plot_curves(dirs: dict[str, list[Path]], path: Path) -> Path:
     """Training accuracy, Cov(R, delta) and the clipped share per step, each the mean over seeds."""
     import matplotlib
@@ -269,7 +253,7 @@ def main() -> None:
         text += ["", *variance_table(pooled)]
     gains = []
     if headline:
-        lines, gains = headline_table(headline)
+        lines, gains = headline_table(dict(zip(HEADLINE[3], headline)))
         text += ["", "The headline command, `python train.py experiment=smollm2_arith algo=dapo bicc=on rcc=on seed=S`:",
                  "", *lines]
     args.docs.mkdir(parents=True, exist_ok=True)

@@ -186,7 +186,7 @@ def test_pretrained_compare_pairs_rows_with_grpo_by_seed_and_problem(tmp_path):
     assert "| 0.03 → 0.50 | 10.0% / 2.0% | 1.50 (1.00) |" in table and "| 0.03 → 0.50 | 10.0% / 2.0% | — |" in table
     cov = "\n".join(cov_table(dirs))
     assert "| GRPO+RCC | 0.010 | 0.035 | 0.080 | 0.130 | 0.180 |" in cov and "| BiCC-GRPO |" not in cov
-    lines, gains = headline_table([run("headline", 0, [0.75, 0.5]), run("headline", 1, [0.25, 0.25])])
+    lines, gains = headline_table({0: run("headline", 0, [0.75, 0.5]), 1: run("headline", 1, [0.25, 0.25])})
     assert gains == pytest.approx([12.5, -25.0])  # final pass@1 0.625 and 0.25 against an initial 0.5
     assert "| 0 | 50.0 → 62.5 ± 10.0 |" in "\n".join(lines)
 
