@@ -82,7 +82,9 @@ NEW = {"train.context_packing", "train.context_packing_impl", "train.max_packed_
        "rollout.async_steps", "rollout.devices", "train.eval_every", "logger.samples_every", "logger.samples_rows",
        "logger.samples_max_chars", "data.math.subset", "data.math.revision", "data.math.train_split",
        "data.math.test_split", "data.math.test_subset", "data.rewards", "data.reward_weights", "data.reward_errors",
-       "data.max_prompt_length", "data.prompt_overflow"}
+       "data.max_prompt_length", "data.prompt_overflow",
+       # RCC's diagnostic form over the group std (rcc=std)
+       "rcc.scale"}
 # Keys whose value a run now reads another way, and how to read it as before: rollout.tis_cap's default became null
 # ("chosen by the run"), and each benchmark gained the keys subset and revision (null).
 RESOLVED = {"rollout.tis_cap": lambda cfg: tis_cap(cfg.rollout),

@@ -47,6 +47,7 @@ CHANGES = {
     "rcc.enabled": (False, []),
     "rcc.delta": ("mean", []),
     "rcc.delta_context": ("xc", []),
+    "rcc.scale": ("std", ["rcc=on"]),
 }
 # Keys that change which samples a step collects (DAPO's dynamic sampling): held on the collection's own choice.
 COLLECTION = {"algo.dynamic_sampling": (True, []), "algo.max_sampling_rounds": (1, ["algo.dynamic_sampling=true"])}

@@ -86,11 +86,9 @@ def advantage_metrics(adv: torch.Tensor, rewards: torch.Tensor, group_ids: torch
     """What the advantages' scale is, whatever the estimator: mean |A| over samples, and the mean group std of
     the rewards over mixed groups (those with a learning signal; GRPO divides their centred rewards by it)."""
     _, std, counts = group_stats(rewards, group_ids)
-    mixed = std > 0
-    per_group = 1.0 / counts
+    weight = (std > 0).double() / counts  # each mixed group's samples carry 1/G of it (masked: static shapes)
     return {"train/adv_abs_mean": adv.double().abs().mean().item(),
-            "train/reward_std_mixed": ((std * per_group)[mixed].sum() / per_group[mixed].sum()).item()
-            if mixed.any() else 0.0}
+            "train/reward_std_mixed": ((std * weight).sum() / weight.sum()).item() if bool(weight.sum() > 0) else 0.0}
 
 
 @ADVANTAGES.register("rcc")

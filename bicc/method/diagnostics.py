@@ -34,9 +34,10 @@ def shift_and_delta(log_w: torch.Tensor, delta: torch.Tensor | None, rewards: to
     w = log_w.double() - group_stats(log_w, group_ids)[0]
     cov = group_stats(r * w, group_ids)[0]  # each sample holds its group's mean of the products
     metrics = {"bicc/cov_r_log_w": ((cov / counts).sum() / (1.0 / counts).sum()).item()}
-    if delta is not None and int(conditioned.sum()) > 2:
-        d = (delta.double() - group_stats(delta, group_ids)[0])[conditioned]
-        w = w[conditioned]
+    if delta is not None and int(conditioned.sum()) > 2:  # masked, not indexed: shapes stay static (fake tensors)
+        keep = conditioned.double()
+        d = (delta.double() - group_stats(delta, group_ids)[0]) * keep
+        w = w * keep
         denom = (d.norm() * w.norm()).item()
         metrics["rcc/delta_log_w_corr"] = float((d * w).sum().item() / denom) if denom > 0 else 0.0
     return metrics
