@@ -29,8 +29,8 @@ def shift_and_delta(log_w: torch.Tensor, delta: torch.Tensor | None, rewards: to
     correlation over conditioned samples of delta and log w, each centred in its group."""
     from bicc.method.advantages import group_stats
 
-    _, _, counts = group_stats(rewards, group_ids)
-    r = rewards.double() - group_stats(rewards, group_ids)[0]
+    r_mean, _, counts = group_stats(rewards, group_ids)
+    r = rewards.double() - r_mean
     w = log_w.double() - group_stats(log_w, group_ids)[0]
     cov = group_stats(r * w, group_ids)[0]  # each sample holds its group's mean of the products
     metrics = {"bicc/cov_r_log_w": ((cov / counts).sum() / (1.0 / counts).sum()).item()}
