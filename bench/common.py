@@ -53,6 +53,25 @@ def run_dir_of(out_root: Path, name: str, seed: int) -> Path:
     return out_root / name.replace(" (", "_").replace(")", "").replace(" ", "-").replace("=", "") / f"s{seed}"
 
 
+TRAINING_CODE = ("bicc", "conf", "train.py")  # what a run's numbers depend on (benches and docs do not)
+
+
+def code_commit() -> str:
+    """The checkout's commit, with "+changes" when the training code differs from it (such a run is no commit's)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
+    dirty = git("status", "--porcelain", "--", *TRAINING_CODE).stdout.strip()
+    return head + ("+changes" if dirty else "")
+
+
+def same_training_code(commits: list[str]) -> bool:
+    """Whether the training code is identical at every one of these commits (none with uncommitted changes)."""
+    if any(c.endswith("+changes") or c == "unknown" for c in commits):
+        return False
+    return all(subprocess.run(["git", "diff", "--quiet", commits[0], c, "--", *TRAINING_CODE], cwd=ROOT).returncode == 0
+               for c in commits[1:])
+
+
 def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int, out_root: Path, extra: list[str]) -> Path:
     """One ``train.py`` run (kept: a run dir with ``results.json`` is not run again), the diagnostics every 10 steps."""
     run_dir = run_dir_of(out_root, name, seed)
@@ -63,6 +82,7 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int
            "diag.every=10",  # the gradient-variance comparison needs the diagnostics on every row
            f"hydra.run.dir={run_dir}", *extra]
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "commit.txt").write_text(code_commit() + "\n", encoding="utf-8")  # what the run's numbers come from
     t0 = time.perf_counter()
     with open(run_dir / "stdout.log", "w", encoding="utf-8") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

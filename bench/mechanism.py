@@ -20,9 +20,13 @@ method stops learning", holds them and the decision rule written before the runs
 - the headline command (``experiment=smollm2_arith algo=dapo bicc=on rcc=on``) on seeds 2 and 3.
 
 Runs go in priority order (seed 0 of every row, the headline, the variance, seed 1, the horizon, seed 2), one at
-a time on all cores. A run dir with ``results.json`` is kept; one without (an interrupted run) is run again from
-the start; the variance is cached per batch. So an interrupted call, or a later one, continues where it stopped.
-Every call rewrites ``docs/pretrained/mechanism.md`` and ``docs/pretrained/mechanism.png`` from the runs it finds.
+a time on all cores. A finished run is pruned to its record (``results.json``, ``metrics.jsonl``, the final
+evaluation's ``per_problem.jsonl``, ``wall_s.txt`` and ``commit.txt``: some 40 kB), kept in
+``bench/runs/mechanism/`` and committed, so that a later call on another machine continues the grid; a run dir
+without ``results.json`` (an interrupted run) is run again from the start; the variance is recorded per batch, and
+a variance row whose step-20 checkpoint is gone (it is not committed) is trained again into ``outputs/`` for it.
+Every call rewrites ``docs/pretrained/mechanism.md`` and ``docs/pretrained/mechanism.png`` from the records it
+finds, naming the commits they ran at and whether the training code is the same at each.
 
 Run: ``.venv/bin/python -m bench.mechanism [--max-minutes M] [--report-only]`` (the whole grid: about 10 h on 2
 cores). Ends with ``RESULT full_minus_bicc_grpo=<points> target>=0`` (BiCC-GRPO+RCC against BiCC-GRPO, paired),
@@ -36,13 +40,22 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import compose_cfg, headline_table, mean_of, per_problem, results, run_dir_of, run_one, series
+from bench.common import (
+    compose_cfg,
+    headline_table,
+    mean_of,
+    per_problem,
+    results,
+    run_dir_of,
+    run_one,
+    same_training_code,
+    series,
+)
 from bicc.evaluation.stats import crossed_bootstrap_diff
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +78,20 @@ BASES = ("GRPO", FULL, "BiCC-GRPO")  # every 20-step row is paired with each of 
 VARIANCE = {"GRPO+RCC": "GRPO", FULL: "BiCC-GRPO"}  # RCC row -> the baseline it is measured against
 BLOCK, MAX_BATCHES = 4, 24
 EXTRA = ["diag.every=0"]  # no diagnostics step: every row's update is the same work
+RECORD = ("results.json", "metrics.jsonl", "wall_s.txt", "commit.txt", "eval/*/per_problem.jsonl")
+SCRATCH = ROOT / "outputs" / "pretrained" / "mechanism-checkpoints"  # variance checkpoints trained again (not kept)
+
+
+def prune(run_dir: Path, keep_checkpoints: bool = False) -> None:
+    """Delete all of a finished run dir but its record (and its checkpoints, while the variance needs them)."""
+    kept = {p for pattern in RECORD for p in run_dir.glob(pattern)}
+    for path in sorted(run_dir.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if keep_checkpoints and "checkpoints" in path.relative_to(run_dir).parts:
+            continue
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        elif not path.is_dir() and path not in kept:
+            path.unlink()
 
 
 # ---- the runs -------------------------------------------------------------------------------------------------
@@ -113,9 +140,17 @@ def run(name: str, seed: int, steps: int, out: Path, threads: int) -> Path | Non
     keep = name in VARIANCE and seed == 0
     saves = [f"train.save_every={steps}", "train.keep_last=0"] if keep else []
     d = run_one(name, [*overrides, *saves], seed, steps, threads, out, EXTRA)
-    if not keep:
-        shutil.rmtree(d / "checkpoints", ignore_errors=True)
+    prune(d, keep_checkpoints=keep)
     return d
+
+
+def checkpoint(out: Path, name: str, threads: int) -> Path:
+    """The variance row's step-20 checkpoint: its recorded run's, or, that gone, the row trained again in SCRATCH."""
+    ckpt = Path("checkpoints") / f"step_{STEPS}"
+    if (run_dir_of(out, name, 0) / ckpt).exists():
+        return run_dir_of(out, name, 0) / ckpt
+    saves = [f"train.save_every={STEPS}", "train.keep_last=0"]
+    return run_one(name, [TASK, *ROWS[name], *saves], 0, STEPS, threads, SCRATCH, EXTRA) / ckpt
 
 
 # ---- RCC's gradient variance --------------------------------------------------------------------------------
@@ -140,13 +175,13 @@ def settled(values: list[dict]) -> bool:
     return not (mean - half <= 0.75 and mean + half >= 1.0) or len(values) >= MAX_BATCHES
 
 
-def measure_variance(out: Path, deadline: float) -> None:
+def measure_variance(out: Path, deadline: float, threads: int) -> None:
     from bench.rcc_variance import Setup, measure
 
     for name in VARIANCE:
-        ckpt = run_dir_of(out, name, 0) / "checkpoints" / f"step_{STEPS}"
-        if not ckpt.exists():
+        if not (run_dir_of(out, name, 0) / "results.json").exists() or settled(variance_values(out, name)):
             continue
+        ckpt = checkpoint(out, name, threads)
         cfg = compose_cfg([TASK, *ROWS[name], "seed=0", "rollout.prompts_per_step=8"])
         setup, folder = None, out / "variance" / run_dir_of(out, name, 0).parent.name
         folder.mkdir(parents=True, exist_ok=True)
@@ -157,6 +192,8 @@ def measure_variance(out: Path, deadline: float) -> None:
             found = measure(cfg, setup, range(batch, batch + 1), 4, log=lambda s: print(f"  {s}", flush=True))
             (folder / f"b{batch}.json").write_text(json.dumps(found[0]), encoding="utf-8")
         del setup
+        if settled(variance_values(out, name)):  # the checkpoint's work is done
+            shutil.rmtree(ckpt.parent, ignore_errors=True)
 
 
 # ---- the report ---------------------------------------------------------------------------------------------
@@ -293,11 +330,23 @@ def plot(dirs: dict[str, dict[int, Path]], path: Path) -> None:
     plt.close(fig)
 
 
+def provenance(dirs: list[Path]) -> str:
+    """Which commits the runs ran at, and whether the training code is the same at each."""
+    commits = sorted({(d / "commit.txt").read_text().strip() if (d / "commit.txt").exists() else "unknown"
+                      for d in dirs if (d / "results.json").exists()})
+    if not commits:
+        return "No runs yet."
+    same = same_training_code(commits)
+    return (f"Runs at commit{'s' * (len(commits) > 1)} {', '.join(commits)}"
+            + ("." if len(commits) == 1 and same else
+               "; the training code (bicc/, conf/, train.py) is the same at each." if same else
+               "; the training code differs between them (or is not committed): these runs do not compare."))
+
+
 def report(out: Path, docs: Path, seeds: int, wall_s: float) -> None:
     names = [*ROWS]
     dirs = finished(out, names, range(seeds))
     horizon = finished(out, HORIZON, HORIZON_SEEDS)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     all_dirs = [d for g in (dirs, horizon) for runs in g.values() for d in runs.values()]
     all_dirs += [run_dir_of(out, "headline", s) for s in HEADLINE_SEEDS]
     run_s = sum(float((d / "wall_s.txt").read_text()) for d in all_dirs if (d / "wall_s.txt").exists())
@@ -305,8 +354,8 @@ def report(out: Path, docs: Path, seeds: int, wall_s: float) -> None:
     done = sum(len(r) for r in dirs.values()) + sum(len(r) for r in horizon.values()) + sum(
         (run_dir_of(out, "headline", s) / "results.json").exists() for s in HEADLINE_SEEDS)
     sigma = sigma_bar(out)
-    text = [f"`python -m bench.mechanism` at {commit}: {done} of {total} runs finished ({run_s / 3600:.1f} h of runs on "
-            f"this machine; this call {wall_s / 60:.0f} min). σ̄ for the lr row: {fmt(sigma, '.3f')} "
+    text = [f"`python -m bench.mechanism`: {done} of {total} runs finished ({run_s / 3600:.1f} h of runs on "
+            f"2 cores; this call {wall_s / 60:.0f} min). {provenance(all_dirs)} σ̄ for the lr row: {fmt(sigma, '.3f')} "
             f"(lr {'—' if sigma is None else format(lr_over(sigma), '.3g')}).", "",
             f"Outcomes after {STEPS} steps (pass@1 at T 0.6 on 200 held-out problems × 4; Δ paired by seed and problem):", "",
             *outcome_table(dirs, STEPS, BASES)[0], "", "Per-step dynamics, means over steps and seeds:", "",
@@ -343,7 +392,7 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=float, default=float("inf"), help="start nothing new after this long")
     parser.add_argument("--report-only", action="store_true", help="write the tables from the runs there are")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "pretrained" / "mechanism")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "runs" / "mechanism", help="the run records")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "pretrained")
     args = parser.parse_args()
     start = time.time()
@@ -353,7 +402,7 @@ def main() -> None:
             print(f"[mechanism] {args.max_minutes:.0f} min passed: the rest is left for a later call", flush=True)
             break
         if name == "variance":
-            measure_variance(args.out, deadline)
+            measure_variance(args.out, deadline, args.threads)
         else:
             run(name, seed, steps, args.out, args.threads)
     report(args.out, args.docs, args.seeds, time.time() - start)

@@ -70,3 +70,31 @@ def test_report_pairs_rows_and_writes_the_figure(tmp_path):
     # against GRPO -50 points, against BiCC-GRPO -40 (every problem, both seeds): intervals of one point each
     assert "-50.0 [-50.0, -50.0] (2 seeds; below 0)" in full_row and "-40.0 [-40.0, -40.0] (2 seeds; below 0)" in full_row
     assert "6 of " in text and (docs / "mechanism.png").stat().st_size > 10_000
+
+
+def test_prune_keeps_the_record_and_the_variance_checkpoints_only(tmp_path):
+    d = fake_run(tmp_path, "GRPO", 0, 0.4, 0.8, [0.8], {1: 0.2})
+    (d / "commit.txt").write_text("abc1234\n")
+    for junk in ("stdout.log", ".hydra/config.yaml", "eval/arith/samples.jsonl", "samples/step_1.jsonl",
+                 "checkpoints/step_20/model.safetensors"):
+        (d / junk).parent.mkdir(parents=True, exist_ok=True)
+        (d / junk).write_text("x")
+    m.prune(d, keep_checkpoints=True)
+    assert (d / "checkpoints/step_20/model.safetensors").exists()
+    m.prune(d)
+    kept = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+    assert kept == ["commit.txt", "eval/arith/per_problem.jsonl", "metrics.jsonl", "results.json", "wall_s.txt"]
+    assert sorted(p.name for p in d.iterdir()) == ["commit.txt", "eval", "metrics.jsonl", "results.json", "wall_s.txt"]
+
+
+def test_provenance_names_the_commits_and_refuses_uncommitted_code(tmp_path):
+    from bench.common import code_commit
+
+    head = code_commit().removesuffix("+changes")
+    runs = [fake_run(tmp_path, "GRPO", s, 0.4, 0.8, [0.8], {1: 0.2}) for s in (0, 1)]
+    for d in runs:
+        (d / "commit.txt").write_text(head + "\n")
+    assert m.provenance(runs) == f"Runs at commit {head}."
+    (runs[1] / "commit.txt").write_text(head + "+changes\n")
+    assert "differs between them" in m.provenance(runs) and f"{head}+changes" in m.provenance(runs)
+    assert m.provenance([tmp_path / "none"]) == "No runs yet."
