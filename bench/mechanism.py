@@ -21,7 +21,7 @@ method stops learning", holds them and the decision rule written before the runs
 
 Runs go in priority order (seed 0 of every row, the headline, the variance, seed 1, the horizon, seed 2), one at
 a time on all cores. A finished run is pruned to its record (``results.json``, ``metrics.jsonl``, the final
-evaluation's ``per_problem.jsonl``, ``wall_s.txt`` and ``commit.txt``: some 40 kB), kept in
+evaluation's ``per_problem.jsonl``, ``wall_s.txt`` and ``commit.txt``: some 60 kB), kept in
 ``bench/runs/mechanism/`` and committed, so that a later call on another machine continues the grid; a run dir
 without ``results.json`` (an interrupted run) is run again from the start; the variance is recorded per batch, and
 a variance row whose step-20 checkpoint is gone (it is not committed) is trained again into ``outputs/`` for it.
