@@ -20,8 +20,9 @@ method stops learning", holds them and the decision rule written before the runs
 - the headline command (``experiment=smollm2_arith algo=dapo bicc=on rcc=on``) on seeds 2 and 3.
 
 Runs go in priority order (seed 0 of every row, the headline, seed 1, on which the verdicts rest, the
-variance, the horizon, seed 2), one at a time on all cores. A finished run is pruned to its record (``results.json``, ``metrics.jsonl``, the final
-evaluation's ``per_problem.jsonl``, ``wall_s.txt`` and ``commit.txt``: some 60 kB), kept in
+variance, the horizon, seed 2), one at a time on all cores. A finished run is pruned to its record
+(``results.json``, ``metrics.jsonl``, the final evaluation's ``per_problem.jsonl``, ``wall_s.txt`` and
+``commit.txt``: some 60 kB), kept in
 ``bench/runs/mechanism/`` and committed, so that a later call on another machine continues the grid; a run dir
 without ``results.json`` (an interrupted run) is run again from the start; the variance is recorded per batch, and
 a variance row whose step-20 checkpoint is gone (it is not committed) is trained again into ``outputs/`` for it.
