@@ -98,3 +98,59 @@ def test_provenance_names_the_commits_and_refuses_uncommitted_code(tmp_path):
     (runs[1] / "commit.txt").write_text(head + "+changes\n")
     assert "differs between them" in m.provenance(runs) and f"{head}+changes" in m.provenance(runs)
     assert m.provenance([tmp_path / "none"]) == "No runs yet."
+
+
+def test_a_variance_checkpoint_is_trained_again_only_when_its_record_has_none(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run_one(name, overrides, seed, steps, threads, out_root, extra):
+        calls.append((name, overrides, seed, steps, out_root))
+        return run_dir_of(out_root, name, seed)
+
+    monkeypatch.setattr(m, "run_one", fake_run_one)
+    monkeypatch.setattr(m, "SCRATCH", tmp_path / "scratch")
+    d = fake_run(tmp_path, m.FULL, 0, 0.4, 0.5, [0.5], {1: 0.2})
+    # the record has no checkpoint (it is not committed): the row is trained again, into SCRATCH, saving step 20
+    assert m.checkpoint(tmp_path, m.FULL, 2) == run_dir_of(tmp_path / "scratch", m.FULL, 0) / "checkpoints" / "step_20"
+    (name, overrides, seed, steps, out_root), = calls
+    assert (name, seed, steps, out_root) == (m.FULL, 0, m.STEPS, tmp_path / "scratch")
+    assert overrides == [m.TASK, "bicc=on", "rcc=on", "train.save_every=20", "train.keep_last=0"]
+    # a record that kept its checkpoint is used as it is
+    (d / "checkpoints" / "step_20").mkdir(parents=True)
+    assert m.checkpoint(tmp_path, m.FULL, 2) == d / "checkpoints" / "step_20" and len(calls) == 1
+
+
+def test_code_commit_marks_uncommitted_training_code(tmp_path, monkeypatch):
+    import subprocess
+
+    import bench.common as common
+
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,  # noqa: E731
+                                    check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "bicc").mkdir()
+    (tmp_path / "bicc" / "loss.py").write_text("A = 1\n")
+    (tmp_path / "notes.md").write_text("x\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "notes.md").write_text("y\n")  # not training code: the run is still the commit's
+    assert common.code_commit() == head
+    (tmp_path / "bicc" / "loss.py").write_text("A = 2\n")
+    assert common.code_commit() == head + "+changes"
+    assert not common.same_training_code([head + "+changes"])  # one commit, but not a committed one
+    git("commit", "-qam", "two")
+    assert not common.same_training_code([head, git("rev-parse", "--short", "HEAD")])
+    (tmp_path / "notes.md").write_text("z\n")
+    git("commit", "-qam", "three: docs only")
+    assert common.same_training_code([git("rev-parse", "--short", "HEAD~1"), git("rev-parse", "--short", "HEAD")])
+
+
+def test_seed_one_runs_before_the_variance_and_the_horizon():
+    order = m.jobs(3)
+    assert order[:len(m.ROWS)] == [(name, 0, m.STEPS) for name in m.ROWS]
+    variance, first_horizon = order.index(("variance", 0, 0)), order.index(("BiCC-GRPO 60-step", 0, m.HORIZON_STEPS))
+    assert max(order.index((name, 1, m.STEPS)) for name in m.ROWS) < variance < first_horizon
+    assert all(order.index((name, 2, m.STEPS)) > first_horizon for name in m.ROWS)
+    assert len(order) == 3 * len(m.ROWS) + 2 + 1 + 4  # rows x seeds, the headline's two, the variance, the horizon
