@@ -25,15 +25,15 @@ method stops learning", holds them and the decision rule written before the runs
 Runs go in priority order (seed 0 of every row, the headline, seed 1, on which the verdicts rest, the
 variance, the horizon, seed 2), one at a time on all cores. A finished run is pruned to its record
 (``results.json``, ``metrics.jsonl``, the final evaluation's ``per_problem.jsonl``, ``wall_s.txt`` and
-``commit.txt``: some 60 kB), kept in
-``bench/runs/mechanism/`` and committed, so that a later call on another machine continues the grid; a run dir
-without ``results.json`` (an interrupted run) is run again from the start; the variance is recorded per batch, and
-a variance row whose step-20 checkpoint is gone (it is not committed) is trained again into ``outputs/`` for it.
+``commit.txt``: some 60 kB), kept in ``bench/runs/mechanism/`` and committed, so that a later call on another
+machine continues the grid; a run dir without ``results.json`` (an interrupted run) is run again from the start;
+the variance is recorded per batch, and a variance row whose step-20 checkpoint is gone (it is not committed) is
+trained again into ``outputs/`` for it.
 Every call rewrites ``docs/pretrained/mechanism.md`` and ``docs/pretrained/mechanism.png`` from the records it
 finds, naming the commits they ran at and whether the training code is the same at each.
 
-Run: ``.venv/bin/python -m bench.mechanism [--max-minutes M] [--report-only]`` (the whole grid: about 10 h on 2
-cores). Ends with ``RESULT full_minus_bicc_grpo=<points> target>=0`` (BiCC-GRPO+RCC against BiCC-GRPO, paired),
+Run: ``.venv/bin/python -m bench.mechanism [--max-minutes M] [--report-only]`` (the whole grid: about 6 h on 2
+cores, 5-9 min a 20-step run). Ends with ``RESULT full_minus_bicc_grpo=<points> target>=0`` (BiCC-GRPO+RCC against BiCC-GRPO, paired),
 ``RESULT rcc_grad_var_vs_grpo=`` / ``rcc_grad_var_vs_bicc_grpo=<ratio> target<1.0`` and
 ``RESULT headline_final_minus_initial=<the lower seed's, points> target>=0``, each once its runs exist.
 """
