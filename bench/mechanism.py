@@ -33,7 +33,8 @@ Every call rewrites ``docs/pretrained/mechanism.md`` and ``docs/pretrained/mecha
 finds, naming the commits they ran at and whether the training code is the same at each.
 
 Run: ``.venv/bin/python -m bench.mechanism [--max-minutes M] [--report-only]`` (the whole grid: about 6 h on 2
-cores, 5-9 min a 20-step run). Ends with ``RESULT full_minus_bicc_grpo=<points> target>=0`` (BiCC-GRPO+RCC against BiCC-GRPO, paired),
+cores, 5-9 min a 20-step run). Ends with ``RESULT full_minus_bicc_grpo=<points> target>=0`` (BiCC-GRPO+RCC
+against BiCC-GRPO, paired),
 ``RESULT rcc_grad_var_vs_grpo=`` / ``rcc_grad_var_vs_bicc_grpo=<ratio> target<1.0`` and
 ``RESULT headline_final_minus_initial=<the lower seed's, points> target>=0``, each once its runs exist.
 """
