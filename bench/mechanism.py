@@ -32,8 +32,8 @@ trained again into ``outputs/`` for it.
 Every call rewrites ``docs/pretrained/mechanism.md`` and ``docs/pretrained/mechanism.png`` from the records it
 finds, naming the commits they ran at and whether the training code is the same at each.
 
-Run: ``.venv/bin/python -m bench.mechanism [--max-minutes M] [--report-only]`` (the whole grid: about 6 h on 2
-cores, 5-9 min a 20-step run). Ends with ``RESULT full_minus_bicc_grpo=<points> target>=0`` (BiCC-GRPO+RCC
+Run: ``.venv/bin/python -m bench.mechanism [--max-minutes M] [--only ROW ...] [--report-only]`` (the whole
+grid: about 6 h on 2 cores, 5-9 min a 20-step run). Ends with ``RESULT full_minus_bicc_grpo=<points> target>=0`` (BiCC-GRPO+RCC
 against BiCC-GRPO, paired),
 ``RESULT rcc_grad_var_vs_grpo=`` / ``rcc_grad_var_vs_bicc_grpo=<ratio> target<1.0`` and
 ``RESULT headline_final_minus_initial=<the lower seed's, points> target>=0``, each once its runs exist.
@@ -125,13 +125,19 @@ def lr_over(sigma: float) -> float:
     return compose_cfg([TASK]).optim.lr / sigma
 
 
-def jobs(seeds: int) -> list[tuple[str, int, int]]:
-    """(row, seed, steps) in the order they run; the headline's rows are named "headline"."""
+def jobs(seeds: int, only: list[str] | None = None) -> list[tuple[str, int, int]]:
+    """(row, seed, steps) in the order they run, or those of the rows named in ``only``; the headline's are
+    named "headline"."""
     rows = lambda seed: [(name, seed, STEPS) for name in ROWS]  # noqa: E731
     order = [*rows(0), *(("headline", s, 6) for s in HEADLINE_SEEDS), *rows(1), ("variance", 0, 0),
              *((name, s, HORIZON_STEPS) for s in HORIZON_SEEDS for name in HORIZON)]
     for seed in range(2, seeds):
         order += rows(seed)
+    if only:
+        unknown = sorted(set(only) - {name for name, _, _ in order})
+        if unknown:
+            raise SystemExit(f"--only: no row named {unknown}; the rows: {sorted({n for n, _, _ in order})}")
+        order = [job for job in order if job[0] in only]
     return order
 
 
@@ -398,13 +404,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the 20-step rows")
     parser.add_argument("--max-minutes", type=float, default=float("inf"), help="start nothing new after this long")
     parser.add_argument("--report-only", action="store_true", help="write the tables from the runs there are")
+    parser.add_argument("--only", nargs="+", metavar="ROW", help="run only these rows (in the grid's order)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "runs" / "mechanism", help="the run records")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "pretrained")
     args = parser.parse_args()
     start = time.time()
     deadline = start + 60 * args.max_minutes
-    for name, seed, steps in ([] if args.report_only else jobs(args.seeds)):
+    for name, seed, steps in ([] if args.report_only else jobs(args.seeds, args.only)):
         if time.time() >= deadline:
             print(f"[mechanism] {args.max_minutes:.0f} min passed: the rest is left for a later call", flush=True)
             break

@@ -154,3 +154,11 @@ def test_seed_one_runs_before_the_variance_and_the_horizon():
     assert max(order.index((name, 1, m.STEPS)) for name in m.ROWS) < variance < first_horizon
     assert all(order.index((name, 2, m.STEPS)) > first_horizon for name in m.ROWS)
     assert len(order) == 3 * len(m.ROWS) + 2 + 1 + 4  # rows x seeds, the headline's two, the variance, the horizon
+
+
+def test_only_keeps_the_grids_order_and_names_an_unknown_row():
+    horizon = m.jobs(3, ["BiCC-GRPO+RCC 60-step", "BiCC-GRPO 60-step"])
+    assert horizon == [(name, s, m.HORIZON_STEPS) for s in m.HORIZON_SEEDS for name in m.HORIZON]
+    assert m.jobs(3, ["GRPO"]) == [("GRPO", s, m.STEPS) for s in range(3)]
+    with pytest.raises(SystemExit, match="GRPO 60-step"):
+        m.jobs(3, ["GRPO 60-step"])
