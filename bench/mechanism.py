@@ -33,8 +33,8 @@ Every call rewrites ``docs/pretrained/mechanism.md`` and ``docs/pretrained/mecha
 finds, naming the commits they ran at and whether the training code is the same at each.
 
 Run: ``.venv/bin/python -m bench.mechanism [--max-minutes M] [--only ROW ...] [--report-only]`` (the whole
-grid: about 6 h on 2 cores, 5-9 min a 20-step run). Ends with ``RESULT full_minus_bicc_grpo=<points> target>=0`` (BiCC-GRPO+RCC
-against BiCC-GRPO, paired),
+grid: about 6 h on 2 cores, 5-12 min a 20-step run, 18-26 min a 60-step one). Ends with
+``RESULT full_minus_bicc_grpo=<points> target>=0`` (BiCC-GRPO+RCC against BiCC-GRPO, paired),
 ``RESULT rcc_grad_var_vs_grpo=`` / ``rcc_grad_var_vs_bicc_grpo=<ratio> target<1.0`` and
 ``RESULT headline_final_minus_initial=<the lower seed's, points> target>=0``, each once its runs exist.
 """
@@ -134,9 +134,9 @@ def jobs(seeds: int, only: list[str] | None = None) -> list[tuple[str, int, int]
     for seed in range(2, seeds):
         order += rows(seed)
     if only:
-        unknown = sorted(set(only) - {name for name, _, _ in order})
-        if unknown:
-            raise SystemExit(f"--only: no row named {unknown}; the rows: {sorted({n for n, _, _ in order})}")
+        names = {name for name, _, _ in order}
+        if unknown := sorted(set(only) - names):
+            raise SystemExit(f"--only: no row named {unknown}; the rows: {sorted(names)}")
         order = [job for job in order if job[0] in only]
     return order
 
