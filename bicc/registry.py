@@ -3,6 +3,10 @@
 A registry maps a name to a callable. Registering a name twice is an error, and looking up
 an unknown name raises an error that lists the valid names, so a typo in a config fails
 loudly and says how to fix it.
+
+A name of the form ``package.module:attribute`` is imported on first use (as ``data.reward`` is), so a component
+in your own package needs no edit of the library, and a process that only receives the name (a rollout worker)
+finds it too.
 """
 
 from __future__ import annotations
@@ -31,12 +35,32 @@ class Registry(Generic[T]):
         return decorator
 
     def get(self, name: str) -> T:
+        if name not in self._entries and ":" in name:
+            self._entries[name] = self._imported(name)
         if name not in self._entries:
-            raise KeyError(f"{self.kind} '{name}' unknown; choose from: {', '.join(self.names())}")
+            raise KeyError(f"{self.kind} '{name}' unknown; choose from: {', '.join(self.names())} "
+                           "(or package.module:attribute)")
         return self._entries[name]
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        """The registered names (imported ``module:attribute`` ones aside)."""
+        return sorted(n for n in self._entries if ":" not in n)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        try:
+            self.get(name)
+        except KeyError:
+            return False
+        return True
+
+    def _imported(self, name: str) -> T:
+        import importlib
+
+        module_name, _, attribute = name.partition(":")
+        try:
+            found = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as err:
+            raise KeyError(f"{self.kind} '{name}': cannot import it ({type(err).__name__}: {err})") from None
+        if not callable(found):
+            raise KeyError(f"{self.kind} '{name}' is not callable")
+        return found

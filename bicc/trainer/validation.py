@@ -26,7 +26,10 @@ def validate(cfg: Any) -> None:
     named += [(f"eval.benchmarks[{i}].extractors", EXTRACTORS, name)
               for i, b in enumerate(cfg.eval.benchmarks) for name in b.extractors]
     for field_name, registry, value in named:
-        need(value in registry, field_name, f"'{value}' unknown; choose from: {', '.join(registry.names())}")
+        try:
+            registry.get(value)
+        except KeyError as err:  # the registry's message: the choices, or why an imported name failed
+            need(False, field_name, err.args[0])
 
     check_schema(cfg, RunConfig)
 
