@@ -250,3 +250,58 @@ def test_workers_end_when_their_trainer_is_killed(tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in pids)
+
+
+@pytest.mark.launch
+def test_workers_score_the_papers_data_as_the_synchronous_run(tmp_path, monkeypatch, one_thread):
+    """The math task's checker in a worker: answers that only math-verify can decide (it runs in processes of its
+    own, started by the worker) score as the synchronous step scores them, each as it must."""
+    from tests.scripted_engine import ANSWERS, problems_file, written
+
+    policy_and_reference(tmp_path)
+    problems_file(tmp_path / "train.jsonl", 16)
+    problems_file(tmp_path / "test.jsonl", 4)
+    math = ["data=jsonl", f"data.math.train_source={tmp_path / 'train.jsonl'}",
+            f"data.math.test_source={tmp_path / 'test.jsonl'}", "rollout.engine=tests.scripted_engine:ScriptedEngine",
+            "data.reward=null", "data.reward_batched=false", "optim.lr=0"]
+    sync, cfg = state(tmp_path, math)
+    _, r_sync = run_steps(sync, cfg, tmp_path, monkeypatch, steps=2)
+    s, cfg_async = state(tmp_path, [*math, "rollout.async_steps=1"])
+    _, r_async = run_steps(s, cfg_async, tmp_path, monkeypatch, steps=2)
+    for a, b in zip(r_async, r_sync):
+        expected = [ANSWERS[written(t)] for t in b.out.texts]
+        assert 0 < sum(expected) < len(expected)  # right and wrong answers, each decided by math-verify
+        assert b.rewards.tolist() == expected and a.out.texts == b.out.texts
+        assert a.rewards.tolist() == expected
+
+
+def in_small_shm(cmd: list[str], shm_bytes: int) -> list[str]:
+    """``cmd`` in a mount namespace of its own whose /dev/shm holds ``shm_bytes`` (a container's is 64 MiB); the
+    test is skipped where the host allows no such namespace."""
+    import shutil
+    import subprocess
+
+    probe = ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=4k tmpfs /dev/shm"]
+    if not shutil.which("unshare") or subprocess.run(probe, capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace on this host (unshare -m)")
+    import shlex
+
+    return ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size={shm_bytes} tmpfs /dev/shm && exec {shlex.join(cmd)}"]
+
+
+@pytest.mark.launch
+def test_a_weight_push_needs_no_host_shared_memory(tmp_path):
+    """Under a /dev/shm far smaller than the model (64 KiB for a 90 kB fp32 policy), workers start, take every push and
+    train: no push goes through host shared memory."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    policy_and_reference(tmp_path)
+    params = sum(p.numel() for p in state(tmp_path, [])[0].model.parameters())
+    assert params * 4 > 64 * 1024  # the fp32 model would not fit there
+    cmd = in_small_shm([sys.executable, str(ROOT / "tests" / "async_trainer.py"), str(tmp_path / "policy"), "run"],
+                       64 * 1024)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "trained 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
