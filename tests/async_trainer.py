@@ -42,6 +42,18 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def read_by_workers(workers, message: int, timeout_s: float = 60.0) -> None:
+    """Wait until every worker has read message ``message`` (1, 2, ...) sent to it (a read message's key is
+    deleted)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for link in workers.line.links:
+        key = f"{link.inbox.name}/{message}"
+        while workers.line.store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 def die() -> None:
     print(" ".join(str(p) for p in descendants(os.getpid())), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -54,7 +66,8 @@ if __name__ == "__main__":  # the workers may import this file as a module
     s = build_rl_state(cfg, policy, policy, torch.device("cpu"))
     s.workers = RolloutWorkers(cfg, policy, s.cursor)
     s.workers.start(s.model, 0)
-    if mode == "kill-start":
+    if mode == "kill-start":  # once the worker holds its requests (it may be stuck in one: a planted hang)
+        read_by_workers(s.workers, 2)  # its requests: weight version 0, then batches 0 and 1
         die()
     if mode == "kill-push":
         import bicc.rollout.weight_sync as weight_sync

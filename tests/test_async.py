@@ -121,7 +121,7 @@ def test_async_run_is_the_reference_stale_loop(async_steps, tmp_path, monkeypatc
 @pytest.mark.parametrize(("fault", "expected"), [
     ("sample:2:exit", "exited with code 3 while sampling step 2"),
     ("sample:2:hang", "while sampling step 2"),
-    ("load:1:hang", "(loaded weight version 0 of 2)"),
+    ("load:1:hang", "(loaded weight version 0 of 1)"),
 ])
 def test_a_failing_worker_stops_the_run_with_its_name(fault, expected, tmp_path, monkeypatch):
     """A worker that exits, hangs in a step or hangs taking new weights: the step raises within the timeout (3 s
@@ -134,7 +134,7 @@ def test_a_failing_worker_stops_the_run_with_its_name(fault, expected, tmp_path,
     # dist.timeout_minutes, in seconds, once started (starting imports torch). A worker that exits is seen at once,
     # whatever the timeout: a long one there keeps a slow host's sampling from reading as a hang
     timeout = 3 if fault.endswith("hang") else 120
-    s.workers.timeout = timeout
+    s.workers.line.timeout = timeout
     procs = list(s.workers.procs)
     start = time.monotonic()
     with pytest.raises(WorkerFailure, match="rollout worker 0 \\(CPU cores") as err:
@@ -143,7 +143,7 @@ def test_a_failing_worker_stops_the_run_with_its_name(fault, expected, tmp_path,
             start = time.monotonic()
     assert expected in str(err.value)
     assert time.monotonic() - start < min(timeout, 3) + 10  # the timeout (an exit: none), one step, stopping the worker
-    assert not any(p.is_alive() for p in procs)
+    assert all(p.poll() is not None for p in procs)
 
 
 # ---- Both modes: the version each batch carries, the seed each step draws with (no process started) -------
@@ -187,34 +187,46 @@ def test_a_resume_with_fewer_async_steps_draws_the_too_old_batches_again():
     assert fresh_pending(pending, 0) == {"batches": [], "cursor": {"pos": 20, "shard_pos": []}}
 
 
-def test_the_workers_devices(monkeypatch):
-    """CPU: the worker takes the cores listed, or the second half of this process's; CUDA: one worker per GPU
-    listed, or per GPU after the trainer's ranks, and a clear error when none is left."""
+def test_the_workers_devices():
+    """CPU: the workers share the cores listed, or the second half of this process's; CUDA: one worker per GPU listed
+    (as this process numbers them, mapped through CUDA_VISIBLE_DEVICES), or per GPU after the trainer's ranks; an id out
+    of range, listed twice or on a training rank's GPU is refused, naming both."""
     from types import SimpleNamespace
 
-    from bicc.machine.distributed import Dist
-    from bicc.rollout.workers import worker_devices
+    from bicc.machine.layout import transport, worker_places
 
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert worker_devices(SimpleNamespace(devices=None), Dist(), cuda=False) == (["cpu"], [[2, 3]])
-    assert worker_devices(SimpleNamespace(devices=[1]), Dist(), cuda=False) == (["cpu"], [[1]])
+    def r(devices=None, cpu_workers=1, remote_workers=0, share_gpus=False):
+        return SimpleNamespace(devices=devices, cpu_workers=cpu_workers, remote_workers=remote_workers, share_gpus=share_gpus)
+
+    cpu = lambda cfg: [p.cores for p in worker_places(cfg, 1, False, {}, cores=[0, 1, 2, 3])]  # noqa: E731
+    assert cpu(r()) == [(2, 3)] and cpu(r([1])) == [(1,)]
+    assert cpu(r([1, 2, 3], cpu_workers=2)) == [(1, 3), (2,)] and cpu(r([1], cpu_workers=2)) == [(1,), (1,)]
+    assert cpu(r(remote_workers=2)) == []  # every worker elsewhere
     with pytest.raises(ValueError, match=r"rollout.devices: cores \[7\] are not among"):
-        worker_devices(SimpleNamespace(devices=[7]), Dist(), cuda=False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert worker_devices(SimpleNamespace(devices=None), Dist(world=3), cuda=True) == (["3"], [None])
-    assert worker_devices(SimpleNamespace(devices=[2, 3]), Dist(world=2), cuda=True) == (["2", "3"], [None, None])
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        cpu(r([7]))
+    gpus = lambda cfg, env, world=2: [p.visible for p in worker_places(cfg, world, True, env, device_count=4)]  # noqa: E731
+    assert gpus(r(), {"LOCAL_WORLD_SIZE": "3"}) == ["3"]
+    assert gpus(r([2, 3]), {"LOCAL_WORLD_SIZE": "2"}) == ["2", "3"]
+    assert gpus(r([2, 3]), {"LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == ["6", "7"]  # physical ids
+    with pytest.raises(ValueError, match=r"GPU 4 is out of range: this process sees 4 GPU\(s\) \(CUDA_VISIBLE_DEVICES=4,5,6,7\)"):
+        gpus(r([4]), {"LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    with pytest.raises(ValueError, match=r"GPU 1 \(physical 5\) is training rank 1's GPU \(cuda:1\)"):
+        gpus(r([1, 3]), {"LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    with pytest.raises(ValueError, match="GPU 3 is listed 2 times"):
+        gpus(r([3, 3]), {"LOCAL_WORLD_SIZE": "2"})
     with pytest.raises(ValueError, match="no GPU is left for rollout workers"):
-        worker_devices(SimpleNamespace(devices=None), Dist(world=4), cuda=True)
+        gpus(r(), {"LOCAL_WORLD_SIZE": "4"}, world=4)
+    shared = worker_places(r([0], share_gpus=True), 1, True, {}, device_count=1)
+    assert [p.shares for p in shared] == [True] and transport("hf", True, shared) == "gloo"  # NCCL: one rank per GPU
+    on_own = worker_places(r([1]), 1, True, {}, device_count=2)
+    assert transport("hf", True, on_own) == "nccl" and transport("vllm", True, on_own) == "vllm"
+    assert transport("vllm", False, worker_places(r(), 1, False, {}, cores=[0, 1])) == "gloo"
 
 
 def test_each_shard_keeps_the_data_position_of_the_worker_that_draws_it():
-    from types import SimpleNamespace
-
     from bicc.rollout.workers import merge_cursors
 
-    specs = [SimpleNamespace(shards=[0, 2]), SimpleNamespace(shards=[1, 3])]
+    specs = [{"shards": [0, 2]}, {"shards": [1, 3]}]
     a = {"before": {"pos": 0, "shard_pos": [4, 0, 4, 0]}, "after": {"pos": 0, "shard_pos": [8, 0, 8, 0]}}
     b = {"before": {"pos": 0, "shard_pos": [0, 4, 0, 4]}, "after": {"pos": 0, "shard_pos": [0, 9, 0, 8]}}
     merged = merge_cursors([a, b], specs)
@@ -222,34 +234,42 @@ def test_each_shard_keeps_the_data_position_of_the_worker_that_draws_it():
 
 
 @pytest.mark.launch
-def test_workers_end_when_their_trainer_is_killed(tmp_path):
-    """SIGKILL leaves the trainer no chance to stop its workers: they see it gone and end within seconds, instead of
-    waiting for requests forever (and holding their memory and device)."""
+@pytest.mark.parametrize(("moment", "fault"), [("kill-start", ""), ("kill-start", "sample:0:hang"), ("kill-push", "")])
+def test_no_process_of_the_run_outlives_its_killed_trainer(moment, fault, tmp_path):
+    """SIGKILL leaves the trainer no clean-up: killed while its worker draws and returns the first batches
+    (``kill-start``), while the worker is stuck in something that never looks at its trainer (a planted hang), or in
+    the middle of a weight push while the worker receives it (``kill-push``), on the math task, whose checker starts
+    processes of its own in the worker. Every process the run started (each carries the run's mark in its
+    environment) is gone within 15 s."""
     import os
     import subprocess
     import sys
+    import uuid
 
-    from tests.helpers import ROOT
+    from tests.helpers import ROOT, processes_marked
+    from tests.scripted_engine import problems_file
 
     policy_and_reference(tmp_path)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_trainer.py"), str(tmp_path / "policy")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr[-2000:]
-    pids = [int(p) for p in proc.stdout.split()]
-    assert pids
-
-    def alive(pid):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        with open(f"/proc/{pid}/stat") as f:  # an exited child not yet reaped by init counts as gone
-            return f.read().split()[2] != "Z"
-
+    problems_file(tmp_path / "train.jsonl", 16)
+    mark = uuid.uuid4().hex
+    math = ["data=jsonl", f"data.math.train_source={tmp_path / 'train.jsonl'}",
+            f"data.math.test_source={tmp_path / 'train.jsonl'}", "rollout.engine=tests.scripted_engine:ScriptedEngine"]
+    out = tmp_path / "trainer.out"  # a file, not a pipe: the workers inherit it, and a pipe would wait for them
+    with open(out, "w") as f:
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "async_trainer.py"), str(tmp_path / "policy"),
+                               moment, *math], stdout=f, stderr=subprocess.STDOUT, timeout=300,
+                              env={**os.environ, "BICC_RUN_MARK": mark, FAULT_ENV: fault})
+    assert proc.returncode == -9, out.read_text()[-4000:]
+    started = [int(p) for p in out.read_text().strip().splitlines()[-1].split()]
+    # the worker, and once it has scored a batch (before the second push) its math-verify processes
+    assert len(started) >= (1 if moment == "kill-start" else 3), out.read_text()[-2000:]
     deadline = time.monotonic() + 15
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while processes_marked(mark) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(alive(p) for p in pids)
+    left = processes_marked(mark)
+    for pid in left:  # not to leak them into the rest of the suite
+        os.kill(pid, 9)
+    assert not left
 
 
 @pytest.mark.launch

@@ -84,7 +84,10 @@ NEW = {"train.context_packing", "train.context_packing_impl", "train.max_packed_
        "data.math.test_split", "data.math.test_subset", "data.rewards", "data.reward_weights", "data.reward_errors",
        "data.max_prompt_length", "data.prompt_overflow",
        # RCC's diagnostic form over the group std (rcc=std)
-       "rcc.scale"}
+       "rcc.scale",
+       # rollout workers at scale: several CPU workers, workers on other nodes, a shared GPU, the push's buckets
+       "rollout.cpu_workers", "rollout.remote_workers", "rollout.worker_port", "rollout.share_gpus",
+       "rollout.push_bucket_mib"}
 # Keys whose value a run now reads another way, and how to read it as before: rollout.tis_cap's default became null
 # ("chosen by the run"), and each benchmark gained the keys subset and revision (null).
 RESOLVED = {"rollout.tis_cap": lambda cfg: tis_cap(cfg.rollout),

@@ -123,6 +123,18 @@ def test_after_a_step_and_a_sync_vllm_samples_the_updated_policy(engines):
         n = len(sampled.completion_ids[i])
         assert torch.allclose(torch.tensor(lp[:n]), trainer_lp[i, :n].float(), atol=1e-3), i
 
+    # a rollout worker's push (bicc.rollout.weight_sync): each tensor of the manifest once, the tied output projection
+    # through the embedding alone, streamed into load_weights
+    from bicc.rollout.weight_sync import manifest, tensors_of
+
+    train_one_step(model)
+    tensors, entries = tensors_of(model), manifest(model)
+    assert "lm_head.weight" not in [e.name for e in entries]  # tied: sent once
+    vllm_engine.load_weights(((e.name, tensors[e.name].detach().clone()) for e in entries), 2)
+    pushed = vllm_engine.generate(prompts, greedy)
+    assert pushed.completion_ids == hf_engine.generate(prompts, greedy).completion_ids
+    assert pushed.completion_ids != after.completion_ids and vllm_engine.version == 2
+
 
 def test_two_step_training_run_with_vllm_rollouts(tmp_path):
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled",
@@ -245,7 +257,7 @@ def test_a_vllm_rollout_worker_draws_each_batch_with_the_weights_of_its_version(
                            "rollout.kv_cache_bytes=100000000", "rollout.async_steps=1", f"hydra.run.dir={run_dir}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[rollout] async_steps=1: vllm on rollout worker 0 (CPU cores" in proc.stdout
+    assert "[rollout] async_steps=1: vllm on 1 worker(s) (CPU cores" in proc.stdout
     steps = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
              if "train/loss" in r]
     assert [r["rollout/staleness_max"] for r in steps] == [0.0, 1.0, 1.0]

@@ -145,6 +145,11 @@ class RolloutConfig:
     static_cache: bool = False
     async_steps: int = 0
     devices: Optional[list[int]] = None
+    cpu_workers: int = 1
+    remote_workers: int = 0
+    worker_port: Optional[int] = None
+    share_gpus: bool = False
+    push_bucket_mib: float = 32.0
 
     @staticmethod
     def check(r) -> None:
@@ -160,6 +165,13 @@ class RolloutConfig:
              f"must be >= 0 (0 = synchronous; N = batches sampled by weights up to N steps old), got {r.async_steps}")
         need(r.devices is None or (len(r.devices) >= 1 and all(int(d) >= 0 for d in r.devices)), "rollout.devices",
              f"must be null (chosen for rollout.async_steps) or a non-empty list of CUDA ids or CPU cores, got {r.devices}")
+        need(r.cpu_workers >= 1, "rollout.cpu_workers", f"must be >= 1, got {r.cpu_workers}")
+        need(r.remote_workers >= 0, "rollout.remote_workers", f"must be >= 0, got {r.remote_workers}")
+        need(r.worker_port is None or 1 <= r.worker_port <= 65535, "rollout.worker_port",
+             f"must be null (a free port) or a port number, got {r.worker_port}")
+        need(not r.remote_workers or r.worker_port is not None, "rollout.worker_port",
+             f"must be set when rollout.remote_workers={r.remote_workers}: workers on other nodes connect to it")
+        need(r.push_bucket_mib > 0, "rollout.push_bucket_mib", f"must be > 0, got {r.push_bucket_mib}")
         need(r.kv_cache_bytes is None or r.kv_cache_bytes > 0, "rollout.kv_cache_bytes",
              f"must be null (what the run needs, on CPU) or a positive number of bytes, got {r.kv_cache_bytes}")
         need(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",

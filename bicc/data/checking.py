@@ -11,7 +11,8 @@ Model outputs are untrusted text. Here that means:
   only on math-verify's own regex-extracted math spans, inside a worker process capped at 4 GiB over what it
   maps when it starts;
 - parsing and comparison run in worker processes, each item under a wall-clock deadline: a worker
-  past its deadline is killed and replaced and the item scores 0. math-verify's own timeouts use
+  past its deadline is killed and replaced and the item scores 0. The kernel ends each with the process it
+  serves, however that one ends (a rollout worker's pool included). math-verify's own timeouts use
   ``signal.alarm``, which does nothing outside the main thread (Math-Verify issue 50), so they are
   disabled and this deadline replaces them.
 
@@ -22,6 +23,7 @@ the first that finds something wins.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -69,6 +71,11 @@ def _worker_loop(conn, memory_bytes: int) -> None:
     import resource
     import warnings
 
+    from bicc.machine.host import die_with_parent
+
+    parent = mp.parent_process()
+    if die_with_parent() and parent is not None and os.getppid() != parent.pid:
+        return  # the process it serves ended before the kernel was asked to end this one with it
     if memory_bytes > 0:  # a pathological expression fails with MemoryError instead of taking the machine
         limit = _mapped_bytes() + memory_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

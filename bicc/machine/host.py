@@ -105,3 +105,21 @@ def set_torch_threads(n: int) -> None:
     import torch
 
     torch._C.set_num_threads(n)
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent(libc=None) -> bool:
+    """Have the kernel SIGKILL this process when the process that started it ends, however it ends (SIGKILL
+    included, which runs no clean-up of its own): a child started for one run (a rollout worker, a math-verify
+    worker) never outlives it. Linux only (prctl); returns whether it was set. Raced by a parent that is already
+    gone: the caller checks ``os.getppid()`` afterwards."""
+    import ctypes
+    import signal
+
+    try:
+        libc = libc or ctypes.CDLL("libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux/glibc: the worker's own watch on its trainer remains
+        return False

@@ -53,10 +53,7 @@ def build_tiny(tiny_cfg, seed: int):
 def load_pretrained(path: str, model_cfg, device: torch.device, dtype: torch.dtype | None = None):
     """Model (in ``dtype``, default the compute dtype ``model.dtype``) and tokenizer from an HF id or a local
     HF-format dir."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype or DTYPES[model_cfg.dtype],
         attn_implementation=resolve_attn_implementation(model_cfg.attn_implementation)
@@ -65,6 +62,15 @@ def load_pretrained(path: str, model_cfg, device: torch.device, dtype: torch.dty
     if model_cfg.gradient_checkpointing:
         enable_checkpointing(model, model_cfg.checkpoint_policy, model_cfg.checkpoint_layers)
     return model, tokenizer
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of an HF id or dir, padding on the left (generation), EOS as the pad token where it has none."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def checkpointed_layers(setting, layers: int) -> int:

@@ -55,7 +55,9 @@ class EngineOptions:
     max_model_len: the longest prompt + context + output the run needs (vLLM sizes its KV cache by it);
     None = the engine's default. dtype: the engine's compute dtype name, None = the model's. rows: the most output
     rows one generate call holds (vLLM on CPU sizes its KV space by it); None = as many as vLLM runs at once.
-    logprobs: return the sampling log-probs whatever the config says (a rollout worker's are the behaviour policy)."""
+    logprobs: return the sampling log-probs whatever the config says (a rollout worker's are the behaviour policy).
+    weight_transfer: the vLLM weight-transfer backend the engine is built with (a rollout worker on CUDA: "nccl"),
+    None = none."""
 
     end_ids: tuple[int, ...] = ()
     dist: Optional[object] = None
@@ -63,6 +65,7 @@ class EngineOptions:
     dtype: Optional[str] = None
     rows: Optional[int] = None
     logprobs: bool = False
+    weight_transfer: Optional[str] = None
 
 
 @runtime_checkable
@@ -89,6 +92,13 @@ class Engine(Protocol):
         """Sample from ``model``'s current parameters, weight version ``version``, from now on; nothing cached
         under older ones serves again."""
         ...
+
+    def load_weights(self, weights, version: int) -> None:
+        """The same from a stream of (HF name, tensor) pairs in the engine's dtype, each parameter once (a rollout
+        worker's push, ``bicc.rollout.weight_sync``): consumed whole before it returns. An engine without it cannot
+        serve a rollout worker."""
+        raise NotImplementedError(f"rollout engine {type(self).__name__} takes no pushed weights (load_weights): it "
+                                  "cannot run in a rollout worker (rollout.async_steps)")
 
     def sleep(self) -> None:
         """Free what it holds on the GPU until the next ``update_weights`` (vLLM's sleep mode); else nothing."""

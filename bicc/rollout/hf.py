@@ -30,10 +30,20 @@ class HFEngine(Engine):
         self.cache = "static" if getattr(rollout_cfg, "static_cache", False) else None
 
     def update_weights(self, model, version: int) -> None:
-        if model is not self.model:
-            from bicc.machine.distributed import full_state_dict
+        if model is not self.model:  # a copy beside a sharded policy: streamed in, one gathered tensor at a time
+            from bicc.machine.distributed import full_tensor
 
-            self.model.load_state_dict(full_state_dict(model))
+            self.load_weights(((name, full_tensor(t)) for name, t in model.state_dict().items()), version)
+        self.version = version
+
+    @torch.no_grad()
+    def load_weights(self, weights, version: int) -> None:
+        from bicc.rollout.weight_sync import tensors_of
+
+        params = tensors_of(self.model)
+        for name, tensor in weights:
+            if params[name] is not tensor:  # a push received in place needs no copy
+                params[name].copy_(tensor)
         self.version = version
 
     @torch.no_grad()

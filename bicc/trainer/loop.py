@@ -188,15 +188,17 @@ def forward_layout(model, cfg) -> str:
 def start_workers(s: RLState, cfg, max_model_len: int | None = None) -> None:
     """The rollout workers of ``rollout.async_steps``, started with the policy's weights at ``s.step`` and any
     batches the checkpoint it resumed from held."""
-    s.workers = RolloutWorkers(cfg, s.init_path, s.cursor, s.dist, max_model_len, pending=s.pending)
+    s.workers = RolloutWorkers(cfg, s.init_path, s.cursor, s.dist, max_model_len, pending=s.pending, end_ids=s.end_ids)
     if s.dist.is_main:
-        names = ", ".join(spec.name for spec in s.workers.specs)
-        print(f"[rollout] async_steps={cfg.rollout.async_steps}: {cfg.rollout.engine} on {names}; the trainer keeps "
-              f"{torch.get_num_threads()} thread(s)" + (f"; {len(s.pending['batches']) - s.workers.dropped} drawn "
-                                                        "batch(es) read back from the checkpoint" if s.pending else ""))
+        r = cfg.rollout
+        where = [p.label for p in s.workers.places] + [f"{r.remote_workers} from other nodes"] * bool(r.remote_workers)
+        print(f"[rollout] async_steps={r.async_steps}: {r.engine} on {s.workers.workers} worker(s) ({'; '.join(where)}), "
+              f"weights over {s.workers.kind} in {cfg.model.dtype}; the trainer keeps {torch.get_num_threads()} "
+              "thread(s)" + (f"; {len(s.pending['batches']) - s.workers.dropped} drawn batch(es) read back from the "
+                             "checkpoint" if s.pending else ""))
         if s.workers.dropped:
             print(f"[rollout] {s.workers.dropped} drawn batch(es) of the checkpoint are older than rollout.async_steps="
-                  f"{cfg.rollout.async_steps} allows: drawn again")
+                  f"{r.async_steps} allows: drawn again")
     s.workers.start(s.model, s.step)
     s.pending = None
     s.engine.sleep()  # the trainer's engine only evaluates now: vLLM's sleep mode frees its memory until then

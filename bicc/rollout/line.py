@@ -1,0 +1,214 @@
+"""Trainer rank 0's line to its rollout workers: the processes it starts, the store every worker joins, the messages
+each way (``bicc.rollout.channel``), and the waits, each of which stops with an error naming the worker when one
+fails. What is asked when, and the weights, are ``bicc.rollout.workers``' business.
+
+A worker of this node is started as ``python -m bicc.rollout.worker --connect 127.0.0.1:<port> --index i`` with the
+trainer's environment less torchrun's variables and with ``CUDA_VISIBLE_DEVICES`` naming its GPU. One elsewhere joins
+by itself and gets the next index. A worker here that exits is seen at once (its exit code); one elsewhere by its
+heartbeat stopping (``HEARTBEAT_LAPSE_S``); either that stays silent past ``dist.timeout_minutes`` by the timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bicc.rollout import channel
+
+HEARTBEAT_LAPSE_S = 60.0  # a worker on another node whose heartbeat stops this long is failed
+# torchrun's variables: a worker is no rank of the trainer's group (vLLM would read LOCAL_RANK as its GPU)
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+class WorkerFailure(RuntimeError):
+    """A rollout worker died, reported an error, or did not answer in time."""
+
+
+@dataclass
+class Answer:
+    """A worker's batch: its prompt shards (plain rollouts), data positions, when it was drawn (None: read back from
+    a checkpoint) and how long the worker waited for the request."""
+
+    shards: dict
+    cursors: dict
+    window: list | None = None
+    idle: float = 0.0
+
+
+@dataclass
+class Link:
+    """The line to worker ``index``: its name, its process (None: started elsewhere) and both channels."""
+
+    index: int
+    name: str
+    proc: subprocess.Popen | None
+    inbox: channel.Channel  # to the worker
+    outbox: channel.Channel  # from it
+    beats: int = 0
+    beat_seen: float = 0.0
+    connect_host: str = "127.0.0.1"  # the trainer's host as the worker reached it
+    pending: list = field(default_factory=list)  # what it was asked and has not answered yet, oldest first
+    loaded: int | None = None  # the last weight version it loaded
+
+
+class Line:
+    """The workers' processes and messages: ``launch``, ``send``, ``wait``, ``close``; what they answered is kept in
+    ``batches`` (step -> worker -> ``Answer``) and ``acks`` ((kind, version or call) -> workers)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout = timeout_s
+        self.links: list[Link] = []
+        self.store = None
+        self.batches: dict[int, dict[int, Answer]] = {}
+        self.acks: dict[tuple, set] = {}
+        self.pushed = None  # the weight version being or last sent
+
+    def launch(self, specs: list[dict], labels: list[str], visible: list[str | None], port: int) -> None:
+        """Serve the store on ``port`` (0: a free one), write each worker's spec, start this node's workers (one per
+        label, on ``visible``'s GPU), and wait until every worker, those from elsewhere too, has said hello."""
+        self.store = channel.serve(port, self.timeout)
+        for spec in specs:
+            self.store.set(f"rollout/spec/{spec['index']}", json.dumps(spec))
+        self.store.set("rollout/local_workers", str(len(labels)))
+        env = worker_env(os.environ)
+        for i, (label, gpu) in enumerate(zip(labels, visible)):
+            cmd = [sys.executable, "-m", "bicc.rollout.worker", "--connect", f"127.0.0.1:{self.store.port}",
+                   "--index", str(i)]
+            proc = subprocess.Popen(cmd, env={**env, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})})
+            self._add(i, f"rollout worker {i} ({label})", proc)
+        for i in range(len(labels), len(specs)):
+            self._add(i, f"rollout worker {i} (joining from elsewhere)", None)
+        if len(specs) > len(labels):
+            print(f"[rollout] waiting for {len(specs) - len(labels)} worker(s) from other nodes: "
+                  f"python -m bicc.rollout.worker --connect <this host>:{self.store.port}")
+        self.wait(lambda: self.all("hello"), "starting")
+
+    def send(self, kind: str, doing: str | None = None, **fields) -> None:
+        """``kind`` to every worker; ``doing``: what answering it is, until it is answered (for error messages)."""
+        for link in self.links:
+            link.inbox.send(kind, **fields)
+            if doing:
+                link.pending.append(doing)
+
+    def all(self, kind: str, key=None) -> bool:
+        return len(self.acks.get((kind, key), ())) == len(self.links)
+
+    def wait(self, done, what: str) -> None:
+        """Read answers until ``done()``; a worker that exits, reports an error, stops beating or stays silent past
+        the timeout stops the run with an error naming it."""
+        deadline, pause = time.monotonic() + self.timeout, 0.001
+        while not done():
+            got = False
+            for link in self.links:
+                message = link.outbox.poll()
+                if message is not None:
+                    self._record(message, link, what)
+                    got = True
+            if got:
+                pause = 0.001
+                continue
+            self._check_alive(what)
+            if time.monotonic() > deadline:
+                silent = [f"{link.name}, pid {link.proc.pid if link.proc else '?'} (loaded weight version {link.loaded} "
+                          f"of {self.pushed if self.pushed is not None else 'none yet'}), while "
+                          f"{link.pending[0] if link.pending else 'idle'}" for link in self.links]
+                self.close(kill=True)
+                raise WorkerFailure(f"no answer from {'; '.join(silent)} within {self.timeout:g} s "
+                                    f"(dist.timeout_minutes) while {what}; stopped it")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers: asked to (waiting up to 10 s for each this node started), or at once (``kill``)."""
+        for link in self.links:
+            if not kill:
+                try:
+                    link.inbox.send("stop")
+                except Exception:  # noqa: BLE001  (a line already gone: the worker is ended below)
+                    pass
+        for link in self.links:
+            if link.proc is not None:
+                try:
+                    link.proc.wait(timeout=0.5 if kill else 10)
+                except subprocess.TimeoutExpired:
+                    link.proc.kill()
+                    link.proc.wait()
+        self.links = []
+        self.store = None  # the store's server goes with it: a worker elsewhere sees it gone and ends
+
+    # ---- inside ---------------------------------------------------------------------------------
+    def _add(self, i: int, name: str, proc) -> None:
+        self.links.append(Link(i, name, proc, channel.to_worker(self.store, i), channel.from_worker(self.store, i)))
+
+    def _check_alive(self, what: str) -> None:
+        now = time.monotonic()
+        for link in self.links:
+            if link.proc is not None and link.proc.poll() is not None:
+                code = link.proc.returncode
+                self.close(kill=True)
+                raise WorkerFailure(f"{link.name} exited with code {code} while {doing(link, what)}")
+            if link.proc is None and now - link.beat_seen > 1.0 and self.store is not None:
+                beats = self.store.add(f"rollout/beat/{link.index}", 0)
+                if beats != link.beats or not link.beat_seen:
+                    link.beats, link.beat_seen = beats, now
+                elif beats and now - link.beat_seen > HEARTBEAT_LAPSE_S:
+                    self.close(kill=True)
+                    raise WorkerFailure(f"{link.name} stopped its heartbeat {HEARTBEAT_LAPSE_S:g} s ago while "
+                                        f"{doing(link, what)}")
+
+    def _record(self, message, link: Link, what: str) -> None:
+        if message.kind == "error":
+            if link.proc is not None:
+                try:
+                    link.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+            code = link.proc.returncode if link.proc is not None else "unknown"
+            trace = message["traceback"]
+            self.close(kill=True)
+            raise WorkerFailure(f"{link.name} failed while {doing(link, what)} (exit code {code}): "
+                                f"{trace.strip().splitlines()[-1]}\n{trace}")
+        if message.kind == "hello":
+            link.connect_host = message["connect"].rpartition(":")[0]
+            if link.proc is None:
+                link.name = f"rollout worker {link.index} ({message['device']} on {message['host']})"
+            print(f"[rollout] {link.name}: pid {message['pid']} on {message['host']}, {message['device']}")
+        if message.kind in ("batch", "loaded"):
+            answered = (f"sampling step {message['step']}" if message.kind == "batch"
+                        else f"loading weight version {message['version']}")
+            if answered in link.pending:
+                link.pending.remove(answered)
+        if message.kind == "loaded":
+            link.loaded = message["version"]
+        if message.kind == "batch":
+            shards = torch.load(io.BytesIO(message.payload), weights_only=True)
+            self.batches.setdefault(message["step"], {})[link.index] = Answer(
+                {int(k): v for k, v in shards.items()}, message["cursors"], message["window"], message["idle"])
+            return
+        key = message.fields.get("version", message.fields.get("call"))
+        self.acks.setdefault((message.kind, key), set()).add(link.index)
+
+
+def doing(link: Link, what: str) -> str:
+    """What a failed worker was doing (its oldest unanswered request), and what the trainer was waiting for."""
+    asked = link.pending[0] if link.pending else what
+    return asked if asked == what else f"{asked} (the trainer was {what})"
+
+
+def worker_env(environ) -> dict:
+    """The environment a worker this node starts runs in: the trainer's, without torchrun's variables (it is no
+    rank of the trainer's group), with the library importable whatever the working dir."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in environ.items() if k not in LAUNCHER_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([root, *([environ["PYTHONPATH"]] if environ.get("PYTHONPATH") else [])])
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the store's socket warnings when the trainer is gone
+    return env
