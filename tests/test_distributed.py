@@ -237,15 +237,40 @@ def test_fsdp2_rank_with_one_token_outputs_stays_in_step(tmp_path, layout):
     assert abs(logp0 - one.sum().item()) < 1e-4
 
 
-def test_rollout_workers_under_torchrun_match_one_process(runs):
+@pytest.fixture(scope="module")
+def async_single(runs):
+    """One process drawing both prompt shards from its rollout worker (rollout.async_steps=1)."""
+    tmp, _ = runs
+    one_process([f"hydra.run.dir={tmp / 'async_single'}", "rollout.async_steps=1"], tmp)
+    return tmp / "async_single"
+
+
+def test_rollout_workers_under_torchrun_match_one_process(runs, async_single):
     """rollout.async_steps=1 under FSDP2 on two ranks (rank 0 owns the worker, every rank joins the weight
     gathering, each takes its prompt shard of each batch) against one process drawing both shards from its worker."""
     tmp, _ = runs
-    single, multi = tmp / "async_single", tmp / "async_fsdp2"
-    one_process([f"hydra.run.dir={single}", "rollout.async_steps=1"], tmp)
+    single, multi = async_single, tmp / "async_fsdp2"
     two_processes([f"hydra.run.dir={multi}", "rollout.async_steps=1", "dist.strategy=fsdp2"], tmp)
     rows = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/staleness_max"] for r in rows if "rollout/staleness_max" in r] == [0.0, 1.0]
     a, b = losses(single), losses(multi)
     assert len(a) == len(b) == 2 and all(abs(x - y) <= 1e-5 for x, y in zip(a, b)), (a, b)
     assert max_diff(weights(single, 2), weights(multi, 2)) <= 1e-5
+
+
+def test_a_rollout_worker_started_elsewhere_draws_what_one_started_here_does(runs, async_single):
+    """A worker on another node: the trainer starts none (rollout.remote_workers=1 on a fixed rollout.worker_port) and
+    waits; the worker is started apart, as ``python -m bicc.rollout.worker --connect <host>:<port>`` from the
+    repository root (docs/slurm/train_async_2x4.sbatch), before the trainer's store is up. The run equals the one
+    whose worker the trainer started, and the worker ends by itself when the trainer is done."""
+    tmp, _ = runs
+    remote, port = tmp / "async_remote", free_port()
+    worker = subprocess.Popen([sys.executable, "-m", "bicc.rollout.worker", "--connect", f"127.0.0.1:{port}"], cwd=ROOT,
+                              env=env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = one_process([f"hydra.run.dir={remote}", "rollout.async_steps=1", "rollout.remote_workers=1",
+                        f"rollout.worker_port={port}"], tmp)
+    assert "1 from other nodes" in proc.stdout and "rollout worker 0 (cpu on " in proc.stdout
+    out, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0, out[-3000:]
+    assert losses(remote) == losses(async_single)
+    assert max_diff(weights(async_single, 2), weights(remote, 2)) == 0

@@ -1,5 +1,7 @@
-"""The Slurm job script of docs/distributed.md (``docs/slurm/train_2x4.sbatch``), which cannot run here: its shell is
-valid, its resources agree with its torchrun line, and that line's overrides compose into a valid config."""
+"""The Slurm job scripts of docs/distributed.md, which cannot run here: ``docs/slurm/train_2x4.sbatch`` (the headline
+run on 2 nodes) and ``train_async_2x4.sbatch`` (4 GPUs training, 4 vLLM rollout workers on another node). Their shell
+is valid, their resources agree with their torchrun lines, those lines' overrides compose into a valid config, and
+the async one starts the workers its run waits for, pointed at the port it serves."""
 
 import shlex
 import shutil
@@ -12,27 +14,34 @@ from tests.conftest import compose_cfg
 from tests.helpers import ROOT
 
 SCRIPT = ROOT / "docs" / "slurm" / "train_2x4.sbatch"
+ASYNC = ROOT / "docs" / "slurm" / "train_async_2x4.sbatch"
+VALUES = {"$SLURM_NNODES": "2", "$SLURM_JOB_ID": "4242", "$head_node": "node0", "$port": "29500", "$worker_port": "29600"}
 
 
-def sbatch_options() -> dict[str, str]:
-    lines = [line.removeprefix("#SBATCH").strip() for line in SCRIPT.read_text().splitlines() if line.startswith("#SBATCH")]
+def sbatch_options(script=SCRIPT) -> dict[str, str]:
+    lines = [line.removeprefix("#SBATCH").strip() for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
     return dict(option.removeprefix("--").partition("=")[::2] for option in lines)
 
 
-def torchrun_words() -> list[str]:
-    """The srun line, continuations joined, as the shell splits it (the job's variables given values)."""
-    text = SCRIPT.read_text().replace("\\\n", " ")
-    line = next(line for line in text.splitlines() if line.startswith("srun "))
-    values = {"$SLURM_NNODES": "2", "$SLURM_JOB_ID": "4242", "$head_node": "node0", "$port": "29500"}
-    for name, value in values.items():
+def words(script=SCRIPT, marker: str = "torchrun") -> list[str]:
+    """The srun line holding ``marker``, continuations joined, as the shell splits it (the job's variables given
+    values)."""
+    text = script.read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith("srun ") and marker in line)
+    for name, value in VALUES.items():
         line = line.replace(name, value)
     return shlex.split(line)
 
 
-def test_the_script_is_valid_shell():
+def torchrun_words() -> list[str]:
+    return words(SCRIPT)
+
+
+@pytest.mark.parametrize("script", [SCRIPT, ASYNC])
+def test_the_script_is_valid_shell(script):
     if shutil.which("bash") is None:
         pytest.skip("no bash")
-    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
 
 
 def test_its_resources_match_its_torchrun_line():
@@ -54,3 +63,22 @@ def test_its_command_line_composes_into_a_valid_config():
     assert cfg.bicc.enabled and cfg.rcc.enabled and cfg.algo.name == "dapo" and cfg.resume == "auto"
     assert "hydra.run.dir=outputs/slurm/4242" in overrides
     assert cfg.rollout.prompts_per_step % (2 * 4) == 0  # the queries split over the 8 ranks
+
+
+def test_the_async_script_starts_the_workers_its_run_waits_for():
+    """Node 0: torchrun with a rank per GPU and rollout.remote_workers = node 1's GPUs; node 1: one worker per GPU,
+    each connecting to node 0 at the rollout.worker_port the run serves."""
+    options, trainer = sbatch_options(ASYNC), words(ASYNC)
+    assert options["nodes"] == "2" and f"--nproc_per_node={options['gpus-per-node']}" in trainer
+    overrides = trainer[trainer.index("train.py") + 1:]
+    cfg = compose_cfg([o for o in overrides if not o.startswith("hydra.")])
+    validate(cfg)
+    assert cfg.bicc.enabled and cfg.rcc.enabled and cfg.rollout.async_steps == 1 and cfg.rollout.engine == "vllm"
+    text = ASYNC.read_text()
+    sampler = text[text.index('srun --nodes=1 --ntasks=1 --nodelist="$sampler_node"'):text.index('wait" &')]
+    for name, value in VALUES.items():
+        sampler = sampler.replace(name, value)
+    gpus = sampler.split("for gpu in ")[1].split(";")[0].split()
+    assert len(gpus) == cfg.rollout.remote_workers == int(options["gpus-per-node"])
+    assert f"--connect node0:{cfg.rollout.worker_port}" in sampler and r"CUDA_VISIBLE_DEVICES=\$gpu" in sampler
+    assert cfg.rollout.prompts_per_step % (4 * cfg.rollout.remote_workers) == 0  # shards over ranks, then workers

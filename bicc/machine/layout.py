@@ -131,3 +131,21 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
     except OSError:
         pass
     return None
+
+
+def worker_gpu(arch, run, hf: bool, rows: int, bucket_bytes: int) -> dict[str, float]:
+    """Bytes a rollout worker holds on its GPU (``bicc.machine.memory``'s terms). vLLM: its share of the GPU (weights,
+    KV cache, activations: ``rollout.gpu_memory_utilization``) and the two packed buffers of a bucket that vLLM's
+    weight transfer receives into. HF: the policy in the compute dtype, one generate call of ``rows`` rows
+    (``rollout.batch_size`` at most), the push's receive bucket, the runtime, and 10% fragmentation on the tensors."""
+    from bicc.machine.memory import hf_generate
+
+    if not hf:
+        return {"vLLM (awake: weights + KV cache)": run.vllm_utilization * run.gpu_gib * GIB,
+                "weight transfer buffers (two buckets)": 2 * bucket_bytes}
+    parts = {"policy (compute dtype)": run.compute_bytes * arch.params(),
+             **hf_generate(arch, run, rows, run.output_tokens, "rollout.batch_size"),
+             "weight push bucket": bucket_bytes}
+    parts["allocator fragmentation"] = run.fragmentation * sum(parts.values())
+    parts["runtime"] = run.runtime_gib * GIB
+    return parts

@@ -294,7 +294,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     else:  # HF generate: rollout.batch_size rows at a time, from the sampler copy (FSDP2) or the policy (autocast)
         rows = min(run.rows, run.rollout_batch)
         rollout = {**awake, **({} if run.sharded else gathered),
-                   **_hf_generate(arch, run, rows, run.output_tokens, "rollout.batch_size")}
+                   **hf_generate(arch, run, rows, run.output_tokens, "rollout.batch_size")}
     out = {"rollout": rollout, "no-grad log-probs": logprob, "update: head backward": head_phase,
            "update: layers backward": update, "update: contexts backward": context_phase}
     if run.sharded:
@@ -309,7 +309,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     return out
 
 
-def _hf_generate(arch: Arch, run: Run, rows: int, new_tokens: int, knob: str) -> dict[str, float]:
+def hf_generate(arch: Arch, run: Run, rows: int, new_tokens: int, knob: str) -> dict[str, float]:
     """One HF generate call of ``rows`` rows x (prompt + ``new_tokens``): its KV cache (and, while it grows, one
     layer's old copy beside the new), the last position's fp32 logits (sampling keeps two copies) and one layer's
     prefill activations."""
@@ -328,7 +328,7 @@ def _evaluation(arch: Arch, run: Run, awake: dict, gathered: dict) -> dict[str, 
     rows = run.eval_batch_tokens // (run.prompt_tokens + run.eval_new_tokens) if run.eval_batch_tokens else run.eval_rows
     rows = max(1, min(rows, run.eval_rows) if run.eval_rows else rows)
     return {**awake, **({} if run.sharded else gathered),
-            **_hf_generate(arch, run, rows, run.eval_new_tokens, "eval.batch_tokens")}
+            **hf_generate(arch, run, rows, run.eval_new_tokens, "eval.batch_tokens")}
 
 
 NOT_ALLOCATED = ("runtime", "allocator fragmentation")  # outside torch.cuda.max_memory_allocated

@@ -183,3 +183,46 @@ def launch_check(cfg, d, device, task, tokenizer) -> str | None:
         chosen = f"model.checkpoint_layers=auto: {run.checkpoint_layers} of {arch.layers} layers checkpointed; "
     return chosen + (check_fit(arch, run, budget) if cfg.train.memory_check else "memory check off")
 
+
+
+def check_workers(cfg, d, device, task, tokenizer, environ=None, device_count: int | None = None) -> list[str]:
+    """Under ``rollout.async_steps``, before any weights load: the workers' devices (a GPU out of range, listed twice
+    or a training rank's is refused, naming both: ``bicc.machine.layout.worker_places``), what the host lacks for the
+    layout (warnings naming the fix), and each worker GPU's predicted peak against ``train.memory_gib`` (null: the
+    GPU's memory), beside a training rank's where it shares one; raises ValueError naming the knob when it does not
+    fit. Returns the lines to print."""
+    import os
+
+    import torch
+
+    from bicc.machine.layout import host_warnings, transport, worker_gpu, worker_places
+    from bicc.machine.memory import peak as trainer_peak
+
+    environ = os.environ if environ is None else environ
+    cuda, r = device.type == "cuda", cfg.rollout
+    count = torch.cuda.device_count() if device_count is None and cuda else (device_count or 0)
+    places = worker_places(r, d.world, cuda, environ, device_count=count)
+    kind = transport(r.engine, cuda, places)
+    try:
+        budget = cfg.train.memory_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if cuda else 80.0)
+        arch, run = predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", budget)
+    except UncountedModel as err:
+        return [f"warning: the memory check cannot count this model ({err}): the workers' GPUs are not checked"]
+    trainers = int(environ.get("LOCAL_WORLD_SIZE", d.world))
+    load = trainers * run.master_bytes * arch.params() + len(places) * run.compute_bytes * arch.params()
+    lines = [f"warning: {w}" for w in host_warnings(kind, len(places), load)]
+    if not cuda or not cfg.train.memory_check or not places:
+        return lines
+    rows = min(r.batch_size, max(1, r.prompts_per_step * r.group_size // max(1, len(places) + r.remote_workers)))
+    bucket = int(r.push_bucket_mib * 2**20)
+    worker = sum(worker_gpu(arch, run, r.engine != "vllm", rows, bucket).values())
+    shared = any(p.shares for p in places)
+    value = worker + (trainer_peak(arch, run)[1] if shared else 0)
+    line = (f"rollout worker GPU: predicted {value / GIB:.1f} GiB of {budget:.1f} GiB ({r.engine}"
+            + (", beside a training rank" if shared else "") + ")")
+    if value > budget * GIB:
+        knob = "rollout.gpu_memory_utilization (vLLM's share)" if r.engine == "vllm" else "rollout.batch_size"
+        raise ValueError(f"config field 'rollout.devices': {line}: it does not fit. Lower {knob}"
+                         + (", or give the workers GPUs of their own" if shared else "")
+                         + "; or set train.memory_check=false to start anyway")
+    return [*lines, line]

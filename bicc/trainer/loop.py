@@ -38,7 +38,7 @@ from bicc.trainer.checkpoint import (
     tmp_dir,
     verify_checkpoint,
 )
-from bicc.trainer.fit import launch_check
+from bicc.trainer.fit import check_workers, launch_check
 from bicc.trainer.samples import write_samples
 from bicc.trainer.sft import config_hash, warm_start
 from bicc.trainer.state import RLState, build_rl_state, peak_lr
@@ -276,11 +276,14 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     tokenizer, *positions = tokenizer_and_positions(cfg.model)
     max_model_len = validate_lengths(cfg, task, tokenizer, *positions)
     fit = launch_check(cfg, d, device, task, tokenizer) if cfg.stage != "sft" else None
+    workers = check_workers(cfg, d, device, task, tokenizer) if cfg.rollout.async_steps and d.is_main else []
     if d.is_main:  # the engine that samples the rollouts and both evaluations, sized to what they need
         print(f"[rollout] {cfg.rollout.engine} engine; longest sequence {max_model_len} tokens (prompt + context + "
               "new tokens, training or evaluation)")
         if fit:
             print(f"[memory] {fit}")
+        for line in workers:
+            print(f"[rollout] {line}")
 
     # ---- warm start: tiny models are fine-tuned first (cached by settings; rank 0 builds it) --------
     init_path = cfg.model.path
