@@ -75,12 +75,21 @@ def dapo_file(tmp_path) -> Path:
     return path, len({r["prompt"][0]["content"] for r in rows})
 
 
-def headline(tmp_path, data_file, experiment, model_dir, steps, extra=()) -> tuple[Path, str]:
+@pytest.fixture(scope="module")
+def qwen_warm_start(tmp_path_factory):
+    """The DAPO-Math file and the tiny Qwen3 warm-started on it, shared by the tests of the Qwen preset: (data file,
+    distinct prompts, model dir)."""
+    tmp = tmp_path_factory.mktemp("warm")
+    data_file, distinct = dapo_file(tmp)
+    return data_file, distinct, warm_start(tmp, data_file)
+
+
+def headline(tmp_path, data_file, experiment, model_dir, steps, extra=(), nproc=2) -> tuple[Path, str]:
     """The headline command from a working dir of its own, ranks started 1.5 s apart (``tests/launch_apart.py``),
     no ``hydra.run.dir`` unless ``extra`` names one: (the one run dir it wrote, its stdout)."""
     cwd = tmp_path / "launch"
-    cwd.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cwd.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "tests" / "launch_apart.py"), f"experiment={experiment}", "algo=dapo", "bicc=on", "rcc=on",
            f"model.path={model_dir}", *SHRINK, *CONSTRUCTED_REWARD, f"train.steps={steps}", *extra]
     proc = run(cmd, tmp_path, data_file, cwd=cwd)
@@ -91,7 +100,7 @@ def headline(tmp_path, data_file, experiment, model_dir, steps, extra=()) -> tup
     return dirs[0], proc.stdout
 
 
-def check_run(run_dir: Path, init_dir: Path, steps: int):
+def check_run(run_dir: Path, init_dir: Path, steps: int, dtype=torch.bfloat16):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in trained] == list(range(1, steps + 1))
@@ -104,16 +113,16 @@ def check_run(run_dir: Path, init_dir: Path, steps: int):
         assert [r["id"] for r in scored] == [r["id"] for r in shipped], scored
     ckpt = run_dir / "checkpoints" / f"step_{steps}"
     weights, init = load_file(ckpt / "model.safetensors"), load_file(init_dir / "model.safetensors")
-    assert all(t.dtype == torch.bfloat16 for t in weights.values())  # HF weights in the compute dtype
-    assert (ckpt / "master_dcp").is_dir() and (ckpt / "optim_dcp").is_dir()  # fp32 master and optimizer shards
+    assert all(t.dtype == dtype for t in weights.values())  # HF weights in the compute dtype
+    assert (ckpt / "optim_dcp").is_dir()  # optimizer shards, and fp32 master weights beside lower compute weights
+    assert (ckpt / "master_dcp").is_dir() == (dtype != torch.float32)
     moved = max((weights[k].float() - init[k].float()).abs().max().item() for k in weights)
     assert moved > 0, "the policy did not move"
     return rows, results
 
 
-def test_headline_command_qwen_shape(tmp_path):
-    data_file, distinct = dapo_file(tmp_path)
-    model_dir = warm_start(tmp_path, data_file)
+def test_headline_command_qwen_shape(tmp_path, qwen_warm_start):
+    data_file, distinct, model_dir = qwen_warm_start
     assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]
     run_dir, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 2)
     assert "[eval] initial policy" in stdout and f"kept {distinct} rows" in stdout  # deduplicated
@@ -144,3 +153,37 @@ def test_headline_command_phi4_mini_shape_with_a_bpe_tokenizer(tmp_path):
     rows, _ = check_run(run_dir, model_dir, 2)
     assert all(r["bicc/samples_conditioned_share"] > 0 for r in rows if "train/loss" in r)
     assert "lm_head.weight" in load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")  # untied
+
+
+def test_two_training_ranks_and_two_vllm_workers(tmp_path, qwen_warm_start):
+    """The README's rollout-worker command at miniature size (``torchrun --nproc_per_node=2 ... rollout.async_steps=1
+    rollout.devices=[2,3]``; on CPU two vLLM workers share a core, ``rollout.cpu_workers=2``) on the paper preset's
+    DAPO-Math path with algo=dapo bicc=on rcc=on: each rank trains on its prompt shard of what the two workers drew,
+    every weight push reaching both, and it ends with a checkpoint that a resume continues from, the batch the workers
+    had drawn ahead read back. Steps 1-3 equal one training process (torchrun, FSDP2 on one rank) drawing both prompt
+    shards from the same two workers: step 3 trains on a batch drawn by the weights of step 1, pushed to the workers.
+    In fp32: in bf16 (the preset's, whose push the sync path and tests/test_weight_sync.py cover) one Adam step on 1
+    and 2 ranks already differs, so that only step 1 could be compared."""
+    data_file, _, model_dir = qwen_warm_start
+    workers = ["rollout.async_steps=1", "rollout.cpu_workers=2", "optim.lr=1e-4", "model.dtype=float32",
+               "dist.param_dtype=float32"]
+    run_dir, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 2, workers)
+    assert re.search(r"vllm on 2 worker\(s\) \(CPU cores \[\d\]; CPU cores \[\d\]\), weights over gloo in float32", stdout)
+    assert re.search(r"rollout worker 1 \(CPU cores \[\d\]\): pid", stdout)
+    rows, _ = check_run(run_dir, model_dir, 2, torch.float32)
+    assert [r["rollout/staleness_max"] for r in rows if "train/loss" in r] == [0.0, 1.0]
+    again, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 3,
+                             [*workers, f"hydra.run.dir={run_dir}", "resume=auto"])
+    assert again == run_dir and "at step 2" in stdout and "1 drawn batch(es) read back from the checkpoint" in stdout
+    rows, _ = check_run(run_dir, model_dir, 3, torch.float32)
+    steps = [r for r in rows if "train/loss" in r]
+    assert all(r["perf/push_bytes"] == steps[0]["perf/push_bytes"] > 0 for r in steps)  # every step, every weight
+    one, _ = headline(tmp_path / "one", data_file, "paper_qwen3_4b", model_dir, 3,
+                      [*workers, "rollout.shards=2", "eval.shards=2"], nproc=1)
+    single = [r for r in (json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines())
+              if "train/loss" in r]
+    for a, b in zip(steps, single, strict=True):
+        assert (a["reward/mean"], a["rollout/response_len"]) == (b["reward/mean"], b["rollout/response_len"])
+        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5, (a["train/loss"], b["train/loss"])
+    ours, theirs = (load_file(d / "checkpoints" / "step_3" / "model.safetensors") for d in (run_dir, one))
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-5

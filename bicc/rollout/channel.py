@@ -93,8 +93,8 @@ class Channel:
 
 
 def to_worker(store, index: int) -> Channel:
-    return Channel(store, f"rollout/to/{index}")
+    return Channel(store, f"line/to/{index}")
 
 
 def from_worker(store, index: int) -> Channel:
-    return Channel(store, f"rollout/from/{index}")
+    return Channel(store, f"line/from/{index}")

@@ -77,8 +77,8 @@ class Line:
         label, on ``visible``'s GPU), and wait until every worker, those from elsewhere too, has said hello."""
         self.store = channel.serve(port, self.timeout)
         for spec in specs:
-            self.store.set(f"rollout/spec/{spec['index']}", json.dumps(spec))
-        self.store.set("rollout/local_workers", str(len(labels)))
+            self.store.set(f"line/spec/{spec['index']}", json.dumps(spec))
+        self.store.set("line/local_workers", str(len(labels)))
         env = worker_env(os.environ)
         for i, (label, gpu) in enumerate(zip(labels, visible)):
             cmd = [sys.executable, "-m", "bicc.rollout.worker", "--connect", f"127.0.0.1:{self.store.port}",
@@ -157,7 +157,7 @@ class Line:
                 self.close(kill=True)
                 raise WorkerFailure(f"{link.name} exited with code {code} while {doing(link, what)}")
             if link.proc is None and now - link.beat_seen > 1.0 and self.store is not None:
-                beats = self.store.add(f"rollout/beat/{link.index}", 0)
+                beats = self.store.add(f"line/beat/{link.index}", 0)
                 if beats != link.beats or not link.beat_seen:
                     link.beats, link.beat_seen = beats, now
                 elif beats and now - link.beat_seen > HEARTBEAT_LAPSE_S:

@@ -83,7 +83,7 @@ def bucket_elems(bucket_mib: float, dtype: torch.dtype) -> int:
 
 def weight_group(store, rank: int, world: int, backend: str, timeout_s: float):
     """The push's process group: ``rank`` of ``world`` (trainer 0, worker i at i + 1) over ``backend``."""
-    prefix = dist.PrefixStore("rollout/weights", store)
+    prefix = dist.PrefixStore("line/weights", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -121,10 +121,11 @@ def send(model, entries: list[Entry], buckets, group, dtype: torch.dtype, device
 
 @torch.no_grad()
 def receive(group, entries: list[Entry], buckets, dtype: torch.dtype, device, capacity: int,
-            into: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+            into: dict | None = None, staging=None) -> Iterator[tuple[str, torch.Tensor]]:
     """A worker's side of ``send``: yields each (name, tensor) once it is whole. ``into``: name -> the tensor to
-    fill in place (an HF worker's parameters, in ``dtype``), else each is a new tensor on ``device``."""
-    buffer = torch.empty(capacity, dtype=dtype, device=device)
+    fill in place (an HF worker's parameters, in ``dtype``), else each is a new tensor on ``device``; ``staging``: where
+    the bucket is received (gloo: the CPU), default ``device``."""
+    buffer = torch.empty(capacity, dtype=dtype, device=staging or device)
     filling: dict[int, torch.Tensor] = {}
     for bucket in buckets:
         size = sum(stop - start for _, start, stop in bucket)

@@ -54,7 +54,7 @@ def planted_fault(event: str, at: int) -> None:
 
 
 def watch_trainer(address: str, index: int, timeout_s: float) -> None:
-    """Beat ``rollout/beat/<index>`` every ``WATCH_S`` on a store client of its own; when the store cannot be reached
+    """Beat ``line/beat/<index>`` every ``WATCH_S`` on a store client of its own; when the store cannot be reached
     (its trainer is gone) end the process at once."""
     from bicc.rollout.channel import connect
 
@@ -62,7 +62,7 @@ def watch_trainer(address: str, index: int, timeout_s: float) -> None:
         try:
             store = connect(address, timeout_s)
             while True:
-                store.add(f"rollout/beat/{index}", 1)
+                store.add(f"line/beat/{index}", 1)
                 time.sleep(WATCH_S)
         except Exception:  # noqa: BLE001  (any failure to reach the store: the trainer is gone)
             os._exit(0)
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     store = connect(args.connect, args.timeout_s)
     index = args.index
     if index is None:  # joined from elsewhere: after the trainer's own workers, in the order they join
-        index = int(store.get("rollout/local_workers")) + store.add("rollout/remote_joined", 1) - 1
-    spec = {**json.loads(store.get(f"rollout/spec/{index}")), "connect": args.connect}
+        index = int(store.get("line/local_workers")) + store.add("line/remote_joined", 1) - 1
+    spec = {**json.loads(store.get(f"line/spec/{index}")), "connect": args.connect}
     watch_trainer(args.connect, index, spec["timeout_s"])
     outbox = from_worker(store, index)
     try:
@@ -171,6 +171,7 @@ def serve(spec: dict, inbox, outbox, store) -> None:
     entries = [Entry(name, tuple(shape)) for name, shape in spec["entries"]]
     dtype, capacity = DTYPES[cfg.model.dtype], spec["bucket_elems"]
     buckets = plan(entries, capacity)
+    staging = torch.device("cpu") if spec["transport"] == "gloo" else device  # gloo's wire starts on the host
     outbox.send("ready")
     idle_since = time.monotonic()
     while True:
@@ -185,7 +186,7 @@ def serve(spec: dict, inbox, outbox, store) -> None:
             version = message["version"]
             planted_fault("load", version)
             outbox.send("receiving", version=version)
-            engine.load_weights(receive(group, entries, buckets, dtype, device, capacity, into), version)
+            engine.load_weights(receive(group, entries, buckets, dtype, device, capacity, into, staging), version)
             outbox.send("loaded", version=version)
         elif message.kind == "transfer":  # vLLM's weight transfer (CUDA): one call of its protocol
             transfer_call(engine, message)

@@ -127,22 +127,22 @@ class RolloutWorkers:
 
     def push(self, model, version: int) -> None:
         """Send ``model``'s weights as ``version``; every rank calls it (FSDP2 gathers each tensor on all)."""
-        t0, self.line.pushed, sent = time.monotonic(), version, 0
+        t0, self.line.pushed = time.monotonic(), version
         if self.transfer is not None:
             if self.d.is_main:
                 self.transfer.client.version = version
                 for link in self.line.links:
                     link.pending.append(f"loading weight version {version}")
-                sent = sum(e.numel for e in self.entries) * self.dtype.itemsize
             self.transfer.send_weights()
         elif self.d.is_main:
             self.line.send("weights", f"loading weight version {version}", version=version)
             self.line.wait(lambda: self.line.all("receiving", version), f"sending weight version {version}")
             device = next(model.parameters()).device if self.kind == "nccl" else torch.device("cpu")
-            sent = weight_sync.send(model, self.entries, self.buckets, self.group, self.dtype, device, self.capacity)
+            weight_sync.send(model, self.entries, self.buckets, self.group, self.dtype, device, self.capacity)
         elif distributed.is_sharded(model):  # the gathers are collectives of every rank
             weight_sync.send(model, self.entries, self.buckets, None, self.dtype, None, self.capacity)
-        self.push_s, self.push_bytes = time.monotonic() - t0, sent
+        # what each worker received (logged the same on every rank)
+        self.push_s, self.push_bytes = time.monotonic() - t0, sum(e.numel for e in self.entries) * self.dtype.itemsize
 
     def request(self, step: int) -> None:
         if self.d.is_main:
