@@ -7,8 +7,14 @@ uninterrupted run.
    have passed (after which it is left to finish).
 3. Every parameter of the two final checkpoints is compared.
 
-Run: ``.venv/bin/python -m bench.soak [--minutes 30] [--steps 120] [extra Hydra overrides]``.
-Ends with ``RESULT soak_divergence=<max |Δparam|> target==0`` and the counts of steps and resumes.
+After every kill, no process the killed run started may be left (rollout workers under ``rollout.async_steps``,
+their math-verify processes): each run carries a mark of its own in its environment, which every process it starts
+inherits, and the soak waits up to ``--orphan-s`` for the marked ones to be gone.
+
+Run: ``.venv/bin/python -m bench.soak [--minutes 30] [--steps 120] [extra Hydra overrides]``
+(``rollout.async_steps=2`` soaks the rollout workers).
+Ends with ``RESULT soak_divergence=<max |Δparam|> target==0``, ``RESULT soak_orphans=<processes left after a kill>
+target==0`` and the counts of steps and resumes.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -33,6 +40,19 @@ def command(run_dir: Path, steps: int, save_every: int, extra: list[str], resume
             f"hydra.run.dir={run_dir}", *(["resume=auto"] if resume else []), *extra]
 
 
+def marked(mark: str) -> list[int]:
+    """Live processes (zombies aside) whose environment holds ``BICC_RUN_MARK=<mark>``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"BICC_RUN_MARK={mark}".encode() in (entry / "environ").read_bytes():
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="how long to keep killing the second run")
@@ -42,6 +62,7 @@ def main() -> None:
     parser.add_argument("--kill-max", type=float, default=40.0)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "soak")
     parser.add_argument("--seed", type=int, default=0, help="of the kill times")
+    parser.add_argument("--orphan-s", type=float, default=30.0, help="how long a killed run's processes may outlive it")
     parser.add_argument("extra", nargs="*", help="Hydra overrides for both runs")
     args = parser.parse_args()
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
@@ -56,12 +77,15 @@ def main() -> None:
     ref_s = time.perf_counter() - start
     print(f"reference: {args.steps} steps in {ref_s:.0f}s", flush=True)
 
-    kills, starts = 0, 0
+    kills, starts, orphans = 0, 0, 0
     stop_killing = time.perf_counter() + 60 * args.minutes
+    log = args.out / "killed.log"
     while not (soaked / "results.json").exists():
         starts += 1
-        proc = subprocess.Popen(command(soaked, args.steps, args.save_every, args.extra, resume=starts > 1), cwd=ROOT,
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        mark = uuid.uuid4().hex
+        with open(log, "w") as err_file:  # a file, not a pipe: a process outliving the run would hold a pipe open
+            proc = subprocess.Popen(command(soaked, args.steps, args.save_every, args.extra, resume=starts > 1), cwd=ROOT,
+                                    env={**env, "BICC_RUN_MARK": mark}, stdout=subprocess.DEVNULL, stderr=err_file)
         if time.perf_counter() < stop_killing:
             try:
                 proc.wait(timeout=rng.uniform(args.kill_min, args.kill_max))
@@ -69,9 +93,18 @@ def main() -> None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
                 kills += 1
-                print(f"killed run #{starts} after {time.perf_counter() - start:.0f}s", flush=True)
+                deadline = time.perf_counter() + args.orphan_s
+                while marked(mark) and time.perf_counter() < deadline:
+                    time.sleep(0.2)
+                left = marked(mark)
+                orphans += len(left)
+                for pid in left:  # counted; not left to disturb the runs after it
+                    os.kill(pid, signal.SIGKILL)
+                print(f"killed run #{starts} after {time.perf_counter() - start:.0f}s"
+                      + (f"; {len(left)} of its processes outlived it by {args.orphan_s:g}s" if left else ""), flush=True)
                 continue
-        _, err = proc.communicate()
+        proc.wait()
+        err = log.read_text()
         if proc.returncode != 0:
             raise RuntimeError(f"run #{starts} failed with exit {proc.returncode}:\n{err[-3000:]}")
     a = load_file(reference / "checkpoints" / f"step_{args.steps}" / "model.safetensors")
@@ -81,6 +114,7 @@ def main() -> None:
     divergence = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
     print(f"{time.perf_counter() - start:.0f}s in all; {kills} kills, {starts - 1} resumes")
     print(f"RESULT soak_divergence={divergence:g} target==0")
+    print(f"RESULT soak_orphans={orphans} target==0")
     print(f"RESULT soak_steps={args.steps}")
     print(f"RESULT soak_resumes={starts - 1}")
     print(f"RESULT soak_kills={kills}")

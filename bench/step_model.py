@@ -26,8 +26,11 @@ Qwen3-4B's width, and HF generate's seconds per decoding step of 64 rows at Qwen
 HF generate is bound by the host's kernel launches (34 ms a step at 64 rows, against 0.4 ms to read the 0.6B
 weights), so a step's time scales with the layers and not with the rows up to the 256 of a whole batch; a batch
 takes as many decoding steps as its longest output; a no-grad pass runs at 3x the update's tokens/s; training
-scales linearly over GPUs; the async weight push crosses the host at 25 GB/s each way. Ends with
-``RESULT model_async_vs_sync_<device>=<best async layout / colocated> target<1``.
+scales linearly over GPUs. The weight push is a line of its own in the table, also a model: the bf16 weights
+broadcast over NCCL between the node's GPUs at ``PUSH_GBPS`` = 50 GB/s (verl's one-step-off moves 7B, 14 GB, in under
+300 ms: 47 GB/s or more), paid on the trainer's side, beside what the shared-memory hand-off before 63d8df1 cost (the
+fp32 state dict, 16 GB, written and read back through host memory at 25 GB/s each way). Ends with
+``RESULT model_async_vs_sync_<device>=<best async layout / colocated> target<1`` and ``RESULT model_push_s``.
 """
 
 from __future__ import annotations
@@ -148,7 +151,15 @@ def step_phases(plan: StepPlan, cost: dict[str, float], mean_len: float, max_len
 # per decoding step (H100, Qwen3-0.6B's 28 layers, 64 rows x 1,024 tokens in 34.98 s, the growing cache).
 LAYOUT_RATES = {"H100": {"update_tokens_s": 55_519 * 8 / 36, "decode_step_s": 34.98 / 1024 * 36 / 28},
                 "H200": {"update_tokens_s": 15_410, "decode_step_s": 34.98 / 1024 * 36 / 28}}
-HOST_GBPS, LAYOUT_GPUS, LAYOUT_QUERIES = 25.0, 4, 32
+HOST_GBPS, PUSH_GBPS, LAYOUT_GPUS, LAYOUT_QUERIES = 25.0, 50.0, 4, 32
+
+
+def push_seconds(collective: bool = True) -> float:
+    """A push of Qwen3-4B's weights to the rollout workers (a model): bf16 over NCCL, or (the hand-off before 63d8df1)
+    the fp32 state dict through host shared memory, written and read back."""
+    if collective:
+        return QWEN3_4B.params() * 2 / (PUSH_GBPS * 1e9)
+    return 2 * QWEN3_4B.params() * 4 / (HOST_GBPS * 1e9)
 
 
 def layout_times(rates: dict, train_tokens: float, no_grad_tokens: float, longest: int,
@@ -158,7 +169,7 @@ def layout_times(rates: dict, train_tokens: float, no_grad_tokens: float, longes
     ``faster``: generation that many times faster than the measured HF generate, rows still free."""
     generate = longest * rates["decode_step_s"] / faster  # host-bound steps: the same at 64 rows a GPU or 256
     work = train_tokens / rates["update_tokens_s"] + no_grad_tokens / (3 * rates["update_tokens_s"])  # one GPU's
-    push = QWEN3_4B.params() * 2 / (HOST_GBPS * 1e9)  # bf16 weights to the host (the worker reads them back)
+    push = push_seconds()
     times = {"4 GPUs colocated, synchronous": generate + work / LAYOUT_GPUS}
     for trainers in (3, 2):
         times[f"{trainers} training + {LAYOUT_GPUS - trainers} rollout GPUs, async_steps=1"] = max(
@@ -176,6 +187,9 @@ def layouts(mean_len: float, longest: int) -> None:
     train = (xc_tokens if plan.conditioned else q_tokens) * 4 / 3  # activation checkpointing's replayed forward
     print(f"the paper preset's step on {LAYOUT_GPUS} GPUs (a model, not a measurement): {n} outputs, mean {mean_len:.0f} "
           f"tokens, longest {longest}; passes: {' -> '.join(plan.passes())}")
+    print(f"weight push (a model): {push_seconds():.2f}s over NCCL in bf16, against {push_seconds(False):.2f}s through host "
+          "shared memory in fp32 before 63d8df1")
+    print(f"RESULT model_push_s={push_seconds():.3f}")
     for device, rates in LAYOUT_RATES.items():
         times = layout_times(rates, train, no_grad, longest)
         colocated = times["4 GPUs colocated, synchronous"]

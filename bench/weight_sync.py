@@ -38,7 +38,9 @@ from bench.common import QWEN3_06B
 
 SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                     intermediate_size=1536, vocab_size=49_152, tie_word_embeddings=True, max_position_embeddings=8192)
-SHAPES = {"smollm2_135m": SMOLLM2_135M, "qwen3_06b": QWEN3_06B}
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+            intermediate_size=128, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=256)
+SHAPES = {"smollm2_135m": SMOLLM2_135M, "qwen3_06b": QWEN3_06B, "tiny": TINY}  # tiny: the bench's own test
 BUCKET_MIB = 32.0  # rollout.push_bucket_mib's default
 
 
@@ -83,7 +85,8 @@ def worker(method: str, shape: dict, device: str, port: int, requests, answers) 
     if method == "collective":
         store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=300))
         group = weight_group(store, 1, 2, "gloo", 300)
-        entries, capacity = manifest(model), bucket_elems(BUCKET_MIB, torch.bfloat16)
+        entries = manifest(model)
+        capacity = bucket_elems(BUCKET_MIB, torch.bfloat16, entries)
         buckets, into = plan(entries, capacity), tensors_of(model)
     answers.put("ready")
     slots, state = None, model.state_dict()
@@ -117,7 +120,8 @@ def measure(method: str, shape: dict, pushes: int, device: str) -> dict:
     rss = PeakRSS()
     if method == "collective":
         group = weight_group(store, 0, 2, "gloo", 300)
-        entries, capacity = manifest(trainer), bucket_elems(BUCKET_MIB, torch.bfloat16)
+        entries = manifest(trainer)
+        capacity = bucket_elems(BUCKET_MIB, torch.bfloat16, entries)
         buckets = plan(entries, capacity)
     else:  # every key of the state dict, full and fp32, into N + 1 = 2 slots
         full = {k: full_tensor(v).detach().to("cpu") for k, v in trainer.state_dict().items()}
@@ -147,7 +151,7 @@ def measure(method: str, shape: dict, pushes: int, device: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["smollm2_135m", "qwen3_06b"], choices=list(SHAPES))
     parser.add_argument("--pushes", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="where the trainer and the worker hold their copies")
     args = parser.parse_args()

@@ -36,6 +36,20 @@ def test_every_bench_starts_as_a_module():
     assert proc.stdout.count("usage:") == len(BENCHES)
 
 
+@pytest.mark.launch
+def test_the_push_bench_measures_both_hand_offs():
+    """``bench.weight_sync`` at a tiny tied shape (2 layers, 64 wide, 4,096 tokens: 336,320 parameters): the collective
+    sends each parameter once in bf16, 2 bytes each; the shared-memory hand-off sends the fp32 state dict with the
+    tied output projection a second time, 4 x (336,320 + 262,144) / 336,320 = 7.12 bytes each."""
+    proc = subprocess.run([sys.executable, "-m", "bench.weight_sync", "--shapes", "tiny", "--pushes", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = dict(re.findall(r"RESULT (\S+)=(\S+)", proc.stdout))
+    assert results["push_bytes_per_param"] == "2.000" and results["push_bytes_per_param_shm"] == "7.12"
+    assert float(results["push_s_tiny_collective"]) > 0 and float(results["push_host_fraction_shm"]) > 1
+    assert "target<=2.05" in proc.stdout and "target<=0.1" in proc.stdout
+
+
 def test_step_model_phases_follow_the_plan():
     from bench.common import compose_cfg
     from bench.step_model import step_phases

@@ -93,7 +93,8 @@ def headline(tmp_path, data_file, experiment, model_dir, steps, extra=(), nproc=
            str(ROOT / "tests" / "launch_apart.py"), f"experiment={experiment}", "algo=dapo", "bicc=on", "rcc=on",
            f"model.path={model_dir}", *SHRINK, *CONSTRUCTED_REWARD, f"train.steps={steps}", *extra]
     proc = run(cmd, tmp_path, data_file, cwd=cwd)
-    dirs = sorted(p.parent for p in (cwd / "outputs").glob("*/*/*/.hydra"))
+    named = [Path(e.split("=", 1)[1]) for e in extra if e.startswith("hydra.run.dir=")]
+    dirs = named or sorted(p.parent for p in (cwd / "outputs").glob("*/*/*/.hydra"))
     assert len(dirs) == 1, dirs  # every rank wrote into rank 0's run dir
     engine = re.search(r"\[rollout\] (\w+) engine; longest sequence (\d+) tokens", proc.stdout)
     assert engine and engine.group(1) == "vllm", proc.stdout[-2000:]  # the engine the preset selects
@@ -159,31 +160,31 @@ def test_two_training_ranks_and_two_vllm_workers(tmp_path, qwen_warm_start):
     """The README's rollout-worker command at miniature size (``torchrun --nproc_per_node=2 ... rollout.async_steps=1
     rollout.devices=[2,3]``; on CPU two vLLM workers share a core, ``rollout.cpu_workers=2``) on the paper preset's
     DAPO-Math path with algo=dapo bicc=on rcc=on: each rank trains on its prompt shard of what the two workers drew,
-    every weight push reaching both, and it ends with a checkpoint that a resume continues from, the batch the workers
-    had drawn ahead read back. Steps 1-3 equal one training process (torchrun, FSDP2 on one rank) drawing both prompt
-    shards from the same two workers: step 3 trains on a batch drawn by the weights of step 1, pushed to the workers.
-    In fp32: in bf16 (the preset's, whose push the sync path and tests/test_weight_sync.py cover) one Adam step on 1
-    and 2 ranks already differs, so that only step 1 could be compared."""
+    every weight push reaching both, with a checkpoint at step 2 holding the batch the workers had drawn ahead, by the
+    weights of step 1. One training process (torchrun, FSDP2 on one rank, both prompt shards) resumed from that
+    checkpoint with two workers of its own reads the batch back and trains step 3 as the two ranks did. In fp32: in
+    bf16 (the preset's, whose push tests/test_weight_sync.py covers) one Adam step on 1 and 2 ranks already differs."""
     data_file, _, model_dir = qwen_warm_start
     workers = ["rollout.async_steps=1", "rollout.cpu_workers=2", "optim.lr=1e-4", "model.dtype=float32",
                "dist.param_dtype=float32"]
-    run_dir, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 2, workers)
+    run_dir, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 3, workers)
     assert re.search(r"vllm on 2 worker\(s\) \(CPU cores \[\d\]; CPU cores \[\d\]\), weights over gloo in float32", stdout)
     assert re.search(r"rollout worker 1 \(CPU cores \[\d\]\): pid", stdout)
-    rows, _ = check_run(run_dir, model_dir, 2, torch.float32)
-    assert [r["rollout/staleness_max"] for r in rows if "train/loss" in r] == [0.0, 1.0]
-    again, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 3,
-                             [*workers, f"hydra.run.dir={run_dir}", "resume=auto"])
-    assert again == run_dir and "at step 2" in stdout and "1 drawn batch(es) read back from the checkpoint" in stdout
     rows, _ = check_run(run_dir, model_dir, 3, torch.float32)
     steps = [r for r in rows if "train/loss" in r]
+    assert [r["rollout/staleness_max"] for r in steps] == [0.0, 1.0, 1.0]
+    assert [r["rollout/weight_version"] for r in steps] == [0.0, 0.0, 1.0]  # batch 2: the weights pushed after step 1
     assert all(r["perf/push_bytes"] == steps[0]["perf/push_bytes"] > 0 for r in steps)  # every step, every weight
-    one, _ = headline(tmp_path / "one", data_file, "paper_qwen3_4b", model_dir, 3,
-                      [*workers, "rollout.shards=2", "eval.shards=2"], nproc=1)
-    single = [r for r in (json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines())
-              if "train/loss" in r]
-    for a, b in zip(steps, single, strict=True):
-        assert (a["reward/mean"], a["rollout/response_len"]) == (b["reward/mean"], b["rollout/response_len"])
-        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5, (a["train/loss"], b["train/loss"])
+    one = tmp_path / "one"
+    _, stdout = headline(one, data_file, "paper_qwen3_4b", model_dir, 3,
+                         [*workers, "rollout.shards=2", "eval.shards=2", f"resume={run_dir / 'checkpoints' / 'step_2'}",
+                          f"hydra.run.dir={one}"], nproc=1)
+    assert "at step 2" in stdout and "1 drawn batch(es) read back from the checkpoint" in stdout
+    resumed = [r for r in (json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines())
+               if "train/loss" in r]
+    assert [r["step"] for r in resumed] == [3]
+    a, b = steps[2], resumed[0]
+    assert (a["reward/mean"], a["rollout/response_len"]) == (b["reward/mean"], b["rollout/response_len"])
+    assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5, (a["train/loss"], b["train/loss"])
     ours, theirs = (load_file(d / "checkpoints" / "step_3" / "model.safetensors") for d in (run_dir, one))
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-5

@@ -67,6 +67,10 @@ class Channel:
         self.sent += 1
         self.store.set(f"{self.name}/{self.sent}", encode(Message(kind, fields, payload)))
 
+    def pending(self) -> bool:
+        """Whether a message sent here has not been read yet."""
+        return self.sent > 0 and self.store.check([f"{self.name}/{self.sent}"])
+
     def poll(self) -> Message | None:
         """The next message if it has arrived, else None (never waits)."""
         key = f"{self.name}/{self.read + 1}"

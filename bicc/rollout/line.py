@@ -135,13 +135,17 @@ class Line:
                     link.inbox.send("stop")
                 except Exception:  # noqa: BLE001  (a line already gone: the worker is ended below)
                     pass
+        deadline = time.monotonic() + (0.5 if kill else 10)
         for link in self.links:
             if link.proc is not None:
                 try:
-                    link.proc.wait(timeout=0.5 if kill else 10)
+                    link.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     link.proc.kill()
                     link.proc.wait()
+            elif not kill:  # one elsewhere: until it has read the stop (else it finds the store gone first)
+                while link.inbox.pending() and time.monotonic() < deadline:
+                    time.sleep(0.05)
         self.links = []
         self.store = None  # the store's server goes with it: a worker elsewhere sees it gone and ends
 

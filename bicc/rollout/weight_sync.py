@@ -77,8 +77,10 @@ def plan(entries: list[Entry], bucket_elems: int) -> list[list[tuple[int, int, i
     return buckets
 
 
-def bucket_elems(bucket_mib: float, dtype: torch.dtype) -> int:
-    return max(1, int(bucket_mib * 2**20) // dtype.itemsize)
+def bucket_elems(bucket_mib: float, dtype: torch.dtype, entries: list[Entry] | None = None) -> int:
+    """Elements of ``dtype`` in a bucket of ``bucket_mib``; no more than ``entries`` hold in all."""
+    elems = max(1, int(bucket_mib * 2**20) // dtype.itemsize)
+    return min(elems, max(1, sum(e.numel for e in entries))) if entries else elems
 
 
 def weight_group(store, rank: int, world: int, backend: str, timeout_s: float):

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.index is not None:  # started by the trainer: die with it
         die_with_parent()
+    import torch.distributed
+
     from bicc.rollout.channel import connect, from_worker, to_worker
 
     store = connect(args.connect, args.timeout_s)
@@ -92,6 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     outbox = from_worker(store, index)
     try:
         serve(spec, to_worker(store, index), outbox, store)
+    except torch.distributed.DistNetworkError:  # the trainer's store is gone: the run ended, the trainer says how
+        print(f"[rollout worker {index}] the trainer is gone; ending", flush=True)
+        os._exit(0)
     except BaseException:  # noqa: BLE001  (everything is reported to the trainer, then the process ends)
         try:
             outbox.send("error", traceback=traceback.format_exc())

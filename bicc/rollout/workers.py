@@ -105,7 +105,7 @@ class RolloutWorkers:
         """Start the workers (rank 0) and join their weight group, push ``model``'s weights as version ``step`` and
         request the batches up to ``step + N``. Every rank calls it."""
         self.entries = weight_sync.manifest(model)
-        self.capacity = weight_sync.bucket_elems(self.cfg.rollout.push_bucket_mib, self.dtype)
+        self.capacity = weight_sync.bucket_elems(self.cfg.rollout.push_bucket_mib, self.dtype, self.entries)
         self.buckets = weight_sync.plan(self.entries, self.capacity)
         self.kind = distributed.broadcast_object(self.kind, self.d)
         if self.d.is_main:
