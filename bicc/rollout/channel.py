@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+POLL_S = 0.005  # the longest pause between two looks at the store while waiting (a look costs ~0.1 ms)
+
 
 def serve(port: int, timeout_s: float) -> dist.TCPStore:
     """The store rank 0 serves on ``port`` of every interface (0: a free one, read back from ``.port``)."""
@@ -80,14 +82,14 @@ class Channel:
 
     def receive(self, timeout_s: float) -> Message | None:
         """The next message, waiting up to ``timeout_s``; None if none came. It polls (1 ms at first, backing off
-        to 20 ms): the store's own timed wait logs a warning at every timeout."""
+        to ``POLL_S``): the store's own timed wait logs a warning at every timeout."""
         deadline, pause = time.monotonic() + timeout_s, 0.001
         while True:
             message = self.poll()
             if message is not None or time.monotonic() >= deadline:
                 return message
             time.sleep(pause)
-            pause = min(2 * pause, 0.02)
+            pause = min(2 * pause, POLL_S)
 
     def _take(self, key: str) -> Message:
         data = self.store.get(key)

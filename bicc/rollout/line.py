@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bicc.rollout import channel
+from bicc.rollout.channel import POLL_S
 
 HEARTBEAT_LAPSE_S = 60.0  # a worker on another node whose heartbeat stops this long is failed
 # torchrun's variables: a worker is no rank of the trainer's group (vLLM would read LOCAL_RANK as its GPU)
@@ -125,7 +126,7 @@ class Line:
                 raise WorkerFailure(f"no answer from {'; '.join(silent)} within {self.timeout:g} s "
                                     f"(dist.timeout_minutes) while {what}; stopped it")
             time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+            pause = min(2 * pause, POLL_S)
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers: asked to (waiting up to 10 s for each this node started), or at once (``kill``)."""
