@@ -1,6 +1,6 @@
 """A rollout worker's weight push, the shared-memory hand-off rollout workers used until 63d8df1 against the collective
 that replaced it (``bicc.rollout.weight_sync``), side by side in one run, at SmolLM2-135M's shape and Qwen3-0.6B's
-(random weights: a push moves bytes, whatever they hold).
+(random weights: a push moves bytes, whatever they hold); on a GPU also at Qwen3-4B's (``--shapes qwen3_4b``).
 
 Both sides are processes: this one is the trainer, holding the policy in fp32 master weights; a spawned worker holds
 the sampler's copy and answers once a push has landed in it.
@@ -40,7 +40,10 @@ SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9
                     intermediate_size=1536, vocab_size=49_152, tie_word_embeddings=True, max_position_embeddings=8192)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
             intermediate_size=128, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=256)
-SHAPES = {"smollm2_135m": SMOLLM2_135M, "qwen3_06b": QWEN3_06B, "tiny": TINY}  # tiny: the bench's own test
+QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=9728, vocab_size=151_936, tie_word_embeddings=True, max_position_embeddings=40_960)
+# tiny: the bench's own test; qwen3_4b: on a GPU (--device cuda), 16 GB of fp32 weights a side
+SHAPES = {"smollm2_135m": SMOLLM2_135M, "qwen3_06b": QWEN3_06B, "qwen3_4b": QWEN3_4B, "tiny": TINY}
 BUCKET_MIB = 32.0  # rollout.push_bucket_mib's default
 
 
