@@ -2,7 +2,7 @@
 dir> <mode> [overrides...]``.
 
 - ``run``: two RL steps under ``rollout.async_steps=1``, then a clean stop; prints ``trained <step>``;
-- ``kill-start``: the workers started and every batch of the schedule requested, it prints the pids of every process
+- ``kill-start``: the workers started and every batch of the schedule requested, it prints ``started`` and the pids of every process
   it started (its descendants) and kills itself with SIGKILL, while the workers draw and return their batches;
 - ``kill-push``: one step, then a SIGKILL in the middle of the next weight push (after its first bucket), while the
   workers are receiving.
@@ -55,7 +55,7 @@ def read_by_workers(workers, message: int, timeout_s: float = 60.0) -> None:
 
 
 def die() -> None:
-    print(" ".join(str(p) for p in descendants(os.getpid())), flush=True)
+    print("started", *descendants(os.getpid()), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
