@@ -2,8 +2,9 @@
 dir> <mode> [overrides...]``.
 
 - ``run``: two RL steps under ``rollout.async_steps=1``, then a clean stop; prints ``trained <step>``;
-- ``kill-start``: the workers started and every batch of the schedule requested, it prints ``started`` and the pids of every process
-  it started (its descendants) and kills itself with SIGKILL, while the workers draw and return their batches;
+- ``kill-start``: the workers started and every batch of the schedule requested, it prints ``started`` and the pids
+  of every process it started (its descendants) and kills itself with SIGKILL, while the workers draw and return
+  their batches;
 - ``kill-push``: one step, then a SIGKILL in the middle of the next weight push (after its first bucket), while the
   workers are receiving.
 

@@ -261,7 +261,7 @@ def test_no_process_of_the_run_outlives_its_killed_trainer(moment, fault, tmp_pa
                               env={**os.environ, "BICC_RUN_MARK": mark, FAULT_ENV: fault})
     assert proc.returncode == -9, out.read_text()[-4000:]
     # the workers write to the same file, and may write after the trainer's line
-    line = next(l for l in reversed(out.read_text().splitlines()) if l.startswith("started"))
+    line = next(x for x in reversed(out.read_text().splitlines()) if x.startswith("started"))
     started = [int(p) for p in line.split()[1:]]
     # the worker, and once it has scored a batch (before the second push) its math-verify processes
     assert len(started) >= (1 if moment == "kill-start" else 3), out.read_text()[-2000:]
