@@ -23,12 +23,15 @@ class Registry(Generic[T]):
         self.kind = kind
         self._entries: dict[str, T] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
-        """Decorator: ``@LOSSES.register("grpo")``."""
+    def register(self, name: str, params: type | None = None) -> Callable[[T], T]:
+        """Decorator: ``@LOSSES.register("grpo")``. ``params``: the dataclass of the entry's own hyperparameters
+        (``algo.params`` for a loss), kept on the function as ``fn.params``, the way an imported entry declares them."""
 
         def decorator(fn: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} '{name}' is already registered")
+            if params is not None:
+                fn.params = params
             self._entries[name] = fn
             return fn
 

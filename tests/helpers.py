@@ -71,11 +71,14 @@ MIXED_RUN = [*CONSTRUCTED_REWARD, "bicc=stable", "rcc=mean", "optim.lr=3e-4", "d
              "logger.wandb_mode=disabled", "logger.progress=false", "threads=1", "sft.seed=0"]
 
 
-def run_train(args, tmp_path, check=True, torchrun: int = 0, timeout: int = 300, script: str = "train.py"):
+def run_train(args, tmp_path, check=True, torchrun: int = 0, timeout: int = 300, script: str = "train.py",
+              env: dict | None = None):
     """``train.py <args>`` (or ``script``, a path from the repo root) in a subprocess started in ``tmp_path`` (a run
-    without ``hydra.run.dir`` writes there, not into the repo), with its own cache; under ``torchrun
-    --nproc_per_node=<torchrun>`` when that is set; asserts success unless ``check`` is off."""
-    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    without ``hydra.run.dir`` writes there, not into the repo), with its own cache and ``env`` added to the
+    environment; under ``torchrun --nproc_per_node=<torchrun>`` when that is set; asserts success unless ``check``
+    is off."""
+    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+           **(env or {})}
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else []
     proc = subprocess.run([sys.executable, *launcher, str(ROOT / script), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -14,16 +14,12 @@ from bicc.trainer.step import rl_step
 from tests.conftest import CONF, compose_cfg
 from tests.helpers import ARCH, CoinTask
 
-ALGOS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml"))
+ALGOS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml"))  # every preset on disk: a new one joins
 # what only some presets do, seen in their metrics: ASPO's dual clip, Dr.GRPO's KL term, GMPO's geometric
 # sequence ratio, DAPO's overlong shaping (outputs hit the 16-token limit) and dynamic sampling (mixed groups only)
 OWN = {"aspo": lambda m: "train/dual_clip_frac" in m, "dr_grpo": lambda m: "train/kl_ref" in m,
        "gmpo": lambda m: "train/seq_ratio_mean" in m,
        "dapo": lambda m: m["reward/mean"] < m["reward/accuracy"] and m["train/adv_zero_group_share"] == 0}
-
-
-def test_every_algo_preset_is_listed():
-    assert ALGOS == ["aspo", "dapo", "dr_grpo", "gmpo", "grpo", "gspo"]
 
 
 @pytest.mark.parametrize("algo", ALGOS)

@@ -7,7 +7,8 @@ from bicc.trainer.validation import validate
 from tests.conftest import CONF, compose_cfg
 
 PAPER_MODELS = {"paper_qwen3_4b": "Qwen/Qwen3-4B-Instruct-2507", "paper_phi4_mini": "microsoft/Phi-4-mini-instruct"}
-VARIANTS = ["grpo", "dr_grpo", "dapo", "gspo", "gmpo", "aspo"]
+VARIANTS = ["grpo", "dr_grpo", "dapo", "gspo", "gmpo", "aspo"]  # the paper's table
+ALGOS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml"))  # every variant on disk, the paper's and others
 
 
 def compose_with_hydra(overrides):
@@ -43,7 +44,7 @@ def test_paper_experiment_has_table_3_values(experiment, monkeypatch):
     assert cfg.model.tiny is None  # a pretrained model: no warm start
 
 
-@pytest.mark.parametrize("algo", VARIANTS)
+@pytest.mark.parametrize("algo", ALGOS)
 def test_command_line_picks_variant_and_switches_over_the_experiment(algo):
     cfg = compose_cfg(["experiment=paper_qwen3_4b", f"algo={algo}", "bicc=off", "rcc=off"])
     validate(cfg)
@@ -81,6 +82,22 @@ def test_sweeps_compose(sweep, params, jobs):
     # every job of the grid composes and validates
     for job in _grid(got):
         validate(compose_cfg([f"experiment={sweep}", *job]))
+
+
+def test_every_variant_joins_the_main_sweep_on_the_command_line():
+    """The paper's grid holds its six variants; any other conf/algo option joins it by one argument (Hydra's basic
+    sweeper lets an argument replace the config's values of a key), each of its jobs composing and validating."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    others = [a for a in ALGOS if a not in VARIANTS]
+    cfg = compose_with_hydra(["experiment=sweep_paper_main"])
+    arguments = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()] + [f"algo={','.join([*VARIANTS, *others])}"]
+    (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), None)
+    assert len(jobs) == len(ALGOS) * 2 * 2 and {j[0] for j in jobs} == {f"algo={a}" for a in ALGOS}
+    for job in jobs:
+        if job[0].split("=")[1] in others:
+            validate(compose_cfg(["experiment=sweep_paper_main", *job]))
 
 
 def _grid(params):

@@ -51,8 +51,9 @@ CHANGES = {
 }
 # Keys that change which samples a step collects (DAPO's dynamic sampling): held on the collection's own choice.
 COLLECTION = {"algo.dynamic_sampling": (True, []), "algo.max_sampling_rounds": (1, ["algo.dynamic_sampling=true"])}
-# The variant's name: a label for run names and logs.
-LABELS = {"algo.name"}
+# The variant's name: a label for run names and logs; its own hyperparameters, held by its own tests
+# (tests/losses/test_<variant>.py).
+LABELS = {"algo.name", "algo.params"}
 # Speed and memory choices: the same step to float rounding.
 SAME = ["train.context_packing=false", "train.context_packing_impl=mask", "train.delta_from_update=false",
         "train.context_packing_impl=mask train.max_packed_len=40"]

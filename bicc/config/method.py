@@ -4,8 +4,8 @@ across groups are in ``bicc.trainer.validation``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Literal, Optional
 
 from omegaconf import MISSING
 
@@ -31,10 +31,13 @@ class AlgoConfig:
     max_sampling_rounds: int = 4
     overlong_buffer_share: float = 0.0
     overlong_penalty: float = 1.0
+    # the variant's own hyperparameters, declared by its loss (``LOSSES.register(name, params=...)``)
+    params: Dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def check(a) -> None:
-        need(0 < a.clip_eps_low < 1, "algo.clip_eps_low", f"must be in (0, 1) (ratio floor 1-eps), got {a.clip_eps_low}")
+        need(a.clip_eps_low > 0, "algo.clip_eps_low",
+             f"must be > 0 (ratio floor 1-eps; 1 or more: no floor, as CISPO's), got {a.clip_eps_low}")
         need(a.clip_eps_high > 0, "algo.clip_eps_high", f"must be > 0, got {a.clip_eps_high}")
         need(a.dual_clip_c == 0 or a.dual_clip_c > 1, "algo.dual_clip_c", f"must be 0 (off) or > 1, got {a.dual_clip_c}")
         need(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")

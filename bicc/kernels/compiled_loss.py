@@ -18,7 +18,7 @@ def loss_function(model, name: str):
     layers where they run compiled, else as registered; same signature either way."""
     fn = LOSSES.get(name)
     layer = next((m for m in decoder_layers(model) if getattr(m, "_bicc_compile_ok", False)), None)
-    if layer is None:
+    if layer is None or getattr(fn, "micro_batch_statistics", False):  # data-dependent selection: a graph break
         return fn
     if (fn, layer._bicc_backend) not in _LOSSES:
         _LOSSES[fn, layer._bicc_backend] = _CompiledLoss(fn, layer._bicc_backend)

@@ -32,6 +32,7 @@ def validate(cfg: Any) -> None:
             need(False, field_name, err.args[0])
 
     check_schema(cfg, RunConfig)
+    check_variant_params(cfg.algo, LOSSES.get(cfg.algo.loss))
 
     rollout_size = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     need(rollout_size % cfg.train.minibatches_per_rollout == 0, "train.minibatches_per_rollout",
@@ -49,6 +50,20 @@ def validate(cfg: Any) -> None:
         impl = resolve_attn_implementation(cfg.model.attn_implementation)
         need(impl in MASK_ATTENTION, "train.context_packing_impl",
              f"'mask' needs a 4-D attention mask, which model.attn_implementation={impl} ignores; use kv")
+
+
+def check_variant_params(algo_cfg: Any, loss) -> None:
+    """``algo.params`` against the dataclass the loss declares (``LOSSES.register(name, params=...)``): every key
+    one of its fields, then its own ``check()``."""
+    import dataclasses
+
+    spec = getattr(loss, "params", None)
+    known = [f.name for f in dataclasses.fields(spec)] if spec else []
+    for key in algo_cfg.params or {}:
+        need(key in known, f"algo.params.{key}", f"is not a parameter of the loss '{algo_cfg.loss}' "
+             f"({'its parameters: ' + ', '.join(known) if known else 'it takes none'})")
+    if spec is not None and hasattr(spec, "check"):
+        spec(**(algo_cfg.params or {})).check()
 
 
 def longest(problems, encode) -> tuple[int, object]:

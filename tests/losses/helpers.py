@@ -3,6 +3,7 @@
 import torch
 
 from bicc.config import AlgoConfig
+from tests.conftest import CONF, compose_cfg
 
 
 def cfg(**overrides) -> AlgoConfig:
@@ -23,13 +24,22 @@ def random_case(seed: int, n: int = 8, length: int = 6, scale: float = 0.3):
     return logp, old, ref, adv, mask
 
 
-# The six presets' loss settings (conf/algo), and the loss each one uses.
-VARIANTS = {
-    "grpo": cfg(),
-    "dr_grpo": cfg(loss_agg="seq-mean-token-sum-norm", kl_coef=0.01),
-    "dapo": cfg(clip_eps_high=0.28, loss_agg="token-mean"),
-    "gspo": cfg(clip_eps_low=3e-4, clip_eps_high=4e-4),
-    "gmpo": cfg(clip_eps_low=0.4, clip_eps_high=0.4),
-    "aspo": cfg(clip_eps_high=0.28, loss_agg="token-mean", dual_clip_c=3.0),
-}
-LOSS_OF = {"grpo": "grpo", "dr_grpo": "grpo", "dapo": "grpo", "gspo": "gspo", "gmpo": "gmpo", "aspo": "aspo"}
+def preset(name: str) -> AlgoConfig:
+    """conf/algo/<name>.yaml as the loss reads it."""
+    from omegaconf import OmegaConf
+
+    return AlgoConfig(**OmegaConf.to_container(compose_cfg([f"algo={name}", "sft.cache_dir=/tmp/x"]).algo, resolve=True))
+
+
+# Every conf/algo preset's loss settings, found on disk (a new variant's YAML joins every test over them), and the
+# loss each one uses.
+VARIANTS = {path.stem: preset(path.stem) for path in sorted((CONF / "algo").glob("*.yaml"))}
+LOSS_OF = {name: c.loss for name, c in VARIANTS.items()}
+
+
+def split_invariant(variant: str) -> bool:
+    """Whether the variant's loss is the same however a step is split (not so for one that selects tokens by the
+    statistics of the micro-batch it is given)."""
+    from bicc.method.losses import LOSSES
+
+    return not getattr(LOSSES.get(LOSS_OF[variant]), "micro_batch_statistics", False)

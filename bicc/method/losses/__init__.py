@@ -8,6 +8,16 @@ totals: ``StepTotals`` of the whole optimizer step (the aggregation's normaliser
 is_weight: optional [B, L] detached per-token weight on the policy-gradient term (the rollout engine's
 truncated importance-sampling correction, ``rollout.tis_cap``), applied before aggregation.
 ``loss`` is this micro-batch's share of the step's loss; ``metrics`` are floats for logging.
+
+A variant's own hyperparameters are a dataclass given to ``LOSSES.register(name, params=...)``, set under
+``algo.params`` in its conf/algo YAML and read with ``variant_params(cfg, Params)`` (``common.py``); validation refuses
+a key the dataclass lacks, and runs its ``check()``. A loss that selects tokens by statistics of the batch it is
+given (a micro-batch, as verl does) sets ``fn.micro_batch_statistics = True``: its step depends on how the step is
+split (the split-invariance tests pass it by), and it runs eagerly where the model is compiled (data-dependent
+shapes). A loss with detached factors whose gradient is not its value's derivative sets ``fn.stop_gradient = True``
+(the finite-difference test passes it by; its own test holds its gradient).
+
+Every module of this folder is imported here, so a new variant is one module (and its YAML).
 """
 
 from bicc.method.losses.agg import AGGREGATIONS, StepTotals, aggregate, masked_mean  # noqa: F401
@@ -16,4 +26,15 @@ from bicc.registry import Registry
 
 LOSSES: Registry = Registry("policy loss")
 
-from bicc.method.losses import aspo, gmpo, grpo, gspo  # noqa: E402,F401  (each registers its loss)
+
+def _import_all() -> None:
+    """Every module of this folder, so that each registers its loss: a new variant is its module, with no import
+    to add here."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_all()

@@ -43,3 +43,6 @@ def aspo_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is_w
     if cfg.dual_clip_c > 0:
         metrics["train/dual_clip_frac"] = (over & mask.bool()).float().sum() / mask.sum().clamp(min=1)
     return pg_loss + kl_loss, metrics
+
+
+aspo_loss.stop_gradient = True  # sg() factors: the gradient is not the value's derivative

@@ -1,4 +1,5 @@
-"""Pieces every policy loss shares: the ratio's denominator, the KL term, dual clip and diagnostics."""
+"""Pieces every policy loss shares: the ratio's denominator, the KL term, dual clip, diagnostics and a variant's
+own hyperparameters."""
 
 from __future__ import annotations
 
@@ -70,3 +71,9 @@ def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked mean over each row's tokens. [B, L] -> [B]"""
     mask = mask.to(x.dtype)
     return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def variant_params(cfg, params: type):
+    """``cfg.params`` (``algo.params``: a dict, or an OmegaConf node) as the loss's dataclass ``params``, its
+    defaults where a key is not set."""
+    return params(**cfg.params)

@@ -1,0 +1,73 @@
+"""A variant of one's own is one module and one YAML (docs/extending.md): a throwaway loss with a hyperparameter of
+its own, written into a temporary package and config directory, outside the library, runs a ``train.py`` step under
+the paper's BiCC and RCC, logs its metric and checkpoints, and a bad value of its parameter is refused naming it."""
+
+import json
+import textwrap
+
+import pytest
+
+from tests.helpers import SMALL, run_train
+
+MODULE = '''
+"""A throwaway policy loss: the unclipped surrogate, scaled by a hyperparameter of its own."""
+from dataclasses import dataclass
+
+import torch
+
+from bicc.config.fields import need
+from bicc.method.losses.agg import aggregate
+from bicc.method.losses.common import importance_weighted, log_ratio, variant_params
+
+
+@dataclass(frozen=True)
+class Params:
+    scale: float = 1.0
+
+    def check(self):
+        need(self.scale > 0, "algo.params.scale", f"must be > 0, got {self.scale}")
+
+
+def scaled_pg(logp, old_logp, ref_logp, adv, mask, cfg, totals, is_weight=None):
+    p = variant_params(cfg, Params)
+    pg = -p.scale * adv.unsqueeze(-1) * torch.exp(log_ratio(logp, old_logp, ref_logp, cfg))
+    return aggregate(importance_weighted(pg, is_weight), mask, cfg.loss_agg, totals), {
+        "train/scaled_pg_scale": logp.new_tensor(p.scale)}
+
+
+scaled_pg.params = Params
+'''
+
+YAML = '''
+# A throwaway variant: the unclipped surrogate, scaled.
+defaults:
+  - grpo
+  - _self_
+
+name: scaled_pg
+loss: my_variants.scaled:scaled_pg
+params:
+  scale: 0.5
+'''
+
+
+@pytest.mark.launch
+def test_a_variant_of_ones_own_is_a_module_and_a_yaml(tmp_path):
+    package, conf = tmp_path / "src" / "my_variants", tmp_path / "my_conf" / "algo"
+    package.mkdir(parents=True)
+    conf.mkdir(parents=True)
+    written = [package / "scaled.py", conf / "scaled_pg.yaml"]  # the two files, and nothing else
+    written[0].write_text(textwrap.dedent(MODULE), encoding="utf-8")
+    written[1].write_text(textwrap.dedent(YAML), encoding="utf-8")
+    args = [*SMALL, "algo=scaled_pg", "bicc=on", "rcc=on", "train.steps=1", "train.save_every=1", "train.keep_last=0",
+            f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]", f"hydra.run.dir={tmp_path / 'run'}"]
+    run_train(args, tmp_path, env={"PYTHONPATH": str(tmp_path / "src")})
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    step = next(r for r in rows if r.get("step") == 1 and "train/loss" in r)
+    assert step["train/scaled_pg_scale"] == 0.5 and step["bicc/samples_conditioned_share"] > 0
+    assert list((tmp_path / "run").rglob("trainer_state.pt")), "no checkpoint written"
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".py", ".yaml")
+                  and "run" not in p.relative_to(tmp_path).parts[:1]) == sorted(written)
+
+    bad = run_train([*args, "algo.params.scale=-1"], tmp_path, check=False, env={"PYTHONPATH": str(tmp_path / "src")})
+    assert bad.returncode != 0 and "config field 'algo.params.scale': must be > 0, got -1" in bad.stdout + bad.stderr
