@@ -71,3 +71,23 @@ def test_a_variant_of_ones_own_is_a_module_and_a_yaml(tmp_path):
 
     bad = run_train([*args, "algo.params.scale=-1"], tmp_path, check=False, env={"PYTHONPATH": str(tmp_path / "src")})
     assert bad.returncode != 0 and "config field 'algo.params.scale': must be > 0, got -1" in bad.stdout + bad.stderr
+
+
+def test_the_docs_name_the_files_each_new_loss_is():
+    """docs/extending.md's loss row names the files a variant in the library is: each variant whose loss has a module
+    of its own name has exactly those (module, YAML, test), and its module registers that name."""
+    import re
+
+    from bicc.method.losses import LOSSES
+    from tests.conftest import CONF, ROOT
+
+    row = next(line for line in (ROOT / "docs" / "extending.md").read_text(encoding="utf-8").splitlines()
+               if line.startswith("| policy loss |"))
+    pattern = re.findall(r"`([^`]+<name>[^`]*)`", row.split("|")[2])
+    assert pattern == ["bicc/method/losses/<name>.py", "conf/algo/<name>.yaml", "tests/losses/test_<name>.py"]
+    own = [p.stem for p in (CONF / "algo").glob("*.yaml")
+           if (ROOT / "bicc" / "method" / "losses" / f"{p.stem}.py").exists()
+           and (ROOT / "tests" / "losses" / f"test_{p.stem}.py").exists()]
+    assert {"cispo", "sapo", "clip_cov", "kl_cov"} <= set(own)
+    for name in own:
+        assert LOSSES.get(name).__module__ == f"bicc.method.losses.{name}"

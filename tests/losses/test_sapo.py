@@ -51,7 +51,7 @@ def verl_sapo(logp, old, adv, mask, tau_pos, tau_neg):
 @pytest.mark.parametrize("taus", [(1.0, 1.05), (0.5, 3.0)])
 def test_sapo_equals_verls_formula(seed, taus):
     logp, old, _, adv, mask = random_case(seed, scale=1.0)
-    adv[0] = 0.0  # A = 0 takes tau_neg, as verl's
+    adv[0] = 0.0  # a zero advantage: its term is 0 whichever tau it takes
     cfg = type(SAPO)(**{**SAPO.__dict__, "params": {"tau_pos": taus[0], "tau_neg": taus[1]}})
     ours, theirs = logp.clone().requires_grad_(), logp.clone().requires_grad_()
     loss, _ = LOSSES.get("sapo")(ours, old, None, adv, mask, cfg, StepTotals.of(mask, 6))
