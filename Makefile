@@ -68,8 +68,9 @@ train-dist: $(STAMP)
 # test file runs whole on one worker, so its module fixtures are built once.
 TEST_WORKERS ?= 2
 PYTEST := VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# It prints its 15 slowest tests, so that drift shows in every CI log.
 test: $(STAMP) $(VLLM_STAMP)
-	$(PYTEST) -m "not slow and not gpu" tests
+	$(PYTEST) --durations=15 -m "not slow and not gpu" tests
 
 # The fast loop while changing code: the unit tests, without those that start a process or an engine (`launch`) or
 # compile with Inductor (`compile`); under 3 minutes on 2 cores (docs/results.md). `make test` is the whole default set.

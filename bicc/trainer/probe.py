@@ -194,7 +194,7 @@ def main() -> None:
     from bicc.trainer.sft import warm_start
     from bicc.trainer.validation import validate
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the checkout: conf/ and .cache/ beside bicc/
     register_configs()
     with initialize_config_dir(config_dir=str(root / "conf"), version_base=None):
         cfg = compose(config_name="train", overrides=[f"sft.cache_dir={root / '.cache' / 'bicc'}", "rcc=off",
