@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bicc.data import Problem
-from bicc.data.rewards import overlong_penalty
+from bicc.method.dapo import overlong_penalty
 from bicc.model.tokenizer import build_char_tokenizer
 from bicc.rollout import Engine, RolloutOutput
 from bicc.rollout.collect import Collection, DataCursor, collect_rollout

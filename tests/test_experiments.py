@@ -144,7 +144,7 @@ def test_on_means_the_paper_everywhere(experiment):
 def test_dapo_overlong_buffer_scales_with_the_response_limit():
     """DAPO's buffer is 20% of the maximum length (4,096 of 20,480): 410 of the paper's 2,048 tokens, where a
     fixed 16 tokens shaped almost nothing."""
-    from bicc.config import overlong_buffer_tokens
+    from bicc.method.dapo import overlong_buffer_tokens
 
     cfg = compose_cfg(["experiment=paper_qwen3_4b", "algo=dapo"])
     assert overlong_buffer_tokens(cfg.algo, cfg.rollout.max_new_tokens) == 410

@@ -26,7 +26,7 @@ from omegaconf import MISSING, OmegaConf
 
 from bicc.config.evaluation import BenchmarkConfig, EvalConfig, LoggerConfig
 from bicc.config.fields import choice
-from bicc.config.method import AlgoConfig, BiccConfig, RccConfig, overlong_buffer_tokens
+from bicc.config.method import AlgoConfig, BiccConfig, RccConfig
 from bicc.config.run import (
     ArithConfig,
     DataConfig,
@@ -108,6 +108,6 @@ def register_configs() -> None:
 __all__ = [
     "AlgoConfig", "ArithConfig", "BenchmarkConfig", "BiccConfig", "DataConfig", "DiagConfig",
     "DistConfig", "EvalConfig", "LoggerConfig", "MathDataConfig", "ModelConfig", "OptimConfig", "RccConfig",
-    "RolloutConfig", "RunConfig", "SFTConfig", "TinyArchConfig", "TrainConfig", "diag_every", "overlong_buffer_tokens",
+    "RolloutConfig", "RunConfig", "SFTConfig", "TinyArchConfig", "TrainConfig", "diag_every",
     "register_configs", "tis_cap",
 ]

@@ -48,11 +48,6 @@ class AlgoConfig:
         need(a.adv_eps >= 0, "algo.adv_eps", f"must be >= 0, got {a.adv_eps}")
 
 
-def overlong_buffer_tokens(algo_cfg, max_new_tokens: int) -> int:
-    """DAPO's L_cache in tokens: ``algo.overlong_buffer_share`` of the response length limit."""
-    return round(algo_cfg.overlong_buffer_share * max_new_tokens)
-
-
 @dataclass
 class BiccConfig:
     """Bilateral Context Conditioning (conf/bicc): what the trainable numerator is conditioned on."""

@@ -5,10 +5,10 @@ A task is built by name from the ``data`` config (``TASKS.get(cfg.data.task)(cfg
 checkpoint can store), ``test_problems(n)`` and, when it supports supervised warm starts,
 ``demonstration(problem, rng)``.
 
-Modules: ``arith`` (the embedded sums task), ``math`` (math problems from JSONL, parquet or HF datasets), ``answers``
-(answer extractors, and the anchors BiCC's truncation keeps), ``checking`` (the math checker: exact match, then
-math-verify in processes of its own), ``rewards`` (a user's reward functions, TRL's signature included, and DAPO's
-overlong shaping), ``benchmarks`` (evaluation's datasets).
+Modules: ``arith`` (the embedded sums task), ``math`` (math problems from JSONL, parquet or HF datasets),
+``answers`` (answer extractors, and the anchors BiCC's truncation keeps), ``checking`` (the math checker: exact
+match, then math-verify in processes of its own), ``rewards`` (a user's reward functions, TRL's signature included),
+``benchmarks`` (evaluation's datasets).
 """
 
 from dataclasses import dataclass

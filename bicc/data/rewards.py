@@ -7,8 +7,6 @@ the last "The answer is"; else nothing.
 
 from __future__ import annotations
 
-import torch
-
 from bicc.data.answers import MAX_CHARS, extract_answer_number, last_boxed, normalize_answer
 
 
@@ -24,14 +22,6 @@ def exact_match_reward(completion: str, ground_truth: str) -> float:
     if predicted is None:
         return 0.0
     return float(normalize_answer(predicted) == normalize_answer(ground_truth))
-
-
-def overlong_penalty(lengths, max_len: int, buffer: int, penalty: float):
-    """DAPO's soft overlong punishment: 0 up to max_len - buffer, then falling linearly to -penalty at
-    max_len: min(0, -(len - (max_len - buffer)) / buffer) * penalty. ``buffer = 0`` gives zeros."""
-    if buffer == 0:
-        return torch.zeros(lengths.shape, dtype=torch.float64)
-    return (-(lengths.double() - (max_len - buffer)) / buffer).clamp(max=0) * penalty
 
 
 # ---- rewards named by dotted path (data.reward, data.rewards) ---------------------------------

@@ -1,3 +1,4 @@
 """The method, mathematics only: policy losses (losses/), advantages with RCC (advantages), BiCC's contexts
-(conditioning), the paper's diagnostics (diagnostics) and Algorithm 1 written plainly (reference). Imports
+(conditioning), DAPO's overlong shaping and dynamic sampling rule (dapo), the paper's diagnostics (diagnostics) and
+Algorithm 1 written plainly (reference). Imports
 ``bicc.model`` and below; no speed or memory choice lives here."""

@@ -1,6 +1,6 @@
 """Rollout collection for one RL step: prompts from this process's shards, G samples each from the engine,
-rewards (with DAPO's overlong shaping), dynamic sampling's refills. (The sampler's log-probs against the
-trainer's: ``bicc.method.losses.tis``.)"""
+rewards (with DAPO's overlong shaping), dynamic sampling's refills (DAPO's rules: ``bicc.method.dapo``). (The
+sampler's log-probs against the trainer's: ``bicc.method.losses.tis``.)"""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bicc.config import overlong_buffer_tokens
 from bicc.data import encode_prompt, scored
-from bicc.data.rewards import overlong_penalty
+from bicc.method.dapo import mixed_groups, overlong_buffer_tokens, overlong_penalty
 from bicc.rollout import RolloutOutput, SamplingParams
 
 
@@ -47,7 +46,7 @@ class Collection:
         """[groups] which groups of ``correct`` [groups, G] are kept: every one, or (dynamic sampling) the mixed."""
         if not self.dynamic_sampling:
             return torch.ones(correct.shape[0], dtype=torch.bool)
-        return correct.max(1).values > correct.min(1).values
+        return mixed_groups(correct)
 
 
 @dataclass

@@ -7,7 +7,7 @@ rho_it = pi_theta / pi_old per token (or / pi_ref with ``ratio_denominator=ref``
 
 - GRPO: eps 0.2/0.2, seq-mean-token-mean, std-normalised advantage.
 - DAPO (Yu et al. 2025): clip-higher eps 0.2/0.28, token-mean over the step; dynamic sampling and
-  overlong shaping live in the rollout/reward phases (``algo.dynamic_sampling``, ``algo.overlong_buffer_share``).
+  overlong shaping are ``bicc.method.dapo`` (``algo.dynamic_sampling``, ``algo.overlong_buffer_share``).
 - Dr.GRPO (Liu et al. 2025): mean-centred advantage, seq-mean-token-sum-norm, KL beta 0.01.
 
 How we differ from the papers: (1) eps_low and eps_high are always separate knobs; (2) the KL term is
