@@ -128,10 +128,8 @@ def test_headline_command_qwen_shape(tmp_path, qwen_warm_start):
     run_dir, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 2)
     assert "[eval] initial policy" in stdout and f"kept {distinct} rows" in stdout  # deduplicated
     check_run(run_dir, model_dir, 2)
-    # as the README resumes: the run dir named, resume=auto
-    again, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 3, [f"hydra.run.dir={run_dir}", "resume=auto"])
-    assert again == run_dir and "resumed from" in stdout and "at step 2" in stdout
-    check_run(run_dir, model_dir, 3)
+    # the resume on this path: test_two_training_ranks_and_two_vllm_workers (into one process, equal to the two
+    # ranks); resume=auto under torchrun and FSDP2: tests/test_compile.py (the headline form, compiled)
 
 
 def test_headline_command_phi4_mini_shape_with_a_bpe_tokenizer(tmp_path):

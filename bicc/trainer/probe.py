@@ -26,6 +26,7 @@ it); g_1 aligned with g_q but g_P not means the paper's ratio (and its clipping)
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -197,8 +198,8 @@ def main() -> None:
     root = Path(__file__).resolve().parents[2]  # the checkout: conf/ and .cache/ beside bicc/
     register_configs()
     with initialize_config_dir(config_dir=str(root / "conf"), version_base=None):
-        cfg = compose(config_name="train", overrides=[f"sft.cache_dir={root / '.cache' / 'bicc'}", "rcc=off",
-                                                      *args.overrides])
+        cache = os.environ.get("BICC_CACHE", root / ".cache" / "bicc")  # as train.py's: BICC_CACHE, else the checkout's
+        cfg = compose(config_name="train", overrides=[f"sft.cache_dir={cache}", "rcc=off", *args.overrides])
     validate(cfg)
     if not cfg.bicc.enabled:
         raise ValueError("config field 'bicc.enabled': the probe compares conditioned gradients; use bicc=on or stable")
