@@ -1,5 +1,10 @@
 """Warm-start data: demonstrations, optional context-bearing prompts, cache keys."""
 
+import math
+
+import pytest
+import torch
+
 from bicc.data import build_task
 from bicc.model.tokenizer import build_char_tokenizer
 from bicc.trainer.sft import cache_key, demonstration_batch
@@ -107,3 +112,22 @@ def test_the_data_keys_only_rl_reads_leave_the_warm_start_as_it_was():
                "data.max_prompt_length=64", "data.prompt_overflow=truncate"]
     assert cache_key(compose_cfg(["sft.cache_dir=/tmp/x", *rl_only])) == base
     assert cache_key(compose_cfg(["sft.cache_dir=/tmp/x", "data.arith.max_operand=50"])) != base
+
+
+def test_no_sft_steps_starts_rl_from_the_built_model():
+    """``sft.steps=0``: the warm start is the tiny model as built (its seed's weights), with nothing trained; a
+    negative count is refused naming the field."""
+    from bicc.data import build_task
+    from bicc.model.load import build_tiny
+    from bicc.trainer.sft import sft_seed, train_sft
+    from bicc.trainer.validation import validate
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["sft.cache_dir=/tmp/x", "sft.steps=0"])
+    validate(cfg)
+    model, _, metrics = train_sft(cfg, build_task(cfg.data), torch.device("cpu"), progress=False)
+    assert metrics["sft/steps"] == 0 and math.isnan(metrics["sft/loss"])
+    built, _ = build_tiny(cfg.model.tiny, sft_seed(cfg))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), built.state_dict().values()))
+    with pytest.raises(ValueError, match="config field 'sft.steps'"):
+        validate(compose_cfg(["sft.cache_dir=/tmp/x", "sft.steps=-1"]))
