@@ -310,3 +310,4 @@ class SFTConfig:
     @staticmethod
     def check(s) -> None:
         need(0 <= s.context_share <= 1, "sft.context_share", f"must be in [0, 1], got {s.context_share}")
+        need(s.steps >= 0, "sft.steps", f"must be >= 0 (0: the tiny model as built), got {s.steps}")

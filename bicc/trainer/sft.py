@@ -138,7 +138,7 @@ def train_sft(cfg, task, device: torch.device, progress: bool = True):
     scheduler = warmup_cosine(optimizer, sft.warmup_steps, sft.steps, sft.min_lr_ratio)
     start = time.perf_counter()
     bar = progress_bar(sft.steps, "sft", progress)
-    loss_value = float("nan")
+    loss_value, done = float("nan"), 0  # sft.steps = 0: the model as built
     for step in range(sft.steps):
         first = SFT_INDEX_OFFSET + step * sft.batch_size
         prompts, completions, shown = demonstrations(task, tokenizer, list(range(first, first + sft.batch_size)),
@@ -148,13 +148,13 @@ def train_sft(cfg, task, device: torch.device, progress: bool = True):
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
         optimizer.step()
         scheduler.step()
-        loss_value = loss.item()
+        loss_value, done = loss.item(), step + 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
         if sft.time_budget_s and time.perf_counter() - start > sft.time_budget_s:
             break
     bar.close()
-    metrics = {"sft/loss": loss_value, "sft/steps": step + 1, "sft/seconds": time.perf_counter() - start}
+    metrics = {"sft/loss": loss_value, "sft/steps": done, "sft/seconds": time.perf_counter() - start}
     return model, tokenizer, metrics
 
 
