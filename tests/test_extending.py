@@ -38,6 +38,29 @@ def scaled_pg(logp, old_logp, ref_logp, adv, mask, cfg, totals, is_weight=None):
 scaled_pg.params = Params
 '''
 
+OTHERS = '''
+"""An advantage, a reward and an engine of one's own."""
+import torch
+
+from bicc.rollout.hf import HFEngine
+
+
+def centred(rewards, group_ids, delta, cfg):
+    groups = int(group_ids.max()) + 1
+    mean = torch.zeros(groups, dtype=torch.float64).index_add_(0, group_ids, rewards.double()) / torch.bincount(group_ids)
+    return (rewards.double() - mean[group_ids]).float(), {"adv/centred_calls": 1.0}
+
+
+def three_eighths(completion, problem):
+    return 0.375
+
+
+class LoudEngine(HFEngine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        print("[my engine] sampling", flush=True)
+'''
+
 YAML = '''
 # A throwaway variant: the unclipped surrogate, scaled.
 defaults:
@@ -71,6 +94,29 @@ def test_a_variant_of_ones_own_is_a_module_and_a_yaml(tmp_path):
 
     bad = run_train([*args, "algo.params.scale=-1"], tmp_path, check=False, env={"PYTHONPATH": str(tmp_path / "src")})
     assert bad.returncode != 0 and "config field 'algo.params.scale': must be > 0, got -1" in bad.stdout + bad.stderr
+
+
+@pytest.mark.launch
+def test_an_advantage_reward_dataset_and_engine_of_ones_own_need_no_edit_of_the_library(tmp_path):
+    """docs/extending.md's right column: an advantage, a reward and an engine in one module of the user's package,
+    and the user's problems as JSONL files, run a ``train.py`` step by name, with no file of the library touched."""
+    package = tmp_path / "src" / "mine"
+    package.mkdir(parents=True)
+    (package / "parts.py").write_text(textwrap.dedent(OTHERS), encoding="utf-8")
+    problems = [{"question": f"{a}+{b}", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
+    for name in ("train", "test"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in problems), encoding="utf-8")
+    args = [*[a for a in SMALL if not a.startswith(("data.reward", "bicc=", "rcc="))], "bicc=off", "rcc=off",
+            "sft.steps=0", "train.steps=1", "data=jsonl", f"data.math.train_source={tmp_path / 'train.jsonl'}",
+            f"data.math.test_source={tmp_path / 'test.jsonl'}", "data.math.problem_field=question",
+            "data.math.answer_field=solution", "data.reward=mine.parts:three_eighths",
+            "algo.advantage=mine.parts:centred", "rollout.engine=mine.parts:LoudEngine", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_train(args, tmp_path, env={"PYTHONPATH": str(tmp_path / "src")})
+    assert "[my engine] sampling" in proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    step = next(r for r in rows if r.get("step") == 1 and "train/loss" in r)
+    assert step["adv/centred_calls"] == 1.0 and step["reward/mean"] == 0.375  # the user's advantage and reward
+    assert step["rollout/prompts_drawn"] >= 1
 
 
 def test_the_docs_name_the_files_each_new_loss_is():

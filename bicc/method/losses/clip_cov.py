@@ -14,6 +14,8 @@ As verl computes it, the statistics are those of the micro-batch the loss sees, 
 split (``micro_batch_statistics``). conf/algo/clip_cov.yaml holds the authors' recipe: ratio 2e-4, bounds (1, 5),
 token-mean. The released BiCC code's documentation names this (and KL-Cov) as its RCC; it is not the paper's
 r - R̄ - 2·Cov(r, δ) (``rcc=on``). How we differ: optional KL, TIS weight and dual clip; ``ratio_denominator=ref``.
+
+Logs `train/cov_cut_frac`: the share of the micro-batch's output tokens whose gradient was cut.
 """
 
 from __future__ import annotations

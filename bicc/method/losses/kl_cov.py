@@ -10,6 +10,8 @@ As verl computes it, the statistics are those of the micro-batch the loss sees (
 conf/algo/kl_cov.yaml holds the authors' recipe: ratio 2e-3, coefficient 1, token-mean. Not the paper's RCC
 (``rcc=on``), though the released BiCC code's documentation names the two so. How we differ: optional KL and TIS
 weight and dual clip; ``ratio_denominator=ref``; the clip range is not used.
+
+Logs `train/cov_penalised_frac`: the share of the micro-batch's output tokens that took the penalty.
 """
 
 from __future__ import annotations
