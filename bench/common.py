@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -113,26 +112,3 @@ def series(run_dir: Path, key: str) -> dict[int, float]:
 
 def results(run_dir: Path) -> dict:
     return json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
-
-
-def mean_of(runs: list[Path], key: str, steps: tuple[int, int] | None = None) -> float | None:
-    """Mean of a per-step metric over the runs' steps (all, or ``steps`` inclusive), None when no run logs it."""
-    values = [v for d in runs for s, v in series(d, key).items() if steps is None or steps[0] <= s <= steps[1]]
-    return statistics.fmean(values) if values else None
-
-
-def headline_table(runs: dict[int, Path]) -> tuple[list[str], list[float]]:
-    """The headline command's runs by seed: pass@1 and greedy start -> end, training accuracy and Cov(R, delta) by
-    step; and each seed's pass@1 gain in points."""
-    lines = ["| seed | pass@1 T 0.6 start → end ± 95% CI | greedy | training accuracy by step | `rcc/cov` by step |",
-             "| --- | --- | --- | --- | --- |"]
-    gains = []
-    for seed, d in runs.items():
-        before, after = results(d)["initial"], results(d)["final"]
-        gains.append(100 * (after["eval/pass@1"] - before["eval/pass@1"]))
-        acc = " ".join(f"{v:.2f}" for v in series(d, "reward/accuracy").values())
-        cov = " ".join(f"{v:.3f}" for v in series(d, "rcc/cov").values())
-        lines.append(f"| {seed} | {100 * before['eval/pass@1']:.1f} → {100 * after['eval/pass@1']:.1f} ± "
-                     f"{100 * after['eval/pass@1_ci95']:.1f} | {100 * before['eval/greedy_acc']:.1f} → "
-                     f"{100 * after['eval/greedy_acc']:.1f} | {acc} | {cov} |")
-    return lines, gains

@@ -123,7 +123,7 @@ def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], step
         ratio = res["BiCC-GRPO+RCC"]["gv"] / res["BiCC-GRPO"]["gv"]
         lines += ["", f"Gradient variance (relative, measured every `diag.every` steps during training, mean over "
                       f"steps and seeds): BiCC-GRPO+RCC / BiCC-GRPO = **{ratio:.2f}**. Runs follow different "
-                      f"trajectories; `bench/rcc_variance.py` compares the two advantages on identical batches."]
+                      f"trajectories (a comparison on identical batches: docs/history/pretrained-2026-11.md)."]
     if ablation:
         lines += ["", "Context-ratio ablation (BiCC-GRPO, plain warm start, seed 0, same steps), with what the contexts held "
                       "(training means): the share of samples conditioned, attempts shown per context, of them whole "
