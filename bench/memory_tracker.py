@@ -225,7 +225,8 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     step = optimizer.step
     optimizer.step = phase("optimizer step", step)
     s = RLState(model, ref_model=ref, tokenizer=build_char_tokenizer(), engine=ReplayEngine(), optimizer=optimizer,
-                scheduler=scheduler, task=HalfRightTask(), dist=d)
+                scheduler=scheduler, task=HalfRightTask(), dist=d, shards=distributed.local_shards(cfg.rollout, d),
+                num_shards=distributed.num_shards(cfg.rollout, d))
     try:
         with tracker, Placeholders():
             for _ in range(steps):

@@ -204,6 +204,15 @@ def start_workers(s: RLState, cfg, max_model_len: int | None = None) -> None:
     s.engine.sleep()  # the trainer's engine only evaluates now: vLLM's sleep mode frees its memory until then
 
 
+def step_on_every_rank(s: RLState, cfg) -> tuple[dict, dict]:
+    """This process's RL step (``rl_step``), then what the ranks share: every shard's data position (each rank
+    advanced its own shards'; a checkpoint holds them all) and each metric's mean over the ranks that report it."""
+    metrics, diag_record = rl_step(s, cfg)
+    if s.cursor.shard_pos and s.dist.enabled:
+        s.cursor.shard_pos = distributed.merge_shard_positions(s.cursor.shard_pos, cfg.rollout, s.dist)
+    return distributed.mean_metrics(metrics, s.dist), diag_record
+
+
 def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
     if s.dist.is_main:
         print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
@@ -215,7 +224,7 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
     bar = progress(cfg.train.steps, "rl", cfg.logger.progress and s.dist.is_main, initial=s.step)
     last_eval = None  # the last evaluation's pass@1, shown on the progress line
     while s.step < cfg.train.steps:
-        metrics, diag_record = rl_step(s, cfg)
+        metrics, diag_record = step_on_every_rank(s, cfg)
         if s.samples and s.dist.is_main:  # the step's rows kept for reading (python -m bicc.trainer.samples)
             write_samples(run_dir, s.samples, tracker)
         s.samples = None

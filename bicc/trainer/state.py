@@ -44,6 +44,14 @@ class RLState:
     workers: Any = None  # the rollout workers under rollout.async_steps (bicc.rollout.workers.RolloutWorkers)
     pending: Optional[dict] = None  # ... and the batches they had drawn, as a checkpoint holds them
     samples: Optional[list] = None  # the step's rows kept for reading (bicc.trainer.samples), until the loop writes them
+    # this process's prompt shards, of how many (``distributed.local_shards``, ``num_shards``): resolved once
+    shards: range = range(1)
+    num_shards: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the policy is sharded over the ranks (FSDP2)."""
+        return distributed.is_sharded(self.model)
 
     def trainer_state(self) -> dict:
         cursor = {"pos": self.cursor.pos, "shard_pos": list(self.cursor.shard_pos)}
@@ -111,7 +119,8 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     plan = StepPlan.from_config(cfg, sampler_logprobs(cfg, engine))
     return RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
                    task=build_task(cfg.data), init_path=init_path, dist=d,
-                   end_ids=end_ids, plan=plan, peaks=PhasePeaks(device))
+                   end_ids=end_ids, plan=plan, peaks=PhasePeaks(device), shards=distributed.local_shards(cfg.rollout, d),
+                   num_shards=distributed.num_shards(cfg.rollout, d))
 
 
 def sampler_logprobs(cfg, engine) -> bool:

@@ -1,6 +1,7 @@
 """One RL step, the paper's Algorithm 1 in marked phases: rollout -> reward -> partition/contexts ->
 log-probs (``bicc.trainer.plan``) -> advantages -> loss and optimizer step (``bicc.trainer.update``) -> weight sync -> metrics, on
-the state ``bicc.trainer.state.build_rl_state`` builds.
+the state ``bicc.trainer.state.build_rl_state`` builds. This process's step: what the ranks share after it (every
+shard's data position, the metrics' mean) is ``bicc.trainer.loop.step_on_every_rank``'s.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import torch
 
 from bicc.config import tis_cap
 from bicc.kernels.rows import ContextRows, query_rows
-from bicc.machine import distributed
 from bicc.method.advantages import ADVANTAGES, Advantages, advantage_metrics, advantage_name
 from bicc.method.conditioning import build_contexts
 from bicc.method.diagnostics import (
@@ -44,8 +44,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
             ro, async_metrics = s.workers.take(s.step)
         else:
             ro, async_metrics = collect_rollout(s.engine, s.tokenizer, s.task, Collection.from_config(cfg), s.cursor, seed,
-                                                distributed.local_shards(cfg.rollout, s.dist),
-                                                distributed.num_shards(cfg.rollout, s.dist)), {}
+                                                s.shards, s.num_shards), {}
     async_metrics.update(check_staleness(ro, s.step, N))
     t_rollout, busy_start = time.perf_counter(), time.monotonic()
     s.engine.sleep()  # vLLM with rollout.sleep on GPU: free its memory until the sync
@@ -56,7 +55,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
     if s.plan is None:  # a state built by hand (build_rl_state resolves it)
         s.plan = StepPlan.from_config(cfg, sampler_logprobs(cfg, s.engine))
-    plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, distributed.is_sharded(s.model))
+    plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, s.sharded)
     sampled = sampled_logprobs(ro, plan, batch, device)
     t_contexts = time.perf_counter()
     with s.peaks.phase("log-probs"):
@@ -110,8 +109,6 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     else:
         s.engine.update_weights(s.model, s.step + 1)
     s.step += 1
-    if s.cursor.shard_pos and s.dist.enabled:  # every process learns every shard's data position (checkpoints)
-        s.cursor.shard_pos = distributed.merge_shard_positions(s.cursor.shard_pos, cfg.rollout, s.dist)
 
     # ---- 8. metrics ----------------------------------------------------------------------------
     perf = {"perf/rollout_s": t_rollout - t0, "perf/generate_s": ro.generate_s, "perf/logprob_s": t_logprobs - t_contexts,
@@ -120,7 +117,7 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
             "perf/compiled_graphs": float(compiled_graphs() - graphs)}
     metrics = {**rollout_metrics(ro, batch, cfg), **async_metrics, **adv_metrics, **update_metrics, **bicc_metrics,
                **sampler_metrics, **perf}
-    return distributed.mean_metrics(step_timing(metrics, batch, t0), s.dist), diag_record
+    return step_timing(metrics, batch, t0), diag_record
 
 
 def compiled_graphs() -> int:
