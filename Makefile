@@ -90,8 +90,8 @@ bench: $(STAMP)
 clean:
 	rm -rf outputs .cache
 
-# The paper's comparison on the embedded task (7 configurations on two warm starts, plus a context-ratio
-# ablation; one seed, 100 RL steps each, so that it fits in an hour on 2 CPU cores); writes docs/results/ and
-# docs/results.md's table.
+# The paper's comparison on the embedded task: its forms (bicc=on, rcc=on) in 8 configurations on two warm starts,
+# the named stabilised form beside them, and a context-ratio ablation; one seed, 100 RL steps each, so that it fits
+# in an hour on 2 CPU cores. Writes docs/results/ and docs/results.md's table.
 results: $(STAMP)
 	$(PY) -m bench.results $(ARGS)

@@ -1,9 +1,10 @@
 """CPU reproduction of the paper's main comparison on the embedded task (``make results``).
 
-From one SFT warm start (``sft.seed=0``) and several RL seeds, trains GRPO, BiCC-GRPO, BiCC-GRPO+RCC,
-DAPO and BiCC-DAPO with the default settings of each; GRPO and BiCC-GRPO again from the warm start that
-has learnt to read attempts (``READING``); and BiCC-GRPO at several context ratios (one seed each, with
-what the contexts held). It evaluates every run (pass@1 at T 0.6 / top-p 0.95 with its 95% CI, pass@1 at
+From one SFT warm start (``sft.seed=0``) and several RL seeds, trains the paper's forms (``bicc=on``, ``rcc=on``):
+GRPO, BiCC-GRPO, BiCC-GRPO+RCC, DAPO, BiCC-DAPO and BiCC-DAPO+RCC (the headline command's form) with the default
+settings of each; GRPO and BiCC-GRPO again from the warm start that has learnt to read attempts (``READING``);
+the named stabilised form (``bicc=stable``, not the paper's) beside them; and BiCC-GRPO at several context ratios
+(one seed each, with what the contexts held). It evaluates every run (pass@1 at T 0.6 / top-p 0.95 with its 95% CI, pass@1 at
 T 1, greedy accuracy) and writes:
 
 - ``outputs/results/steps<N>/<config>/s<seed>/``: the run dirs (metrics, diagnostics, results.json);
@@ -40,14 +41,16 @@ from bench.common import ROOT, run_dir_of, run_one
 PLAIN = ["sft.steps=900", "sft.batch_size=64", "sft.warmup_steps=50"]
 READING = ["sft.context_share=0.25", "sft.context_attempts=informative", "sft.steps=1800", "sft.batch_size=64",
            "sft.warmup_steps=50"]
-CONFIGS = {  # name -> (overrides, baseline name or None)
+CONFIGS = {  # name -> (overrides, baseline name or None): the paper's forms, and one named form beside them
     "GRPO": (["algo=grpo", "bicc=off", "rcc=off"], None),
-    "BiCC-GRPO": (["algo=grpo", "bicc=stable", "rcc=off"], "GRPO"),
-    "BiCC-GRPO+RCC": (["algo=grpo", "bicc=stable", "rcc=mean", "rcc.delta_context=xc"], "GRPO"),  # as measured
+    "BiCC-GRPO": (["algo=grpo", "bicc=on", "rcc=off"], "GRPO"),
+    "BiCC-GRPO+RCC": (["algo=grpo", "bicc=on", "rcc=on"], "GRPO"),
     "DAPO": (["algo=dapo", "bicc=off", "rcc=off"], None),
-    "BiCC-DAPO": (["algo=dapo", "bicc=stable", "rcc=off"], "DAPO"),
+    "BiCC-DAPO": (["algo=dapo", "bicc=on", "rcc=off"], "DAPO"),
+    "BiCC-DAPO+RCC": (["algo=dapo", "bicc=on", "rcc=on"], "DAPO"),
     "GRPO (reading warm start)": (["algo=grpo", "bicc=off", "rcc=off", *READING], None),
-    "BiCC-GRPO (reading warm start)": (["algo=grpo", "bicc=stable", "rcc=off", *READING], "GRPO (reading warm start)"),
+    "BiCC-GRPO (reading warm start)": (["algo=grpo", "bicc=on", "rcc=off", *READING], "GRPO (reading warm start)"),
+    "BiCC-GRPO stable (named form)": (["algo=grpo", "bicc=stable", "rcc=off"], "GRPO"),
 }
 for _overrides, _ in CONFIGS.values():
     if not any(o.startswith("sft.") for o in _overrides):
@@ -60,7 +63,7 @@ DEFAULT_RATIO = 0.4  # the BiCC-GRPO row's own ratio: its seed-0 run is that abl
 
 
 def ablation_configs(ratios) -> dict:
-    return {f"BiCC-GRPO ratio={r}": (["algo=grpo", "bicc=stable", "rcc=off", f"bicc.context_ratio={r}", *PLAIN], None)
+    return {f"BiCC-GRPO ratio={r}": (["algo=grpo", "bicc=on", "rcc=off", f"bicc.context_ratio={r}", *PLAIN], None)
             for r in ratios if r != DEFAULT_RATIO}
 
 
@@ -101,9 +104,9 @@ def summarize(runs: dict[str, list[Path]], ablation: dict[str, list[Path]], step
              f"pass@1 on 200 held-out problems x 4 samples at the paper's evaluation sampling (T = 0.6, top-p 0.95), "
              f"T = 1 (the training temperature) and greedy beside it. Mean over seeds ± their standard deviation (with "
              f"several seeds); "
-             f"CI = mean of the per-run 95% CIs over problems. Δ against the matching baseline. BiCC rows use the "
-             f"embedded task's named form bicc=stable (pi_old on x^c, lr / 3), RCC rows rcc=mean (delta averaged "
-             f"per token); neither is the paper's exact form (docs/method.md).", ""]
+             f"CI = mean of the per-run 95% CIs over problems. Δ against the matching baseline. BiCC and RCC rows are "
+             f"the paper's forms (bicc=on, rcc=on: delta summed, on q); the row marked named form is bicc=stable "
+             f"(pi_old on x^c, lr / 3), not the paper's (docs/method.md).", ""]
     for kind, init in starts.items():
         lines.append(f"- {kind} warm start: pass@1 {100 * init['eval/pass@1']:.1f}, T = 1 "
                      f"{100 * init.get('eval/pass@1_T1', float('nan')):.1f}, greedy {100 * init['eval/greedy_acc']:.1f}")
