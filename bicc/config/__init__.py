@@ -12,6 +12,7 @@ the registries and the checks across groups, before any model is loaded, naming 
 | ``method.py`` | ``algo``, ``bicc``, ``rcc`` |
 | ``run.py`` | ``model``, ``data``, ``rollout``, ``optim``, ``train``, ``dist``, ``sft`` |
 | ``evaluation.py`` | ``eval``, ``logger`` |
+| ``fields.py`` | (the helpers: closed choices, the check that names the field) |
 """
 
 from __future__ import annotations

@@ -1,2 +1,3 @@
 """Evaluation: pass@k on benchmarks sharded over ranks (evaluate), bootstrap statistics (stats), paired
-comparisons of two result dirs (compare) and plots. Imports ``bicc.rollout`` and below; used by the trainer."""
+comparisons of two result dirs (compare) and the figures of a run's dynamics (plots). Imports ``bicc.rollout`` and
+below; used by the trainer."""
