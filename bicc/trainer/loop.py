@@ -28,16 +28,7 @@ from bicc.model.load import num_parameters, tokenizer_and_positions
 from bicc.rollout import EngineOptions, build_engine, eval_engine_config
 from bicc.rollout.collect import DataCursor
 from bicc.rollout.workers import RolloutWorkers
-from bicc.trainer.checkpoint import (
-    CorruptCheckpoint,
-    incomplete_checkpoints,
-    list_checkpoints,
-    load_trainer_state,
-    save_checkpoint,
-    set_rng_state,
-    tmp_dir,
-    verify_checkpoint,
-)
+from bicc.trainer import checkpoint as checkpoints
 from bicc.trainer.fit import check_workers, launch_check
 from bicc.trainer.samples import write_samples
 from bicc.trainer.sft import config_hash, warm_start
@@ -111,7 +102,7 @@ def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
         weights = distributed.full_state_dict(s.model, DTYPES[cfg.model.dtype])
         if s.model.config.tie_word_embeddings:  # gathered copies are no longer shared: keep the HF layout
             weights.pop("lm_head.weight", None)
-    tmp = tmp_dir(ckpt_dir)
+    tmp = checkpoints.tmp_dir(ckpt_dir)
     if d.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -124,7 +115,7 @@ def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
         distributed.save_master_weights(s.model, tmp)
     distributed.barrier(d)
     if d.is_main:
-        save_checkpoint(ckpt_dir, s.model, s.tokenizer, state, cfg.train.keep_last, state_dict=weights, keep_tmp=True)
+        checkpoints.save_checkpoint(ckpt_dir, s.model, s.tokenizer, state, cfg.train.keep_last, state_dict=weights, keep_tmp=True)
     distributed.barrier(d)
 
 
@@ -132,18 +123,18 @@ def resume_dir(resume: str, run_dir: Path) -> Path | None:
     """``auto``: the latest checkpoint of this run dir that reads back completely, skipping (with a
     warning) incomplete or corrupt ones; a run dir: its latest, which must be sound; else the dir itself."""
     root = run_dir if resume == "auto" else Path(resume)
-    for bad in incomplete_checkpoints(root / "checkpoints"):
+    for bad in checkpoints.incomplete_checkpoints(root / "checkpoints"):
         print(f"[rl] warning: skipping incomplete checkpoint {bad} (interrupted write)")
-    found = list_checkpoints(root / "checkpoints")
+    found = checkpoints.list_checkpoints(root / "checkpoints")
     if resume != "auto":
         ckpt = found[-1] if found else root
-        verify_checkpoint(ckpt)  # an explicitly named checkpoint must be sound: the error names it
+        checkpoints.verify_checkpoint(ckpt)  # an explicitly named checkpoint must be sound: the error names it
         return ckpt
     for ckpt in reversed(found):
         try:
-            verify_checkpoint(ckpt)
+            checkpoints.verify_checkpoint(ckpt)
             return ckpt
-        except CorruptCheckpoint as err:
+        except checkpoints.CorruptCheckpoint as err:
             print(f"[rl] warning: skipping {err}")
     return None
 
@@ -154,14 +145,14 @@ def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
     ckpt = distributed.broadcast_object(ckpt, d)  # rank 0's choice (nodes may not share a file system view)
     if ckpt is None:
         return build_rl_state(cfg, init_path, init_path, device, d, max_model_len)
-    state = load_trainer_state(ckpt)
+    state = checkpoints.load_trainer_state(ckpt)
     s = build_rl_state(cfg, str(ckpt), state["init_path"], device, d, max_model_len)
     distributed.load_master_weights(s.model, ckpt)  # the fp32 master behind the checkpoint's bf16 weights
     s.load_trainer_state(state)
     if "optimizer" not in state:  # written sharded by an FSDP2 run (any number of processes)
         distributed.load_sharded_optimizer(s.model, s.optimizer, ckpt)
         s.apply_schedule()
-    set_rng_state(state["rng"])
+    checkpoints.set_rng_state(state["rng"])
     s.engine.version = s.step  # it was built from the checkpoint's weights, the version of this step
     print(f"[rl] resumed from {ckpt} at step {s.step}")
     if s.pending and not cfg.rollout.async_steps:  # drawn by an async run's workers: the synchronous step redraws them
