@@ -112,3 +112,17 @@ def series(run_dir: Path, key: str) -> dict[int, float]:
 
 def results(run_dir: Path) -> dict:
     return json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+
+
+def processes_marked(mark: str) -> list[int]:
+    """Live processes (zombies aside) whose environment holds ``BICC_RUN_MARK=<mark>``: every process a run started
+    inherits it from the one that was started with it (the soak's and the tests' way to find what a kill left)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"BICC_RUN_MARK={mark}".encode() in (entry / "environ").read_bytes():
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from bench.common import processes_marked
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,19 +40,6 @@ def command(run_dir: Path, steps: int, save_every: int, extra: list[str], resume
     return [sys.executable, str(ROOT / "train.py"), f"train.steps={steps}", f"train.save_every={save_every}",
             "train.keep_last=3", "logger.wandb_mode=disabled", "logger.progress=false", "eval.num_problems=20",
             f"hydra.run.dir={run_dir}", *(["resume=auto"] if resume else []), *extra]
-
-
-def marked(mark: str) -> list[int]:
-    """Live processes (zombies aside) whose environment holds ``BICC_RUN_MARK=<mark>``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and f"BICC_RUN_MARK={mark}".encode() in (entry / "environ").read_bytes():
-                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    found.append(int(entry.name))
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return found
 
 
 def main() -> None:
@@ -94,9 +83,9 @@ def main() -> None:
                 proc.wait()
                 kills += 1
                 deadline = time.perf_counter() + args.orphan_s
-                while marked(mark) and time.perf_counter() < deadline:
+                while processes_marked(mark) and time.perf_counter() < deadline:
                     time.sleep(0.2)
-                left = marked(mark)
+                left = processes_marked(mark)
                 orphans += len(left)
                 for pid in left:  # counted; not left to disturb the runs after it
                     os.kill(pid, signal.SIGKILL)

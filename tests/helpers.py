@@ -87,20 +87,6 @@ def run_train(args, tmp_path, check=True, torchrun: int = 0, timeout: int = 300,
     return proc
 
 
-def processes_marked(mark: str) -> list[int]:
-    """Live processes (zombies aside) whose environment holds ``BICC_RUN_MARK=<mark>``: every process a run started
-    inherits it from the one the test started."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and f"BICC_RUN_MARK={mark}".encode() in (entry / "environ").read_bytes():
-                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    found.append(int(entry.name))
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return found
-
-
 def logged_steps(run_dir: Path) -> int:
     """The last step a run dir's metrics.jsonl holds (0 when none)."""
     path = run_dir / "metrics.jsonl"

@@ -246,7 +246,8 @@ def test_no_process_of_the_run_outlives_its_killed_trainer(moment, fault, tmp_pa
     import sys
     import uuid
 
-    from tests.helpers import ROOT, processes_marked
+    from bench.common import processes_marked
+    from tests.helpers import ROOT
     from tests.scripted_engine import problems_file
 
     policy_and_reference(tmp_path)
