@@ -63,14 +63,6 @@ def code_commit() -> str:
     return head + ("+changes" if dirty else "")
 
 
-def same_training_code(commits: list[str]) -> bool:
-    """Whether the training code is identical at every one of these commits (none with uncommitted changes)."""
-    if any(c.endswith("+changes") or c == "unknown" for c in commits):
-        return False
-    return all(subprocess.run(["git", "diff", "--quiet", commits[0], c, "--", *TRAINING_CODE], cwd=ROOT).returncode == 0
-               for c in commits[1:])
-
-
 def run_one(name: str, overrides: list[str], seed: int, steps: int, threads: int, out_root: Path, extra: list[str]) -> Path:
     """One ``train.py`` run (kept: a run dir with ``results.json`` is not run again), the diagnostics every 10 steps."""
     run_dir = run_dir_of(out_root, name, seed)
@@ -102,12 +94,6 @@ def per_problem(run_dir: Path) -> dict[str, float]:
         raise FileNotFoundError(f"{run_dir / 'eval'}: expected one benchmark's per_problem.jsonl, found {len(files)}")
     rows = [json.loads(line) for line in files[0].read_text(encoding="utf-8").splitlines() if line.strip()]
     return {r["id"]: r["accuracy"] for r in rows}
-
-
-def series(run_dir: Path, key: str) -> dict[int, float]:
-    """step -> the metric's value, from the run's ``metrics.jsonl``."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
-    return {int(r["step"]): r[key] for r in rows if key in r and "step" in r}
 
 
 def results(run_dir: Path) -> dict:
