@@ -122,16 +122,6 @@ def check_run(run_dir: Path, init_dir: Path, steps: int, dtype=torch.bfloat16):
     return rows, results
 
 
-def test_headline_command_qwen_shape(tmp_path, qwen_warm_start):
-    data_file, distinct, model_dir = qwen_warm_start
-    assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]
-    run_dir, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 2)
-    assert "[eval] initial policy" in stdout and f"kept {distinct} rows" in stdout  # deduplicated
-    check_run(run_dir, model_dir, 2)
-    # the resume on this path: test_two_training_ranks_and_two_vllm_workers (into one process, equal to the two
-    # ranks); resume=auto under torchrun and FSDP2: tests/test_compile.py (the headline form, compiled)
-
-
 def test_headline_command_phi4_mini_shape_with_a_bpe_tokenizer(tmp_path):
     """The Phi-4-mini preset on a random Llama over SmolLM2's byte-level BPE and ChatML template (pad = EOS =
     <|im_end|>, a system turn in every prompt), its head untied and two end tokens (like <|end|> and
@@ -159,13 +149,16 @@ def test_two_training_ranks_and_two_vllm_workers(tmp_path, qwen_warm_start):
     rollout.devices=[2,3]``; on CPU two vLLM workers share a core, ``rollout.cpu_workers=2``) on the paper preset's
     DAPO-Math path with algo=dapo bicc=on rcc=on: each rank trains on its prompt shard of what the two workers drew,
     every weight push reaching both, with a checkpoint at step 2 holding the batch the workers had drawn ahead, by the
-    weights of step 1. One training process (torchrun, FSDP2 on one rank, both prompt shards) resumed from that
+    weights of step 1 (the preset's synchronous path, in bf16 with fp32 master weights: the Phi-4-mini shape above). One
+    training process (torchrun, FSDP2 on one rank, both prompt shards) resumed from that
     checkpoint with two workers of its own reads the batch back and trains step 3 as the two ranks did. In fp32: in
     bf16 (the preset's, whose push tests/test_weight_sync.py covers) one Adam step on 1 and 2 ranks already differs."""
-    data_file, _, model_dir = qwen_warm_start
+    data_file, distinct, model_dir = qwen_warm_start
+    assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]  # Qwen3's tied head
     workers = ["rollout.async_steps=1", "rollout.cpu_workers=2", "optim.lr=1e-4", "model.dtype=float32",
                "dist.param_dtype=float32"]
     run_dir, stdout = headline(tmp_path, data_file, "paper_qwen3_4b", model_dir, 3, workers)
+    assert "[eval] initial policy" in stdout and f"kept {distinct} rows" in stdout  # DAPO-Math deduplicated
     assert re.search(r"vllm on 2 worker\(s\) \(CPU cores \[\d\]; CPU cores \[\d\]\), weights over gloo in float32", stdout)
     assert re.search(r"rollout worker 1 \(CPU cores \[\d\]\): pid", stdout)
     rows, _ = check_run(run_dir, model_dir, 3, torch.float32)
