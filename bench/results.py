@@ -13,6 +13,8 @@ T 1, greedy accuracy) and writes:
 - ``docs/results/*.png``: ``bicc.evaluation.plots`` figures of all runs;
 - ``docs/results.md``'s table, between ``<!-- results:start -->`` and ``<!-- results:end -->``.
 
+With ``--no-readme`` docs/ is left alone: the table and figures go under ``--out``.
+
 Runs whose ``results.json`` exists are reused, so an interrupted ``make results`` continues where it
 stopped. Jobs run two at a time with one CPU thread each (faster than one at a time with two threads
 for this model size). ``--steps`` shrinks every run if the time limit requires it; the table says how
@@ -166,7 +168,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: outputs/results/steps<steps>")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--ratios", default=",".join(map(str, RATIOS)), help="context-ratio ablation rows ('' = none)")
-    parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--no-readme", action="store_true",
+                        help="leave docs/ alone: the table and figures go under --out")
     parser.add_argument("extra", nargs="*", help="Hydra overrides added to every run")
     args = parser.parse_args()
     names = args.configs.split(",")
@@ -203,7 +206,7 @@ def main() -> None:
         ablation[f"BiCC-GRPO ratio={DEFAULT_RATIO}"] = runs["BiCC-GRPO"][:1]
     ablation = dict(sorted(ablation.items(), key=lambda item: float(item[0].split("=")[1])))
     table = summarize({n: runs[n] for n in names}, ablation, args.steps, args.seeds, wall)
-    out_docs = ROOT / "docs" / "results"
+    out_docs = args.out if args.no_readme else ROOT / "docs" / "results"
     out_docs.mkdir(parents=True, exist_ok=True)
     (out_docs / "results.md").write_text(table + "\n", encoding="utf-8")
     from bicc.evaluation.plots import make_plots
