@@ -65,7 +65,8 @@ def score_main() -> None:
         task = build_task(cfg.data)
         # the longest evaluation prompt + eval.max_new_tokens, checked against the model before its weights load:
         # vLLM's max_model_len (else it takes the model's own, 262,144 for Qwen3-4B-2507, and refuses to start)
-        max_model_len = validate_lengths(cfg, task, *tokenizer_and_positions(cfg.model, str(path)), train=False)
+        max_model_len = validate_lengths(cfg.rollout, cfg.bicc, cfg.data, cfg.eval, task,
+                                         *tokenizer_and_positions(cfg.model, str(path)), train=False)
         print(f"[eval] {cfg.rollout.engine} engine; longest sequence {max_model_len} tokens (prompt + eval.max_new_tokens)")
         model, tokenizer = load_pretrained(str(path), cfg.model, device)
         out_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -108,11 +108,13 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     from transformers import Qwen3ForCausalLM
 
     import bicc.trainer.step
+    from bicc.config import StepConfig
     from bicc.machine import distributed
     from bicc.machine.distributed import DTYPES
     from bicc.model.load import enable_checkpointing
     from bicc.model.logprobs import install_logprob_head
     from bicc.model.tokenizer import build_char_tokenizer
+    from bicc.rollout.collect import Collection
     from bicc.trainer.optim import build_optimizer, warmup_cosine
     from bicc.trainer.plan import StepPlan
     from bicc.trainer.state import RLState, peak_lr
@@ -129,7 +131,7 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
             enable_checkpointing(model, cfg.model.checkpoint_policy, cfg.model.checkpoint_layers)
         install_logprob_head(model, cfg.train.logprob_chunk_tokens)
         model = distributed.wrap(model, cfg.dist, d, DTYPES[cfg.model.dtype], mesh)
-        optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)
+        optimizer = build_optimizer(model, peak_lr(cfg.optim, cfg.bicc), cfg.optim.betas, cfg.optim.weight_decay)
         with torch.no_grad():  # FSDP2's lazy init: its persistent all-gather buffers are fake from here on
             model(input_ids=torch.zeros(1, 8, dtype=torch.long))
         ref = None
@@ -226,11 +228,12 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     optimizer.step = phase("optimizer step", step)
     s = RLState(model, ref_model=ref, tokenizer=build_char_tokenizer(), engine=ReplayEngine(), optimizer=optimizer,
                 scheduler=scheduler, task=HalfRightTask(), dist=d, shards=distributed.local_shards(cfg.rollout, d),
-                num_shards=distributed.num_shards(cfg.rollout, d))
+                num_shards=distributed.num_shards(cfg.rollout, d), collection=Collection.of(cfg.algo, cfg.rollout, cfg.data),
+                backward_hooks=distributed.BackwardHooks.of(cfg.dist))
     try:
         with tracker, Placeholders():
             for _ in range(steps):
-                bicc.trainer.step.rl_step(s, cfg)
+                bicc.trainer.step.rl_step(s, StepConfig.of(cfg))
     finally:
         mod_tracker.register_multi_grad_hook = register_multi_grad_hook
         for name, fn in originals.items():
@@ -244,7 +247,8 @@ def predicted(cfg, arch: Arch, world: int, prompt_tokens: int) -> dict[str, floa
     """``bicc.machine.memory``'s phases for the traced run, without what the trace cannot see (runtime, fragmentation,
     vLLM): the update is the largest of its sub-phases."""
     # the trace replays its rollout: no engine at all (as vLLM at a zero share: no HF sampler copy, no generate)
-    run = dataclasses.replace(run_of(cfg, world, True, 80.0, prompt_tokens), runtime_gib=0.0, fragmentation=0.0,
+    run = dataclasses.replace(run_of(cfg, cfg.model, cfg.eval, cfg.dist, world, True, 80.0, prompt_tokens), runtime_gib=0.0,
+                              fragmentation=0.0,
                               vllm=True, vllm_utilization=0.0, eval_vllm=True)
     table = {name: sum(parts.values()) for name, parts in phases(arch, run).items()}
     update = max(v for k, v in table.items() if k.startswith("update"))
@@ -285,7 +289,8 @@ def main() -> int:
     from bicc.trainer.validation import context_template_tokens, longest_training_prompt
 
     tokenizer = build_char_tokenizer()
-    prompt = longest_training_prompt(HalfRightTask(), tokenizer, 1)[0] + context_template_tokens(cfg, tokenizer)
+    prompt = (longest_training_prompt(HalfRightTask(), tokenizer, 1)[0]
+              + context_template_tokens(cfg.bicc, cfg.rollout.group_size, tokenizer))
     model = predicted(cfg, arch, args.world, prompt)
     print(f"\n{arch.params() / 1e9:.2f}B parameters ({arch.layers} layers), {args.world} ranks, "
           f"{' '.join([*PRESET, *args.overrides])}; traced in {time.perf_counter() - start:.0f} s")

@@ -40,7 +40,7 @@ import torch
 import bicc.trainer.step
 from bench.common import compose_cfg
 from bench.flops import work_flops
-from bicc.config import tis_cap
+from bicc.config import StepConfig, tis_cap
 from bicc.data import build_task
 from bicc.evaluation.evaluate import evaluate, format_eval
 from bicc.machine.host import torch_threads
@@ -171,7 +171,7 @@ def main() -> None:
 
     def our_step(timed: bool) -> None:
         t0 = time.perf_counter()
-        metrics, _ = rl_step(ours, cfg)
+        metrics, _ = rl_step(ours, StepConfig.of(cfg))
         seconds = time.perf_counter() - t0
         print(f"ours step {ours.step}: {seconds:.2f}s", flush=True)
         if timed:

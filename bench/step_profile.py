@@ -19,6 +19,7 @@ import statistics
 import torch
 
 from bench.common import compose_cfg
+from bicc.config import StepConfig
 from bicc.data import build_task
 from bicc.machine.host import torch_threads
 from bicc.trainer.sft import warm_start
@@ -51,8 +52,8 @@ def task_profile(overrides: list[str], warmup: int, steps: int) -> None:
     state = build_rl_state(cfg, init_path, init_path, device)
     print(f"passes per step: {' -> '.join(state.plan.passes())}")
     for _ in range(warmup):
-        rl_step(state, cfg)
-    records = [rl_step(state, cfg)[0] for _ in range(steps)]
+        rl_step(state, StepConfig.of(cfg))
+    records = [rl_step(state, StepConfig.of(cfg))[0] for _ in range(steps)]
     split = phase_split(records)
     report(split, steps)
     print(f"median step {statistics.median(r['perf/step_s'] for r in records):.3f}s")

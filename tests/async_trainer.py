@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bicc.config import StepConfig  # noqa: E402
 from bicc.rollout.workers import RolloutWorkers  # noqa: E402
 from bicc.trainer.state import build_rl_state  # noqa: E402
 from bicc.trainer.step import rl_step  # noqa: E402
@@ -84,6 +85,6 @@ if __name__ == "__main__":  # the workers may import this file as a module
 
         weight_sync.broadcast = broadcast_then_die
     for _ in range(2):
-        rl_step(s, cfg)
+        rl_step(s, StepConfig.of(cfg))
     s.workers.close()
     print(f"trained {s.step}", flush=True)

@@ -20,6 +20,13 @@ def compose_cfg(overrides=()):
         return compose(config_name="train", overrides=list(overrides))
 
 
+def run_of(cfg, *args, **kwargs):
+    """``bicc.trainer.fit.run_of`` of a composed run config: its step groups, model, evaluation and distribution."""
+    from bicc.trainer.fit import run_of as of_groups
+
+    return of_groups(cfg, cfg.model, cfg.eval, cfg.dist, *args, **kwargs)
+
+
 @pytest.fixture
 def cfg():
     return compose_cfg(["sft.cache_dir=/tmp/unused"])

@@ -372,7 +372,7 @@ def recorded_rollout(tmp):
     tok = policy_and_reference(tmp)
     cfg = compose_cfg([*COMBINATION_CFG, "bicc=off", "rcc=off"])
     s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
-    ro = collect_rollout(s.engine, tok, CoinTask(s.task), Collection.from_config(cfg), DataCursor(), seed=5)
+    ro = collect_rollout(s.engine, tok, CoinTask(s.task), Collection.of(cfg.algo, cfg.rollout, cfg.data), DataCursor(), seed=5)
     right = ro.correct.view(4, 4).sum(1)
     assert ((right > 0) & (right < 4)).any()  # a mixed group: BiCC conditions, advantages are not all 0
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, tok.pad_token_id)

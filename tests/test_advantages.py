@@ -83,6 +83,6 @@ def test_advantage_name_follows_the_switches():
 
     from bicc.method.advantages import advantage_name
 
-    cfg = lambda enabled, scale: NS(rcc=NS(enabled=enabled, scale=scale), algo=NS(advantage="grpo"))  # noqa: E731
-    assert [advantage_name(cfg(False, "std")), advantage_name(cfg(True, "none")), advantage_name(cfg(True, "std"))] \
-        == ["grpo", "rcc", "rcc_std"]
+    algo, rcc = NS(advantage="grpo"), lambda enabled, scale: NS(enabled=enabled, scale=scale)  # noqa: E731
+    assert [advantage_name(algo, rcc(False, "std")), advantage_name(algo, rcc(True, "none")),
+            advantage_name(algo, rcc(True, "std"))] == ["grpo", "rcc", "rcc_std"]

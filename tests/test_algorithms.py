@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from bicc.config import StepConfig
 from bicc.model.load import build_tiny
 from bicc.trainer.state import build_rl_state
 from bicc.trainer.step import rl_step
@@ -33,7 +34,7 @@ def test_two_steps_of_each_algorithm_with_bicc_and_rcc(algo, tmp_path):
     s = build_rl_state(cfg, str(tmp_path / "init"), str(tmp_path / "init"), torch.device("cpu"))
     s.task = CoinTask(s.task)
     before = [p.detach().clone() for p in s.model.parameters()]
-    records = [rl_step(s, cfg) for _ in range(2)]
+    records = [rl_step(s, StepConfig.of(cfg)) for _ in range(2)]
     metrics = records[-1][0]
     assert s.step == 2 and s.nonfinite_streak == 0
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics

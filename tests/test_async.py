@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from bicc.config import StepConfig
 from bicc.data import build_task
 from bicc.method.reference import stale_loop
 from bicc.rollout import EngineOptions
@@ -54,7 +55,7 @@ def run_steps(s, cfg, tmp_path, monkeypatch, steps=STEPS):
         s.workers = RolloutWorkers(cfg, str(tmp_path / "policy"), s.cursor)
         s.workers.start(s.model, s.step)
     try:
-        metrics = [rl_step(s, cfg)[0] for _ in range(steps)]
+        metrics = [rl_step(s, StepConfig.of(cfg))[0] for _ in range(steps)]
     finally:
         if s.workers is not None:
             s.workers.close()
@@ -79,7 +80,7 @@ def test_async_at_lr_0_is_the_synchronous_run(tmp_path, monkeypatch, one_thread)
     assert s.engine.version == 0  # the workers sampled; the trainer's own engine waits for an evaluation ...
     from bicc.trainer.loop import eval_engine
 
-    eval_engine(s, cfg_async)
+    eval_engine(s, cfg_async.rollout, cfg_async.eval)
     assert s.engine.version == STEPS  # ... which gives it the current weights first
     for a, b in zip(m_async, m_sync):
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-5)
@@ -104,12 +105,12 @@ def test_async_run_is_the_reference_stale_loop(async_steps, tmp_path, monkeypatc
 
     def sample(t, policy):
         engine = HFEngine(policy, tok, cfg.rollout, options)
-        return collect_rollout(engine, tok, task, Collection.from_config(cfg), cursor, step_seed(cfg.seed, t))
+        return collect_rollout(engine, tok, task, Collection.of(cfg.algo, cfg.rollout, cfg.data), cursor, step_seed(cfg.seed, t))
 
     reference = copy.deepcopy(before)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     out = stale_loop(reference, ref_model, optimizer, warmup_cosine(optimizer, 0, 10, 1.0), tok, sample, STEPS,
-                     async_steps, cfg, task.answer_anchors, s.end_ids)
+                     async_steps, StepConfig.of(cfg), task.answer_anchors, s.end_ids)
     assert all(o["advantages"].abs().sum() > 0 for o in out)
     moved = max((p - b).abs().max().item() for p, b in zip(reference.parameters(), before.parameters()))
     assert moved > 1e-3  # the steps moved the weights: the comparison below is not of two no-ops
@@ -139,7 +140,7 @@ def test_a_failing_worker_stops_the_run_with_its_name(fault, expected, tmp_path,
     start = time.monotonic()
     with pytest.raises(WorkerFailure, match="rollout worker 0 \\(CPU cores") as err:
         for _ in range(4):
-            rl_step(s, cfg)
+            rl_step(s, StepConfig.of(cfg))
             start = time.monotonic()
     assert expected in str(err.value)
     assert time.monotonic() - start < min(timeout, 3) + 10  # the timeout (an exit: none), one step, stopping the worker
@@ -165,9 +166,9 @@ def test_a_batch_older_than_async_steps_never_reaches_the_loss(tmp_path, monkeyp
     policy_and_reference(tmp_path)
     s, cfg = state(tmp_path, [])
     monkeypatch.setattr(s.engine, "update_weights", lambda model, version: None)  # a push skipped
-    rl_step(s, cfg)
+    rl_step(s, StepConfig.of(cfg))
     with pytest.raises(WorkerFailure, match="step 1: its batch was sampled by weight version 0, 1 steps old"):
-        rl_step(s, cfg)
+        rl_step(s, StepConfig.of(cfg))
     ro = type("R", (), {"version": 3})()
     assert check_staleness(ro, 5, 2)["rollout/staleness_max"] == 2.0
     with pytest.raises(WorkerFailure):

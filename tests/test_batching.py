@@ -185,8 +185,10 @@ def test_the_update_forwards_stay_within_the_token_cap(bicc, monkeypatch):
     """End to end: in an RL step with ``train.micro_batch_tokens`` every trainer forward of several rows embeds at
     most that many tokens (padding included), the BiCC numerator's one-row-per-output forwards too (on a GPU, more
     is an OOM the memory budget did not plan for)."""
+    from bicc.config import StepConfig
     from bicc.data import build_task
     from bicc.rollout import build_engine
+    from bicc.rollout.collect import Collection
     from bicc.trainer.step import rl_step
     from tests.helpers import CoinTask, state_for
 
@@ -198,11 +200,12 @@ def test_the_update_forwards_stay_within_the_token_cap(bicc, monkeypatch):
     model, tok = build_tiny(ARCH, seed=0)
     s = state_for(model)
     s.tokenizer, s.task, s.engine = tok, CoinTask(build_task(cfg.data)), build_engine("hf", model, tok, cfg.rollout)
+    s.collection = Collection.of(cfg.algo, cfg.rollout, cfg.data)
     shapes, sampling = [], []  # the trainer's forwards (rows, columns); not the engine's
     model.get_input_embeddings().register_forward_hook(lambda m, args, out: None if sampling else shapes.append(args[0].shape))
     generate = s.engine.generate
     monkeypatch.setattr(s.engine, "generate", lambda *a, **k: (sampling.append(1), generate(*a, **k), sampling.clear())[1])
-    metrics, _ = rl_step(s, cfg)
+    metrics, _ = rl_step(s, StepConfig.of(cfg))
     assert bicc == "off" or metrics["bicc/samples_conditioned_share"] > 0
     assert len(shapes) > 2 and any(rows > 1 for rows, _ in shapes)
     assert all(rows * cols <= cap for rows, cols in shapes if rows > 1), shapes

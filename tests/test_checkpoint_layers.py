@@ -11,8 +11,8 @@ import torch
 from bicc.kernels.compile import compile_layers, compiled_layers, decoder_layers
 from bicc.machine.memory import GIB, QWEN3_4B, Arch, Run, peak, phases, saved_per_token
 from bicc.model.load import build_tiny, checkpointed_layers, enable_checkpointing, load_pretrained
-from bicc.trainer.fit import checkpoint_setting, knob, launch_check, resolve_checkpoint_layers, run_of
-from tests.conftest import compose_cfg
+from bicc.trainer.fit import checkpoint_setting, knob, launch_check, resolve_checkpoint_layers
+from tests.conftest import compose_cfg, run_of
 from tests.helpers import ARCH
 from tests.test_compile import update
 
@@ -207,22 +207,20 @@ def test_auto_resolves_at_launch_from_the_budget(tmp_path):
     """``bicc.trainer.fit.launch_check`` with ``auto`` and a budget between two layer counts' peaks: the config names the
     count before the model loads, and its line says so; more layers than the model has are refused."""
     from bicc.data import build_task
-    from bicc.machine.distributed import Dist
     from bicc.trainer.fit import predicted_run
 
     overrides = ["model.gradient_checkpointing=true", "model.checkpoint_layers=auto", "train.memory_check=true"]
     cfg = compose_cfg(overrides)
     task, tokenizer = build_task(cfg.data), build_char_tokenizer_for(cfg)
-    d = Dist()
     arch, run = predicted_run(cfg, task, tokenizer, 1, False, 80.0)
     peaks = [peak(arch, dataclasses.replace(run, checkpoint_layers=n))[1] for n in range(arch.layers + 1)]
     cfg = compose_cfg([*overrides, f"train.memory_gib={(peaks[1] + peaks[2]) / 2 / GIB / 0.9}"])  # auto fills 90%
-    line = launch_check(cfg, d, torch.device("cpu"), task, tokenizer)
+    line = launch_check(cfg.train, cfg.model, lambda gib: predicted_run(cfg, task, tokenizer, 1, False, gib), torch.device("cpu"))
     assert cfg.model.checkpoint_layers == "2" and f"model.checkpoint_layers=auto: 2 of {arch.layers}" in line
     cfg = compose_cfg(["model.gradient_checkpointing=true", f"model.checkpoint_layers={arch.layers + 1}",
                        "train.memory_gib=100"])
     with pytest.raises(ValueError, match="'model.checkpoint_layers'"):
-        launch_check(cfg, d, torch.device("cpu"), task, tokenizer)
+        launch_check(cfg.train, cfg.model, lambda gib: predicted_run(cfg, task, tokenizer, 1, False, gib), torch.device("cpu"))
 
 
 def build_char_tokenizer_for(cfg):

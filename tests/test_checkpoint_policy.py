@@ -11,8 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from bicc.kernels.compile import compile_layers, decoder_layers
 from bicc.machine.memory import QWEN3_4B, Run, kept_per_token, phases
 from bicc.model.load import _keep_attention, _KeepAttentionBlock, build_tiny, checkpoint_kwargs, load_pretrained
-from bicc.trainer.fit import run_of
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, run_of
 from tests.helpers import ARCH, graph_code
 from tests.test_compile import update
 

@@ -48,7 +48,7 @@ def make_plan(dynamic, rounds=4, buffer=0, prompts=4, G=4, max_new=32):
     cfg = compose_cfg(["sft.cache_dir=/tmp/x", f"rollout.prompts_per_step={prompts}", f"rollout.group_size={G}",
                        f"rollout.max_new_tokens={max_new}", f"algo.dynamic_sampling={dynamic}",
                        f"algo.max_sampling_rounds={rounds}", f"algo.overlong_buffer_share={buffer / max_new}"])
-    plan = Collection.from_config(cfg)
+    plan = Collection.of(cfg.algo, cfg.rollout, cfg.data)
     assert (plan.dynamic_sampling, plan.max_rounds, plan.overlong_buffer) == (dynamic, rounds, buffer)
     return plan
 

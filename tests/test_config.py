@@ -121,7 +121,7 @@ def _lengths(overrides):
     cfg = compose_cfg(["sft.cache_dir=/tmp/x", "model.tiny.max_position_embeddings=512", "rollout.max_new_tokens=64",
                        "bicc=stable", *overrides])
     validate(cfg)
-    validate_lengths(cfg, build_task(cfg.data), *tokenizer_and_positions(cfg.model))
+    validate_lengths(cfg.rollout, cfg.bicc, cfg.data, cfg.eval, build_task(cfg.data), *tokenizer_and_positions(cfg.model))
 
 
 def test_lengths_that_fit_pass():
@@ -253,7 +253,8 @@ def test_a_longrope_model_under_vllm_stays_in_its_short_factor_range(tmp_path, e
     def lengths(*overrides):
         cfg = compose_cfg(["sft.cache_dir=/tmp/x", "model=phi4_mini", f"model.path={path}", f"rollout={engine}",
                            "data=arith", "eval=math500", "eval.limit=3", "rollout.max_new_tokens=64", *overrides])
-        return validate_lengths(cfg, build_task(cfg.data), *tokenizer_and_positions(cfg.model))
+        return validate_lengths(cfg.rollout, cfg.bicc, cfg.data, cfg.eval, build_task(cfg.data),
+                                *tokenizer_and_positions(cfg.model))
 
     if engine == "hf":
         assert lengths() > 4096  # the paper's 4,096 new tokens after a prompt
@@ -290,8 +291,8 @@ def test_the_context_template_counts_the_preamble_and_one_header_per_shown_attem
     tok = build_char_tokenizer()
     cfg = compose_cfg(["sft.cache_dir=/tmp/x", "bicc=on", "rollout.group_size=4", "bicc.preamble=ABC",
                        "bicc.attempt_header='#{i}:'"])
-    assert context_template_tokens(cfg, tok) == 3 + 3 * len("#1:")  # "#1:", "#2:", "#3:"
-    assert context_template_tokens(compose_cfg(["sft.cache_dir=/tmp/x", "bicc=off"]), tok) == 0
+    assert context_template_tokens(cfg.bicc, cfg.rollout.group_size, tok) == 3 + 3 * len("#1:")  # "#1:", "#2:", "#3:"
+    assert context_template_tokens(compose_cfg(["sft.cache_dir=/tmp/x", "bicc=off"]).bicc, 4, tok) == 0
 
 
 def test_every_key_we_give_for_a_trl_or_verl_name_composes():

@@ -231,6 +231,7 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
     train mode, the policy and the reference padding-free; the same rewards, correction, loss and weights
     as the same steps under SDPA (the rollout stays on SDPA in both, so the samples are the same)."""
     import bicc.kernels.prefix_cache
+    from bicc.config import StepConfig
     from bicc.model.load import build_tiny
     from bicc.trainer.state import build_rl_state
     from bicc.trainer.step import rl_step
@@ -266,7 +267,7 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
         for m in (s.model, s.ref_model):
             m.config._attn_implementation = impl
         CALLS["varlen"], ragged[:] = 0, []
-        records = [rl_step(s, cfg)[0] for _ in range(2)]
+        records = [rl_step(s, StepConfig.of(cfg))[0] for _ in range(2)]
         assert (CALLS["varlen"] > 0) == (len(ragged) > 0) == (impl != "sdpa")
         runs[impl] = records, [p.detach().clone() for p in s.model.parameters()]
     (sdpa, weights_sdpa), (flash, weights_flash) = runs["sdpa"], runs["flash_attention_2"]
@@ -290,14 +291,16 @@ def test_start_up_line_says_how_forwards_are_laid_out():
     flash, _ = tiny("flash_attention_2")
     sdpa, _ = tiny("sdpa")
     paper = compose_cfg(["bicc=on", "rcc=on", "sft.cache_dir=/tmp/x"])
-    assert forward_layout(flash, paper) == "padding-free (flash_attention_2)"
-    assert forward_layout(sdpa, paper).startswith("each micro-batch padded to its longest row (attn_implementation=sdpa")
-    unshared = forward_layout(flash, compose_cfg(["bicc=off", "train.share_prompts=false", "sft.cache_dir=/tmp/x"]))
+    assert forward_layout(flash, paper.bicc, paper.train) == "padding-free (flash_attention_2)"
+    assert forward_layout(sdpa, paper.bicc, paper.train).startswith(
+        "each micro-batch padded to its longest row (attn_implementation=sdpa")
+    plain = compose_cfg(["bicc=off", "train.share_prompts=false", "sft.cache_dir=/tmp/x"])
+    unshared = forward_layout(flash, plain.bicc, plain.train)
     assert unshared.startswith("padding-free (flash_attention_2) but the rows on q, padded")
     unpacked = compose_cfg(["bicc=on", "train.context_packing=false", "sft.cache_dir=/tmp/x"])
-    assert "but BiCC's rows, padded" in forward_layout(flash, unpacked)
+    assert "but BiCC's rows, padded" in forward_layout(flash, unpacked.bicc, unpacked.train)
     flash.bicc_padding_free = False  # model.padding_free=false
-    assert forward_layout(flash, paper).startswith("each micro-batch padded")
+    assert forward_layout(flash, paper.bicc, paper.train).startswith("each micro-batch padded")
 
 
 @pytest.mark.parametrize("completions", [[[5], [], [9]], [[5, 6, 7], [], [9], [8, 4]]])

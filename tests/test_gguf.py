@@ -95,16 +95,19 @@ def test_the_initial_score_is_cached_in_the_converted_dir_keyed_by_task_and_seed
     cfg = OmegaConf.create({"model": {"tiny": None, "dtype": "float32"}, "sft": {"cache_dir": str(cache)}, "seed": 0,
                             "eval": {"num_problems": 200}, "data": {"arith": {"instruction": ""}},
                             "rollout": {"engine": "vllm"}})
-    first = initial_eval_cache(cfg, converted)
+    def cached(c, init=converted):
+        return initial_eval_cache(init, c.model, c.sft.cache_dir, c.eval, c.data, c.seed, c.rollout.engine)
+
+    first = cached(cfg)
     assert first.parent == cache / converted.split("/")[-1] and first.name.startswith("eval-")
-    assert initial_eval_cache(cfg, converted) == first
+    assert cached(cfg) == first
     keys = {first}
     for field, value in (("seed", 1), ("data.arith.instruction", "Answer."), ("eval.num_problems", 50),
                          ("rollout.engine", "hf"), ("model.dtype", "bfloat16")):
         changed = cfg.copy()
         OmegaConf.update(changed, field, value)
-        keys.add(initial_eval_cache(changed, converted))
+        keys.add(cached(changed))
     assert len(keys) == 6  # each of them scores differently, so each has its own file
     elsewhere = tmp_path / "my_model"  # an HF dir the user may change: never cached
     elsewhere.mkdir()
-    assert initial_eval_cache(cfg, str(elsewhere)) is None
+    assert cached(cfg, str(elsewhere)) is None

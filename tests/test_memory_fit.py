@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bicc.machine.memory import QWEN3_4B, Run, peak
-from bicc.trainer.fit import check_fit, knob, run_of
-from tests.conftest import compose_cfg
+from bicc.trainer.fit import check_fit, knob
+from tests.conftest import compose_cfg, run_of
 from tests.helpers import SMALL, run_train
 
 GIB = 1024**3
@@ -242,8 +242,10 @@ def test_a_step_measures_its_generate_log_probs_and_update(monkeypatch):
     import torch
 
     from bench.memory_tracker import HalfRightTask, ReplayEngine
+    from bicc.config import StepConfig
     from bicc.model.load import build_tiny
     from bicc.model.logprobs import install_logprob_head
+    from bicc.rollout.collect import Collection
     from bicc.trainer.optim import build_optimizer, warmup_cosine
     from bicc.trainer.state import RLState
     from bicc.trainer.step import rl_step
@@ -270,8 +272,9 @@ def test_a_step_measures_its_generate_log_probs_and_update(monkeypatch):
             return inside()
 
     s = RLState(model, ref_model=ref.requires_grad_(False), tokenizer=tokenizer, engine=ReplayEngine(), optimizer=optimizer,
-                scheduler=warmup_cosine(optimizer, 1, 10, 0.0), task=HalfRightTask(), peaks=Recording())
-    rl_step(s, cfg)
+                scheduler=warmup_cosine(optimizer, 1, 10, 0.0), task=HalfRightTask(), peaks=Recording(),
+                collection=Collection.of(cfg.algo, cfg.rollout, cfg.data))
+    rl_step(s, StepConfig.of(cfg))
     assert events == [(e, n) for n in ("generate", "log-probs", "update") for e in ("open", "close")]
     assert torch.isfinite(next(model.parameters())).all()
 
@@ -283,7 +286,6 @@ def test_a_model_it_cannot_count_gets_a_warning_naming_why_and_starts(monkeypatc
 
     import transformers
 
-    from bicc.machine.distributed import Dist
     from bicc.trainer import fit
     from tests.conftest import compose_cfg
 
@@ -299,6 +301,7 @@ def test_a_model_it_cannot_count_gets_a_warning_naming_why_and_starts(monkeypatc
         cfg = compose_cfg(["sft.cache_dir=/tmp/x", "model=qwen3_4b_instruct", "train.memory_gib=0.001",
                            "model.gradient_checkpointing=true", "model.checkpoint_layers=auto"])
         monkeypatch.setattr(fit, "predicted_run", lambda *a: (fit.model_arch(cfg.model, 1000), None))
-        line = fit.launch_check(cfg, Dist(), torch.device("cpu"), None, None)
+        line = fit.launch_check(cfg.train, cfg.model, lambda gib: fit.predicted_run(cfg, None, None, 1, False, gib),
+                                torch.device("cpu"))
         assert line.startswith("warning: the memory check cannot count this model: " + says)
         assert cfg.model.checkpoint_layers == "all" and "the run starts" in line

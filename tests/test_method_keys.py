@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from bicc.config import AlgoConfig, BiccConfig, RccConfig
+from bicc.config import AlgoConfig, BiccConfig, RccConfig, StepConfig
 from bicc.rollout.collect import Collection
 from bicc.trainer.state import build_rl_state, peak_lr
 from bicc.trainer.step import rl_step
@@ -74,8 +74,8 @@ def one_step(recorded, overrides):
     s.task = CoinTask(s.task)
     sgd(s)
     for group in s.optimizer.param_groups:  # the run's peak lr over optim.lr: bicc.lr_scale under BiCC
-        group["lr"] *= peak_lr(cfg) / cfg.optim.lr
-    rl_step(s, cfg)
+        group["lr"] *= peak_lr(cfg.optim, cfg.bicc) / cfg.optim.lr
+    rl_step(s, StepConfig.of(cfg))
     return torch.cat([p.detach().flatten() for p in s.model.parameters()])
 
 
@@ -100,8 +100,8 @@ def test_each_key_changes_the_step(key, recorded, base_step):
 @pytest.mark.parametrize("key", COLLECTION)
 def test_each_sampling_key_changes_what_is_collected(key):
     value, needs = COLLECTION[key]
-    base = Collection.from_config(compose_cfg([*BASE, *needs]))
-    changed = Collection.from_config(compose_cfg([*BASE, *needs, f"{key}={value}"]))
+    base, changed = (Collection.of(c.algo, c.rollout, c.data)
+                     for c in (compose_cfg([*BASE, *needs]), compose_cfg([*BASE, *needs, f"{key}={value}"])))
     correct = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 1.0]])  # one uniform group, one mixed
     assert base != changed
     if key == "algo.dynamic_sampling":

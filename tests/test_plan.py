@@ -4,7 +4,7 @@ skips is replaced by the same numbers, and the HF engine's sampling log-probs.""
 import pytest
 import torch
 
-from bicc.config import TinyArchConfig, diag_every
+from bicc.config import StepConfig, TinyArchConfig, diag_every
 from bicc.data import encode_prompt
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import QueryRows
@@ -37,7 +37,7 @@ def test_the_run_loads_the_reference_exactly_when_a_step_plan_reads_it(overrides
     cfg = compose_cfg(["sft.cache_dir=/tmp/x", *overrides])
     assert StepPlan.loads_reference(cfg) is loads
     plans = [StepPlan.from_config(cfg, False), StepPlan.from_config(cfg, False, diagnostics=True)]
-    assert any(p.reference for p in plans[: 2 if diag_every(cfg) > 0 else 1]) is loads
+    assert any(p.reference for p in plans[: 2 if diag_every(cfg.diag, cfg.rcc) > 0 else 1]) is loads
 
 
 def test_passes_per_configuration():
@@ -128,7 +128,7 @@ def test_delta_from_the_update_gives_the_same_steps(form, tmp_path):
         s = build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"))
         s.task = CoinTask(s.task)
         assert s.plan.delta_from_update == deferred
-        records = [rl_step(s, cfg)[0] for _ in range(2)]
+        records = [rl_step(s, StepConfig.of(cfg))[0] for _ in range(2)]
         runs[deferred] = records, [p.detach().clone() for p in s.model.parameters()]
     (read, weights_read), (own, weights_own) = runs[True], runs[False]
     for a, b in zip(read, own):

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from bicc.config import StepConfig
 from bicc.method.diagnostics import conditioning_weights
 from bicc.method.reference import algorithm1_step
 from bicc.trainer import step as step_module
@@ -46,7 +47,7 @@ def test_rl_step_is_algorithm1(algo, packing, delta_from_update, micro_batch, tm
         return rollouts[-1]
 
     monkeypatch.setattr(step_module, "collect_rollout", recording)
-    metrics, _ = rl_step(s, cfg)
+    metrics, _ = rl_step(s, StepConfig.of(cfg))
     ro = rollouts[0]
     assert 0 < metrics["bicc/samples_conditioned_share"]  # contexts were built and read
     assert ro.rewards.std() > 0
@@ -54,7 +55,7 @@ def test_rl_step_is_algorithm1(algo, packing, delta_from_update, micro_batch, tm
     reference = copy.deepcopy(before)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     out = algorithm1_step(reference, ref_model, optimizer, warmup_cosine(optimizer, 0, 10, 1.0), tok,
-                          ro, cfg, s.task.answer_anchors, s.end_ids)
+                          ro, StepConfig.of(cfg), s.task.answer_anchors, s.end_ids)
     assert out["advantages"].abs().sum() > 0
     moved = [(p - b).abs().max().item() for p, b in zip(reference.parameters(), before.parameters())]
     assert max(moved) > 1e-3  # the step moved the weights: the comparison below is not of two no-ops
@@ -103,7 +104,7 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
     before = copy.deepcopy(s.model)
     rollouts, collect = [], step_module.collect_rollout
     monkeypatch.setattr(step_module, "collect_rollout", lambda *a, **k: rollouts.append(collect(*a, **k)) or rollouts[-1])
-    metrics, _ = rl_step(s, cfg)
+    metrics, _ = rl_step(s, StepConfig.of(cfg))
     ro = rollouts[0]
     # without a context, pi_old on q is the update's first forward, and TIS's weights are read from it
     assert s.plan.sampler_from_update is (bicc == "off" and tis > 0 and not extra)
@@ -114,8 +115,8 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
 
     reference = copy.deepcopy(before)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-    out = algorithm1_step(reference, ref_model, optimizer, warmup_cosine(optimizer, 0, 10, 1.0), s.tokenizer, ro, cfg,
-                          s.task.answer_anchors, s.end_ids)
+    out = algorithm1_step(reference, ref_model, optimizer, warmup_cosine(optimizer, 0, 10, 1.0), s.tokenizer, ro,
+                          StepConfig.of(cfg), s.task.answer_anchors, s.end_ids)
     if bicc != "off":  # the logged conditioning weights log pi_old(o | x^c) - log pi_old(o | q), by reward, wherever
         # the step has pi_old on both (bicc=stable has it on q only for TIS or a delta on q)
         expected = conditioning_weights(out["log_w"], out["conditioned"], ro.correct)
@@ -144,7 +145,7 @@ def test_sampler_weights_from_the_update_equal_their_own_pass(rcc, recorded):
         s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
         s.engine, s.plan, s.task = ReplayEngine(out, sampled), None, CoinTask(s.task)
         sgd(s)
-        metrics, _ = rl_step(s, cfg)
+        metrics, _ = rl_step(s, StepConfig.of(cfg))
         assert s.plan.sampler_from_update is deferred
         runs[deferred] = metrics, [p.detach().clone() for p in s.model.parameters()]
     (read, weights_read), (own, weights_own) = runs[True], runs[False]

@@ -145,7 +145,7 @@ def _checkpoint(tmp_path, step):
 
 
 def test_corrupt_or_partial_checkpoints_are_named_and_skipped(tmp_path):
-    from bicc.trainer.loop import resume_dir
+    from bicc.trainer.checkpoint import resume_dir
 
     good = _checkpoint(tmp_path, 2)
     corrupt = _checkpoint(tmp_path, 4)
@@ -168,8 +168,7 @@ def test_corrupt_or_partial_checkpoints_are_named_and_skipped(tmp_path):
 def test_the_newest_of_twelve_checkpoints_is_resumed_and_kept(tmp_path):
     """Checkpoints are ordered by step number, not as text (where step_10 sorts before step_9): resume=auto and
     train.keep_last pick the newest."""
-    from bicc.trainer.checkpoint import list_checkpoints
-    from bicc.trainer.loop import resume_dir
+    from bicc.trainer.checkpoint import list_checkpoints, resume_dir
 
     for step in range(1, 13):
         _checkpoint(tmp_path, step)

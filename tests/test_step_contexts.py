@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from bicc.config import StepConfig
 from bicc.model.load import build_tiny
 from bicc.rollout import Engine, RolloutOutput
 from bicc.trainer import step as step_module
@@ -77,7 +78,7 @@ def step_contexts(tmp_path, monkeypatch):
 
     build_contexts = step_module.build_contexts
     monkeypatch.setattr(step_module, "build_contexts", recording)
-    metrics, _ = rl_step(s, cfg)
+    metrics, _ = rl_step(s, StepConfig.of(cfg))
     (args, _, contexts), = built
     return s, cfg, tok, args, contexts, metrics
 

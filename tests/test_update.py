@@ -88,6 +88,7 @@ from bicc.kernels.batching import logprobs_no_grad
 from bicc.model.logprobs import make_token_batch
 from bicc.model.load import build_tiny
 from bicc.kernels.rows import QueryRows
+from bicc.machine.distributed import BackwardHooks
 from bicc.trainer.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, rows
@@ -101,7 +102,9 @@ model, reference = build_tiny(ARCH, seed=0)[0].double(), build_tiny(ARCH, seed=0
 old_logp = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
 adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
 model = fsdp_one_rank(model, cfg, torch.device("cpu"), None)
-update_policy(sgd_state(model), batch, QueryRows(batch), old_logp, None, Advantages.given(adv), cfg, step_seed=7)
+state = sgd_state(model)
+state.backward_hooks = BackwardHooks.of(cfg.dist)
+update_policy(state, batch, QueryRows(batch), old_logp, None, Advantages.given(adv), cfg, step_seed=7)
 hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
 # DTensor shards once resharded; the gathered copies themselves where FSDP2 still holds them
 full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
@@ -305,21 +308,23 @@ def test_fsdp2_options_act_in_a_minibatch_last_backward_only(share, field, hook,
     free the gathered weights in a minibatch's last backward only: its last micro-batch's, or under KV reuse the
     prompts' prefix backward on leaving the contexts (then every micro-batch's is off). The default never touches
     the setting. (Two ranks against one process: ``tests/test_distributed.py``.)"""
-    import bicc.trainer.update
+    import bicc.machine.distributed
     from bicc.kernels.batching import micro_batches
     from bicc.kernels.rows import query_rows
-    from bicc.machine.distributed import Dist
+    from bicc.machine.distributed import BackwardHooks, Dist
 
     prompts, completions = rows()
     batch = make_token_batch(prompts, completions, 0)
     numerator = query_rows(batch, prompts, completions, share, 0, torch.device("cpu"))
     adv = Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64))
     calls = []
-    monkeypatch.setattr(bicc.trainer.update, hook, lambda model, on: calls.append(on))
+    monkeypatch.setattr(bicc.machine.distributed, hook, lambda model, on: calls.append(on))
     for setting in (default, option):
         cfg = compose_cfg(["train.micro_batch_size=4", "rollout.max_new_tokens=12", f"{field}={setting}"])
         model = build_tiny(ARCH, seed=0)[0].double()
-        update_policy(sgd_state(model), batch, numerator, None, None, adv, cfg, step_seed=0)
+        state = sgd_state(model)
+        state.backward_hooks = BackwardHooks.of(cfg.dist)  # as build_rl_state sets them from the dist group
+        update_policy(state, batch, numerator, None, None, adv, cfg, step_seed=0)
         if setting == default:
             assert calls == []
     k = len(micro_batches(torch.arange(12), numerator, 4, cfg.train.micro_batch_tokens, model, Dist()))

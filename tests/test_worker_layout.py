@@ -13,7 +13,7 @@ from bicc.machine.distributed import Dist
 from bicc.machine.layout import GIB, host_warnings, worker_gpu
 from bicc.machine.memory import QWEN3_4B, Run
 from bicc.model.tokenizer import build_char_tokenizer
-from bicc.trainer.fit import check_workers
+from bicc.trainer.fit import check_workers, predicted_run
 from tests.conftest import compose_cfg
 
 
@@ -67,7 +67,9 @@ def check(overrides, environ, count=4, world=2):
     d = Dist(rank=0, world=world, strategy="fsdp2", joined=True)
     from bicc.data import build_task
 
-    return check_workers(cfg, d, torch.device("cuda"), build_task(cfg.data), build_char_tokenizer(), environ, count)
+    task, tokenizer = build_task(cfg.data), build_char_tokenizer()
+    predict = lambda gib: predicted_run(cfg, task, tokenizer, d.world, True, gib)  # noqa: E731
+    return check_workers(cfg.rollout, cfg.train, predict, d, torch.device("cuda"), environ, count)
 
 
 def test_the_launch_check_refuses_a_bad_gpu_layout_before_anything_loads(roomy_host, monkeypatch):

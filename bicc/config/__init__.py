@@ -17,6 +17,7 @@ the registries and the checks across groups, before any model is loaded, naming 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,46 @@ class RunConfig:
     ckpt: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class StepConfig:
+    """What one RL step reads (``bicc.trainer.step.rl_step``, its plan and update, ``bicc.method.reference``): the
+    method's groups and the trainer's, typed, and the run's seed. The run loop builds it once (``StepConfig.of``);
+    nothing past the loop sees the model, data, evaluation or launch groups."""
+
+    algo: AlgoConfig
+    bicc: BiccConfig
+    rcc: RccConfig
+    rollout: RolloutConfig
+    train: TrainConfig
+    optim: OptimConfig
+    diag: DiagConfig
+    logger: LoggerConfig
+    seed: int = 0
+
+    @classmethod
+    def of(cls, run: RunConfig) -> "StepConfig":
+        """The step's groups of a composed run config."""
+        return cls(**{f.name: getattr(run, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """What the tiny models' supervised warm start reads (``bicc.trainer.sft``): its own group, the model it builds,
+    the task, BiCC's context template (shown in some prompts), the optimizer's betas and clipping, the run's seed."""
+
+    sft: SFTConfig
+    model: ModelConfig
+    data: DataConfig
+    bicc: BiccConfig
+    optim: OptimConfig
+    seed: int = 0
+
+    @classmethod
+    def of(cls, run: RunConfig) -> "WarmStartConfig":
+        """The warm start's groups of a composed run config."""
+        return cls(**{f.name: getattr(run, f.name) for f in dataclasses.fields(cls)})
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -109,6 +150,6 @@ def register_configs() -> None:
 __all__ = [
     "AlgoConfig", "ArithConfig", "BenchmarkConfig", "BiccConfig", "DataConfig", "DiagConfig",
     "DistConfig", "EvalConfig", "LoggerConfig", "MathDataConfig", "ModelConfig", "OptimConfig", "RccConfig",
-    "RolloutConfig", "RunConfig", "SFTConfig", "TinyArchConfig", "TrainConfig", "diag_every",
+    "RolloutConfig", "RunConfig", "SFTConfig", "StepConfig", "WarmStartConfig", "TinyArchConfig", "TrainConfig", "diag_every",
     "register_configs", "tis_cap",
 ]

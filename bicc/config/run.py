@@ -264,12 +264,12 @@ class DiagConfig:
 DIAG_EVERY_UNDER_RCC = 10
 
 
-def diag_every(cfg) -> int:
+def diag_every(diag, rcc) -> int:
     """Steps between the diagnostics' runs, 0 = never: ``diag.every``, or when it is null, every
-    ``DIAG_EVERY_UNDER_RCC`` steps under RCC and never without it."""
-    if cfg.diag.every is not None:
-        return int(cfg.diag.every)
-    return DIAG_EVERY_UNDER_RCC if cfg.rcc.enabled else 0
+    ``DIAG_EVERY_UNDER_RCC`` steps under RCC (``rcc.enabled``) and never without it."""
+    if diag.every is not None:
+        return int(diag.every)
+    return DIAG_EVERY_UNDER_RCC if rcc.enabled else 0
 
 
 @dataclass

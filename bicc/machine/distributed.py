@@ -181,6 +181,28 @@ def loss_scale(d: Dist) -> float:
     return float(d.world) if d.enabled and d.strategy == "fsdp2" else 1.0
 
 
+@dataclass(frozen=True)
+class BackwardHooks:
+    """FSDP2's hooks around a minibatch's backwards, in one place: with ``dist.reduce_grads=step`` the gradients are
+    reduced and, with ``dist.reshard_after_backward=false``, the gathered weights freed in the minibatch's last
+    backward only (kept gathered past it, they would be the weights before its optimizer step). Unsharded, or with
+    FSDP2's defaults, nothing is touched. The update calls ``before(model, last)`` before each backward."""
+
+    reduce_once: bool = False  # dist.reduce_grads=step
+    keep_gathered: bool = False  # dist.reshard_after_backward=false
+
+    @classmethod
+    def of(cls, dist_cfg) -> "BackwardHooks":
+        return cls(dist_cfg.reduce_grads == "step", not dist_cfg.reshard_after_backward)
+
+    def before(self, model, last: bool) -> None:
+        """Before a backward of ``model``; ``last``: the minibatch's last one."""
+        if self.reduce_once:
+            reduce_after_backward(model, last)
+        if self.keep_gathered:
+            reshard_after_backward(model, last)
+
+
 def reduce_after_backward(model, on: bool) -> None:
     """FSDP2 (``dist.reduce_grads=step``): whether the next backwards reduce-scatter the gradients (on) or
     accumulate them unreduced for a later one (off); a no-op unsharded."""

@@ -74,12 +74,12 @@ def mean_centered_advantage(rewards, group_ids, delta, cfg):
     return adv.to(rewards.dtype), {"train/adv_zero_group_share": _degenerate_share(std, counts)}
 
 
-def advantage_name(cfg) -> str:
+def advantage_name(algo, rcc) -> str:
     """The run's advantage estimator: RCC's (``rcc=on``; ``rcc=std`` its diagnostic form divided by the group's
     std) when RCC is on, else the variant's own (``algo.advantage``)."""
-    if not cfg.rcc.enabled:
-        return cfg.algo.advantage
-    return "rcc_std" if cfg.rcc.scale == "std" else "rcc"
+    if not rcc.enabled:
+        return algo.advantage
+    return "rcc_std" if rcc.scale == "std" else "rcc"
 
 
 def advantage_metrics(adv: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:

@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from bicc.config import tis_cap
+from bicc.config import StepConfig, tis_cap
 from bicc.method.advantages import ADVANTAGES
 from bicc.method.conditioning import build_contexts
 from bicc.method.diagnostics import sequence_delta
@@ -21,7 +21,7 @@ from bicc.method.losses.tis import sampler_grid, sampler_importance_weights
 from bicc.model.logprobs import batch_logprobs, make_token_batch
 
 
-def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg, anchors, end_ids) -> dict:
+def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg: StepConfig, anchors, end_ids) -> dict:
     """One update of ``model`` on the rollout ``ro`` (``bicc.rollout.collect.Rollout``: G outputs per query q
     sampled from pi_old = ``model`` as it is now, their rewards, and the sampler's log-probs when the engine gave
     them). Returns the step's loss, advantages, delta (None without RCC), each output's log conditioning weight
@@ -71,7 +71,7 @@ def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg, 
             "conditioned": None if contexts is None else contexts.conditioned}
 
 
-def stale_loop(model, ref_model, optimizer, scheduler, tokenizer, sample, steps: int, async_steps: int, cfg, anchors,
+def stale_loop(model, ref_model, optimizer, scheduler, tokenizer, sample, steps: int, async_steps: int, cfg: StepConfig, anchors,
                end_ids) -> list[dict]:
     """``steps`` updates of ``model`` under ``rollout.async_steps`` = N: batch t is ``sample(t, policy)``, drawn by
     ``policy`` = theta_{max(0, t - N)}, the weights after step t - N (theta_0 for the first N steps), with that

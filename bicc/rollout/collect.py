@@ -16,7 +16,7 @@ from bicc.rollout import RolloutOutput, SamplingParams
 
 @dataclass(frozen=True)
 class Collection:
-    """What one step samples and keeps (``from_config``): ``prompts_per_step`` queries (over all shards) x
+    """What one step samples and keeps (``of``): ``prompts_per_step`` queries (over all shards) x
     ``group_size`` samples at ``temperature`` / ``top_p``, at most ``max_new_tokens`` each; DAPO's dynamic sampling
     (``dynamic_sampling``: groups whose correctness is all 0 or all 1 are dropped and more queries drawn, in at most
     ``max_rounds`` generate calls) and overlong shaping (``overlong_buffer`` tokens, ``overlong_penalty``); prompts
@@ -36,11 +36,11 @@ class Collection:
     prompt_overflow: str = "drop"
 
     @classmethod
-    def from_config(cls, cfg) -> "Collection":
-        r, algo = cfg.rollout, cfg.algo
+    def of(cls, algo, r, data) -> "Collection":
+        """The rule of a run's ``algo``, ``rollout`` (``r``) and ``data`` groups."""
         return cls(r.prompts_per_step, r.group_size, r.temperature, r.top_p, r.max_new_tokens, bool(algo.dynamic_sampling),
                    algo.max_sampling_rounds, overlong_buffer_tokens(algo, r.max_new_tokens), algo.overlong_penalty,
-                   cfg.data.max_prompt_length, cfg.data.prompt_overflow)
+                   data.max_prompt_length, data.prompt_overflow)
 
     def keep(self, correct: torch.Tensor) -> torch.Tensor:
         """[groups] which groups of ``correct`` [groups, G] are kept: every one, or (dynamic sampling) the mixed."""

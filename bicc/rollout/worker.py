@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(0)  # nothing left to flush; vLLM's and gloo's teardown at exit only costs time
 
 
-def build_sampler(spec: dict, cfg, device):
+def build_sampler(spec: dict, rollout, model_cfg, eval_cfg, device):
     """(engine, tokenizer, the tensors a push fills in place or None): an HF module in the compute dtype, or a vLLM
     engine with no HF module at all. Both start from the initial policy's files; the first push brings the weights
     of the step. (vLLM's dummy weights would save that read, but its dummy loader also randomises buffers that are
@@ -119,16 +119,16 @@ def build_sampler(spec: dict, cfg, device):
     from bicc.rollout import EngineOptions, build_engine, engine_rows
     from bicc.rollout.weight_sync import tensors_of
 
-    rollout_cfg = copy.deepcopy(cfg.rollout)
+    rollout_cfg = copy.deepcopy(rollout)
     rollout_cfg.sleep = False  # the worker's device is its own: nothing to free while the trainer updates
-    options = EngineOptions(end_ids=tuple(spec["end_ids"]), max_model_len=spec["max_model_len"], dtype=cfg.model.dtype,
-                            rows=engine_rows(cfg.rollout, cfg.eval, spec["num_shards"]), logprobs=True,
+    options = EngineOptions(end_ids=tuple(spec["end_ids"]), max_model_len=spec["max_model_len"], dtype=model_cfg.dtype,
+                            rows=engine_rows(rollout, eval_cfg, spec["num_shards"]), logprobs=True,
                             weight_transfer="nccl" if spec["transport"] == "vllm" else None)
-    if cfg.rollout.engine == "vllm":
+    if rollout.engine == "vllm":
         model = ModelRef(spec["model_path"], AutoConfig.from_pretrained(spec["model_path"]))
         tokenizer, into = load_tokenizer(spec["model_path"]), None
     else:
-        model, tokenizer = load_pretrained(spec["model_path"], cfg.model, device)
+        model, tokenizer = load_pretrained(spec["model_path"], model_cfg, device)
         model.requires_grad_(False)
         into = tensors_of(model)
     if not options.end_ids:  # the trainer names them; else the model's own (its generation config, or its config)
@@ -136,7 +136,7 @@ def build_sampler(spec: dict, cfg, device):
                                                                                               model.config))))
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return build_engine(cfg.rollout.engine, model, tokenizer, rollout_cfg, options), tokenizer, into
+    return build_engine(rollout.engine, model, tokenizer, rollout_cfg, options), tokenizer, into
 
 
 class ModelRef:
@@ -170,8 +170,8 @@ def serve(spec: dict, inbox, outbox, store) -> None:
     if spec["transport"] != "vllm":  # joined first, so that the trainer's side never waits on an engine's start
         group = weight_group(store, spec["index"] + 1, spec["world"], spec["transport"], spec["timeout_s"])
     cfg = OmegaConf.create(spec["cfg"])
-    engine, tokenizer, into = build_sampler(spec, cfg, device)
-    task, collection = build_task(cfg.data), Collection.from_config(cfg)
+    engine, tokenizer, into = build_sampler(spec, cfg.rollout, cfg.model, cfg.eval, device)
+    task, collection = build_task(cfg.data), Collection.of(cfg.algo, cfg.rollout, cfg.data)
     cursor = DataCursor(spec["cursor"]["pos"], list(spec["cursor"]["shard_pos"]))
     entries = [Entry(name, tuple(shape)) for name, shape in spec["entries"]]
     dtype, capacity = DTYPES[cfg.model.dtype], spec["bucket_elems"]

@@ -1,6 +1,6 @@
 """Checkpoints: the model and tokenizer in HF format (safetensors; loadable by transformers and vLLM)
 plus the trainer state (optimizer, scheduler, step, data position, RNG) as tensors and plain values
-loaded with ``weights_only=True``.
+loaded with ``weights_only=True``; ``resume_dir`` picks the one a run resumes from.
 
 A checkpoint is written into ``<dir>.tmp`` and renamed into place, so a crash mid-write leaves the
 previous checkpoint intact; a directory counts as complete only when it has ``COMPLETE``.
@@ -116,3 +116,23 @@ def load_trainer_state(ckpt_dir: Path) -> dict:
         return torch.load(path, weights_only=True)
     except Exception as err:
         raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: {TRAINER_STATE} unreadable ({err})") from None
+
+
+def resume_dir(resume: str, run_dir: Path) -> Path | None:
+    """``auto``: the latest checkpoint of this run dir that reads back completely, skipping (with a
+    warning) incomplete or corrupt ones; a run dir: its latest, which must be sound; else the dir itself."""
+    root = run_dir if resume == "auto" else Path(resume)
+    for bad in incomplete_checkpoints(root / "checkpoints"):
+        print(f"[rl] warning: skipping incomplete checkpoint {bad} (interrupted write)")
+    found = list_checkpoints(root / "checkpoints")
+    if resume != "auto":
+        ckpt = found[-1] if found else root
+        verify_checkpoint(ckpt)  # an explicitly named checkpoint must be sound: the error names it
+        return ckpt
+    for ckpt in reversed(found):
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt
+        except CorruptCheckpoint as err:
+            print(f"[rl] warning: skipping {err}")
+    return None

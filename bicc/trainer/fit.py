@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from bicc.config import RunConfig, StepConfig
 from bicc.machine.memory import GIB, Arch, Run, peak
 
 # Model types whose layout bicc.machine.memory counts: dense decoders with one attention and one MLP per layer.
@@ -38,15 +39,17 @@ def arch_of(config) -> Arch:
                 tied=bool(getattr(config, "tie_word_embeddings", False)))
 
 
-def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -> Run:
+def run_of(cfg: StepConfig, model_cfg, eval_cfg, dist_cfg, world: int, sharded: bool, gpu_gib: float,
+           prompt_tokens: int) -> Run:
     """What of the run's config sizes memory on one of ``world`` GPUs of ``gpu_gib`` (every output at
-    ``rollout.max_new_tokens``, the longest training prompt ``prompt_tokens``)."""
+    ``rollout.max_new_tokens``, the longest training prompt ``prompt_tokens``): the step's groups, the model's,
+    the evaluation's and the distribution's."""
     from bicc.machine.distributed import DTYPES
     from bicc.model.load import resolve_attn_implementation
     from bicc.trainer.plan import StepPlan
 
-    r, t, e = cfg.rollout, cfg.train, cfg.eval
-    compute = DTYPES[cfg.dist.param_dtype] if sharded and cfg.dist.param_dtype else DTYPES[cfg.model.dtype]
+    r, t, e = cfg.rollout, cfg.train, eval_cfg
+    compute = DTYPES[dist_cfg.param_dtype] if sharded and dist_cfg.param_dtype else DTYPES[model_cfg.dtype]
     vllm = r.engine == "vllm"
     plan = StepPlan.from_config(cfg, vllm or bool(r.old_from_sampler))
     return Run(world=world, micro_batch=t.micro_batch_size, output_tokens=r.max_new_tokens, prompt_tokens=prompt_tokens,
@@ -57,15 +60,15 @@ def run_of(cfg, world: int, sharded: bool, gpu_gib: float, prompt_tokens: int) -
                # where the plan defers (delta on the update's own context, or the sampler's weights from its forward)
                delta_from_update=plan.delta_from_update or plan.sampler_from_update,
                no_grad_on_context=any("on x^c" in p and "no grad" in p for p in plan.passes()),
-               master_bytes=DTYPES[cfg.model.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
+               master_bytes=DTYPES[model_cfg.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
                eval_batch_tokens=e.batch_tokens, eval_new_tokens=e.max_new_tokens,
                eval_rows=min(e.batch_size, e.limit * e.samples_per_problem if e.limit else e.batch_size),
-               flash=resolve_attn_implementation(cfg.model.attn_implementation) == "flash_attention_2",
-               rollout_batch=r.batch_size, compiled=cfg.model.compile in ("on", "auto"),  # auto: on a GPU
-               reshard_after_forward=cfg.dist.reshard_after_forward, reshard_after_backward=cfg.dist.reshard_after_backward,
-               reduce_per_step=cfg.dist.reduce_grads == "step",
-               checkpoint_policy=cfg.model.checkpoint_policy if cfg.model.gradient_checkpointing else "full",
-               checkpoint_layers=checkpoint_setting(cfg.model))
+               flash=resolve_attn_implementation(model_cfg.attn_implementation) == "flash_attention_2",
+               rollout_batch=r.batch_size, compiled=model_cfg.compile in ("on", "auto"),  # auto: on a GPU
+               reshard_after_forward=dist_cfg.reshard_after_forward, reshard_after_backward=dist_cfg.reshard_after_backward,
+               reduce_per_step=dist_cfg.reduce_grads == "step",
+               checkpoint_policy=model_cfg.checkpoint_policy if model_cfg.gradient_checkpointing else "full",
+               checkpoint_layers=checkpoint_setting(model_cfg))
 
 
 def checkpoint_setting(model_cfg) -> int | None:
@@ -140,38 +143,40 @@ def auto_layers(model_cfg) -> bool:
     return bool(model_cfg.gradient_checkpointing) and str(model_cfg.checkpoint_layers) == "auto"
 
 
-def predicted_run(cfg, task, tokenizer, world: int, sharded: bool, gpu_gib: float) -> tuple[Arch, Run]:
+def predicted_run(cfg: RunConfig, task, tokenizer, world: int, sharded: bool, gpu_gib: float) -> tuple[Arch, Run]:
     """The shape and sizes ``bicc.machine.memory`` counts for this run on one of ``world`` GPUs of ``gpu_gib``: the configured
     model, its longest training prompt with the contexts' framing, the config's sizes, and under
     ``model.checkpoint_layers=auto`` the count of checkpointed layers that fits."""
     from bicc.trainer.validation import context_template_tokens, longest_training_prompt
 
     prompt = (longest_training_prompt(task, tokenizer, max_len=cfg.data.max_prompt_length)[0]
-              + context_template_tokens(cfg, tokenizer))
-    arch, run = model_arch(cfg.model, len(tokenizer)), run_of(cfg, world, sharded, gpu_gib, prompt)
+              + context_template_tokens(cfg.bicc, cfg.rollout.group_size, tokenizer))
+    run = run_of(StepConfig.of(cfg), cfg.model, cfg.eval, cfg.dist, world, sharded, gpu_gib, prompt)
+    arch = model_arch(cfg.model, len(tokenizer))
     if auto_layers(cfg.model):
         run = dataclasses.replace(run, checkpoint_layers=resolve_checkpoint_layers(arch, run, gpu_gib))
     return arch, run
 
 
-def launch_check(cfg, d, device, task, tokenizer) -> str | None:
-    """Before any weights load: the run's predicted peak per GPU against ``train.memory_gib`` (null: the CUDA
-    device's total memory; on CPU nothing is checked). Returns the line to print, or None; raises ValueError
-    (naming the setting to lower) when it does not fit and ``train.memory_check`` is on."""
+def launch_check(train, model_cfg, predict, device) -> str | None:
+    """Before any weights load: the run's predicted peak per GPU (``predict(gib)``: ``predicted_run`` on a GPU of
+    ``gib``) against ``train.memory_gib`` (null: the CUDA device's total memory; on CPU nothing is checked); under
+    ``model.checkpoint_layers=auto`` the count that fits is written into ``model_cfg``. Returns the line to print, or
+    None; raises ValueError (naming the setting to lower) when it does not fit and ``train.memory_check`` is on."""
     import torch
 
-    budget = cfg.train.memory_gib
+    budget = train.memory_gib
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory / GIB
-    auto = auto_layers(cfg.model)
-    if budget is None or not (cfg.train.memory_check or auto):
+    auto = auto_layers(model_cfg)
+    if budget is None or not (train.memory_check or auto):
         return None
     try:
-        arch, run = predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", budget)
+        arch, run = predict(budget)
     except UncountedModel as err:  # what it cannot count it does not refuse: the run starts, told so
         line = f"warning: the memory check cannot count this model: {err}; not checked, the run starts"
         if auto:
-            cfg.model.checkpoint_layers = "all"
+            model_cfg.checkpoint_layers = "all"
             line += " with model.checkpoint_layers=auto read as all (every layer checkpointed)"
         return line
     if run.checkpoint_layers is not None and run.checkpoint_layers > arch.layers:
@@ -179,18 +184,18 @@ def launch_check(cfg, d, device, task, tokenizer) -> str | None:
                          f"{arch.layers}")
     chosen = ""
     if auto:  # the model is loaded with this many layers checkpointed (bicc.model.load.enable_checkpointing)
-        cfg.model.checkpoint_layers = str(run.checkpoint_layers)
+        model_cfg.checkpoint_layers = str(run.checkpoint_layers)
         chosen = f"model.checkpoint_layers=auto: {run.checkpoint_layers} of {arch.layers} layers checkpointed; "
-    return chosen + (check_fit(arch, run, budget) if cfg.train.memory_check else "memory check off")
+    return chosen + (check_fit(arch, run, budget) if train.memory_check else "memory check off")
 
 
 
-def check_workers(cfg, d, device, task, tokenizer, environ=None, device_count: int | None = None) -> list[str]:
+def check_workers(rollout, train, predict, d, device, environ=None, device_count: int | None = None) -> list[str]:
     """Under ``rollout.async_steps``, before any weights load: the workers' devices (a GPU out of range, listed twice
     or a training rank's is refused, naming both: ``bicc.machine.layout.worker_places``), what the host lacks for the
-    layout (warnings naming the fix), and each worker GPU's predicted peak against ``train.memory_gib`` (null: the
-    GPU's memory), beside a training rank's where it shares one; raises ValueError naming the knob when it does not
-    fit. Returns the lines to print."""
+    layout (warnings naming the fix), and each worker GPU's predicted peak (``predict(gib)``, as ``launch_check``'s)
+    against ``train.memory_gib`` (null: the GPU's memory), beside a training rank's where it shares one; raises
+    ValueError naming the knob when it does not fit. Returns the lines to print."""
     import os
 
     import torch
@@ -199,19 +204,19 @@ def check_workers(cfg, d, device, task, tokenizer, environ=None, device_count: i
     from bicc.machine.memory import peak as trainer_peak
 
     environ = os.environ if environ is None else environ
-    cuda, r = device.type == "cuda", cfg.rollout
+    cuda, r = device.type == "cuda", rollout
     count = torch.cuda.device_count() if device_count is None and cuda else (device_count or 0)
     places = worker_places(r, d.world, cuda, environ, device_count=count)
     kind = transport(r.engine, cuda, places)
     try:
-        budget = cfg.train.memory_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if cuda else 80.0)
-        arch, run = predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", budget)
+        budget = train.memory_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if cuda else 80.0)
+        arch, run = predict(budget)
     except UncountedModel as err:
         return [f"warning: the memory check cannot count this model ({err}): the workers' GPUs are not checked"]
     trainers = int(environ.get("LOCAL_WORLD_SIZE", d.world))
     load = trainers * run.master_bytes * arch.params() + len(places) * run.compute_bytes * arch.params()
     lines = [f"warning: {w}" for w in host_warnings(kind, len(places), load)]
-    if not cuda or not cfg.train.memory_check or not places:
+    if not cuda or not train.memory_check or not places:
         return lines
     rows = min(r.batch_size, max(1, r.prompts_per_step * r.group_size // max(1, len(places) + r.remote_workers)))
     bucket = int(r.push_bucket_mib * 2**20)

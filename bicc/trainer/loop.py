@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from bicc.config import diag_every, tis_cap
+from bicc.config import StepConfig, WarmStartConfig, diag_every, tis_cap
 from bicc.data import build_task
 from bicc.evaluation.evaluate import evaluate, format_eval
 from bicc.kernels.packing import padding_free
@@ -29,7 +29,7 @@ from bicc.rollout import EngineOptions, build_engine, eval_engine_config
 from bicc.rollout.collect import DataCursor
 from bicc.rollout.workers import RolloutWorkers
 from bicc.trainer import checkpoint as checkpoints
-from bicc.trainer.fit import check_workers, launch_check
+from bicc.trainer.fit import check_workers, launch_check, predicted_run
 from bicc.trainer.samples import write_samples
 from bicc.trainer.sft import config_hash, warm_start
 from bicc.trainer.state import RLState, build_rl_state, peak_lr
@@ -40,8 +40,9 @@ NAMED_FORMS = {("bicc", "stable"): "stabilised BiCC, not the paper's",
                ("rcc", "mean"): "RCC with per-token mean delta, not the paper's"}
 
 
-def describe_choices(choices, cfg) -> str:
-    """What this run trains, by config group, with the forms that are not the paper's named as such."""
+def describe_choices(choices, cfg: StepConfig, model, data, sft) -> str:
+    """What this run trains, by config group (the step's groups, the model's, the data's, the warm start's), with the
+    forms that are not the paper's named as such."""
     parts = []
     for group in ("algo", "bicc", "rcc", "model", "data", "rollout", "eval", "experiment"):
         choice = choices.get(group)
@@ -49,7 +50,7 @@ def describe_choices(choices, cfg) -> str:
             note = NAMED_FORMS.get((group, choice))
             parts.append(f"{group}={choice}" + (f" ({note})" if note else ""))
     r = cfg.rollout
-    text = (" ".join(parts) + f"; lr {peak_lr(cfg):g}, {cfg.train.steps} steps of {r.prompts_per_step} prompts x "
+    text = (" ".join(parts) + f"; lr {peak_lr(cfg.optim, cfg.bicc):g}, {cfg.train.steps} steps of {r.prompts_per_step} prompts x "
             f"G={r.group_size}, max {r.max_new_tokens} tokens")
     if cfg.algo.kl_coef > 0:
         text += f", KL {cfg.algo.kl_coef:g} ({cfg.algo.kl_estimator})"
@@ -59,36 +60,37 @@ def describe_choices(choices, cfg) -> str:
         cap = tis_cap(r)
         text += (f", rollout workers {r.async_steps} step(s) ahead with "
                  + (f"TIS (cap {cap:g})" if cap else "no importance weights"))
-    if cfg.model.tiny is not None and cfg.data.task == "arith":
-        text += f", arith slips {cfg.data.arith.slip_rate:g} at {cfg.data.arith.slip_step} step"
-    if cfg.model.tiny is not None and cfg.sft.context_share > 0:
-        text += f", warm start shows {cfg.sft.context_attempts} attempts on {cfg.sft.context_share:g} of its prompts"
+    if model.tiny is not None and data.task == "arith":
+        text += f", arith slips {data.arith.slip_rate:g} at {data.arith.slip_step} step"
+    if model.tiny is not None and sft.context_share > 0:
+        text += f", warm start shows {sft.context_attempts} attempts on {sft.context_share:g} of its prompts"
     return text
 
 
-def initial_eval_cache(cfg, init_path: str) -> Path | None:
+def initial_eval_cache(init_path: str, model, cache_dir: str, evaluation, data, seed: int, engine: str) -> Path | None:
     """Where the initial policy's score is kept, so that every run from one starting checkpoint shares it: inside
-    a dir this library built and keyed (a warm start, or a GGUF file converted under sft.cache_dir), named by
-    the evaluation, task, seed, engine and dtype. None for any other model (an HF id, a dir that may change)."""
+    a dir this library built and keyed (a warm start of ``model.tiny``, or a GGUF file converted under
+    ``cache_dir``), named by the evaluation, task, seed, engine and ``model.dtype``. None for any other model (an HF
+    id, a dir that may change)."""
     init = Path(init_path)
-    if cfg.model.tiny is None and init.resolve().parent != Path(cfg.sft.cache_dir).resolve():
+    if model.tiny is None and init.resolve().parent != Path(cache_dir).resolve():
         return None
-    return init / f"eval-{config_hash(cfg.eval, cfg.data, cfg.seed, cfg.rollout.engine, cfg.model.dtype)}.json"
+    return init / f"eval-{config_hash(evaluation, data, seed, engine, model.dtype)}.json"
 
 
-def eval_engine(s: RLState, cfg):
+def eval_engine(s: RLState, rollout, evaluation):
     """vLLM evaluates with the rollout engine itself; HF with an engine over the sampling module (a full
     copy under FSDP2) batched by eval.batch_size. Under rollout.async_steps the workers sample and the trainer's
     engine is given the current weights here first (synchronously, every step does that)."""
-    if cfg.rollout.async_steps and s.engine.version != s.step:
+    if rollout.async_steps and s.engine.version != s.step:
         s.engine.update_weights(s.model, s.step)
     if s.engine.model is None:
         return s.engine
-    return build_engine("hf", s.engine.model, s.tokenizer, eval_engine_config(cfg.rollout, cfg.eval),
+    return build_engine("hf", s.engine.model, s.tokenizer, eval_engine_config(rollout, evaluation),
                         EngineOptions(end_ids=s.end_ids))
 
 
-def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
+def save_rl_checkpoint(s: RLState, model_cfg, keep_last: int, ckpt_dir: Path) -> None:
     """Atomic checkpoint (bicc.trainer.checkpoint); every process calls this. HF-format weights in the compute
     dtype (``model.dtype``, what vLLM and evaluation load), gathered to a full state dict under FSDP2 and
     written by rank 0 with the trainer state; under FSDP2 each rank also writes its optimizer shard (DCP),
@@ -96,10 +98,10 @@ def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
     so that a resume is exact. Rank 0 marks the checkpoint complete last."""
     d = s.dist
     sharded = distributed.is_sharded(s.model)
-    mixed = DTYPES[cfg.model.master_dtype] != DTYPES[cfg.model.dtype]
+    mixed = DTYPES[model_cfg.master_dtype] != DTYPES[model_cfg.dtype]
     weights = None  # one process or DDP in the master dtype: rank 0 writes the model as is
     if sharded or (mixed and d.is_main):
-        weights = distributed.full_state_dict(s.model, DTYPES[cfg.model.dtype])
+        weights = distributed.full_state_dict(s.model, DTYPES[model_cfg.dtype])
         if s.model.config.tie_word_embeddings:  # gathered copies are no longer shared: keep the HF layout
             weights.pop("lm_head.weight", None)
     tmp = checkpoints.tmp_dir(ckpt_dir)
@@ -115,38 +117,20 @@ def save_rl_checkpoint(s: RLState, cfg, ckpt_dir: Path) -> None:
         distributed.save_master_weights(s.model, tmp)
     distributed.barrier(d)
     if d.is_main:
-        checkpoints.save_checkpoint(ckpt_dir, s.model, s.tokenizer, state, cfg.train.keep_last, state_dict=weights, keep_tmp=True)
+        checkpoints.save_checkpoint(ckpt_dir, s.model, s.tokenizer, state, keep_last, state_dict=weights, keep_tmp=True)
     distributed.barrier(d)
 
 
-def resume_dir(resume: str, run_dir: Path) -> Path | None:
-    """``auto``: the latest checkpoint of this run dir that reads back completely, skipping (with a
-    warning) incomplete or corrupt ones; a run dir: its latest, which must be sound; else the dir itself."""
-    root = run_dir if resume == "auto" else Path(resume)
-    for bad in checkpoints.incomplete_checkpoints(root / "checkpoints"):
-        print(f"[rl] warning: skipping incomplete checkpoint {bad} (interrupted write)")
-    found = checkpoints.list_checkpoints(root / "checkpoints")
-    if resume != "auto":
-        ckpt = found[-1] if found else root
-        checkpoints.verify_checkpoint(ckpt)  # an explicitly named checkpoint must be sound: the error names it
-        return ckpt
-    for ckpt in reversed(found):
-        try:
-            checkpoints.verify_checkpoint(ckpt)
-            return ckpt
-        except checkpoints.CorruptCheckpoint as err:
-            print(f"[rl] warning: skipping {err}")
-    return None
-
-
-def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
-                    d: distributed.Dist = distributed.Dist(), max_model_len: int | None = None) -> RLState:
-    ckpt = resume_dir(cfg.resume, run_dir) if cfg.resume else None
+def start_or_resume(resume: str | None, build, init_path: str, run_dir: Path, async_steps: int,
+                    d: distributed.Dist = distributed.Dist()) -> RLState:
+    """The state at the start: ``build(policy_path, init_path)`` (``build_rl_state``) from ``init_path``, or under
+    ``resume`` from the checkpoint it names, its trainer state, optimizer, RNG and drawn batches restored."""
+    ckpt = checkpoints.resume_dir(resume, run_dir) if resume else None
     ckpt = distributed.broadcast_object(ckpt, d)  # rank 0's choice (nodes may not share a file system view)
     if ckpt is None:
-        return build_rl_state(cfg, init_path, init_path, device, d, max_model_len)
+        return build(init_path, init_path)
     state = checkpoints.load_trainer_state(ckpt)
-    s = build_rl_state(cfg, str(ckpt), state["init_path"], device, d, max_model_len)
+    s = build(str(ckpt), state["init_path"])
     distributed.load_master_weights(s.model, ckpt)  # the fp32 master behind the checkpoint's bf16 weights
     s.load_trainer_state(state)
     if "optimizer" not in state:  # written sharded by an FSDP2 run (any number of processes)
@@ -155,36 +139,35 @@ def start_or_resume(cfg, init_path: str, device: torch.device, run_dir: Path,
     checkpoints.set_rng_state(state["rng"])
     s.engine.version = s.step  # it was built from the checkpoint's weights, the version of this step
     print(f"[rl] resumed from {ckpt} at step {s.step}")
-    if s.pending and not cfg.rollout.async_steps:  # drawn by an async run's workers: the synchronous step redraws them
+    if s.pending and not async_steps:  # drawn by an async run's workers: the synchronous step redraws them
         s.cursor = DataCursor(**s.pending["batches"][0]["cursors"]["before"])
         print(f"[rl] {len(s.pending['batches'])} batch(es) drawn ahead by rollout workers are drawn again synchronously")
         s.pending = None
     return s
 
 
-def forward_layout(model, cfg) -> str:
+def forward_layout(model, bicc, train) -> str:
     """How the trainer's forwards lay out their rows (``bicc.kernels.packing.padding_free``), for the start-up line."""
     impl = model.config._attn_implementation
     if not padding_free(model):
         return (f"each micro-batch padded to its longest row (attn_implementation={impl}; padding-free needs "
                 "flash_attention_2 and model.padding_free)")
-    bicc_kv = not cfg.bicc.enabled or (cfg.train.context_packing and cfg.train.context_packing_impl == "kv")
-    padded = [name for name, kv in (("the rows on q", cfg.train.share_prompts), ("BiCC's rows", bicc_kv)) if not kv]
+    bicc_kv = not bicc.enabled or (train.context_packing and train.context_packing_impl == "kv")
+    padded = [name for name, kv in (("the rows on q", train.share_prompts), ("BiCC's rows", bicc_kv)) if not kv]
     if not padded:
         return f"padding-free ({impl})"
     return (f"padding-free ({impl}) but {' and '.join(padded)}, padded to each micro-batch's longest row "
             "(padding-free needs KV reuse: train.share_prompts, train.context_packing_impl=kv)")
 
 
-def start_workers(s: RLState, cfg, max_model_len: int | None = None) -> None:
-    """The rollout workers of ``rollout.async_steps``, started with the policy's weights at ``s.step`` and any
-    batches the checkpoint it resumed from held."""
-    s.workers = RolloutWorkers(cfg, s.init_path, s.cursor, s.dist, max_model_len, pending=s.pending, end_ids=s.end_ids)
+def start_workers(s: RLState, workers: RolloutWorkers, r, dtype: str) -> None:
+    """The rollout workers of ``rollout.async_steps`` (``r``), started with the policy's weights at ``s.step`` (sent
+    in ``dtype``, ``model.dtype``) and any batches the checkpoint it resumed from held."""
+    s.workers = workers
     if s.dist.is_main:
-        r = cfg.rollout
         where = [p.label for p in s.workers.places] + [f"{r.remote_workers} from other nodes"] * bool(r.remote_workers)
         print(f"[rollout] async_steps={r.async_steps}: {r.engine} on {s.workers.workers} worker(s) ({'; '.join(where)}), "
-              f"weights over {s.workers.kind} in {cfg.model.dtype}; the trainer keeps {torch.get_num_threads()} "
+              f"weights over {s.workers.kind} in {dtype}; the trainer keeps {torch.get_num_threads()} "
               "thread(s)" + (f"; {len(s.pending['batches']) - s.workers.dropped} drawn batch(es) read back from the "
                              "checkpoint" if s.pending else ""))
         if s.workers.dropped:
@@ -195,7 +178,7 @@ def start_workers(s: RLState, cfg, max_model_len: int | None = None) -> None:
     s.engine.sleep()  # the trainer's engine only evaluates now: vLLM's sleep mode frees its memory until then
 
 
-def step_on_every_rank(s: RLState, cfg) -> tuple[dict, dict]:
+def step_on_every_rank(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
     """This process's RL step (``rl_step``), then what the ranks share: every shard's data position (each rank
     advanced its own shards'; a checkpoint holds them all) and each metric's mean over the ranks that report it."""
     metrics, diag_record = rl_step(s, cfg)
@@ -208,14 +191,15 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
     if s.dist.is_main:
         print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples on {s.dist.world} process(es)")
-        extra = f"; every {diag_every(cfg)} steps the diagnostics add their own" if diag_every(cfg) else ""
+        every = diag_every(cfg.diag, cfg.rcc)
+        extra = f"; every {every} steps the diagnostics add their own" if every else ""
         print(f"[rl] passes per step: {' -> '.join(s.plan.passes())}{extra}")
-        print(f"[rl] forwards: {forward_layout(s.model, cfg)}")
-    start = time.perf_counter()
+        print(f"[rl] forwards: {forward_layout(s.model, cfg.bicc, cfg.train)}")
+    start, step_cfg = time.perf_counter(), StepConfig.of(cfg)
     bar = progress(cfg.train.steps, "rl", cfg.logger.progress and s.dist.is_main, initial=s.step)
     last_eval = None  # the last evaluation's pass@1, shown on the progress line
     while s.step < cfg.train.steps:
-        metrics, diag_record = step_on_every_rank(s, cfg)
+        metrics, diag_record = step_on_every_rank(s, step_cfg)
         if s.samples and s.dist.is_main:  # the step's rows kept for reading (python -m bicc.trainer.samples)
             write_samples(run_dir, s.samples, tracker)
         s.samples = None
@@ -227,7 +211,7 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
         if cfg.train.eval_every and s.step % cfg.train.eval_every == 0 and s.step < cfg.train.steps:
             # before the step's checkpoint: a run killed between the two evaluates again, after the rewind
             with s.peaks.phase("evaluation"):
-                scores = evaluate(eval_engine(s, cfg), s.tokenizer, s.task, cfg.eval, cfg.seed, d=s.dist)
+                scores = evaluate(eval_engine(s, cfg.rollout, cfg.eval), s.tokenizer, s.task, cfg.eval, cfg.seed, d=s.dist)
             if s.workers is not None:
                 s.engine.sleep()
             tracker.log(scores, step=s.step)
@@ -246,7 +230,7 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
         diverged = s.nonfinite_streak >= cfg.train.max_nonfinite_steps
         if ((cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time
                 or diverged):
-            save_rl_checkpoint(s, cfg, run_dir / "checkpoints" / f"step_{s.step}")
+            save_rl_checkpoint(s, cfg.model, cfg.train.keep_last, run_dir / "checkpoints" / f"step_{s.step}")
         if diverged:
             raise RuntimeError(f"[rl] {s.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
                                f"norm (up to step {s.step}); stopped with a checkpoint at "
@@ -268,15 +252,16 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     if d.enabled:
         print(f"[dist] rank {d.rank}/{d.world} (local rank {d.local_rank}) on {device}, collectives on {d.device}")
     if d.is_main:
-        print(f"[run] {describe_choices(choices, cfg)}")
+        print(f"[run] {describe_choices(choices, StepConfig.of(cfg), cfg.model, cfg.data, cfg.sft)}")
         cuda_line = f", CUDA allocator: {allocator_conf()}" if device.type == "cuda" else ""
         print(f"[host] usable cores: {usable_cores()}, torch threads per process: {torch.get_num_threads()}{cuda_line}")
     task = build_task(cfg.data)
     cfg.model.path = resolve_model_path(cfg.model.path, cfg.sft.cache_dir)  # gguf:<package>/<file>: an HF dir
     tokenizer, *positions = tokenizer_and_positions(cfg.model)
-    max_model_len = validate_lengths(cfg, task, tokenizer, *positions)
-    fit = launch_check(cfg, d, device, task, tokenizer) if cfg.stage != "sft" else None
-    workers = check_workers(cfg, d, device, task, tokenizer) if cfg.rollout.async_steps and d.is_main else []
+    max_model_len = validate_lengths(cfg.rollout, cfg.bicc, cfg.data, cfg.eval, task, tokenizer, *positions)
+    predict = lambda gib: predicted_run(cfg, task, tokenizer, d.world, d.enabled and d.strategy == "fsdp2", gib)  # noqa: E731
+    fit = launch_check(cfg.train, cfg.model, predict, device) if cfg.stage != "sft" else None
+    workers = check_workers(cfg.rollout, cfg.train, predict, d, device) if cfg.rollout.async_steps and d.is_main else []
     if d.is_main:  # the engine that samples the rollouts and both evaluations, sized to what they need
         print(f"[rollout] {cfg.rollout.engine} engine; longest sequence {max_model_len} tokens (prompt + context + "
               "new tokens, training or evaluation)")
@@ -289,10 +274,10 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     init_path = cfg.model.path
     if cfg.model.tiny is not None:
         if d.is_main:
-            init_path = str(warm_start(cfg, task, device, cfg.logger.progress))
+            init_path = str(warm_start(WarmStartConfig.of(cfg), task, device, cfg.logger.progress))
         distributed.barrier(d)
         if not d.is_main:
-            init_path = str(warm_start(cfg, task, device, False))  # the cached one
+            init_path = str(warm_start(WarmStartConfig.of(cfg), task, device, False))  # the cached one
     if cfg.stage == "sft":
         print(f"[sft] warm start at {init_path}")
         return {"init_path": init_path}
@@ -300,7 +285,8 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
 
     tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
                       cfg.logger.wandb_project, enabled=d.is_main)
-    s = start_or_resume(cfg, init_path, device, run_dir, d, max_model_len)
+    build = lambda policy, init: build_rl_state(cfg, policy, init, device, d, max_model_len)  # noqa: E731
+    s = start_or_resume(cfg.resume, build, init_path, run_dir, cfg.rollout.async_steps, d)
     if d.is_main and s.engine.kv_bytes:
         print(f"[rollout] vLLM KV space {s.engine.kv_bytes / 2**30:.2f} GiB (rollout.kv_cache_bytes)")
     if s.step > 0 and d.is_main:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
@@ -308,12 +294,12 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
             rewind_jsonl(run_dir / name, s.step)
     baseline = None
     if s.step == 0:  # score the initial policy with the model RL will train (no second load), on every rank
-        cache = initial_eval_cache(cfg, init_path)
+        cache = initial_eval_cache(init_path, cfg.model, cfg.sft.cache_dir, cfg.eval, cfg.data, cfg.seed, cfg.rollout.engine)
         baseline = distributed.broadcast_object(
             json.loads(cache.read_text(encoding="utf-8")) if d.is_main and cache is not None and cache.exists() else None, d)
         if baseline is None:
             with s.peaks.phase("evaluation"):
-                baseline = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, d=s.dist)
+                baseline = evaluate(eval_engine(s, cfg.rollout, cfg.eval), s.tokenizer, task, cfg.eval, cfg.seed, d=s.dist)
             if cache is not None and d.is_main:
                 cache.write_text(json.dumps(baseline), encoding="utf-8")
         if d.is_main:
@@ -321,14 +307,15 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
 
     try:
         if cfg.rollout.async_steps:
-            start_workers(s, cfg, max_model_len)
+            start_workers(s, RolloutWorkers(cfg, s.init_path, s.cursor, d, max_model_len, pending=s.pending,
+                                            end_ids=s.end_ids), cfg.rollout, cfg.model.dtype)
         s = run_rl(s, cfg, run_dir, tracker)
     finally:
         if s.workers is not None:
             s.workers.close()
             s.workers = None
     with s.peaks.phase("evaluation"):
-        final = evaluate(eval_engine(s, cfg), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
+        final = evaluate(eval_engine(s, cfg.rollout, cfg.eval), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
                          progress=cfg.logger.progress, d=s.dist)
     s.engine.close()
     if not d.is_main:

@@ -29,15 +29,15 @@ from typing import Optional
 
 import torch
 
-from bicc.config import diag_every, tis_cap
+from bicc.config import StepConfig, diag_every, tis_cap
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.machine.distributed import Dist
 
 
-def reads_reference(cfg, delta: Optional[str]) -> bool:
-    """pi_ref on q is read by a KL term, a ref-denominated ratio, or RCC's delta (``delta``: its context, None
-    when the step computes none)."""
-    return cfg.algo.kl_coef > 0 or cfg.algo.ratio_denominator == "ref" or delta is not None
+def reads_reference(algo, delta: Optional[str]) -> bool:
+    """pi_ref on q is read by a KL term, a ref-denominated ratio (``algo``), or RCC's delta (``delta``: its context,
+    None when the step computes none)."""
+    return algo.kl_coef > 0 or algo.ratio_denominator == "ref" or delta is not None
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class StepPlan:
     sampler_from_update: bool = False
 
     @classmethod
-    def from_config(cls, cfg, sampler_logprobs: bool, diagnostics: bool = False) -> "StepPlan":
+    def from_config(cls, cfg: StepConfig, sampler_logprobs: bool, diagnostics: bool = False) -> "StepPlan":
         """The plan for a step; ``sampler_logprobs``: the engine returns sampling log-probs;
         ``diagnostics``: this step runs the gradient-variance diagnostic (``diag.every``)."""
         conditioned = bool(cfg.bicc.enabled)
@@ -105,25 +105,25 @@ class StepPlan:
             source = "forward"
         # the sampler's log-probs are read against pi_old on q: the mismatch metric always, TIS's weights when on
         need_q = old_context == "xc" and (sampler_logprobs or delta == "q" or diagnostics)
-        reference = reads_reference(cfg, delta)
+        reference = reads_reference(cfg.algo, delta)
         kl_ref_xc = old_context == "xc" and cfg.algo.kl_coef > 0
         return cls(conditioned, old_context, source, need_q, reference, kl_ref_xc, delta, tis, diagnostics,
                    delta_from_update=deferred, sampler_from_update=sampler_deferred and source == "update")
 
-    def at_step(self, cfg, step: int, sampler_logprobs: bool, sharded: bool) -> "StepPlan":
+    def at_step(self, cfg: StepConfig, step: int, sampler_logprobs: bool, sharded: bool) -> "StepPlan":
         """This plan, or the diagnostics' plan on the steps ``diag.every`` picks (not under FSDP2:
         its sharded gradients are averaged over processes inside backward)."""
-        every = diag_every(cfg)
+        every = diag_every(cfg.diag, cfg.rcc)
         if every > 0 and step % every == 0 and not sharded:
             return StepPlan.from_config(cfg, sampler_logprobs, diagnostics=True)
         return self
 
     @staticmethod
-    def loads_reference(cfg) -> bool:
+    def loads_reference(cfg: StepConfig) -> bool:
         """Whether the run loads the frozen initial policy: some step's plan reads pi_ref (every step's, or the
         diagnostics' steps')."""
-        diagnostics = diag_every(cfg) > 0
-        return reads_reference(cfg, cfg.rcc.delta_context if (cfg.rcc.enabled or diagnostics) else None)
+        diagnostics = diag_every(cfg.diag, cfg.rcc) > 0
+        return reads_reference(cfg.algo, cfg.rcc.delta_context if (cfg.rcc.enabled or diagnostics) else None)
 
     @property
     def delta_pass(self) -> bool:
@@ -181,7 +181,7 @@ class StepLogProbs:
     log_w: Optional[torch.Tensor]
 
 
-def step_logprobs(plan: StepPlan, model, ref_model, plain, numerator, sampled: Optional[torch.Tensor], cfg,
+def step_logprobs(plan: StepPlan, model, ref_model, plain, numerator, sampled: Optional[torch.Tensor], cfg: StepConfig,
                   mask: torch.Tensor, d: Dist = Dist()) -> StepLogProbs:
     """The plan's no-grad passes. ``plain``/``numerator``: the rows on q and on the numerator's context
     (``bicc.kernels.rows``); ``sampled`` [N, L]: the engine's sampling log-probs on the grid (or None);

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from bicc.config import StepConfig
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import ContextRows, QueryRows
 from bicc.machine.host import console_never_fails
@@ -82,7 +83,7 @@ def placebo_contexts(prompts: list[str], completion_ids: list[list[int]], correc
     return ConditionedPrompts(prompt_ids, keys, conditioned)
 
 
-def policy_gradient(model, numerator, old_logp, adv, mask, cfg) -> torch.Tensor:
+def policy_gradient(model, numerator, old_logp, adv, mask, cfg: StepConfig) -> torch.Tensor:
     """The flattened gradient of the configured loss over all rows (normalised over all of them)."""
     params = [p for p in model.parameters() if p.requires_grad]
     model.zero_grad(set_to_none=True)
@@ -113,7 +114,7 @@ def clip_gating(on_context, old_on_q, adv, mask, algo_cfg) -> dict[str, float]:
     return out
 
 
-def probe_batch(model, tokenizer, ro, cfg, task_anchors, end_ids, device, advantages) -> dict:
+def probe_batch(model, tokenizer, ro, cfg: StepConfig, task_anchors, end_ids, device, advantages) -> dict:
     """Gradients of every form and the diagnostics for one rollout batch ``ro`` (``bicc.rollout.collect.Rollout``)."""
     T, mb = cfg.rollout.temperature, cfg.train.micro_batch_size
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, tokenizer.pad_token_id).to(device)
@@ -214,12 +215,12 @@ def main() -> None:
     print(f"probe: {path}; algo={cfg.algo.name} loss={cfg.algo.loss}, {args.batches} batches of "
           f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size}, context budget "
           f"{context_budget(cfg.bicc)} tokens")
-    start = time.perf_counter()
+    start, collection, step_cfg = time.perf_counter(), Collection.of(cfg.algo, cfg.rollout, cfg.data), StepConfig.of(cfg)
     per_batch, pooled, identity = [], {}, 0.0
     for b in range(args.batches):
-        ro = collect_rollout(engine, tokenizer, task, Collection.from_config(cfg), DataCursor(b * cfg.rollout.prompts_per_step),
+        ro = collect_rollout(engine, tokenizer, task, collection, DataCursor(b * cfg.rollout.prompts_per_step),
                              seed=cfg.seed * 1_000_003 + b)
-        result = probe_batch(model, tokenizer, ro, cfg, task.answer_anchors, end_ids, device,
+        result = probe_batch(model, tokenizer, ro, step_cfg, task.answer_anchors, end_ids, device,
                              ADVANTAGES.get(cfg.algo.advantage))
         identity = max(identity, identity_gap(result["grads"]["g_0"], result["grads"]["g_q"]))
         per_batch.append(alignment(result["grads"]))

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from bicc.config import WarmStartConfig
 from bicc.data import encode_prompt
 from bicc.machine.progress import progress as progress_bar
 from bicc.method.conditioning import context_budget, render_context
@@ -34,7 +35,7 @@ def config_hash(*parts) -> str:
     return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def sft_seed(cfg) -> int:
+def sft_seed(cfg: WarmStartConfig) -> int:
     """Seed of the warm start: ``sft.seed`` when set (so RL seeds can share one checkpoint), else ``seed``."""
     return cfg.seed if cfg.sft.seed is None else cfg.sft.seed
 
@@ -43,7 +44,7 @@ def sft_seed(cfg) -> int:
 NOT_IN_WARM_START = ("rewards", "reward_weights", "reward_errors", "max_prompt_length", "prompt_overflow")
 
 
-def cache_key(cfg) -> str:
+def cache_key(cfg: WarmStartConfig) -> str:
     """Hash of the resolved settings that determine the SFT checkpoint."""
     sft = OmegaConf.to_container(cfg.sft, resolve=True)
     sft.pop("cache_dir")
@@ -64,7 +65,7 @@ def cache_key(cfg) -> str:
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def cache_path(cfg) -> Path:
+def cache_path(cfg: WarmStartConfig) -> Path:
     return Path(cfg.sft.cache_dir) / f"sft-{cache_key(cfg)}"
 
 
@@ -129,7 +130,7 @@ def sft_loss(model, prompts, completions, shown, pad_id: int, device: torch.devi
     return sum(parts[1:], parts[0])
 
 
-def train_sft(cfg, task, device: torch.device, progress: bool = True):
+def train_sft(cfg: WarmStartConfig, task, device: torch.device, progress: bool = True):
     """Build the tiny model and fine-tune it; returns (model, tokenizer, metrics)."""
     model, tokenizer = build_tiny(cfg.model.tiny, sft_seed(cfg))
     model.to(device).train()
@@ -158,7 +159,7 @@ def train_sft(cfg, task, device: torch.device, progress: bool = True):
     return model, tokenizer, metrics
 
 
-def warm_start(cfg, task, device: torch.device, progress: bool = True) -> Path:
+def warm_start(cfg: WarmStartConfig, task, device: torch.device, progress: bool = True) -> Path:
     """Path of the cached SFT checkpoint, training and saving it first if it is missing."""
     path = cache_path(cfg)
     if (path / COMPLETE).exists():

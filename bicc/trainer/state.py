@@ -8,14 +8,15 @@ from typing import Any, Optional
 
 import torch
 
+from bicc.config import StepConfig
 from bicc.data import build_task
 from bicc.kernels.compile import compile_layers, should_compile
 from bicc.machine import distributed
-from bicc.machine.distributed import DTYPES, Dist
+from bicc.machine.distributed import DTYPES, BackwardHooks, Dist
 from bicc.machine.tracking import PhasePeaks
 from bicc.model.load import compute_copy, end_token_ids, frozen_copy, load_policy
 from bicc.rollout import EngineOptions, build_engine, engine_rows
-from bicc.rollout.collect import DataCursor
+from bicc.rollout.collect import Collection, DataCursor
 from bicc.trainer.optim import build_optimizer, warmup_cosine
 from bicc.trainer.plan import StepPlan
 
@@ -38,8 +39,10 @@ class RLState:
     nonfinite_skips: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm, in total
     nonfinite_streak: int = 0  # ... and in a row, up to now
     dist: Dist = field(default_factory=Dist)
+    backward_hooks: BackwardHooks = field(default_factory=BackwardHooks)  # FSDP2's, from the dist group
     end_ids: tuple = ()  # tokens that end an output (stripped from attempts shown in BiCC contexts)
     plan: Any = None  # the step's log-prob plan (bicc.trainer.plan.StepPlan), resolved once from the config
+    collection: Optional[Collection] = None  # what a step samples and keeps (bicc.rollout.collect.Collection)
     peaks: PhasePeaks = field(default_factory=PhasePeaks)  # CUDA memory peaks per phase (none on CPU)
     workers: Any = None  # the rollout workers under rollout.async_steps (bicc.rollout.workers.RolloutWorkers)
     pending: Optional[dict] = None  # ... and the batches they had drawn, as a checkpoint holds them
@@ -87,10 +90,10 @@ class RLState:
             group["lr"] = base * multiplier(self.scheduler.last_epoch)
 
 
-def peak_lr(cfg) -> float:
+def peak_lr(optim, bicc) -> float:
     """optim.lr, times bicc.lr_scale while BiCC is on (the conditioned gradient is noisier for the
     policy on q; see docs/method.md, "BiCC: the default and the paper's equation")."""
-    return cfg.optim.lr * (cfg.bicc.lr_scale if cfg.bicc.enabled else 1.0)
+    return optim.lr * (bicc.lr_scale if bicc.enabled else 1.0)
 
 
 def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
@@ -100,7 +103,8 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     (a full copy in the compute dtype on every process). Under FSDP2 the HF rollout engine gets its own
     full copy of the policy in the compute dtype; otherwise it samples from the policy itself."""
     model, tokenizer = load_policy(policy_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
-    ref_model = frozen_copy(init_path, cfg.model, device) if StepPlan.loads_reference(cfg) else None
+    step_cfg = StepConfig.of(cfg)
+    ref_model = frozen_copy(init_path, cfg.model, device) if StepPlan.loads_reference(step_cfg) else None
     sharded_hf = d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf"
     sampler = compute_copy(model, cfg.model) if sharded_hf else model
     if should_compile(cfg.model.compile, device):  # the trainer's forwards only (generation stays eager)
@@ -109,21 +113,22 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
             print(f"[model] {layers} decoder layers compiled for the log-prob forwards (model.compile={cfg.model.compile})")
     end_ids = tuple(end_token_ids(tokenizer, model))
     model = distributed.wrap(model, cfg.dist, d, DTYPES[cfg.model.dtype])
-    optimizer = build_optimizer(model, peak_lr(cfg), cfg.optim.betas, cfg.optim.weight_decay)
+    optimizer = build_optimizer(model, peak_lr(cfg.optim, cfg.bicc), cfg.optim.betas, cfg.optim.weight_decay)
     total = cfg.train.steps * cfg.train.epochs_per_rollout * cfg.train.minibatches_per_rollout
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
     rows = engine_rows(cfg.rollout, cfg.eval, distributed.num_shards(cfg.rollout, d))
     options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype, rows=rows)
     # under rollout.async_steps the workers sample; the trainer's own engine (the same kind) evaluates
     engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
-    plan = StepPlan.from_config(cfg, sampler_logprobs(cfg, engine))
+    plan = StepPlan.from_config(step_cfg, sampler_logprobs(cfg.rollout, engine))
     return RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
-                   task=build_task(cfg.data), init_path=init_path, dist=d,
-                   end_ids=end_ids, plan=plan, peaks=PhasePeaks(device), shards=distributed.local_shards(cfg.rollout, d),
+                   task=build_task(cfg.data), init_path=init_path, dist=d, backward_hooks=BackwardHooks.of(cfg.dist),
+                   end_ids=end_ids, plan=plan, collection=Collection.of(cfg.algo, cfg.rollout, cfg.data),
+                   peaks=PhasePeaks(device), shards=distributed.local_shards(cfg.rollout, d),
                    num_shards=distributed.num_shards(cfg.rollout, d))
 
 
-def sampler_logprobs(cfg, engine) -> bool:
-    """Whether each rollout comes with the sampler's log-probs: from every rollout worker (the behaviour policy),
-    else as the engine says."""
-    return cfg.rollout.async_steps > 0 or engine.returns_logprobs
+def sampler_logprobs(rollout, engine) -> bool:
+    """Whether each rollout comes with the sampler's log-probs: from every rollout worker (the behaviour policy,
+    ``rollout.async_steps``), else as the engine says."""
+    return rollout.async_steps > 0 or engine.returns_logprobs

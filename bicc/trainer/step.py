@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from bicc.config import tis_cap
+from bicc.config import StepConfig, tis_cap
 from bicc.kernels.rows import ContextRows, query_rows
 from bicc.method.advantages import ADVANTAGES, Advantages, advantage_metrics, advantage_name
 from bicc.method.conditioning import build_contexts
@@ -23,7 +23,7 @@ from bicc.method.diagnostics import (
 )
 from bicc.method.losses.tis import sampler_grid, sampler_importance_weights, sampler_logprob_diff
 from bicc.model.logprobs import make_token_batch
-from bicc.rollout.collect import Collection, collect_rollout, step_seed
+from bicc.rollout.collect import collect_rollout, step_seed
 from bicc.rollout.workers import check_staleness
 from bicc.trainer.plan import StepPlan, step_logprobs
 from bicc.trainer.samples import sample_rows
@@ -31,7 +31,7 @@ from bicc.trainer.state import RLState, sampler_logprobs
 from bicc.trainer.update import loss_of_rows_fn, update_policy
 
 
-def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
+def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
     t0, graphs = time.perf_counter(), compiled_graphs()
     device = next(s.model.parameters()).device
     seed, N = step_seed(cfg.seed, s.step), cfg.rollout.async_steps
@@ -42,30 +42,33 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
     with s.peaks.phase("generate"):
         if s.workers is not None:  # drawn by the rollout workers while the previous steps trained
             ro, async_metrics = s.workers.take(s.step)
+        elif s.collection is None:
+            raise ValueError("RLState.collection is None: build the state with build_rl_state, or set collection="
+                             "bicc.rollout.collect.Collection.of(algo, rollout, data)")
         else:
-            ro, async_metrics = collect_rollout(s.engine, s.tokenizer, s.task, Collection.from_config(cfg), s.cursor, seed,
-                                                s.shards, s.num_shards), {}
+            ro, async_metrics = collect_rollout(s.engine, s.tokenizer, s.task, s.collection, s.cursor, seed, s.shards,
+                                                s.num_shards), {}
     async_metrics.update(check_staleness(ro, s.step, N))
     t_rollout, busy_start = time.perf_counter(), time.monotonic()
     s.engine.sleep()  # vLLM with rollout.sleep on GPU: free its memory until the sync
 
     # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c ----------------
-    batch, plain, numerator, contexts, bicc_metrics = step_inputs(s, cfg, ro, device)
+    batch, plain, numerator, contexts, bicc_metrics = step_inputs(s, cfg.bicc, cfg.train, ro, device)
 
     # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
     if s.plan is None:  # a state built by hand (build_rl_state resolves it)
-        s.plan = StepPlan.from_config(cfg, sampler_logprobs(cfg, s.engine))
+        s.plan = StepPlan.from_config(cfg, sampler_logprobs(cfg.rollout, s.engine))
     plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, s.sharded)
     sampled = sampled_logprobs(ro, plan, batch, device)
     t_contexts = time.perf_counter()
     with s.peaks.phase("log-probs"):
         lp = step_logprobs(plan, s.model, s.ref_model, plain, numerator, sampled, cfg, batch.completion_mask, s.dist)
     t_logprobs = time.perf_counter()
-    correct_sampler = lambda on_q: sampler_correction(ro, plan, on_q, batch, cfg, device)  # noqa: E731
+    correct_sampler = lambda on_q: sampler_correction(ro, plan, on_q, batch, cfg.rollout, device)  # noqa: E731
     is_weight, sampler_metrics = (None, {}) if plan.sampler_from_update else correct_sampler(lp.on_q)
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
-    estimator = ADVANTAGES.get(advantage_name(cfg))
+    estimator = ADVANTAGES.get(advantage_name(cfg.algo, cfg.rcc))
 
     def advantages(delta_logp) -> Advantages:
         """The step's advantages from delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step):
@@ -115,8 +118,8 @@ def rl_step(s: RLState, cfg) -> tuple[dict, dict]:
             "perf/no_grad_passes": plan.no_grad_passes(), "perf/diagnostics_s": diagnostics_s,
             "perf/update_s": t_update - t_logprobs, "perf/update_tokens": float(numerator.tokens),
             "perf/compiled_graphs": float(compiled_graphs() - graphs)}
-    metrics = {**rollout_metrics(ro, batch, cfg), **async_metrics, **adv_metrics, **update_metrics, **bicc_metrics,
-               **sampler_metrics, **perf}
+    metrics = {**rollout_metrics(ro, batch, cfg.rollout.group_size), **async_metrics, **adv_metrics, **update_metrics,
+               **bicc_metrics, **sampler_metrics, **perf}
     return step_timing(metrics, batch, t0), diag_record
 
 
@@ -128,17 +131,17 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def step_inputs(s: RLState, cfg, ro, device):
+def step_inputs(s: RLState, bicc, train, ro, device):
     """The rollout as rows on q (``query_rows``) and, under BiCC, on x^c (``ContextRows``):
     (batch, plain, numerator, contexts or None, ``bicc/`` metrics)."""
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
-    plain = query_rows(batch, ro.out.prompt_ids, ro.out.completion_ids, cfg.train.share_prompts,
+    plain = query_rows(batch, ro.out.prompt_ids, ro.out.completion_ids, train.share_prompts,
                        s.tokenizer.pad_token_id, device)
-    if not cfg.bicc.enabled:
+    if not bicc.enabled:
         return batch, plain, plain, None, {}
-    contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, cfg.bicc,
-                              cfg.bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
-    numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, cfg.train,
+    contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, bicc,
+                              bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
+    numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, train,
                             s.tokenizer.pad_token_id, device)
     return batch, plain, numerator, contexts, {**contexts.metrics,
                                                "bicc/extra_token_share": numerator.tokens / plain.tokens - 1}
@@ -155,7 +158,7 @@ def sampled_logprobs(ro, plan, batch, device) -> torch.Tensor | None:
     return sampled.to(device)
 
 
-def sampler_correction(ro, plan, on_q, batch, cfg, device):
+def sampler_correction(ro, plan, on_q, batch, rollout, device):
     """The sampler against the trainer, both on q (``on_q`` [N, L]: pi_old on q): ``rollout/logprob_diff`` and,
     under TIS, each token's weight min(pi_old / pi_sampler, C) (tokens were drawn from pi_sampler, not pi_old).
     Returns (weights [N, L] or None, metrics); nothing when the engine gave no log-probs or they stand for pi_old."""
@@ -165,18 +168,18 @@ def sampler_correction(ro, plan, on_q, batch, cfg, device):
     metrics = {"rollout/logprob_diff": sampler_logprob_diff(ro.out.logprobs, q, mask)}
     if not plan.tis:
         return None, metrics
-    is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q, mask, tis_cap(cfg.rollout))
+    is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q, mask, tis_cap(rollout))
     return is_weight.to(device), {**metrics, **tis_metrics}
 
 
-def rollout_metrics(ro, batch, cfg) -> dict:
+def rollout_metrics(ro, batch, group_size: int) -> dict:
     lengths = batch.completion_mask.sum(-1).float()
     return {"reward/accuracy": ro.correct.mean().item(), "reward/mean": ro.rewards.mean().item(),
             "rollout/response_len": lengths.mean().item(),
             "rollout/truncated_share": 1 - sum(ro.out.finished) / len(ro.out.finished),
             "rollout/prompts_drawn": ro.prompts_drawn, "rollout/generate_rounds": ro.rounds,
             "rollout/prompts_over_length": float(ro.prompts_over_length),
-            "rollout/groups": len(ro.correct) // cfg.rollout.group_size,
+            "rollout/groups": len(ro.correct) // group_size,
             **{f"reward/{name}": float(v.sum() if name == "scoring_errors" else v.mean())
                for name, v in ro.reward_parts.items()}}
 
@@ -188,7 +191,7 @@ def step_timing(metrics: dict, batch, t0: float) -> dict:
     return {**metrics, "perf/step_s": seconds, "perf/tokens_per_s": float(batch.attention_mask.sum()) / seconds}
 
 
-def step_diagnostics(s: RLState, cfg, batch, numerator, ro, lp, adv: Advantages, is_weight, step_seed: int):
+def step_diagnostics(s: RLState, cfg: StepConfig, batch, numerator, ro, lp, adv: Advantages, is_weight, step_seed: int):
     """RCC's diagnostics on this step's batch (delta by reward, gradient variance over group splits),
     measured without changing the update: gradients are cleared before it. Returns (metrics, the raw
     per-sample record for bicc.evaluation.plots)."""

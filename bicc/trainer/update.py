@@ -9,50 +9,43 @@ import time
 
 import torch
 
+from bicc.config import StepConfig
 from bicc.kernels.batching import micro_batches
 from bicc.kernels.compiled_loss import loss_function
-from bicc.machine.distributed import (
-    all_reduce_sum,
-    full_tensor,
-    global_totals,
-    loss_scale,
-    reduce_after_backward,
-    reshard_after_backward,
-    sync_gradients,
-)
+from bicc.machine.distributed import all_reduce_sum, full_tensor, global_totals, loss_scale, sync_gradients
 from bicc.method.advantages import AdvantageFn, Advantages
 from bicc.method.losses import LOSSES, StepTotals, masked_mean
 from bicc.model.logprobs import TokenBatch, on_device
 from bicc.trainer.state import RLState
 
 
-def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, cfg, totals, is_weight=None, loss_fn=None):
+def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, algo, totals, is_weight=None, loss_fn=None):
     """The update's loss on ``rows`` (one micro-batch; ``mask`` [n, L] their completion mask) from their
     log-probs ``logp`` [n, L] (with their graph), normalised by ``totals``: (differentiable loss, the loss's
     metrics, ``logp`` detached, pi_old [n, L]). ``old_logp`` None: pi_old is
     this forward (``bicc.trainer.plan.StepPlan`` old_source "update"), detached. ``loss_fn``: the registered
-    ``cfg.algo.loss`` or its compiled form (``bicc.kernels.compiled_loss.loss_function``); None: the registered one.
+    ``algo.loss`` or its compiled form (``bicc.kernels.compiled_loss.loss_function``); None: the registered one.
     ``rows`` may live on the GPU (``on_device``): each tensor is indexed on its own device."""
     pick = lambda x: None if x is None else x[rows if rows.device == x.device else rows.to(x.device)]  # noqa: E731
     old = logp.detach() if old_logp is None else pick(old_logp)
-    loss_fn = loss_fn or LOSSES.get(cfg.algo.loss)
-    loss, metrics = loss_fn(logp, old, pick(ref_logp), pick(adv), mask, cfg.algo, totals, is_weight=pick(is_weight))
+    loss_fn = loss_fn or LOSSES.get(algo.loss)
+    loss, metrics = loss_fn(logp, old, pick(ref_logp), pick(adv), mask, algo, totals, is_weight=pick(is_weight))
     return loss, metrics, logp.detach(), old
 
 
-def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg, is_weight=None):
+def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg: StepConfig, is_weight=None):
     """``loss(rows, norm_rows)``: the update's loss on ``rows`` normalised over ``norm_rows`` (a whole
     minibatch or a diagnostic split), as a differentiable scalar."""
 
     def loss(rows, norm_rows):
         totals = StepTotals.of(batch.completion_mask[norm_rows], cfg.rollout.max_new_tokens)
         logp, _ = numerator.logprobs(model, rows, cfg.rollout.temperature)
-        return rows_loss(logp, rows, batch.completion_mask[rows], old_logp, ref_logp, adv, cfg, totals, is_weight)[0]
+        return rows_loss(logp, rows, batch.completion_mask[rows], old_logp, ref_logp, adv, cfg.algo, totals, is_weight)[0]
 
     return loss
 
 
-def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, advantages: AdvantageFn, cfg,
+def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, advantages: AdvantageFn, cfg: StepConfig,
                   step_seed: int, is_weight: torch.Tensor | None = None, *, delta_logp: torch.Tensor | None = None,
                   delta_from_update: bool = False, sampler_fn=None) -> tuple[dict, torch.Tensor, Advantages]:
     """Epochs x minibatches optimizer steps over one rollout batch; gradients accumulate over
@@ -95,16 +88,8 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for perf/ (not synchronised on CUDA)
     scale = loss_scale(state.dist)
     loss_fn = loss_function(model, cfg.algo.loss)  # compiled where the layers are (model.compile)
-    once = cfg.dist.reduce_grads == "step"  # FSDP2 reduces only in a minibatch's last backward
-    keep = not cfg.dist.reshard_after_backward  # FSDP2 keeps the gathered weights until then
+    hooks = state.backward_hooks  # FSDP2's, before each backward: is it the minibatch's last?
     prefix_backward = numerator.kv  # which is then the contexts' own, on leaving them
-
-    def last_backward(last: bool) -> None:
-        if once:
-            reduce_after_backward(model, last)
-        if keep:
-            reshard_after_backward(model, last)
-
     adv = None if deferred else advantages(delta_logp)
 
     def finish(rows, logp, entropy, totals, first: bool):
@@ -117,7 +102,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             return 0.0
         at = on_device(rows, device)  # sent once, without a sync: indexing with the host's rows syncs every time
         mask = batch.completion_mask[at]
-        loss, metrics, raw, old = rows_loss(logp, at, mask, old_logp, ref_logp, adv.values, cfg, totals, is_weight,
+        loss, metrics, raw, old = rows_loss(logp, at, mask, old_logp, ref_logp, adv.values, cfg.algo, totals, is_weight,
                                             loss_fn)
         if first:
             first_pass[at] = ((raw - old) * mask).sum(-1).float()
@@ -153,7 +138,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                         held.append((rows, *numerator.logprobs(model, rows, cfg.rollout.temperature, with_entropy=True)))
                     timers["forward"] += time.perf_counter() - start
                     if not deferred:
-                        last_backward(i == len(plan) - 1 and not prefix_backward)
+                        hooks.before(model, i == len(plan) - 1 and not prefix_backward)
                         step_loss += finish(*held.pop(), totals, epoch == 0)
                 if deferred:  # every row's first-forward log-probs are known: the advantages, then the backwards
                     dtype = next((logp.dtype for rows, logp, _ in held if rows is not None), torch.float32)
@@ -166,9 +151,9 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                         is_weight, sampler_metrics = sampler_fn(grid)
                     adv = advantages(grid if delta_from_update else delta_logp)  # what finish() reads
                     while held:
-                        last_backward(len(held) == 1 and not prefix_backward)
+                        hooks.before(model, len(held) == 1 and not prefix_backward)
                         step_loss += finish(*held.pop(0), totals, epoch == 0)
-                last_backward(True)
+                hooks.before(model, True)
                 start = time.perf_counter()
             timers["backward"] += time.perf_counter() - start  # the contexts' own backward, on leaving
             sync_gradients(model, state.dist)

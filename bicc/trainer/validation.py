@@ -37,7 +37,7 @@ def validate(cfg: Any) -> None:
     rollout_size = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     need(rollout_size % cfg.train.minibatches_per_rollout == 0, "train.minibatches_per_rollout",
          f"must divide prompts_per_step * group_size = {rollout_size}, got {cfg.train.minibatches_per_rollout}")
-    need(not diag_every(cfg) or cfg.diag.splits <= cfg.rollout.prompts_per_step, "diag.splits",
+    need(not diag_every(cfg.diag, cfg.rcc) or cfg.diag.splits <= cfg.rollout.prompts_per_step, "diag.splits",
          f"must be <= rollout.prompts_per_step={cfg.rollout.prompts_per_step} (splits are disjoint sets of groups), "
          f"got {cfg.diag.splits}")
     if cfg.data.task == "math":  # data=jsonl leaves both empty for the user to fill
@@ -81,16 +81,16 @@ def longest_training_prompt(task, tokenizer, sample: int = 256, max_len: int | N
     return (min(tokens, max_len), problem) if max_len else (tokens, problem)
 
 
-def context_template_tokens(cfg: Any, tokenizer) -> int:
+def context_template_tokens(bicc, group_size: int, tokenizer) -> int:
     """BiCC's template around the attempts a context shows (at most G - 1): preamble and attempt headers."""
-    if not cfg.bicc.enabled:
+    if not bicc.enabled:
         return 0
     enc = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    return enc(cfg.bicc.preamble) + sum(enc(cfg.bicc.attempt_header.format(i=i + 1))
-                                        for i in range(cfg.rollout.group_size - 1))
+    return enc(bicc.preamble) + sum(enc(bicc.attempt_header.format(i=i + 1)) for i in range(group_size - 1))
 
 
-def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field: str, longrope: int | None = None,
+def validate_lengths(rollout, bicc, data, eval_cfg, task, tokenizer, max_positions: int, limit_field: str,
+                     longrope: int | None = None,
                      sample: int = 256, train: bool = True) -> int:
     """Before any weights load: the longest prompt (of the first ``sample`` training problems) plus the BiCC
     context budget plus the output budget must fit the model's positions, and so must the longest
@@ -100,7 +100,7 @@ def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field:
     Under vLLM a LongRoPE model (``longrope``: its original_max_position_embeddings) must fit that range: past it
     vLLM rotates every position with the long factors, transformers only positions beyond it, so the engine
     would sample from another policy than the trainer scores."""
-    if cfg.rollout.engine == "vllm" and longrope:
+    if rollout.engine == "vllm" and longrope:
         max_positions, limit_field = min(max_positions, longrope), (
             f"LongRoPE: vLLM uses the long RoPE factors for every position once max_model_len exceeds "
             f"original_max_position_embeddings={longrope}, transformers only past it; evaluate longer outputs "
@@ -108,23 +108,23 @@ def validate_lengths(cfg: Any, task, tokenizer, max_positions: int, limit_field:
     from bicc.evaluation.evaluate import benchmark_source
     from bicc.method.conditioning import context_budget
 
-    train_len, train_id = (longest_training_prompt(task, tokenizer, sample, cfg.data.max_prompt_length) if train
+    train_len, train_id = (longest_training_prompt(task, tokenizer, sample, data.max_prompt_length) if train
                            else (0, None))
-    budget = context_budget(cfg.bicc) if cfg.bicc.enabled else 0
-    template, shown = context_template_tokens(cfg, tokenizer), cfg.rollout.group_size - 1
-    need_train = train_len + budget + template + cfg.rollout.max_new_tokens if train else 0
+    budget = context_budget(bicc) if bicc.enabled else 0
+    template, shown = context_template_tokens(bicc, rollout.group_size, tokenizer), rollout.group_size - 1
+    need_train = train_len + budget + template + rollout.max_new_tokens if train else 0
     need(need_train <= max_positions, "rollout.max_new_tokens",
          f"longest training prompt ({train_len} tokens, problem {train_id}) + BiCC context budget ({budget} = "
          f"bicc.context_ratio x bicc.max_tokens) + BiCC template ({template} = preamble + {shown} attempt headers) + "
-         f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {need_train} exceeds the model's {max_positions} "
+         f"rollout.max_new_tokens ({rollout.max_new_tokens}) = {need_train} exceeds the model's {max_positions} "
          f"positions ({limit_field}); lower the budgets or use a longer model")
     need_eval = 0
-    for bench in cfg.eval.benchmarks:
-        source = benchmark_source(bench, task, cfg.eval)
+    for bench in eval_cfg.benchmarks:
+        source = benchmark_source(bench, task, eval_cfg)
         test_len, test_id = longest(source.problems(), lambda p: source.prompt(tokenizer, p))
-        need_bench = test_len + cfg.eval.max_new_tokens
+        need_bench = test_len + eval_cfg.max_new_tokens
         need(need_bench <= max_positions, "eval.max_new_tokens",
              f"longest evaluation prompt of {bench.name} ({test_len} tokens, problem {test_id}) + eval.max_new_tokens "
-             f"({cfg.eval.max_new_tokens}) = {need_bench} exceeds the model's {max_positions} positions ({limit_field})")
+             f"({eval_cfg.max_new_tokens}) = {need_bench} exceeds the model's {max_positions} positions ({limit_field})")
         need_eval = max(need_eval, need_bench)
     return max(need_train, need_eval)

@@ -1,0 +1,91 @@
+"""Who sees the root config: only the entry points and the run loop; the step, its plan, its update and the
+rows take typed groups (``bicc.config.StepConfig`` and the groups themselves). And the step's modules name no
+rank, no collective, and FSDP's hooks in one place."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MOST = 10
+# the entry points (train.py, eval.py), the run loop around the step, and the views that narrow the root to typed
+# groups (bicc.config: StepConfig.of, WarmStartConfig.of)
+ENTRY_AND_LOOP = ("bicc/config/__init__.py", "train.py", "eval.py", "bicc/trainer/loop.py", "bicc/trainer/validation.py",
+                  "bicc/trainer/state.py", "bicc/trainer/fit.py", "bicc/rollout/workers.py")
+
+
+def root_groups() -> set[str]:
+    tree = ast.parse((ROOT / "bicc/config/__init__.py").read_text())
+    schema = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "RunConfig")
+    return {n.target.id for n in schema.body if isinstance(n, ast.AnnAssign)}
+
+
+def functions_given_the_root(source: str, groups: set[str]) -> list[tuple[str, str]]:
+    """(function, parameter) for each function one of whose parameters is the root config: annotated ``RunConfig``,
+    or not annotated with a typed group and reading two or more of the root's groups (``x.algo``, ``x.rollout``), or
+    named ``cfg`` and reading one. Attributes that are called (``model.train()``) are methods, not groups."""
+    tree = ast.parse(source)
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for arg in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs:
+            annotation = ast.unparse(arg.annotation) if arg.annotation else ""
+            if arg.arg in ("self", "cls") or annotation not in ("", "RunConfig", "DictConfig", "Any"):
+                continue
+            read = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                    and n.value.id == arg.arg and n.attr in groups and id(n) not in called}
+            if annotation == "RunConfig" or len(read) >= 2 or (arg.arg == "cfg" and read):
+                found.append((fn.name, arg.arg))
+                break
+    return found
+
+
+def library_files() -> list[Path]:
+    return [ROOT / "train.py", ROOT / "eval.py", *sorted((ROOT / "bicc").rglob("*.py"))]
+
+
+def test_the_counter_sees_the_root_config_and_only_it():
+    groups = root_groups()
+    assert {"algo", "rollout", "model", "data"} <= groups
+    source = ("def a(cfg):\n    return cfg.algo.loss\n"  # cfg reading a group: counted
+              "def b(c):\n    return c.model, c.data\n"  # two groups under another name: counted
+              "def c(x: RunConfig):\n    pass\n"  # annotated: counted
+              "def d(algo: AlgoConfig):\n    return algo.loss\n"  # a typed group: not
+              "def e(cfg: StepConfig):\n    return cfg.algo, cfg.rollout\n"  # the step's typed groups: not
+              "def f(model):\n    model.train(); model.eval()\n")  # methods named like groups: not
+    assert functions_given_the_root(source, groups) == [("a", "cfg"), ("b", "c"), ("c", "x")]
+
+
+def test_only_the_entry_points_and_the_run_loop_see_the_root_config():
+    groups, seen = root_groups(), []
+    for path in library_files():
+        rel = path.relative_to(ROOT).as_posix()
+        seen += [f"{rel}:{fn}({arg})" for fn, arg in functions_given_the_root(path.read_text(), groups)]
+    outside = [s for s in seen if not s.startswith(ENTRY_AND_LOOP)]
+    assert not outside, f"functions past the run loop given the root config (pass them typed groups): {outside}"
+    assert len(seen) <= MOST, f"{len(seen)} functions see the root config (at most {MOST}): {seen}"
+
+
+STEP_MODULES = ("bicc/trainer/step.py", "bicc/trainer/plan.py", "bicc/kernels/rows.py", "bicc/method/reference.py")
+RANK_WORDS = ("is_main", ".rank", "world", "barrier", "all_reduce", "broadcast", "all_gather", "mean_metrics",
+              "merge_shard", "local_shards", "num_shards(", "torch.distributed")
+FSDP_HOOKS = ("reduce_after_backward(", "reshard_after_backward(", "set_requires_gradient_sync(",
+              "set_reshard_after_backward(")
+
+
+def test_the_steps_body_names_no_rank_and_no_collective():
+    for rel in STEP_MODULES:
+        code = "\n".join(line.split("#")[0] for line in (ROOT / rel).read_text().splitlines())
+        body = ast.get_docstring(ast.parse(code)) or ""
+        code = code.replace(body, "")
+        hits = [w for w in RANK_WORDS if w in code]
+        assert not hits, f"{rel} names {hits}: ranks and collectives belong in the loop's wrapper or bicc.machine"
+
+
+def test_fsdps_hooks_live_in_one_named_place():
+    users = {p.relative_to(ROOT).as_posix() for p in library_files()
+             if any(h in p.read_text() for h in FSDP_HOOKS)}
+    assert users == {"bicc/machine/distributed.py"}, users
