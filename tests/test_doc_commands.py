@@ -54,7 +54,7 @@ COMMANDS = {
     "make test": "CI's command (.ci/run); make test-fast and make lint: the Makefile's own lines, run by CI",
     "make lint": "CI's command (.ci/run)",
     "make results": ["-m", "bench.results", "--steps", "1", "--seeds", "1", "--configs", "GRPO", "--ratios", "",
-                     "--no-readme", "--out", "{tmp}/results", *STEP],
+                     "--no-readme", "--out", "{tmp}/results", "diag.every=0", *STEP],
     "python -m bench.soak": "tests/test_resume.py (SIGKILL then resume, bit-identical: the soak's one cycle)",
     ".venv/bin/python train.py experiment=smollm2_arith":
         "needs make setup-smollm2: "
