@@ -44,11 +44,15 @@ def shared_data():
 CACHES = {".venv", ".git", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache"}
 
 
-def repo_files() -> set[str]:
-    found = set()
+def repo_files() -> dict[str, int]:
+    """Every file and dir of the checkout (caches aside), with its modification time."""
+    found = {}
     for dirpath, dirnames, filenames in os.walk(ROOT):
         dirnames[:] = [d for d in dirnames if d not in CACHES]
-        found.update(os.path.relpath(os.path.join(dirpath, name), ROOT) for name in [*filenames, *dirnames])
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            found[os.path.relpath(path, ROOT)] = os.stat(path).st_mtime_ns
+        found.update((os.path.relpath(os.path.join(dirpath, name), ROOT), 0) for name in dirnames)
     return found
 
 
@@ -56,8 +60,9 @@ def repo_files() -> set[str]:
 def tests_write_only_under_tmp():
     before = repo_files()
     yield
-    added = sorted(repo_files() - before)
-    assert not added, f"tests wrote into the checkout (use tmp_path): {added[:10]}"
+    after = repo_files()
+    written = sorted(path for path, mtime in after.items() if before.get(path) != mtime)
+    assert not written, f"tests wrote into the checkout (use tmp_path): {written[:10]}"
 
 
 # What libraries set of themselves, for the whole process, and may change with their versions: pytest (the test

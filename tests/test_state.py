@@ -24,3 +24,22 @@ def test_the_cosine_spans_steps_times_epochs_times_minibatches(tmp_path):
     assert math.isclose(multiplier(13), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 11 / 22)))  # = 0.55
     assert math.isclose(multiplier(24), 0.1) and multiplier(23) > 0.1 + 1e-6
     assert s.optimizer.param_groups[0]["lr"] == 1e-4 * multiplier(0)
+
+
+def test_the_state_carries_the_runs_backward_hooks_and_collection_rule(tmp_path):
+    """What the step takes from the state rather than the run config: FSDP2's backward hooks from the dist group
+    (the update calls them; ``tests/test_update.py`` holds when) and the collection rule from algo, rollout and data."""
+    from bicc.machine.distributed import BackwardHooks
+    from bicc.rollout.collect import Collection
+
+    model, tok = build_tiny(ARCH, seed=0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    for options, hooks in (([], BackwardHooks(False, False)),
+                           (["dist.reduce_grads=step"], BackwardHooks(True, False)),
+                           (["dist.reshard_after_backward=false", "algo=dapo"], BackwardHooks(False, True))):
+        cfg = compose_cfg(["rcc=off", *options])
+        s = build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"))
+        assert s.backward_hooks == hooks
+        assert s.collection == Collection.of(cfg.algo, cfg.rollout, cfg.data)
+        assert s.collection.dynamic_sampling == ("algo=dapo" in options)
