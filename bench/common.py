@@ -23,7 +23,8 @@ QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
 
 
 def compose_cfg(overrides: list[str]):
-    """``train.py``'s config with these overrides, validated, its warm starts cached in the checkout's ``.cache``."""
+    """``train.py``'s config with these overrides, validated, its warm starts cached where ``train.py`` caches them
+    (``BICC_CACHE``, else the checkout's ``.cache/bicc``)."""
     from hydra import compose, initialize_config_dir  # here: gpu_check reads this module's constants before a venv
 
     from bicc.config import register_configs
@@ -31,7 +32,8 @@ def compose_cfg(overrides: list[str]):
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="train", overrides=[f"sft.cache_dir={ROOT / '.cache' / 'bicc'}", *overrides])
+        cache = os.environ.get("BICC_CACHE", str(ROOT / ".cache" / "bicc"))
+        cfg = compose(config_name="train", overrides=[f"sft.cache_dir={cache}", *overrides])
     validate(cfg)
     return cfg
 
