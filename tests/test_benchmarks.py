@@ -151,6 +151,41 @@ def test_math_task_trains_on_files_with_the_checker_as_reward(shared_data):
         task.checker.close()
 
 
+def test_each_epoch_walks_every_row_in_an_order_of_its_own_fixed_by_the_index(tmp_path):
+    """Under data.math.shuffle epoch e reads the 20 rows in an order drawn from (data.seed, e): every row once per
+    epoch; epoch 0 in data.seed's order (as before epochs had orders of their own); epoch 1 in another; the same
+    row for the same index in a task built afresh (a resumed process), also read backwards across the wrap (shards
+    read two epochs about it). Without shuffle, every epoch in the file's order. A task smaller than one step's
+    prompts is read the same way: a step of 8 prompts over 3 rows takes whole epochs and the start of the next."""
+    import torch
+
+    from bicc.data import build_task
+    from tests.conftest import compose_cfg
+
+    def task(rows, *extra):
+        path = tmp_path / f"rows{rows}.jsonl"
+        path.write_text("".join(json.dumps({"problem": f"What is {i} + 1?", "answer": str(i + 1), "id": f"r{i}"}) + "\n"
+                                for i in range(rows)))
+        return build_task(compose_cfg(["data=jsonl", f"data.math.train_source={path}", f"data.math.test_source={path}",
+                                       "data.seed=3", *extra]).data)
+
+    shuffled, again, plain, small = task(20, "data.math.shuffle=true"), task(20, "data.math.shuffle=true"), task(20), \
+        task(3, "data.math.shuffle=true")
+    try:
+        ids = [shuffled.train_problem(i).id for i in range(60)]
+        epochs = [ids[0:20], ids[20:40], ids[40:60]]
+        assert all(sorted(e) == sorted(f"r{i}" for i in range(20)) for e in epochs)
+        assert epochs[0] == [f"r{i}" for i in torch.randperm(20, generator=torch.Generator().manual_seed(3)).tolist()]
+        assert epochs[0] != epochs[1] != epochs[2]
+        assert [again.train_problem(i).id for i in reversed(range(60))] == ids[::-1]
+        assert [plain.train_problem(i).id for i in range(40)] == [f"r{i % 20}" for i in range(40)]
+        step = [small.train_problem(i).id for i in range(8)]
+        assert sorted(step[:3]) == sorted(step[3:6]) == ["r0", "r1", "r2"] and set(step[6:]) <= {"r0", "r1", "r2"}
+    finally:
+        for t in (shuffled, again, plain, small):
+            t.checker.close()
+
+
 def test_data_jsonl_trains_on_a_local_file_with_its_own_field_names(tmp_path):
     """``data=jsonl``: a local JSONL with other field names, scored by the checker; without its files the error
     names the field before any file or model is read."""

@@ -20,9 +20,7 @@ class MathTask:
         fields = FieldNames(cfg.problem_field, cfg.answer_field, cfg.id_field)
         self.train, _ = load_problems(cfg.train_source, fields, cfg.train_split, cfg.on_bad_row, dedupe=cfg.dedupe,
                                       subset=cfg.subset, revision=cfg.revision)
-        if cfg.shuffle:  # a file in curriculum or source order would otherwise be read in that order
-            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(data_cfg.seed)).tolist()
-            self.train = [self.train[i] for i in order]
+        self.seed, self.shuffle, self._orders = data_cfg.seed, bool(cfg.shuffle), {}
         self.test_source, self.cfg = cfg.test_source, cfg
         # the held-out file may be laid out differently (e.g. DAPO-Math-17k for training, MATH-500 for tests)
         self.test_fields = FieldNames(cfg.test_problem_field or cfg.problem_field,
@@ -37,8 +35,20 @@ class MathTask:
         return Problem(p.id, f"{p.prompt}\n\n{self.cfg.instruction}" if self.cfg.instruction else p.prompt, p.answer)
 
     def train_problem(self, index: int) -> Problem:
-        """Deterministic in ``index``: epochs walk the (deduplicated, shuffled by ``data.seed``) rows in order."""
-        return self._with_instruction(self.train[index % len(self.train)])
+        """Deterministic in ``index`` alone (what a resume relies on): epoch ``index // rows`` walks the deduplicated
+        rows in an order of its own under ``data.math.shuffle`` (drawn from ``data.seed`` and the epoch; a file in
+        curriculum or source order would otherwise be read in that order every epoch), else in the file's order."""
+        epoch, at = divmod(index, len(self.train))
+        return self._with_instruction(self.train[self.epoch_order(epoch)[at]] if self.shuffle else self.train[at])
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Row order of ``epoch``: epoch 0 by ``data.seed`` itself, each later one by a seed of its own."""
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:  # shards read two epochs at most at once, about the wrap
+                self._orders.pop(min(self._orders))
+            seed = self.seed if epoch == 0 else self.seed * 1_000_003 + epoch
+            self._orders[epoch] = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(seed)).tolist()
+        return self._orders[epoch]
 
     def test_problems(self, n: int) -> list[Problem]:
         if self._test is None:
