@@ -6,6 +6,7 @@ Stages: SFT warm start (tiny models; cached) -> RL -> final evaluation (``bicc.t
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from bicc.machine.host import console_never_fails, cuda_allocator_default
@@ -28,6 +29,7 @@ def main(cfg) -> dict:
     from transformers.utils import logging as hf_logging
 
     from bicc.machine import distributed
+    from bicc.machine.preemption import REQUEUE_EXIT, Preempted
     from bicc.trainer.loop import run
 
     hf_logging.disable_progress_bar()
@@ -35,8 +37,12 @@ def main(cfg) -> dict:
     try:
         runtime = HydraConfig.get().runtime
         return run(cfg, d, Path(runtime.output_dir), dict(runtime.choices))
+    except Preempted as stop:  # SIGTERM / SIGUSR1: the last step is saved (bicc.machine.preemption)
+        if d.is_main:
+            print(stop, flush=True)
     finally:
         distributed.shutdown(d)
+    sys.exit(REQUEUE_EXIT)
 
 
 if __name__ == "__main__":

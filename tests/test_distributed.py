@@ -154,6 +154,25 @@ def test_ddp_checkpoint_resumes_in_two_processes(runs):
     assert max_diff(weights(resumed, 2), weights(out["ddp"], 2)) <= 1e-6
 
 
+def test_a_signal_to_one_rank_stops_both_after_the_step_and_the_resume_matches(runs):
+    """SIGTERM to rank 1 alone, in its first update (as a scheduler may reach one process first): both ranks finish
+    step 1 and stop together (the flag is summed over the ranks), rank 0 writing the checkpoint; each rank exits
+    REQUEUE_EXIT. Resumed with resume=auto in two processes, step 2 is the uninterrupted DDP run's."""
+    from bicc.machine.preemption import REQUEUE_EXIT
+    from tests.test_resume import signalled
+
+    tmp, out = runs
+    stopped = tmp / "ddp_signalled"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = signalled([*RUN, "dist.strategy=ddp"], stopped, {**env(tmp), "BICC_SIGNAL_RANK": "1"}, "SIGTERM",
+                     ["update:1"], 1, launcher)
+    assert f"exitcode  : {REQUEUE_EXIT}" in proc.stderr and "[test] SIGTERM sent in update 1" in proc.stdout
+    resumed = two_processes([f"hydra.run.dir={stopped}", "dist.strategy=ddp", "resume=auto"], tmp)
+    assert "resumed from" in resumed.stdout
+    assert losses(stopped) == losses(out["ddp"])
+    assert max_diff(weights(stopped, 2), weights(out["ddp"], 2)) <= 1e-6
+
+
 def test_ranks_started_apart_write_one_run_dir(runs):
     """No hydra.run.dir: the run dir names the launch time. Ranks that start 1.5 s apart must still write into
     one dir, or rank 0 marks a checkpoint complete that holds only its own optimizer shard and resume fails (the

@@ -1,7 +1,9 @@
-"""Exact resume after SIGKILL, and what resume does with incomplete or corrupt checkpoints."""
+"""Exact resume after SIGKILL, and after a scheduler's SIGTERM or SIGUSR1 (the step finished and saved); what resume
+does with incomplete or corrupt checkpoints."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,34 +49,76 @@ def kill_mid_way(args, run_dir, environment, after: int) -> None:
     assert 0 < logged_steps(run_dir) < 8, "the run must die mid-way for this test to mean anything"
 
 
-def test_sigkill_then_resume_is_bit_identical(tmp_path):
-    """The straight run builds the warm start in its process and the others reuse it: RL draws the same numbers
-    either way (the SFT's draws used to shift them)."""
-    reference = tmp_path / "reference"
-    train([*RUN, f"hydra.run.dir={reference}"], tmp_path)  # builds the warm start the other runs reuse
+@pytest.fixture(scope="module")
+def sync_reference(tmp_path_factory):
+    """The uninterrupted run. It builds the warm start in its process and the others reuse it: RL draws the same
+    numbers either way (the SFT's draws used to shift them)."""
+    root = tmp_path_factory.mktemp("sync")
+    train([*RUN, f"hydra.run.dir={root / 'reference'}"], root)
+    return root
 
-    killed = tmp_path / "killed"
-    kill_mid_way(RUN, killed, env(tmp_path), after=5)  # past the step-4 checkpoint, before the end
 
-    out = train([*RUN, "resume=auto", f"hydra.run.dir={killed}"], tmp_path)
-    assert "resumed from" in out.stdout
+def same_as_uninterrupted(reference, other):
+    """Bit-identical weights, optimizer, schedule and data position at step 8, and logs that read as one run: every
+    step once, with the uninterrupted run's values."""
     a = load_file(reference / "checkpoints" / "step_8" / "model.safetensors")
-    b = load_file(killed / "checkpoints" / "step_8" / "model.safetensors")
+    b = load_file(other / "checkpoints" / "step_8" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     sa = torch.load(reference / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
-    sb = torch.load(killed / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
+    sb = torch.load(other / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
     for key, value in sa["optimizer"]["state"].items():
         assert all(torch.equal(value[k], sb["optimizer"]["state"][key][k]) for k in value)
     assert sa["scheduler"] == sb["scheduler"] and sa["data_pos"] == sb["data_pos"]
-    # the logs read as one run: every step once, with the uninterrupted run's values
     ra = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
-    rb = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(line) for line in (other / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in ra] == [r["step"] for r in rb]
     assert [r.get("reward/mean") for r in ra] == [r.get("reward/mean") for r in rb]
-    assert conditioned_steps(reference) == conditioned_steps(killed) and all(s > 0 for s in conditioned_steps(killed))
-    da = (reference / "diagnostics.jsonl").read_text().splitlines()
-    db = (killed / "diagnostics.jsonl").read_text().splitlines()
-    assert da == db
+    assert conditioned_steps(reference) == conditioned_steps(other) and all(s > 0 for s in conditioned_steps(other))
+    assert (reference / "diagnostics.jsonl").read_text() == (other / "diagnostics.jsonl").read_text()
+
+
+def test_sigkill_then_resume_is_bit_identical(sync_reference, tmp_path):
+    killed = tmp_path / "killed"
+    kill_mid_way(RUN, killed, env(sync_reference), after=5)  # past the step-4 checkpoint, before the end
+    out = train([*RUN, "resume=auto", f"hydra.run.dir={killed}"], sync_reference)
+    assert "resumed from" in out.stdout
+    same_as_uninterrupted(sync_reference / "reference", killed)
+
+
+# ---- Preemption: SIGTERM / SIGUSR1 finish the step, save it and exit REQUEUE_EXIT (bicc.machine.preemption) --------
+
+def signalled(args, run_dir, environment, sig: str, where: list[str], steps_done: int, launcher=None):
+    """``train.py <args>`` into ``run_dir`` that sends itself ``sig`` at ``where`` (``tests/signal_at.py``): it must
+    exit REQUEUE_EXIT having trained and saved exactly ``steps_done`` steps, saying so with the signal's delay."""
+    from bicc.machine.preemption import REQUEUE_EXIT
+
+    launcher = launcher or [sys.executable]
+    proc = subprocess.run([*launcher, str(ROOT / "tests" / "signal_at.py"), sig, *where, "--", *args,
+                           f"hydra.run.dir={run_dir}"], cwd=ROOT, env=environment, capture_output=True, text=True,
+                          timeout=600, start_new_session=True)  # a process group of its own (BICC_SIGNAL_GROUP)
+    assert f"[test] {sig} sent in" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    if launcher[0] == sys.executable and len(launcher) == 1:
+        assert proc.returncode == REQUEUE_EXIT, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert re.search(rf"\[rl\] preempted \((?:{sig} \d+\.\d s ago|another rank's signal)\): step {steps_done} finished",
+                     proc.stdout), proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert logged_steps(run_dir) == steps_done
+    verify_checkpoint(run_dir / "checkpoints" / f"step_{steps_done}")
+    assert not (run_dir / "checkpoints" / f"step_{steps_done + 1}").exists()
+    assert not (run_dir / "results.json").exists()  # no final evaluation: the run is to be continued
+    return proc
+
+
+@pytest.mark.parametrize("sig, where, steps_done", [
+    ("SIGTERM", ["generate:3"], 3),  # in step 3's rollout: step 3 is finished, then saved
+    ("SIGUSR1", ["update:5"], 5),  # Slurm's --signal=USR1@N, in step 5's update
+    ("SIGTERM", ["save:1", "save:2"], 3)],  # in step 2's periodic save, and again in the save it asks for (step 3)
+    ids=["rollout", "update", "during-saves"])
+def test_a_signal_saves_the_step_and_resume_is_bit_identical(sig, where, steps_done, sync_reference, tmp_path):
+    stopped = tmp_path / "stopped"
+    signalled(RUN, stopped, env(sync_reference), sig, where, steps_done)
+    out = train([*RUN, "resume=auto", f"hydra.run.dir={stopped}"], sync_reference)
+    assert f"at step {steps_done}" in out.stdout
+    same_as_uninterrupted(sync_reference / "reference", stopped)
 
 
 # ---- Rollout workers (rollout.async_steps): the batches drawn ahead are in the checkpoint -------------------
@@ -116,6 +160,35 @@ def test_async_sigkill_then_resume_is_bit_identical(kill_after, async_reference,
     same_run(async_reference / "reference", killed)
 
 
+def test_a_run_whose_checkpoint_cannot_be_written_stops_naming_it_and_resumes(sync_reference, tmp_path):
+    """Step 4's checkpoint meets a full disk: the run stops with an error naming the checkpoint and the cause, step
+    2's stays the sound resume point, nothing of step 4's is left, and resume=auto ends where the uninterrupted run
+    does."""
+    failed = tmp_path / "failed"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "signal_at.py"), "ENOSPC", "save:2", "--", *RUN,
+                           f"hydra.run.dir={failed}"], cwd=ROOT, env=env(sync_reference), capture_output=True, text=True,
+                          timeout=600)
+    ckpts = failed / "checkpoints"
+    assert proc.returncode != 0 and "[test] ENOSPC in write 2" in proc.stdout
+    assert f"checkpoint {ckpts / 'step_4'} could not be written (OSError: [Errno 28] No space left on device" in proc.stderr
+    assert f"the previous checkpoint {ckpts / 'step_2'} is intact" in proc.stderr
+    verify_checkpoint(ckpts / "step_2")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_2"]
+    train([*RUN, "resume=auto", f"hydra.run.dir={failed}"], sync_reference)
+    same_as_uninterrupted(sync_reference / "reference", failed)
+
+
+def test_a_signal_under_rollout_workers_keeps_the_drawn_batches(async_reference, tmp_path):
+    """SIGTERM in step 3's update, to every process of the run (the worker and its math-verify processes too, as a
+    scheduler may signal them all: they ignore it), two batches drawn ahead: step 3's checkpoint holds them, and the
+    resumed run trains on them as the uninterrupted run did."""
+    stopped = tmp_path / "stopped"
+    signalled(ASYNC_RUN, stopped, {**env(async_reference), "BICC_SIGNAL_GROUP": "1"}, "SIGTERM", ["update:3"], 3)
+    out = train([*ASYNC_RUN, "resume=auto", f"hydra.run.dir={stopped}"], async_reference)
+    assert "2 drawn batch(es) read back from the checkpoint" in out.stdout
+    same_run(async_reference / "reference", stopped)
+
+
 def test_a_dead_worker_stops_the_run_and_its_checkpoint_resumes(async_reference, tmp_path):
     """The worker exits while drawing batch 7: the run stops with an error naming it, the step-4 checkpoint stays
     sound, and resuming from it ends where the uninterrupted run does."""
@@ -131,6 +204,54 @@ def test_a_dead_worker_stops_the_run_and_its_checkpoint_resumes(async_reference,
     same_run(async_reference / "reference", failed)
 
 
+# ---- Epoch boundaries: a resume at the data's wrap, or a step before it, reads the rows the uninterrupted run read --
+
+def epoch_args(root):
+    """8 math rows, 4 prompts a step: the data wraps after step 2, and epoch 1 reads the rows in an order of its own
+    (data.math.shuffle). A saved tiny policy (no warm start), a checkpoint every step."""
+    return ["model.tiny=null", f"model.path={root / 'policy'}", "data=jsonl", f"data.math.train_source={root / 'rows.jsonl'}",
+            f"data.math.test_source={root / 'rows.jsonl'}", "data.math.shuffle=true", "bicc=on", "rcc=on",
+            *[a for a in SMALL if not a.startswith(("sft.", "bicc=", "rcc=", "eval.num_problems"))], "eval.num_problems=2",
+            "train.steps=4", "train.save_every=1", "train.keep_last=0", "diag.every=0"]
+
+
+@pytest.fixture(scope="module")
+def epoch_root(tmp_path_factory):
+    from bicc.model.load import build_tiny
+    from tests.helpers import ARCH
+
+    root = tmp_path_factory.mktemp("epochs")
+    model, tok = build_tiny(ARCH, seed=0)
+    model.save_pretrained(root / "policy")
+    tok.save_pretrained(root / "policy")
+    (root / "rows.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "problem": f"What is {i} + {i}?",
+                                                         "answer": str(2 * i)}) + "\n" for i in range(8)))
+    for mode in ("sync", "async"):
+        extra = ["rollout.async_steps=1"] if mode == "async" else []
+        train([*epoch_args(root), *extra, f"hydra.run.dir={root / mode}"], root)
+    return root
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("at", [2, 1], ids=["at-the-wrap", "a-step-before"])
+def test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run(mode, at, epoch_root, tmp_path):
+    """Resumed from step 2's checkpoint (data position 8: exactly the wrap) or step 1's, synchronously or with rollout
+    workers one step ahead: steps 3 and 4 read epoch 1's rows in its own order, as the uninterrupted run read them, and
+    end with its weights."""
+    extra = ["rollout.async_steps=1"] if mode == "async" else []
+    reference, resumed = epoch_root / mode, tmp_path / "resumed"
+    state = torch.load(reference / "checkpoints" / f"step_{at}" / "trainer_state.pt", weights_only=True)
+    assert state["data_pos"] == 4 * at if mode == "sync" else state["pending_batches"]  # async: drawn ahead, kept
+    train([*epoch_args(epoch_root), *extra, f"resume={reference / 'checkpoints' / f'step_{at}'}",
+           f"hydra.run.dir={resumed}"], epoch_root)
+    a, b = (load_file(d / "checkpoints" / "step_4" / "model.safetensors") for d in (reference, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    keys = ("step", "reward/mean", "rollout/response_len", "train/loss")
+    assert [[r.get(k) for k in keys] for r in rows(reference) if r["step"] > at] == \
+        [[r.get(k) for k in keys] for r in rows(resumed) if r["step"] > at]
+
+
 def _model():
     from bicc.config import TinyArchConfig
     from bicc.model.load import build_tiny
@@ -142,6 +263,49 @@ def _model():
 def _checkpoint(tmp_path, step):
     state = {"step": step, "data_pos": 0, "init_path": "x", "optimizer": {}, "scheduler": {}}
     return save_checkpoint(tmp_path / "checkpoints" / f"step_{step}", *_model(), state, keep_last=0)
+
+
+@pytest.mark.parametrize("failure", ["disk-full", "permission", "midway"])
+def test_a_failed_write_leaves_the_previous_checkpoint_and_names_the_cause(failure, tmp_path, monkeypatch):
+    """A full disk while the weights are written (a part of them on disk), a permission refused, a write that raises
+    after the weights (the trainer state): ``CheckpointWriteError`` names the path, the cause and the checkpoint that
+    stays; nothing is renamed into place, no ``.tmp`` is left, and the older checkpoint is the one resume picks."""
+    import errno
+
+    import bicc.trainer.checkpoint as ck
+
+    first = _checkpoint(tmp_path, 2)
+    target = tmp_path / "checkpoints" / "step_4"
+    write = ck.save_hf
+
+    def full(model, tokenizer, path, state_dict=None):
+        (path / "model.safetensors").write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def refused(model, tokenizer, path, state_dict=None):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    def quota(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file data/0")
+
+    cause = {"disk-full": ("save_hf", full, "No space left on device"),
+             "permission": ("save_hf", refused, "Permission denied"),
+             "midway": ("save_torch", quota, "PytorchStreamWriter failed writing file")}[failure]
+    if cause[0] == "save_hf":
+        monkeypatch.setattr(ck, "save_hf", cause[1])
+    else:
+        monkeypatch.setattr(ck, "save_hf", write)
+        monkeypatch.setattr(ck.torch, "save", cause[1])
+    state = {"step": 4, "data_pos": 0, "init_path": "x", "optimizer": {}, "scheduler": {}}
+    with pytest.raises(ck.CheckpointWriteError) as raised:
+        save_checkpoint(target, *_model(), state, keep_last=1)
+    message = str(raised.value)
+    assert f"checkpoint {target} could not be written" in message and cause[2] in message
+    assert f"the previous checkpoint {first} is intact" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]  # kept: keep_last prunes after
+    monkeypatch.undo()
+    verify_checkpoint(first)
+    assert ck.resume_dir("auto", tmp_path) == first
 
 
 def test_corrupt_or_partial_checkpoints_are_named_and_skipped(tmp_path):

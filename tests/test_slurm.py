@@ -30,7 +30,7 @@ def words(script=SCRIPT, marker: str = "torchrun") -> list[str]:
     line = next(line for line in text.splitlines() if line.startswith("srun ") and marker in line)
     for name, value in VALUES.items():
         line = line.replace(name, value)
-    return shlex.split(line)
+    return [w for w in shlex.split(line) if w != "&"]
 
 
 def torchrun_words() -> list[str]:
@@ -82,3 +82,36 @@ def test_the_async_script_starts_the_workers_its_run_waits_for():
     assert len(gpus) == cfg.rollout.remote_workers == int(options["gpus-per-node"])
     assert f"--connect node0:{cfg.rollout.worker_port}" in sampler and r"CUDA_VISIBLE_DEVICES=\$gpu" in sampler
     assert cfg.rollout.prompts_per_step % (4 * cfg.rollout.remote_workers) == 0  # shards over ranks, then workers
+
+
+@pytest.mark.parametrize("sig, requeued", [("SIGUSR1", True), ("SIGTERM", False)], ids=["ahead-of-the-limit", "preempted"])
+def test_a_signal_to_the_job_stops_the_run_after_its_save_and_requeues_ahead_of_the_limit(sig, requeued, tmp_path):
+    """The script's preemption, with srun and scontrol faked: USR1 (``--signal=B:USR1@600``) or TERM reaches the batch
+    shell while the run works; the shell sends the run SIGTERM, waits while it saves (half a second here), and on USR1
+    only asks Slurm to requeue the job (a TERM may be a user's scancel; Slurm requeues a preempted job itself)."""
+    import os
+    import signal
+    import time
+
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake, log = tmp_path / "bin", tmp_path / "log"
+    fake.mkdir()
+    (fake / "scontrol").write_text('#!/bin/bash\nif [ "$1" = show ]; then echo node0; else echo "scontrol $*" >> "$LOG"; fi\n')
+    (fake / "srun").write_text('#!/bin/bash\ntrap \'echo term >> "$LOG"; sleep 0.5; echo saved >> "$LOG"; exit 75\' TERM\n'
+                               'echo started >> "$LOG"\nwhile true; do sleep 0.1; done\n')
+    for tool in ("scontrol", "srun"):
+        (fake / tool).chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "LOG": str(log), "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_JOB_ID": "4242",
+           "SLURM_NNODES": "2", "HOME": str(tmp_path)}
+    proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not (log.exists() and "started" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, getattr(signal, sig))
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    expected = ["started", "term", "saved"] + (["scontrol requeue 4242"] if requeued else [])
+    assert log.read_text().split("\n")[:-1] == expected
+    assert f"[slurm] {sig.removeprefix('SIG')}: the run saves its last step and stops" in out
+    assert "stop()" in ASYNC.read_text() and "trap 'stop USR1' USR1" in ASYNC.read_text()  # the async script's too

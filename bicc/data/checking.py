@@ -72,7 +72,9 @@ def _worker_loop(conn, memory_bytes: int) -> None:
     import warnings
 
     from bicc.machine.host import die_with_parent
+    from bicc.machine.preemption import ignore_preemption
 
+    ignore_preemption()  # the run it serves decides what SIGTERM / SIGUSR1 mean
     parent = mp.parent_process()
     if die_with_parent() and parent is not None and os.getppid() != parent.pid:
         return  # the process it serves ended before the kernel was asked to end this one with it

@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="how long to wait for the trainer's store")
     args = parser.parse_args(argv)
     from bicc.machine.host import die_with_parent
+    from bicc.machine.preemption import ignore_preemption
 
+    ignore_preemption()  # the trainer saves and stops on SIGTERM / SIGUSR1 and then ends its workers
     if args.index is not None:  # started by the trainer: die with it
         die_with_parent()
     import torch.distributed

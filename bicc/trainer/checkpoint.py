@@ -54,12 +54,16 @@ def save_checkpoint(ckpt_dir: Path, model, tokenizer, trainer_state: dict, keep_
     ``state_dict``: the weights to write (a sharded model's gathered full state dict); ``keep_tmp``: the
     ``.tmp`` dir already holds parts written by every rank (a sharded optimizer), keep them."""
     tmp = tmp_dir(ckpt_dir)
-    if not keep_tmp:
+    try:
+        if not keep_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_hf(model, tokenizer, tmp, state_dict)
+        torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
+        (tmp / COMPLETE).write_text("ok\n", encoding="utf-8")
+    except Exception as err:  # a full disk, a quota, a permission, a write that fails midway: nothing is renamed
         shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_hf(model, tokenizer, tmp, state_dict)
-    torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
-    (tmp / COMPLETE).write_text("ok\n", encoding="utf-8")
+        raise CheckpointWriteError(ckpt_dir, err) from err
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     os.replace(tmp, ckpt_dir)
     if keep_last > 0:
@@ -78,6 +82,18 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 class CorruptCheckpoint(RuntimeError):
     pass
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written: it names the path, the cause and the checkpoint that stays the resume
+    point (its partial ``.tmp`` dir is removed, nothing is renamed into place)."""
+
+    def __init__(self, ckpt_dir: Path, cause: Exception):
+        previous = list_checkpoints(ckpt_dir.parent)
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        super().__init__(f"checkpoint {ckpt_dir} could not be written ({type(cause).__name__}: {cause}); nothing was "
+                         f"renamed into place and {kept}: free the space or fix the permissions, then resume=auto "
+                         "continues from it")
 
 
 def incomplete_checkpoints(root: Path) -> list[Path]:

@@ -20,6 +20,7 @@ from bicc.kernels.packing import padding_free
 from bicc.machine import distributed
 from bicc.machine.distributed import DTYPES
 from bicc.machine.host import allocator_conf, torch_threads, usable_cores
+from bicc.machine.preemption import REQUEUE_EXIT, Preempted, Preemption
 from bicc.machine.progress import progress
 from bicc.machine.tracking import Tracker, rewind_jsonl
 from bicc.method.conditioning import context_budget
@@ -187,7 +188,7 @@ def step_on_every_rank(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
     return distributed.mean_metrics(metrics, s.dist), diag_record
 
 
-def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
+def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preemption = Preemption()) -> RLState:
     if s.dist.is_main:
         print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples on {s.dist.world} process(es)")
@@ -227,10 +228,15 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker) -> RLState:
                   f"bicc.context_ratio x bicc.max_tokens = {context_budget(cfg.bicc)} tokens)")
         out_of_time = cfg.train.time_budget_s and time.perf_counter() - start > cfg.train.time_budget_s
         out_of_time = bool(distributed.all_reduce_sum(float(bool(out_of_time)), s.dist))  # all stop together
+        preempted = bool(distributed.all_reduce_sum(float(preemption.requested), s.dist))  # any rank's signal
         diverged = s.nonfinite_streak >= cfg.train.max_nonfinite_steps
+        ckpt = run_dir / "checkpoints" / f"step_{s.step}"
         if ((cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time
-                or diverged):
-            save_rl_checkpoint(s, cfg.model, cfg.train.keep_last, run_dir / "checkpoints" / f"step_{s.step}")
+                or diverged or preempted):
+            save_rl_checkpoint(s, cfg.model, cfg.train.keep_last, ckpt)
+        if preempted:  # the step in progress was finished (bicc.machine.preemption says why) and is saved
+            raise Preempted(f"[rl] preempted ({preemption.describe()}): step {s.step} finished, checkpoint {ckpt}; "
+                            f"exit {REQUEUE_EXIT}, resume=auto continues from it")
         if diverged:
             raise RuntimeError(f"[rl] {s.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
                                f"norm (up to step {s.step}); stopped with a checkpoint at "
@@ -305,15 +311,17 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
         if d.is_main:
             print(f"[eval] initial policy: {format_eval(baseline)}")
 
+    preemption = Preemption().install()  # SIGTERM / SIGUSR1: the loop saves its last step and stops
     try:
         if cfg.rollout.async_steps:
             start_workers(s, RolloutWorkers(cfg, s.init_path, s.cursor, d, max_model_len, pending=s.pending,
                                             end_ids=s.end_ids), cfg.rollout, cfg.model.dtype)
-        s = run_rl(s, cfg, run_dir, tracker)
+        s = run_rl(s, cfg, run_dir, tracker, preemption)
     finally:
         if s.workers is not None:
             s.workers.close()
             s.workers = None
+        preemption.restore()
     with s.peaks.phase("evaluation"):
         final = evaluate(eval_engine(s, cfg.rollout, cfg.eval), s.tokenizer, task, cfg.eval, cfg.seed, out_dir=run_dir / "eval",
                          progress=cfg.logger.progress, d=s.dist)
