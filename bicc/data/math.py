@@ -20,7 +20,8 @@ class MathTask:
         fields = FieldNames(cfg.problem_field, cfg.answer_field, cfg.id_field)
         self.train, _ = load_problems(cfg.train_source, fields, cfg.train_split, cfg.on_bad_row, dedupe=cfg.dedupe,
                                       subset=cfg.subset, revision=cfg.revision)
-        self.seed, self.shuffle, self._orders = data_cfg.seed, bool(cfg.shuffle), {}
+        self.shuffle, self._orders = bool(cfg.shuffle), {}
+        self.seed = data_cfg.seed if self.shuffle else 0
         self.test_source, self.cfg = cfg.test_source, cfg
         # the held-out file may be laid out differently (e.g. DAPO-Math-17k for training, MATH-500 for tests)
         self.test_fields = FieldNames(cfg.test_problem_field or cfg.problem_field,
