@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MOST = 10
 # the entry points (train.py, eval.py), the run loop around the step, and the views that narrow the root to typed
-# groups (bicc.config: StepConfig.of, WarmStartConfig.of)
+# groups (bicc.config.GroupsView.of, which StepConfig and WarmStartConfig share)
 ENTRY_AND_LOOP = ("bicc/config/__init__.py", "train.py", "eval.py", "bicc/trainer/loop.py", "bicc/trainer/validation.py",
                   "bicc/trainer/state.py", "bicc/trainer/fit.py", "bicc/rollout/workers.py")
 

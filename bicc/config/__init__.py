@@ -72,8 +72,17 @@ class RunConfig:
     ckpt: Optional[str] = None
 
 
+class GroupsView:
+    """A typed view of some of a run config's groups: the dataclass's fields name them."""
+
+    @classmethod
+    def of(cls, run: RunConfig):
+        """The view's groups of a composed run config."""
+        return cls(**{f.name: getattr(run, f.name) for f in dataclasses.fields(cls)})
+
+
 @dataclass(frozen=True)
-class StepConfig:
+class StepConfig(GroupsView):
     """What one RL step reads (``bicc.trainer.step.rl_step``, its plan and update, ``bicc.method.reference``): the
     method's groups and the trainer's, typed, and the run's seed. The run loop builds it once (``StepConfig.of``);
     nothing past the loop sees the model, data, evaluation or launch groups."""
@@ -88,14 +97,9 @@ class StepConfig:
     logger: LoggerConfig
     seed: int = 0
 
-    @classmethod
-    def of(cls, run: RunConfig) -> "StepConfig":
-        """The step's groups of a composed run config."""
-        return cls(**{f.name: getattr(run, f.name) for f in dataclasses.fields(cls)})
-
 
 @dataclass(frozen=True)
-class WarmStartConfig:
+class WarmStartConfig(GroupsView):
     """What the tiny models' supervised warm start reads (``bicc.trainer.sft``): its own group, the model it builds,
     the task, BiCC's context template (shown in some prompts), the optimizer's betas and clipping, the run's seed."""
 
@@ -105,11 +109,6 @@ class WarmStartConfig:
     bicc: BiccConfig
     optim: OptimConfig
     seed: int = 0
-
-    @classmethod
-    def of(cls, run: RunConfig) -> "WarmStartConfig":
-        """The warm start's groups of a composed run config."""
-        return cls(**{f.name: getattr(run, f.name) for f in dataclasses.fields(cls)})
 
 
 REPO = Path(__file__).resolve().parents[2]

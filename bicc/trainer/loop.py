@@ -188,7 +188,7 @@ def step_on_every_rank(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
     return distributed.mean_metrics(metrics, s.dist), diag_record
 
 
-def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preemption = Preemption()) -> RLState:
+def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preemption | None = None) -> RLState:
     if s.dist.is_main:
         print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples on {s.dist.world} process(es)")
@@ -196,7 +196,7 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preempt
         extra = f"; every {every} steps the diagnostics add their own" if every else ""
         print(f"[rl] passes per step: {' -> '.join(s.plan.passes())}{extra}")
         print(f"[rl] forwards: {forward_layout(s.model, cfg.bicc, cfg.train)}")
-    start, step_cfg = time.perf_counter(), StepConfig.of(cfg)
+    start, step_cfg, preemption = time.perf_counter(), StepConfig.of(cfg), preemption or Preemption()
     bar = progress(cfg.train.steps, "rl", cfg.logger.progress and s.dist.is_main, initial=s.step)
     last_eval = None  # the last evaluation's pass@1, shown on the progress line
     while s.step < cfg.train.steps:
