@@ -359,9 +359,10 @@ class ReplayEngine(Engine):
         self.version = version
 
 
-def recorded_rollout(tmp):
+def recorded_rollout(tmp, overrides=(), seed: int = 5, mixed=any):
     """Under ``tmp``: a policy (the initial one perturbed) and the initial one as the reference, loaded here from its files;
-    one recorded rollout of 4 queries x 4 with a mixed group; sampler log-probs pi_old(o | q) + 0.3 sin(i + t),
+    one recorded rollout (4 queries x 4 unless ``overrides`` say otherwise; collected at ``seed``) whose groups are
+    mixed (``mixed=any``: one at least; ``all``: every one); sampler log-probs pi_old(o | q) + 0.3 sin(i + t),
     whose TIS weights e^{-0.3 sin} lie in [0.74, 1.35], some above the cap 1.2."""
     from transformers import AutoModelForCausalLM
 
@@ -370,11 +371,12 @@ def recorded_rollout(tmp):
     from bicc.trainer.state import build_rl_state
 
     tok = policy_and_reference(tmp)
-    cfg = compose_cfg([*COMBINATION_CFG, "bicc=off", "rcc=off"])
+    cfg = compose_cfg([*COMBINATION_CFG, "bicc=off", "rcc=off", *overrides])
     s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
-    ro = collect_rollout(s.engine, tok, CoinTask(s.task), Collection.of(cfg.algo, cfg.rollout, cfg.data), DataCursor(), seed=5)
-    right = ro.correct.view(4, 4).sum(1)
-    assert ((right > 0) & (right < 4)).any()  # a mixed group: BiCC conditions, advantages are not all 0
+    ro = collect_rollout(s.engine, tok, CoinTask(s.task), Collection.of(cfg.algo, cfg.rollout, cfg.data), DataCursor(), seed=seed)
+    group = cfg.rollout.group_size
+    right = ro.correct.view(-1, group).sum(1)
+    assert mixed(((right > 0) & (right < group)).tolist())  # mixed groups: BiCC conditions, advantages are not all 0
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, tok.pad_token_id)
     with torch.no_grad():
         old = batch_logprobs(s.model.eval(), batch, cfg.rollout.temperature)[0]
