@@ -65,6 +65,10 @@ def main() -> None:
     reference, soaked = args.out / "reference", args.out / "killed"
 
     start = time.perf_counter()
+    final = Path("checkpoints") / f"step_{args.steps}" / "model.safetensors"
+    for run_dir in (reference, soaked):  # a finished run reused must be of this many steps
+        if (run_dir / "results.json").exists() and not (run_dir / final).exists():
+            raise SystemExit(f"{run_dir} holds a finished run without {final}: another --steps; give a fresh --out")
     if not (reference / "results.json").exists():
         subprocess.run(command(reference, args.steps, args.save_every, args.extra, resume=False), cwd=ROOT, env=env,
                        check=True, stdout=subprocess.DEVNULL)
@@ -119,8 +123,7 @@ def main() -> None:
             continue
         if proc.returncode != 0:
             raise RuntimeError(f"run #{starts} failed with exit {proc.returncode}:\n{err[-3000:]}")
-    a = load_file(reference / "checkpoints" / f"step_{args.steps}" / "model.safetensors")
-    b = load_file(soaked / "checkpoints" / f"step_{args.steps}" / "model.safetensors")
+    a, b = load_file(reference / final), load_file(soaked / final)
     if a.keys() != b.keys():
         raise RuntimeError("the two final checkpoints hold different parameter names")
     divergence = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

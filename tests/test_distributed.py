@@ -127,6 +127,9 @@ def test_two_processes_match_one(runs, strategy):
     assert all(abs(a - b) <= 1e-5 for a, b in zip(single, multi)), (single, multi)
     for step in (1, 2):
         assert max_diff(weights(out["single"], step), weights(out[strategy], step)) <= 1e-5
+    if strategy == "fsdp2":  # its HF sampler is a copy the weights are pushed to: held to the trainer's log-probs
+        rows = [json.loads(line) for line in (out[strategy] / "metrics.jsonl").read_text().splitlines()]
+        assert [r["rollout/token_prob_ratio"] < 1 + 1e-4 for r in rows if "train/loss" in r] == [True, True]
 
 
 def test_fsdp2_checkpoint_is_sharded_and_resumes_in_one_process(runs):
@@ -285,6 +288,13 @@ def test_rollout_workers_under_torchrun_match_one_process(runs, async_single):
     two_processes([f"hydra.run.dir={multi}", "rollout.async_steps=1", "dist.strategy=fsdp2"], tmp)
     rows = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/staleness_max"] for r in rows if "rollout/staleness_max" in r] == [0.0, 1.0]
+    # the sampler against the trainer at the weights that sampled (step 2's: those before the update, swapped into
+    # every rank's shards), not at the trainer's current ones, which moved: staleness does not count
+    for run_dir in (single, multi):
+        steps = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+                 if "train/loss" in r]
+        assert [r["rollout/token_prob_ratio"] < 1 + 1e-5 for r in steps] == [True, True], run_dir.name
+        assert steps[1]["rollout/logprob_diff"] > 1e-4  # ... which the stale batch's gap to pi_old shows
     a, b = losses(single), losses(multi)
     assert len(a) == len(b) == 2 and all(abs(x - y) <= 1e-5 for x, y in zip(a, b)), (a, b)
     assert max_diff(weights(single, 2), weights(multi, 2)) <= 1e-5

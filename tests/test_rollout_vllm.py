@@ -151,6 +151,7 @@ def test_two_step_training_run_with_vllm_rollouts(tmp_path):
     # the engine's sampling log-probs and the trainer's pi_old on q agree (same weights, fp32); under
     # bicc=stable's old_on_context pi_old is on x^c, and TIS takes one more forward on q for its weights
     assert all(r["rollout/logprob_diff"] < 1e-3 for r in steps)
+    assert all(r["rollout/token_prob_ratio"] < 1 + 1e-5 for r in steps)  # the agreement gate passes (1.0000001 here)
     # so the truncated importance weights pi_old / pi_sampler are ~1, none at the cap
     assert all(abs(r["rollout/tis_weight_mean"] - 1) < 1e-3 and r["rollout/tis_clip_frac"] == 0 for r in steps)
     assert (run_dir / "results.json").exists()
@@ -264,4 +265,6 @@ def test_a_vllm_rollout_worker_draws_each_batch_with_the_weights_of_its_version(
     assert [r["rollout/weight_version"] for r in steps] == [0.0, 0.0, 1.0]
     diff = [r["rollout/logprob_diff"] for r in steps]
     assert diff[0] < 1e-5 and min(diff[1:]) > 10 * diff[0]  # the same weights, then weights a step old
+    # ... which the agreement gate does not count: it scores each batch at the weights that drew it
+    assert all(r["rollout/token_prob_ratio"] - 1 < min(1e-5, d / 10) for r, d in zip(steps[1:], diff[1:]))
     assert all("rollout/tis_weight_mean" in r for r in steps)

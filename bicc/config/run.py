@@ -225,6 +225,9 @@ class TrainConfig:
     save_every: int = 100
     keep_last: int = 2
     max_nonfinite_steps: int = 5
+    max_sampler_mismatch: Optional[float] = None
+    sampler_mismatch_steps: int = 3
+    sampler_check_every: int = 1
     memory_check: bool = True
     memory_gib: Optional[float] = None
     context_packing: bool = True
@@ -235,13 +238,16 @@ class TrainConfig:
     @staticmethod
     def check(t) -> None:
         for name in ("epochs_per_rollout", "minibatches_per_rollout", "micro_batch_size", "logprob_chunk_tokens",
-                     "max_nonfinite_steps"):
+                     "max_nonfinite_steps", "sampler_mismatch_steps"):
             need(t[name] >= 1, f"train.{name}", f"must be >= 1, got {t[name]}")
         need(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
         need(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = before and after RL only), got {t.eval_every}")
         need(t.micro_batch_tokens >= 0, "train.micro_batch_tokens",
              f"must be >= 0 (0 = fixed micro-batches), got {t.micro_batch_tokens}")
         need(t.memory_gib is None or t.memory_gib > 0, "train.memory_gib", f"must be > 0 or null, got {t.memory_gib}")
+        need(t.max_sampler_mismatch in (None, 0) or t.max_sampler_mismatch > 1, "train.max_sampler_mismatch",
+             f"must be > 1 (the ratio is 1 at agreement), 0 (off) or null (by model.dtype), got {t.max_sampler_mismatch}")
+        need(t.sampler_check_every >= 0, "train.sampler_check_every", f"must be >= 0 (0 = never), got {t.sampler_check_every}")
         need(t.max_packed_len >= 1, "train.max_packed_len", f"must be >= 1, got {t.max_packed_len}")
 
 

@@ -1,7 +1,8 @@
 """Rollout: engines that generate G samples per prompt and accept new weights (this module, ``hf``, ``vllm``), the
 step's collection of a rollout (``collect``: prompts, dynamic sampling's refill, rewards), and rollout workers
 (``workers``: the trainer's side; ``worker``: a worker process; ``line`` and ``channel``: their messages over a
-TCPStore; ``weight_sync``: weights over a process group; ``vllm_transfer``: vLLM's own NCCL weight transfer).
+TCPStore; ``weight_sync``: weights over a process group; ``vllm_transfer``: vLLM's own NCCL weight transfer), and
+whether a sampler draws from the weights it was given (``agreement``: ``rollout/token_prob_ratio`` and its gate).
 
 An engine is built by name (``build_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout, options)``) and
 implements the whole of ``Engine`` below: generating, taking new weights, freeing its memory while the trainer

@@ -27,6 +27,7 @@ from bicc.method.conditioning import context_budget
 from bicc.model.gguf import resolve_model_path
 from bicc.model.load import num_parameters, tokenizer_and_positions
 from bicc.rollout import EngineOptions, build_engine, eval_engine_config
+from bicc.rollout.agreement import SamplerGate, mismatch_limit
 from bicc.rollout.collect import DataCursor
 from bicc.rollout.workers import RolloutWorkers
 from bicc.trainer import checkpoint as checkpoints
@@ -197,6 +198,7 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preempt
         print(f"[rl] passes per step: {' -> '.join(s.plan.passes())}{extra}")
         print(f"[rl] forwards: {forward_layout(s.model, cfg.bicc, cfg.train)}")
     start, step_cfg, preemption = time.perf_counter(), StepConfig.of(cfg), preemption or Preemption()
+    gate = SamplerGate(mismatch_limit(cfg.train.max_sampler_mismatch, cfg.model.dtype), cfg.train.sampler_mismatch_steps)
     bar = progress(cfg.train.steps, "rl", cfg.logger.progress and s.dist.is_main, initial=s.step)
     last_eval = None  # the last evaluation's pass@1, shown on the progress line
     while s.step < cfg.train.steps:
@@ -230,9 +232,10 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preempt
         out_of_time = bool(distributed.all_reduce_sum(float(bool(out_of_time)), s.dist))  # all stop together
         preempted = bool(distributed.all_reduce_sum(float(preemption.requested), s.dist))  # any rank's signal
         diverged = s.nonfinite_streak >= cfg.train.max_nonfinite_steps
+        mismatch = gate.check(metrics.get("rollout/token_prob_ratio"), s.step)  # the ranks' mean: one verdict
         ckpt = run_dir / "checkpoints" / f"step_{s.step}"
         if ((cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time
-                or diverged or preempted):
+                or diverged or preempted or mismatch):
             save_rl_checkpoint(s, cfg.model, cfg.train.keep_last, ckpt)
         if preempted:  # the step in progress was finished (bicc.machine.preemption says why) and is saved
             raise Preempted(f"[rl] preempted ({preemption.describe()}): step {s.step} finished, checkpoint {ckpt}; "
@@ -241,6 +244,8 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preempt
             raise RuntimeError(f"[rl] {s.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
                                f"norm (up to step {s.step}); stopped with a checkpoint at "
                                f"{run_dir / 'checkpoints' / f'step_{s.step}'}. Lower optim.lr or check the data.")
+        if mismatch:
+            raise RuntimeError(f"{mismatch} Stopped with a checkpoint at {ckpt}.")
         if out_of_time:
             print(f"[rl] time budget {cfg.train.time_budget_s}s reached at step {s.step}")
             break

@@ -46,6 +46,7 @@ class RLState:
     peaks: PhasePeaks = field(default_factory=PhasePeaks)  # CUDA memory peaks per phase (none on CPU)
     workers: Any = None  # the rollout workers under rollout.async_steps (bicc.rollout.workers.RolloutWorkers)
     pending: Optional[dict] = None  # ... and the batches they had drawn, as a checkpoint holds them
+    versions: Any = None  # ... and the weights of the versions they draw with (bicc.rollout.agreement.WeightVersions)
     samples: Optional[list] = None  # the step's rows kept for reading (bicc.trainer.samples), until the loop writes them
     # this process's prompt shards, of how many (``distributed.local_shards``, ``num_shards``): resolved once
     shards: range = range(1)
@@ -117,7 +118,9 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     total = cfg.train.steps * cfg.train.epochs_per_rollout * cfg.train.minibatches_per_rollout
     scheduler = warmup_cosine(optimizer, cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio)
     rows = engine_rows(cfg.rollout, cfg.eval, distributed.num_shards(cfg.rollout, d))
-    options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype, rows=rows)
+    # a sampler that gets its weights pushed returns its log-probs, held to the trainer's (bicc.rollout.agreement)
+    options = EngineOptions(end_ids=end_ids, dist=d, max_model_len=max_model_len, dtype=cfg.model.dtype, rows=rows,
+                            logprobs=sharded_hf)
     # under rollout.async_steps the workers sample; the trainer's own engine (the same kind) evaluates
     engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
     plan = StepPlan.from_config(step_cfg, sampler_logprobs(cfg.rollout, engine))

@@ -11,6 +11,7 @@ import time
 import torch
 
 from bicc.config import StepConfig, tis_cap
+from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import ContextRows, query_rows
 from bicc.method.advantages import ADVANTAGES, Advantages, advantage_metrics, advantage_name
 from bicc.method.conditioning import build_contexts
@@ -23,6 +24,7 @@ from bicc.method.diagnostics import (
 )
 from bicc.method.losses.tis import sampler_grid, sampler_importance_weights, sampler_logprob_diff
 from bicc.model.logprobs import make_token_batch
+from bicc.rollout.agreement import WeightVersions, token_prob_ratio
 from bicc.rollout.collect import collect_rollout, step_seed
 from bicc.rollout.workers import check_staleness
 from bicc.trainer.plan import StepPlan, step_logprobs
@@ -59,13 +61,17 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
     if s.plan is None:  # a state built by hand (build_rl_state resolves it)
         s.plan = StepPlan.from_config(cfg, sampler_logprobs(cfg.rollout, s.engine))
     plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, s.sharded)
+    checked = agreement_checked(s, cfg.train, ro, plan)
     sampled = sampled_logprobs(ro, plan, batch, device)
     t_contexts = time.perf_counter()
     with s.peaks.phase("log-probs"):
         lp = step_logprobs(plan, s.model, s.ref_model, plain, numerator, sampled, cfg, batch.completion_mask, s.dist)
     t_logprobs = time.perf_counter()
-    correct_sampler = lambda on_q: sampler_correction(ro, plan, on_q, batch, cfg.rollout, device)  # noqa: E731
+    fresh = checked and ro.version == s.step  # drawn by these weights: pi_old on q is the trainer's side
+    correct_sampler = lambda on_q: sampler_correction(ro, plan, on_q, batch, cfg.rollout, device, fresh)  # noqa: E731
     is_weight, sampler_metrics = (None, {}) if plan.sampler_from_update else correct_sampler(lp.on_q)
+    if checked and not fresh:  # drawn by older weights (rollout workers): scored at those, kept for it
+        sampler_metrics.update(agreement_at_version(s, cfg, ro, plain, batch))
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
     estimator = ADVANTAGES.get(advantage_name(cfg.algo, cfg.rcc))
@@ -107,6 +113,8 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
     # workers get the weights, version step + 1, and the batch of step + 1 + N is requested (drawn by them) ------
     if s.workers is not None:
         s.workers.push(s.model, s.step + 1)
+        if s.versions is not None and (s.step + 1 + N) % cfg.train.sampler_check_every == 0:  # the step that reads it
+            s.versions.keep(s.model, s.step + 1)
         s.workers.request(s.step + 1 + N)
         s.workers.mark_busy(busy_start, time.monotonic())
     else:
@@ -158,18 +166,45 @@ def sampled_logprobs(ro, plan, batch, device) -> torch.Tensor | None:
     return sampled.to(device)
 
 
-def sampler_correction(ro, plan, on_q, batch, rollout, device):
-    """The sampler against the trainer, both on q (``on_q`` [N, L]: pi_old on q): ``rollout/logprob_diff`` and,
-    under TIS, each token's weight min(pi_old / pi_sampler, C) (tokens were drawn from pi_sampler, not pi_old).
-    Returns (weights [N, L] or None, metrics); nothing when the engine gave no log-probs or they stand for pi_old."""
+def sampler_correction(ro, plan, on_q, batch, rollout, device, fresh: bool = False):
+    """The sampler against the trainer, both on q (``on_q`` [N, L]: pi_old on q): ``rollout/logprob_diff``,
+    ``rollout/token_prob_ratio`` where ``fresh`` (these weights drew the batch) and, under TIS, each token's weight
+    min(pi_old / pi_sampler, C) (tokens were drawn from pi_sampler, not pi_old). Returns (weights [N, L] or None,
+    metrics); nothing when the engine gave no log-probs or they stand for pi_old."""
     if ro.out.logprobs is None or plan.old_source == "sampler":
         return None, {}
     mask, q = batch.completion_mask.cpu(), on_q.cpu()
     metrics = {"rollout/logprob_diff": sampler_logprob_diff(ro.out.logprobs, q, mask)}
+    ratio = token_prob_ratio(ro.out.logprobs, q, mask) if fresh else None
+    if ratio is not None:
+        metrics["rollout/token_prob_ratio"] = ratio
     if not plan.tis:
         return None, metrics
     is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q, mask, tis_cap(rollout))
     return is_weight.to(device), {**metrics, **tis_metrics}
+
+
+def agreement_checked(s: RLState, train, ro, plan) -> bool:
+    """Whether this step measures ``rollout/token_prob_ratio`` (``bicc.rollout.agreement``); under rollout workers,
+    the first such step keeps the weights the workers started from."""
+    every = train.sampler_check_every
+    if s.workers is not None and s.versions is None and every:
+        s.versions = WeightVersions()
+        s.versions.keep(s.model, s.step)
+    return bool(every) and s.step % every == 0 and ro.out.logprobs is not None and plan.old_source != "sampler"
+
+
+def agreement_at_version(s: RLState, cfg: StepConfig, ro, plain, batch) -> dict:
+    """``rollout/token_prob_ratio`` of a batch drawn by an older weight version, scored by the trainer at that
+    version's kept parameters (one no-grad pass on q); {} for a version not kept (drawn before a resume)."""
+    if s.versions is None or ro.version not in s.versions.kept:
+        return {}
+    with s.versions.at(s.model, ro.version):
+        then = logprobs_no_grad(s.model, plain, len(ro.out.completion_ids), cfg.train.micro_batch_size,
+                                cfg.rollout.temperature, s.dist, cfg.train.micro_batch_tokens)
+    s.versions.forget_before(ro.version)
+    ratio = token_prob_ratio(ro.out.logprobs, then, batch.completion_mask)
+    return {} if ratio is None else {"rollout/token_prob_ratio": ratio}
 
 
 def rollout_metrics(ro, batch, group_size: int) -> dict:

@@ -8,11 +8,14 @@ import torch
 
 def sampler_grid(sampler_logprobs: list[list[float]], like: torch.Tensor, mask: torch.Tensor):
     """The engine's per-token sampling log-probs on the trainer's [N, L] grid, and where they are usable
-    (completion tokens with a finite value)."""
+    (completion tokens with a finite value; none past the values a row was given)."""
     sampled = torch.zeros_like(like)
+    given = torch.zeros(like.shape, dtype=torch.bool, device=like.device)
     for i, lp in enumerate(sampler_logprobs):
-        sampled[i, : len(lp)] = torch.tensor(lp[: like.shape[1]], dtype=like.dtype)
-    valid = mask.bool() & torch.isfinite(sampled)
+        n = min(len(lp), like.shape[1])
+        sampled[i, :n] = torch.tensor(lp[:n], dtype=like.dtype)
+        given[i, :n] = True
+    valid = mask.bool() & given & torch.isfinite(sampled)
     return sampled, valid
 
 

@@ -1,0 +1,111 @@
+"""Whether the sampler draws from the weights the trainer gave it: ``rollout/token_prob_ratio`` and its gate.
+
+NeMo-RL's token_mult_prob_error: over the sampled tokens, the mean of exp|log pi_sampler - log pi_trainer|, the
+trainer's log-probs taken at the weights that sampled (the version the batch carries), so that a rollout worker's
+staleness (``rollout.async_steps``) does not count: numerics and faults do. 1 is agreement. In the synchronous
+step those weights are the step's own, and pi_old on q is the trainer's side at no cost; under rollout workers the
+trainer keeps a host copy of the parameters of each version a worker may still draw with (``WeightVersions``)
+and scores the batch with them, one no-grad pass (every ``train.sampler_check_every`` steps; the copies are of
+the versions those steps read). Nothing is measured where the sampler gives no log-probs (HF generate on the
+training module itself: no push, one set of weights), where its log-probs stand for pi_old
+(``rollout.old_from_sampler``), or for a batch drawn before a resume (its version's weights are not kept).
+
+What it exists for: a weight push that did not reach the sampler, weights pushed or read in another dtype, a
+prompt's KV cached under older weights served again, a sampler kernel computing something else. Above
+``train.max_sampler_mismatch`` (``mismatch_limit``) a step warns (once); ``train.sampler_mismatch_steps`` such steps in a row stop
+the run with a checkpoint (``SamplerGate``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from bicc.method.losses.tis import sampler_grid
+
+CAUSES = ("a weight push that did not reach the sampler (its version advanced, its weights did not); weights "
+          "pushed or read in another dtype than model.dtype; a prefix cache not reset after a push, serving a "
+          "prompt's KV from older weights; a sampler kernel or quantisation computing another distribution")
+
+
+def mismatch_limit(limit: float | None, dtype: str) -> float:
+    """``train.max_sampler_mismatch``, null resolved by ``model.dtype``: 1.01 in float32 (healthy: 1.0000001 on
+    CPU, HF workers and vLLM alike), 1.1 in 16-bit (1.001 on CPU in bfloat16; NeMo-RL's gate on GPU)."""
+    if limit is not None:
+        return float(limit)
+    return 1.01 if dtype == "float32" else 1.1
+
+
+def token_prob_ratio(sampler_logprobs: list[list[float]], trainer_logp: torch.Tensor, mask: torch.Tensor) -> float | None:
+    """Mean over the completion tokens with a sampler log-prob of exp|log pi_sampler - log pi_trainer|
+    (``trainer_logp`` [N, L] at the weights that sampled; ``mask`` [N, L]); None without such tokens."""
+    trainer_logp, mask = trainer_logp.detach().cpu().double(), mask.cpu()
+    sampled, valid = sampler_grid(sampler_logprobs, trainer_logp, mask)
+    if not valid.any():
+        return None
+    return (sampled - trainer_logp).abs()[valid].exp().mean().item()
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter (its shard under FSDP2)."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class WeightVersions:
+    """Host copies of the policy's parameters at the weight versions a rollout worker may still draw a checked
+    batch with (this process's shards under FSDP2), dropped once that batch is read."""
+
+    def __init__(self):
+        self.kept: dict[int, list[torch.Tensor]] = {}
+
+    def keep(self, model, version: int) -> None:
+        with torch.no_grad():
+            self.kept[version] = [local(p).detach().to("cpu", copy=True) for p in model.parameters()]
+
+    def forget_before(self, version: int) -> None:
+        for v in [v for v in self.kept if v < version]:
+            del self.kept[v]
+
+    @contextmanager
+    def at(self, model, version: int):
+        """``model`` holds version ``version``'s parameters inside, its own again after."""
+        params = [local(p) for p in model.parameters()]
+        with torch.no_grad():
+            own = [p.detach().to("cpu", copy=True) for p in params]
+            for p, kept in zip(params, self.kept[version]):
+                p.copy_(kept)
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(params, own):
+                    p.copy_(saved)
+
+
+class SamplerGate:
+    """``train.max_sampler_mismatch`` over ``rollout/token_prob_ratio``: a warning the first time a step is above
+    it, and a stop after ``train.sampler_mismatch_steps`` measured steps in a row above it."""
+
+    def __init__(self, limit: float, steps: int):
+        self.limit, self.steps = limit, steps
+        self.streak, self.warned = 0, False
+
+    def check(self, ratio: float | None, step: int) -> str | None:
+        """The step's ratio (None: not measured, the streak stands). Returns the message to stop the run with."""
+        if ratio is None or not self.limit:
+            return None
+        if ratio <= self.limit:
+            self.streak = 0
+            return None
+        self.streak += 1
+        what = (f"step {step}: rollout/token_prob_ratio = {ratio:.4g} > train.max_sampler_mismatch = {self.limit:g}: "
+                f"the sampler's log-probs are not the trainer's at the weights that sampled")
+        if self.streak >= self.steps:
+            return (f"[rollout] {what}, {self.streak} measured steps in a row (train.sampler_mismatch_steps = "
+                    f"{self.steps}). Likely causes: {CAUSES}.")
+        if not self.warned:
+            self.warned = True
+            print(f"[rollout] warning: {what}. Likely causes: {CAUSES}. The run stops after "
+                  f"train.sampler_mismatch_steps = {self.steps} such steps in a row.", flush=True)
+        return None
