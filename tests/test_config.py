@@ -315,7 +315,9 @@ def test_every_key_we_give_for_a_trl_or_verl_name_composes():
         assert ours, row
         for override in ours:
             key, _, value = override.partition("=")
-            cfg = compose_cfg(["sft.cache_dir=/tmp/x", override])
+            # a key that reads another of the row's (data.reward_weights: one weight per reward) composes with it
+            needs = [o for o in ours if o.startswith("data.rewards=")] if key == "data.reward_weights" else []
+            cfg = compose_cfg(["sft.cache_dir=/tmp/x", *needs, override])
             validate(cfg)
             if "." in key:  # a key: it holds the value given (a group choice: the group composed)
                 actual, given = OmegaConf.select(cfg, key), OmegaConf.create({"v": yaml.safe_load(value)}).v

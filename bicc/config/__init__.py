@@ -27,7 +27,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from bicc.config.evaluation import BenchmarkConfig, EvalConfig, LoggerConfig
-from bicc.config.fields import choice
+from bicc.config.fields import choice, need
 from bicc.config.method import AlgoConfig, BiccConfig, RccConfig
 from bicc.config.run import (
     ArithConfig,
@@ -70,6 +70,11 @@ class RunConfig:
     run_name: str = MISSING
     resume: Optional[str] = None
     ckpt: Optional[str] = None
+
+    @staticmethod
+    def check(c) -> None:
+        need(c.seed >= 0, "seed", f"must be >= 0, got {c.seed}")
+        need(0 <= c.threads <= 4096, "threads", f"must be in [0, 4096] (0 = the usable cores), got {c.threads}")
 
 
 class GroupsView:

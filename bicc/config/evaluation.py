@@ -7,7 +7,7 @@ from typing import List, Literal, Optional
 
 from omegaconf import MISSING
 
-from bicc.config.fields import OnBadRow, choice, need
+from bicc.config.fields import OnBadRow, at_least, choice, need
 
 
 @dataclass
@@ -69,6 +69,8 @@ class EvalConfig:
         names = [b.name for b in e.benchmarks]
         need(len(set(names)) == len(names), "eval.benchmarks", f"benchmark names must be unique, got {names}")
         need(e.samples_per_problem >= 1, "eval.samples_per_problem", f"must be >= 1, got {e.samples_per_problem}")
+        at_least(e, "eval", ("num_problems", "max_new_tokens", "checker_workers"), 1)
+        need(e.bootstrap_samples >= 2, "eval.bootstrap_samples", f"must be >= 2 (an interval), got {e.bootstrap_samples}")
         need(e.limit is None or e.limit >= 1, "eval.limit", f"must be null or >= 1, got {e.limit}")
         need(e.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {e.temperature}")
         need(0 < e.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {e.top_p}")

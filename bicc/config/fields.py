@@ -25,6 +25,13 @@ def need(cond: bool, field_name: str, message: str) -> None:
         raise ValueError(f"config field '{field_name}': {message}")
 
 
+def at_least(cfg: Any, group: str, names: tuple[str, ...], low: float, meaning: str = "") -> None:
+    """Each of ``names`` in ``cfg`` (the group ``group``) is null or >= ``low``."""
+    for name in names:
+        value = cfg[name]
+        need(value is None or value >= low, f"{group}.{name}", f"must be >= {low:g}{meaning}, got {value}")
+
+
 def _values(options: Any) -> tuple:
     """The values a ``Literal`` type allows; ``Optional[Literal[...]]`` adds None."""
     if options is type(None):

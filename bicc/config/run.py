@@ -8,7 +8,7 @@ from typing import List, Literal, Optional
 
 from omegaconf import MISSING
 
-from bicc.config.fields import Dtype, OnBadRow, choice, need
+from bicc.config.fields import Dtype, OnBadRow, at_least, choice, need
 
 
 @dataclass
@@ -24,6 +24,24 @@ class TinyArchConfig:
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = True
     attention_dropout: float = 0.0
+
+    # a model built from a config is for tests and the embedded task on a CPU; a real one is model.path
+    MAX_PARAMETERS = 10**9
+
+    @staticmethod
+    def check(t) -> None:
+        sizes = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "max_position_embeddings")
+        at_least(t, "model.tiny", sizes, 1)
+        need(t.num_attention_heads % t.num_key_value_heads == 0, "model.tiny.num_key_value_heads",
+             f"must divide model.tiny.num_attention_heads={t.num_attention_heads}, got {t.num_key_value_heads}")
+        need(0 <= t.attention_dropout < 1, "model.tiny.attention_dropout", f"must be in [0, 1), got {t.attention_dropout}")
+        attention = t.hidden_size * t.head_dim * 2 * (t.num_attention_heads + t.num_key_value_heads)
+        per_layer = attention + 3 * t.hidden_size * t.intermediate_size
+        n = t.num_hidden_layers * per_layer
+        need(n <= TinyArchConfig.MAX_PARAMETERS, "model.tiny",
+             f"builds {n:.3g} parameters in its layers, over {TinyArchConfig.MAX_PARAMETERS:.0e} (a model built from a "
+             f"config is for a CPU; a real one is model.path): " + ", ".join(f"model.tiny.{k}={t[k]}" for k in sizes[:-1]))
 
 
 @dataclass
@@ -68,10 +86,19 @@ class ArithConfig:
     worked_example: bool = False
     extractors: List[str] = field(default_factory=list)
 
+    MAX_OPERANDS = 1000
+    MAX_TEST_SIZE = 10**6
+
     @staticmethod
     def check(ar) -> None:
-        need(2 <= ar.min_operands <= ar.max_operands, "data.arith.min_operands",
-             f"need 2 <= min_operands <= max_operands, got {ar.min_operands}..{ar.max_operands}")
+        need(ar.min_operands >= 2, "data.arith.min_operands", f"must be >= 2, got {ar.min_operands}")
+        need(ar.max_operands >= ar.min_operands, "data.arith.max_operands",
+             f"must be >= data.arith.min_operands={ar.min_operands}, got {ar.max_operands}")
+        need(ar.max_operands <= ArithConfig.MAX_OPERANDS, "data.arith.max_operands",
+             f"must be <= {ArithConfig.MAX_OPERANDS} (a sum of N operands is a prompt of ~4N tokens), got {ar.max_operands}")
+        at_least(ar, "data.arith", ("max_operand", "slip_max", "test_size"), 1)
+        need(ar.test_size <= ArithConfig.MAX_TEST_SIZE, "data.arith.test_size",
+             f"must be <= {ArithConfig.MAX_TEST_SIZE:.0e} (each is drawn and held), got {ar.test_size}")
         need(0 <= ar.slip_rate <= 1, "data.arith.slip_rate", f"must be in [0, 1], got {ar.slip_rate}")
         need(set(ar.ops) <= set("+-") and ar.ops != "", "data.arith.ops", f"use a non-empty subset of '+-', got '{ar.ops}'")
         need(0 < ar.test_share < 1, "data.arith.test_share", f"must be in (0, 1), got {ar.test_share}")
@@ -119,6 +146,11 @@ class DataConfig:
 
     @staticmethod
     def check(d) -> None:
+        at_least(d, "data", ("seed",), 0)
+        rewards = len(d.rewards) or int(bool(d.reward))  # weighted: data.rewards, or data.reward alone
+        need(d.reward_weights is None or len(d.reward_weights) == rewards, "data.reward_weights",
+             f"{len(d.reward_weights or [])} weights for {rewards} rewards (data.rewards, or data.reward; the task's "
+             "own reward takes none)")
         need(d.max_prompt_length is None or d.max_prompt_length >= 1, "data.max_prompt_length",
              f"must be null (no limit) or >= 1 tokens, got {d.max_prompt_length}")
 
@@ -151,6 +183,9 @@ class RolloutConfig:
     share_gpus: bool = False
     push_bucket_mib: float = 32.0
 
+    MAX_ASYNC_STEPS = 64
+    MAX_CPU_WORKERS = 256
+
     @staticmethod
     def check(r) -> None:
         need(r.group_size >= 2, "rollout.group_size",
@@ -159,6 +194,13 @@ class RolloutConfig:
         need(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
         need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
         need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+        at_least(r, "rollout", ("batch_size", "max_model_len"), 1)
+        need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+             f"must be in (0, 1], got {r.gpu_memory_utilization}")
+        need(r.async_steps <= RolloutConfig.MAX_ASYNC_STEPS, "rollout.async_steps",
+             f"must be <= {RolloutConfig.MAX_ASYNC_STEPS} (batches drawn ahead, each held until trained), got {r.async_steps}")
+        need(r.cpu_workers <= RolloutConfig.MAX_CPU_WORKERS, "rollout.cpu_workers",
+             f"must be <= {RolloutConfig.MAX_CPU_WORKERS} (processes on one node), got {r.cpu_workers}")
         need(r.tis_cap is None or r.tis_cap >= 0, "rollout.tis_cap",
              f"must be null (on under rollout.async_steps, else off) or >= 0 (0 = no correction), got {r.tis_cap}")
         need(r.async_steps >= 0, "rollout.async_steps",
@@ -204,6 +246,9 @@ class OptimConfig:
     @staticmethod
     def check(o) -> None:
         need(o.lr >= 0, "optim.lr", f"must be >= 0 (0: the weights stay where they are), got {o.lr}")
+        at_least(o, "optim", ("weight_decay", "warmup_steps"), 0)
+        need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas",
+             f"must be two values in [0, 1), got {list(o.betas)}")
         need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
         need(o.clip_grad > 0, "optim.clip_grad", f"must be > 0, got {o.clip_grad}")
 
@@ -241,6 +286,8 @@ class TrainConfig:
                      "max_nonfinite_steps", "sampler_mismatch_steps"):
             need(t[name] >= 1, f"train.{name}", f"must be >= 1, got {t[name]}")
         need(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
+        at_least(t, "train", ("time_budget_s", "save_every", "keep_last"), 0, " (0 = none)")
+        need(t.log_every >= 1, "train.log_every", f"must be >= 1, got {t.log_every}")
         need(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = before and after RL only), got {t.eval_every}")
         need(t.micro_batch_tokens >= 0, "train.micro_batch_tokens",
              f"must be >= 0 (0 = fixed micro-batches), got {t.micro_batch_tokens}")
@@ -317,3 +364,6 @@ class SFTConfig:
     def check(s) -> None:
         need(0 <= s.context_share <= 1, "sft.context_share", f"must be in [0, 1], got {s.context_share}")
         need(s.steps >= 0, "sft.steps", f"must be >= 0 (0: the tiny model as built), got {s.steps}")
+        at_least(s, "sft", ("time_budget_s", "lr", "warmup_steps", "weight_decay", "seed"), 0)
+        need(s.batch_size >= 1, "sft.batch_size", f"must be >= 1, got {s.batch_size}")
+        need(0 <= s.min_lr_ratio <= 1, "sft.min_lr_ratio", f"must be in [0, 1], got {s.min_lr_ratio}")

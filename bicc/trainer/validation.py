@@ -31,6 +31,8 @@ def validate(cfg: Any) -> None:
         except KeyError as err:  # the registry's message: the choices, or why an imported name failed
             need(False, field_name, err.args[0])
 
+    # bicc.max_tokens follows rollout.max_new_tokens (conf/bicc): named where it is set, before BiCC's own check
+    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {cfg.rollout.max_new_tokens}")
     check_schema(cfg, RunConfig)
     check_variant_params(cfg.algo, LOSSES.get(cfg.algo.loss))
 

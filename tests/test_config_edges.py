@@ -1,0 +1,86 @@
+"""Every numeric field of the run's schemas (found by walking ``RunConfig``: a new field is covered without an edit) at
+0, at a negative value, at 1 and at a huge one (10^12): either a clear error naming the field before any model
+loads (``bicc.trainer.validation.validate``), or a value the run takes for what it means. Accepted zeros and
+negatives then run (``-m slow``: a short run each, which must finish); a negative is accepted only where the field
+is signed by meaning."""
+
+import copy
+import dataclasses
+import typing
+
+import pytest
+from omegaconf import OmegaConf
+
+from bicc.config import RunConfig
+from bicc.trainer.validation import validate
+from tests.conftest import compose_cfg
+from tests.helpers import SMALL, run_train
+
+# a partition threshold for rewards that may be negative (a shaped reward); a reward's weight (negative: a penalty)
+SIGNED = {"bicc.reward_threshold", "data.reward_weights"}
+
+
+def numeric_fields(schema=RunConfig, path=""):
+    """(dotted name, int or float, whether it is a list) of every number a run's config holds."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        hint = hints[f.name]
+        inner = [t for t in (hint, *typing.get_args(hint)) for t in (t, *typing.get_args(t))]
+        nested = [t for t in inner if dataclasses.is_dataclass(t)]
+        if nested and typing.get_origin(hint) is not list:
+            yield from numeric_fields(nested[0], f"{path}{f.name}.")
+        elif not f.metadata.get("choices") and (kind := next((t for t in inner if t in (int, float)), None)):
+            yield f"{path}{f.name}", kind, any(typing.get_origin(t) in (list, tuple) for t in (hint, *typing.get_args(hint)))
+
+
+FIELDS = list(numeric_fields())
+CASES = [(name, v, listed) for name, kind, listed in FIELDS
+         for v in ((0, -1, 1, 10**12) if kind is int else (0.0, -1.0, 1.0, 1e12))]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return compose_cfg(["sft.cache_dir=/tmp/x"])
+
+
+def outcome(base, name, value, listed):
+    """None when the value is accepted, else the error's message; any other exception propagates."""
+    cfg = copy.deepcopy(base)
+    current = OmegaConf.select(cfg, name)
+    OmegaConf.update(cfg, name, [value] * max(1, len(current or [])) if listed else value, merge=False)
+    try:
+        validate(cfg)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_the_walk_finds_the_fields():
+    names = {name for name, _, _ in FIELDS}
+    assert {"train.steps", "optim.lr", "model.tiny.hidden_size", "eval.ks", "rollout.group_size", "seed"} <= names
+    assert len(names) >= 100
+
+
+@pytest.mark.parametrize(("name", "value", "listed"), CASES, ids=[f"{n}={v}" for n, v, _ in CASES])
+def test_an_edge_is_refused_naming_its_field_or_taken(name, value, listed, base):
+    message = outcome(base, name, value, listed)
+    if message is not None:
+        assert message.startswith("config field '") and (f"'{name}" in message or f"{name}=" in message), message
+    elif value < 0:
+        assert name in SIGNED, f"{name}={value} is accepted: refuse it, or declare the field signed"
+
+
+def accepted_small_values():
+    base = compose_cfg(["sft.cache_dir=/tmp/x"])
+    return [(n, v, listed) for n, v, listed in CASES if v in (0, -1) and outcome(base, n, v, listed) is None]
+
+
+@pytest.mark.slow
+@pytest.mark.launch
+@pytest.mark.parametrize(("name", "value", "listed"), accepted_small_values(),
+                         ids=[f"{n}={v}" for n, v, _ in accepted_small_values()])
+def test_an_accepted_zero_or_negative_runs(name, value, listed, tmp_path):
+    """A short run (the tiny model, 2 RL steps) with the value must finish."""
+    setting = f"{name}=[{value}]" if listed else f"{name}={value}"
+    args = [*[a for a in SMALL if not a.startswith(name + "=")], setting, f"hydra.run.dir={tmp_path / 'run'}"]
+    run_train(args, tmp_path, timeout=240)
