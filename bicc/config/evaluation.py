@@ -70,7 +70,12 @@ class EvalConfig:
         need(len(set(names)) == len(names), "eval.benchmarks", f"benchmark names must be unique, got {names}")
         need(e.samples_per_problem >= 1, "eval.samples_per_problem", f"must be >= 1, got {e.samples_per_problem}")
         at_least(e, "eval", ("num_problems", "max_new_tokens", "checker_workers"), 1)
-        need(e.bootstrap_samples >= 2, "eval.bootstrap_samples", f"must be >= 2 (an interval), got {e.bootstrap_samples}")
+        need(2 <= e.bootstrap_samples <= 10**6, "eval.bootstrap_samples",
+             f"must be in [2, 10^6] (an interval; each resample is a pass over the problems), got {e.bootstrap_samples}")
+        need(e.samples_per_problem <= 10**4, "eval.samples_per_problem",
+             f"must be <= 10^4 (the paper's pass@1 takes 32), got {e.samples_per_problem}")
+        need(e.checker_workers <= 256, "eval.checker_workers", f"must be <= 256 (processes), got {e.checker_workers}")
+        need(e.shards is None or e.shards <= 10**4, "eval.shards", f"must be <= 10^4, got {e.shards}")
         need(e.limit is None or e.limit >= 1, "eval.limit", f"must be null or >= 1, got {e.limit}")
         need(e.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {e.temperature}")
         need(0 < e.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {e.top_p}")

@@ -365,5 +365,5 @@ class SFTConfig:
         need(0 <= s.context_share <= 1, "sft.context_share", f"must be in [0, 1], got {s.context_share}")
         need(s.steps >= 0, "sft.steps", f"must be >= 0 (0: the tiny model as built), got {s.steps}")
         at_least(s, "sft", ("time_budget_s", "lr", "warmup_steps", "weight_decay", "seed"), 0)
-        need(s.batch_size >= 1, "sft.batch_size", f"must be >= 1, got {s.batch_size}")
+        need(1 <= s.batch_size <= 10**5, "sft.batch_size", f"must be in [1, 10^5], got {s.batch_size}")
         need(0 <= s.min_lr_ratio <= 1, "sft.min_lr_ratio", f"must be in [0, 1], got {s.min_lr_ratio}")

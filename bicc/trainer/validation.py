@@ -42,6 +42,14 @@ def validate(cfg: Any) -> None:
     need(not diag_every(cfg.diag, cfg.rcc) or cfg.diag.splits <= cfg.rollout.prompts_per_step, "diag.splits",
          f"must be <= rollout.prompts_per_step={cfg.rollout.prompts_per_step} (splits are disjoint sets of groups), "
          f"got {cfg.diag.splits}")
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    need(rows <= MAX_ROWS_PER_STEP, "rollout.prompts_per_step",
+         f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} x rollout.group_size={cfg.rollout.group_size} = "
+         f"{rows:.3g} rows a step, over {MAX_ROWS_PER_STEP:.0e} (the paper's: 128; DAPO's: 8192)")
+    if cfg.data.task == "arith" and any(b.source == "task" for b in cfg.eval.benchmarks):
+        need(cfg.eval.num_problems <= cfg.data.arith.test_size, "eval.num_problems",
+             f"must be <= data.arith.test_size={cfg.data.arith.test_size} (the task's test split), got "
+             f"{cfg.eval.num_problems}")
     if cfg.data.task == "math":  # data=jsonl leaves both empty for the user to fill
         for split in ("train_source", "test_source"):
             need(bool(cfg.data.math[split]), f"data.math.{split}", "is empty: set a .jsonl/.parquet path or an HF dataset id")
@@ -52,6 +60,10 @@ def validate(cfg: Any) -> None:
         impl = resolve_attn_implementation(cfg.model.attn_implementation)
         need(impl in MASK_ATTENTION, "train.context_packing_impl",
              f"'mask' needs a 4-D attention mask, which model.attn_implementation={impl} ignores; use kv")
+
+
+# A step's rows (prompts x samples) beyond any RL recipe: refused before anything is drawn or allocated.
+MAX_ROWS_PER_STEP = 10**6
 
 
 def check_variant_params(algo_cfg: Any, loss) -> None:
