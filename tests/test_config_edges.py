@@ -84,3 +84,15 @@ def test_an_accepted_zero_or_negative_runs(name, value, listed, tmp_path):
     setting = f"{name}=[{value}]" if listed else f"{name}={value}"
     args = [*[a for a in SMALL if not a.startswith(name + "=")], setting, f"hydra.run.dir={tmp_path / 'run'}"]
     run_train(args, tmp_path, timeout=240)
+
+
+@pytest.mark.launch
+def test_a_huge_learning_rate_stops_with_a_message_naming_it(tmp_path):
+    """optim.lr=10^12 is a value, not an error: the first step's update (clipped gradient, Adam's unit step) leaves
+    finite weights whose logits are not, and the next rollout stops the run saying so (it crashed inside HF's
+    sampler before)."""
+    proc = run_train([*SMALL, "train.steps=4", "optim.lr=1e12", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
+                     check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "FloatingPointError: sampling at weight version 1" in out, out[-2000:]
+    assert "optim.lr too high" in out

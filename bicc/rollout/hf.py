@@ -98,6 +98,13 @@ class HFEngine(Engine):
                     if token_logprobs is not None:
                         out.logprobs.append(token_logprobs[row][: len(ids)])
             out.texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        except RuntimeError as err:
+            if "probability tensor contains" not in str(err):
+                raise
+            raise FloatingPointError(
+                f"sampling at weight version {self.version}: the policy's next-token probabilities are not finite "
+                "(inf or NaN logits): its weights have diverged, most often from optim.lr too high for the model; "
+                "the last checkpoint is the resume point") from err
         finally:
             torch.random.set_rng_state(generator_state)
             self.model.train(was_training)
