@@ -43,11 +43,15 @@ def base():
     return compose_cfg(["sft.cache_dir=/tmp/x"])
 
 
+def setting(base, name, value, listed):
+    """The value as the field takes it: a list field gets it in each of its places (one at least)."""
+    return [value] * max(1, len(OmegaConf.select(base, name) or [])) if listed else value
+
+
 def outcome(base, name, value, listed):
     """None when the value is accepted, else the error's message; any other exception propagates."""
     cfg = copy.deepcopy(base)
-    current = OmegaConf.select(cfg, name)
-    OmegaConf.update(cfg, name, [value] * max(1, len(current or [])) if listed else value, merge=False)
+    OmegaConf.update(cfg, name, setting(base, name, value, listed), merge=False)
     try:
         validate(cfg)
     except ValueError as err:
@@ -71,18 +75,19 @@ def test_an_edge_is_refused_naming_its_field_or_taken(name, value, listed, base)
 
 
 def accepted_small_values():
+    """(name, value, the override) of each zero or negative the validation takes."""
     base = compose_cfg(["sft.cache_dir=/tmp/x"])
-    return [(n, v, listed) for n, v, listed in CASES if v in (0, -1) and outcome(base, n, v, listed) is None]
+    return [(n, v, f"{n}={setting(base, n, v, listed)}".replace(" ", "")) for n, v, listed in CASES
+            if v in (0, -1) and outcome(base, n, v, listed) is None]
 
 
 @pytest.mark.slow
 @pytest.mark.launch
-@pytest.mark.parametrize(("name", "value", "listed"), accepted_small_values(),
-                         ids=[f"{n}={v}" for n, v, _ in accepted_small_values()])
-def test_an_accepted_zero_or_negative_runs(name, value, listed, tmp_path):
+@pytest.mark.parametrize(("name", "value", "override"), accepted_small_values(),
+                         ids=[o for _, _, o in accepted_small_values()])
+def test_an_accepted_zero_or_negative_runs(name, value, override, tmp_path):
     """A short run (the tiny model, 2 RL steps) with the value must finish."""
-    setting = f"{name}=[{value}]" if listed else f"{name}={value}"
-    args = [*[a for a in SMALL if not a.startswith(name + "=")], setting, f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [*[a for a in SMALL if not a.startswith(name + "=")], override, f"hydra.run.dir={tmp_path / 'run'}"]
     run_train(args, tmp_path, timeout=240)
 
 
