@@ -10,7 +10,8 @@ the registries and the checks across groups, before any model is loaded, naming 
 | module | groups |
 | --- | --- |
 | ``method.py`` | ``algo``, ``bicc``, ``rcc`` |
-| ``run.py`` | ``model``, ``data``, ``rollout``, ``optim``, ``train``, ``dist``, ``sft`` |
+| ``run.py`` | ``model``, ``rollout``, ``optim``, ``train``, ``dist``, ``sft``, ``diag`` |
+| ``data.py`` | ``data`` |
 | ``evaluation.py`` | ``eval``, ``logger`` |
 | ``fields.py`` | (the helpers: closed choices, the check that names the field) |
 """
@@ -26,15 +27,13 @@ from typing import Literal, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from bicc.config.data import ArithConfig, DataConfig, MathDataConfig
 from bicc.config.evaluation import BenchmarkConfig, EvalConfig, LoggerConfig
 from bicc.config.fields import choice, need
 from bicc.config.method import AlgoConfig, BiccConfig, RccConfig
 from bicc.config.run import (
-    ArithConfig,
-    DataConfig,
     DiagConfig,
     DistConfig,
-    MathDataConfig,
     ModelConfig,
     OptimConfig,
     RolloutConfig,
