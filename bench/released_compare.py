@@ -104,7 +104,8 @@ def paired(base: dict[int, Path], runs: dict[int, Path]) -> tuple[float, float, 
 def verdict(found, margin: float = 5.0) -> str:
     """The decision rule's words for a paired difference."""
     _, lo, hi, n = found
-    word = "above 0" if lo > 0 else "below 0" if hi < 0 else f"within ±{margin:g}" if -margin <= lo and hi <= margin else "holds 0"
+    within = -margin <= lo and hi <= margin
+    word = "above 0" if lo > 0 else "below 0" if hi < 0 else f"within ±{margin:g}" if within else "holds 0"
     return word + (" (provisional: fewer than 3 seeds)" if n < 3 else "")
 
 

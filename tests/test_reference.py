@@ -75,6 +75,15 @@ COMBINATIONS += [(bicc, rcc, 0.05, 0.0, where, "rollout.old_from_sampler=true") 
                  for rcc, where in (("off", "xc"), ("on", "xc"), ("on", "q"))]
 # ... and RCC's diagnostic form divided by the group's reward std (rcc=std, not the paper's)
 COMBINATIONS += [(bicc, "std", 0.0, 0.0, where, "") for bicc in ("off", "on") for where in ("xc", "q")]
+# ... and the released code's form (bicc=released: pi_old on x^c, pi_theta on q; one attempt, its layout) under its
+# objective and under the paper's RCC, a KL term, TIS; and each of its switches alone on the paper's bicc=on
+RELEASED = "algo=released"
+COMBINATIONS += [("released", rcc, kl, tis, where, RELEASED if rcc == "off" else "") for rcc in ("off", "on")
+                 for kl in (0.0, 0.05) for tis in (0.0, 1.2) for where in (("xc", "q") if rcc == "on" else ("xc",))]
+COMBINATIONS += [("released", "off", 0.0, 0.0, "xc", f"{RELEASED} diag.every=1")]
+COMBINATIONS += [("on", "on", 0.0, 0.0, "q", switch) for switch in
+                 ("bicc.context_in=denominator", "bicc.mode=last", "bicc.layout=released", "bicc.mode=last bicc.truncate=none")]
+COMBINATIONS += [("on", "off", 0.0, 0.0, "xc", "algo.advantage=src")]
 
 
 def group_cov_loop(rewards: torch.Tensor, values: torch.Tensor, group_ids: torch.Tensor) -> float:
@@ -120,7 +129,8 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
     if bicc != "off":  # the logged conditioning weights log pi_old(o | x^c) - log pi_old(o | q), by reward, wherever
         # the step has pi_old on both (bicc=stable has it on q only for TIS or a delta on q)
         expected = conditioning_weights(out["log_w"], out["conditioned"], ro.correct)
-        on_q = bicc == "on" or tis > 0 or (rcc != "off" and where == "q") or "diag" in extra
+        old_on_q = bicc == "on" and "context_in=denominator" not in extra
+        on_q = old_on_q or tis > 0 or (rcc != "off" and where == "q") or "diag" in extra
         logged = {k: metrics[k] for k in expected if k in metrics}
         assert expected and logged == (pytest.approx(expected, abs=1e-4) if on_q else {})
         if on_q:  # what delta on x^c would add to Cov(r, delta): Cov(r, log w), group by group

@@ -53,11 +53,11 @@ class BiccConfig:
     """Bilateral Context Conditioning (conf/bicc): what the trainable numerator is conditioned on."""
 
     enabled: bool = MISSING
-    mode: str = choice(Literal["partition", "paired"], "partition")
+    mode: str = choice(Literal["partition", "paired", "last"], "partition")
     paired_k: int = 1
     context_ratio: float = 0.4
     max_tokens: int = MISSING
-    truncate: str = choice(Literal["middle", "head", "tail"], "middle")
+    truncate: str = choice(Literal["middle", "head", "tail", "none"], "middle")
     min_attempt_tokens: int = 12
     reward_threshold: Optional[float] = None
     preamble: str = "\n\nOther attempts at this problem:"
@@ -65,6 +65,9 @@ class BiccConfig:
     elision: str = " ... "
     old_on_context: bool = False
     lr_scale: float = 1.0
+    context_in: str = choice(Literal["numerator", "denominator"], "numerator")
+    layout: str = choice(Literal["paper", "released"], "paper")
+    separator_id: int = 2
 
     @staticmethod
     def check(b) -> None:
@@ -75,6 +78,13 @@ class BiccConfig:
         need(0 < b.lr_scale <= 10, "bicc.lr_scale", f"must be in (0, 10], got {b.lr_scale}")
         need("{i}" in b.attempt_header, "bicc.attempt_header",
              f"must contain '{{i}}' (the attempt number), got {b.attempt_header!r}")
+        need(0 <= b.separator_id < 2**31, "bicc.separator_id", f"must be a token id (>= 0), got {b.separator_id}")
+        need(b.truncate != "none" or b.mode != "partition", "bicc.truncate",
+             "'none' (attempts shown whole, no budget) needs bicc.mode=last or paired: a whole opposite partition can "
+             "hold G - 1 full outputs")
+        need(not (b.context_in == "denominator" and b.old_on_context), "bicc.context_in",
+             "'denominator' already evaluates pi_old on x^c (and pi_theta on q); bicc.old_on_context=true puts both "
+             "on x^c: set one of them")
 
 
 @dataclass

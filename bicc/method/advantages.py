@@ -2,6 +2,9 @@
 
     fn(rewards [N], group_ids [N], delta [N] | None, cfg) -> (advantages [N], metrics)
 
+An estimator that baselines on a greedy output (``fn.greedy_baseline = True``: ReMax) is also given
+``baseline=`` [N], the reward of its query's greedy output, which the rollout draws for it.
+
 ``group_ids`` says which query each sample answers (integers, any order). ``delta`` is the per-sample
 sequence log-prob shift used by reward-confidence correction; estimators that do not use it ignore it.
 Every group needs at least 2 samples: a group-relative advantage of one sample is meaningless.
@@ -72,6 +75,45 @@ def mean_centered_advantage(rewards, group_ids, delta, cfg):
     mean, std, counts = group_stats(rewards, group_ids)
     adv = rewards.double() - mean
     return adv.to(rewards.dtype), {"train/adv_zero_group_share": _degenerate_share(std, counts)}
+
+
+@ADVANTAGES.register("src")
+def src_advantage(rewards, group_ids, delta, cfg):
+    """The released BiCC code's advantage: per group, with n+ outputs of reward > 0.5 and n- the rest,
+    A = sqrt(n- / n+) for the former and -sqrt(n+ / n-) for the latter; 0 in a group with one side only.
+    For 0/1 rewards this is GRPO's (r - mean r) / std r (population std) with no eps; other rewards count only
+    by which side of 0.5 they fall."""
+    _, _, counts = group_stats(rewards, group_ids)
+    positive = (rewards > 0.5).double()
+    n_pos, _, _ = group_stats(positive, group_ids)  # the group's share of positives
+    n_pos = n_pos * counts
+    n_neg = counts - n_pos
+    mixed = (n_pos > 0) & (n_neg > 0)
+    ratio = torch.where(mixed, n_neg / n_pos.clamp(min=1), torch.ones_like(n_pos))
+    adv = torch.where(positive.bool(), ratio.sqrt(), -(1 / ratio).sqrt()) * mixed
+    share = ((~mixed).double() / counts).sum() / (1.0 / counts).sum()
+    return adv.to(rewards.dtype), {"train/adv_zero_group_share": share.item()}
+
+
+@ADVANTAGES.register("remax")
+def remax_advantage(rewards, group_ids, delta, cfg, baseline=None):
+    """ReMax (Li et al. 2023): A_i = r_i - b(q_i), b the reward of one greedy output of the query (the rollout draws
+    it: ``remax_advantage.greedy_baseline``; ``Rollout.baseline`` [N]). No std normalisation."""
+    if baseline is None:
+        raise ValueError("advantage 'remax' needs the reward of a greedy output per sample (Rollout.baseline: the "
+                         "collection draws it when algo.advantage=remax)")
+    adv = rewards.double() - baseline.double()
+    _, spread, counts = group_stats(adv, group_ids)
+    return adv.to(rewards.dtype), {"train/adv_zero_group_share": _degenerate_share(spread + adv.abs(), counts),
+                                   "train/remax_baseline": baseline.double().mean().item()}
+
+
+remax_advantage.greedy_baseline = True
+
+
+def baseline_of(ro) -> dict:
+    """The keyword an estimator with a greedy baseline takes from a rollout: ``{"baseline": [N]}``, or none."""
+    return {} if getattr(ro, "baseline", None) is None else {"baseline": ro.baseline}
 
 
 def advantage_name(algo, rcc) -> str:

@@ -14,8 +14,15 @@ elision marker between, ``head`` keeps the head, ``tail`` keeps the end. An atte
 
 Matching (``mode``): ``partition`` (the paper's Algorithm 1) shows every sample the whole opposite
 partition, so all samples of a partition share one prefix (which packing exploits); ``paired`` shows
-each sample ``paired_k`` opposite attempts assigned round-robin, reusing minority attempts.
+each sample ``paired_k`` opposite attempts assigned round-robin, reusing minority attempts; ``last`` shows
+each sample one: the last of the opposite partition in group order (the released code's, where each later
+pair overwrites the one before). ``truncate=none`` shows attempts whole, with no budget.
 A group whose partition is empty keeps the plain prompt q (BiCC falls back to the base variant).
+
+Layout (``layout``): ``paper`` as above; ``released`` (the released code's) places the attempts after the
+templated prompt q, its assistant turn already open, each after the separator token ``separator_id``, with one
+more separator before the output: [q; sep; o_opp; sep] (the attempt keeps its end token; no preamble, header or
+elision).
 """
 
 from __future__ import annotations
@@ -102,8 +109,9 @@ def answer_start(ids: list[int], tokenizer, anchors=DEFAULT_ANCHORS) -> int:
 
 
 def truncate(ids: list[int], keep: int, how: str, elision: list[int], ans_start: int, min_tokens: int) -> list[int] | None:
-    """``ids`` cut to at most ``keep`` tokens (elision marker included), or None when dropped."""
-    if len(ids) <= keep:
+    """``ids`` cut to at most ``keep`` tokens (elision marker included), or None when dropped; whole under
+    ``how="none"``."""
+    if len(ids) <= keep or how == "none":
         return ids
     if keep < min_tokens:
         return None
@@ -138,10 +146,21 @@ def _encode_template(tokenizer, prompt: str, bicc_cfg, max_attempts: int) -> _En
                     [enc(bicc_cfg.attempt_header.format(i=i + 1)) for i in range(max_attempts)])
 
 
+def _released_template(prompt_ids: list[int], bicc_cfg, max_attempts: int) -> _Encoded:
+    """The released layout as template pieces: q (the templated prompt) first, each attempt after a separator,
+    one more separator last."""
+    sep = [bicc_cfg.separator_id]
+    return _Encoded(list(prompt_ids), sep, [], [], [sep] * max_attempts)
+
+
 def context_budget(bicc_cfg, max_tokens: int | None = None) -> int:
     """Tokens the attempts of one context share: floor(context_ratio x max tokens), the max tokens being
-    ``bicc.max_tokens`` unless given."""
-    return int(bicc_cfg.context_ratio * (bicc_cfg.max_tokens if max_tokens is None else max_tokens))
+    ``bicc.max_tokens`` unless given; under ``truncate=none`` (attempts whole) the most its attempts can hold:
+    max tokens x the attempts one context shows (1 under ``mode=last``, ``paired_k`` under ``paired``)."""
+    tokens = bicc_cfg.max_tokens if max_tokens is None else max_tokens
+    if bicc_cfg.truncate == "none":
+        return tokens * (1 if bicc_cfg.mode == "last" else bicc_cfg.paired_k)
+    return int(bicc_cfg.context_ratio * tokens)
 
 
 def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct: torch.Tensor,
@@ -157,7 +176,8 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
     positive = partition(correct, bicc_cfg.reward_threshold)
     budget = context_budget(bicc_cfg, max_tokens)
     end = set(end_ids or [tokenizer.eos_token_id])
-    attempts = [ids[:-1] if ids and ids[-1] in end else list(ids) for ids in completion_ids]
+    released = bicc_cfg.layout == "released"  # the attempt as sampled, its end token kept
+    attempts = [list(ids) if released or not (ids and ids[-1] in end) else ids[:-1] for ids in completion_ids]
     n = len(completion_ids)
     out_ids: list[list[int]] = [list(p) for p in plain_prompt_ids]
     keys = list(range(n))  # unconditioned samples: unique keys (their q prefix is not shared in packing)
@@ -176,12 +196,15 @@ def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct:
         neg = [r for r in rows if not positive[r]]
         if not pos or not neg:
             continue
-        enc = _encode_template(tokenizer, prompts[rows[0]], bicc_cfg, max(len(pos), len(neg)))
+        enc = (_released_template(plain_prompt_ids[rows[0]], bicc_cfg, max(len(pos), len(neg))) if released
+               else _encode_template(tokenizer, prompts[rows[0]], bicc_cfg, max(len(pos), len(neg))))
         assigned = {}
         for side, opposite in ((pos, neg), (neg, pos)):
             for j, r in enumerate(side):
                 if bicc_cfg.mode == "partition":
                     chosen = tuple(opposite)
+                elif bicc_cfg.mode == "last":
+                    chosen = (opposite[-1],)
                 else:
                     k = min(bicc_cfg.paired_k, len(opposite))
                     chosen = tuple(opposite[(j * k + t) % len(opposite)] for t in range(k))

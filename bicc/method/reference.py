@@ -2,7 +2,8 @@
 and the loop of updates on stale batches that ``rollout.async_steps`` runs (``stale_loop``).
 Under ``bicc=on rcc=on`` it is the paper's Algorithm 1; every other switch the config offers reads as one plain
 line below (the variant's own advantage without RCC, delta on q, pi_old and the KL's reference on x^c under
-``bicc.old_on_context``, truncated importance weights). No training path calls it; ``tests/test_reference.py``
+``bicc.old_on_context``, the released code's ratio pi_theta(o | q) / pi_old(o | x^c) under
+``bicc.context_in=denominator``, truncated importance weights). No training path calls it; ``tests/test_reference.py``
 holds ``bicc.trainer.step.rl_step`` equal to it. Every formula is the library's own function.
 """
 
@@ -13,7 +14,7 @@ import copy
 import torch
 
 from bicc.config import StepConfig, tis_cap
-from bicc.method.advantages import ADVANTAGES
+from bicc.method.advantages import ADVANTAGES, baseline_of
 from bicc.method.conditioning import build_contexts
 from bicc.method.diagnostics import sequence_delta
 from bicc.method.losses import LOSSES, StepTotals
@@ -38,11 +39,12 @@ def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg: 
                               end_ids, anchors) if cfg.bicc.enabled else None
     xc = contexts.prompt_ids if contexts is not None else q
     old_on_xc = cfg.bicc.enabled and cfg.bicc.old_on_context  # the stabilised form (bicc=stable); the paper: on q
+    released = cfg.bicc.enabled and cfg.bicc.context_in == "denominator"  # bicc=released: pi_old on x^c, pi_theta on q
     with torch.no_grad():
         # pi_old(o | q): the trainer's, or the sampler's own log-probs under rollout.old_from_sampler
         old_q = sampler_grid(ro.out.logprobs, mask.float(), mask)[0] if cfg.rollout.old_from_sampler else logp(model, q)
         old_xc = logp(model, xc) if cfg.bicc.enabled else old_q  # pi_old(o | x^c); x^c is q with BiCC off
-        old = old_xc if old_on_xc else old_q  # the ratio's denominator
+        old = old_xc if old_on_xc or released else old_q  # the ratio's denominator
         ref = logp(ref_model, q)  # pi_ref(o | q)
         kl_ref = logp(ref_model, xc) if old_on_xc and cfg.algo.kl_coef > 0 else ref  # the KL's: like with like
     log_w = ((old_xc - old_q) * mask).sum(-1)  # [N] BiCC's log conditioning weight at theta_old
@@ -54,12 +56,13 @@ def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg: 
             adv = (adv.double() / (std + cfg.algo.adv_eps)).to(adv.dtype)
     else:
         delta = None
-        adv, _ = ADVANTAGES.get(cfg.algo.advantage)(ro.rewards, ro.group_ids, None, cfg.algo)
+        adv, _ = ADVANTAGES.get(cfg.algo.advantage)(ro.rewards, ro.group_ids, None, cfg.algo, **baseline_of(ro))
     # TIS: the tokens came from the sampler, so each is weighted by min(pi_old(o | q) / pi_sampler(o | q), cap)
     tis = tis_cap(cfg.rollout) > 0 and ro.out.logprobs is not None
     is_weight = sampler_importance_weights(ro.out.logprobs, old_q, mask, tis_cap(cfg.rollout))[0] if tis else None
-    # the registered loss on rho_i = pi_theta(o_i | x^c) / pi_old(o_i | q), normalised over the whole step
-    new = logp(model, xc)
+    # the registered loss on rho_i = pi_theta(o_i | x^c) / pi_old(o_i | q) (released: pi_theta(o_i | q) /
+    # pi_old(o_i | x^c)), normalised over the whole step
+    new = logp(model, q if released else xc)
     loss, _ = LOSSES.get(cfg.algo.loss)(new, old, kl_ref, adv, mask, cfg.algo, StepTotals.of(mask, cfg.rollout.max_new_tokens),
                                         is_weight=is_weight)
     optimizer.zero_grad(set_to_none=True)

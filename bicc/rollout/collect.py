@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bicc.data import encode_prompt, scored
+from bicc.method.advantages import ADVANTAGES
 from bicc.method.dapo import mixed_groups, overlong_buffer_tokens, overlong_penalty
 from bicc.rollout import RolloutOutput, SamplingParams
 
@@ -21,7 +22,9 @@ class Collection:
     (``dynamic_sampling``: groups whose correctness is all 0 or all 1 are dropped and more queries drawn, in at most
     ``max_rounds`` generate calls) and overlong shaping (``overlong_buffer`` tokens, ``overlong_penalty``); prompts
     longer than ``max_prompt_length`` tokens (None: no limit) are dropped for the next problems, or under
-    ``prompt_overflow="truncate"`` cut to their last ``max_prompt_length`` tokens (as TRL cuts them)."""
+    ``prompt_overflow="truncate"`` cut to their last ``max_prompt_length`` tokens (as TRL cuts them). Under
+    ``greedy_baseline`` (an advantage that asks for it: ReMax's) each query also gets one greedy output, scored
+    and shaped as the samples are: ``Rollout.baseline``."""
 
     prompts_per_step: int
     group_size: int
@@ -34,13 +37,15 @@ class Collection:
     overlong_penalty: float = 1.0
     max_prompt_length: int | None = None
     prompt_overflow: str = "drop"
+    greedy_baseline: bool = False
 
     @classmethod
     def of(cls, algo, r, data) -> "Collection":
         """The rule of a run's ``algo``, ``rollout`` (``r``) and ``data`` groups."""
         return cls(r.prompts_per_step, r.group_size, r.temperature, r.top_p, r.max_new_tokens, bool(algo.dynamic_sampling),
                    algo.max_sampling_rounds, overlong_buffer_tokens(algo, r.max_new_tokens), algo.overlong_penalty,
-                   data.max_prompt_length, data.prompt_overflow)
+                   data.max_prompt_length, data.prompt_overflow,
+                   bool(getattr(ADVANTAGES.get(algo.advantage), "greedy_baseline", False)))
 
     def keep(self, correct: torch.Tensor) -> torch.Tensor:
         """[groups] which groups of ``correct`` [groups, G] are kept: every one, or (dynamic sampling) the mixed."""
@@ -82,6 +87,7 @@ class Rollout:
     version: int = 0  # the weight version that drew it (``Engine.version``: optimizer steps behind those weights)
     reward_parts: dict = field(default_factory=dict)  # each named reward function's [N] values (data.rewards)
     prompts_over_length: int = 0  # prompts over data.max_prompt_length, dropped or truncated
+    baseline: torch.Tensor | None = None  # [N] the reward of the greedy output of each row's query (greedy_baseline)
 
     def to_plain(self) -> dict:
         """Lists, numbers and tensors only: what a checkpoint holds (read back with ``weights_only``)."""
@@ -89,7 +95,7 @@ class Rollout:
         return {"out": out, "prompts": self.prompts, "correct": self.correct, "rewards": self.rewards,
                 "group_ids": self.group_ids, "prompts_drawn": self.prompts_drawn, "rounds": self.rounds,
                 "generate_s": self.generate_s, "version": self.version, "reward_parts": self.reward_parts,
-                "prompts_over_length": self.prompts_over_length}
+                "prompts_over_length": self.prompts_over_length, "baseline": self.baseline}
 
     @classmethod
     def from_plain(cls, d: dict) -> "Rollout":
@@ -149,7 +155,8 @@ def merge_shards(parts: list[Rollout], group_size: int) -> Rollout:
                    sum(p.prompts_drawn for p in parts), max(p.rounds for p in parts), sum(p.generate_s for p in parts),
                    min(p.version for p in parts),
                    {k: torch.cat([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts},
-                   sum(p.prompts_over_length for p in parts))
+                   sum(p.prompts_over_length for p in parts),
+                   None if parts[0].baseline is None else torch.cat([p.baseline for p in parts]))
 
 
 def _problems(task, cursor: DataCursor, want: int, shard: int, num_shards: int) -> list:
@@ -169,7 +176,7 @@ def _collect_shard(engine, tokenizer, task, plan: Collection, cursor: DataCursor
     queries for the groups it drops, up to ``plan.max_rounds`` generate calls; a batch still short after that
     is used as is."""
     P, G = plan.prompts_per_step // num_shards, plan.group_size
-    kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor, dict]] = []
+    kept: list[tuple[RolloutOutput, list[str], torch.Tensor, torch.Tensor, dict, torch.Tensor | None]] = []
     num_kept, drawn, rounds, generate_s, over = 0, 0, 0, 0.0, 0
     while num_kept < P and rounds < plan.max_rounds:
         want = P - num_kept
@@ -192,12 +199,13 @@ def _collect_shard(engine, tokenizer, task, plan: Collection, cursor: DataCursor
         shaped = correct.double() + overlong_penalty(lengths, plan.max_new_tokens, plan.overlong_buffer,
                                                      plan.overlong_penalty)  # [want, G]
         queries = [problems[i // G].prompt for i in range(want * G)]  # each row's user-turn text
-        last_draw = (out, queries, correct.flatten(), shaped.flatten(), named)
+        baseline = greedy_rewards(engine, task, plan, problems, prompts, sampling.seed) if plan.greedy_baseline else None
+        last_draw = (out, queries, correct.flatten(), shaped.flatten(), named, baseline)
         rows = (plan.keep(correct).nonzero() * G + torch.arange(G)).flatten().tolist()  # sample rows of the kept groups
         if rows:
             part = _select(out, rows)
             kept.append((part, [queries[r] for r in rows], correct.flatten()[rows], shaped.flatten()[rows],
-                         {k: v[rows] for k, v in named.items()}))
+                         {k: v[rows] for k, v in named.items()}, None if baseline is None else baseline[rows]))
             num_kept += len(rows) // G
     if not kept:  # every group was degenerate in every round: train on the last draw (zero advantages)
         kept.append(last_draw)
@@ -207,8 +215,21 @@ def _collect_shard(engine, tokenizer, task, plan: Collection, cursor: DataCursor
     rewards = torch.cat([k[3] for k in kept]).float()
     group_ids = torch.arange(len(correct) // G).repeat_interleave(G)
     parts = {k: torch.cat([k_[4][k] for k_ in kept]) for k in kept[0][4]}
+    baseline = None if kept[0][5] is None else torch.cat([k[5] for k in kept]).float()
     return Rollout(out, prompts, correct, rewards, group_ids, drawn, rounds, generate_s, reward_parts=parts,
-                   prompts_over_length=over)
+                   prompts_over_length=over, baseline=baseline)
+
+
+def greedy_rewards(engine, task, plan: Collection, problems, prompts, seed: int) -> torch.Tensor:
+    """[len(prompts) x G] the shaped reward of one greedy output (temperature 0) of each query, repeated over its G
+    rows: ReMax's baseline."""
+    out = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=plan.max_new_tokens,
+                                                  seed=seed))
+    values, _ = scored(task, out.texts, problems)
+    lengths = torch.tensor([[len(c)] for c in out.completion_ids])
+    shaped = torch.tensor(values).double() + overlong_penalty(lengths, plan.max_new_tokens, plan.overlong_buffer,
+                                                              plan.overlong_penalty)[:, 0]
+    return shaped.repeat_interleave(plan.group_size)
 
 
 def _fitting_problems(task, tokenizer, plan: Collection, cursor: DataCursor, want: int, shard: int, num_shards: int):

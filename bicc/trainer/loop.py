@@ -39,6 +39,8 @@ from bicc.trainer.step import rl_step
 from bicc.trainer.validation import validate_lengths
 
 NAMED_FORMS = {("bicc", "stable"): "stabilised BiCC, not the paper's",
+               ("bicc", "released"): "the authors' released code's form, not the paper's",
+               ("algo", "released"): "the released code's objective, not a paper variant",
                ("rcc", "mean"): "RCC with per-token mean delta, not the paper's"}
 
 
@@ -57,7 +59,9 @@ def describe_choices(choices, cfg: StepConfig, model, data, sft) -> str:
     if cfg.algo.kl_coef > 0:
         text += f", KL {cfg.algo.kl_coef:g} ({cfg.algo.kl_estimator})"
     if cfg.bicc.enabled:
-        text += f", context budget {context_budget(cfg.bicc)} tokens"
+        text += ", attempts shown whole" if cfg.bicc.truncate == "none" else f", context budget {context_budget(cfg.bicc)} tokens"
+        if cfg.bicc.context_in == "denominator":
+            text += ", ratio pi_theta(o | q) / pi_old(o | x^c) (the released code's, the paper's reversed)"
     if r.async_steps:
         cap = tis_cap(r)
         text += (f", rollout workers {r.async_steps} step(s) ahead with "

@@ -2,7 +2,8 @@
 (``step_logprobs`` -> ``StepLogProbs``).
 
 Every no-grad forward has to earn its place:
-- pi_old is evaluated on q (the paper) or on x^c (``bicc.old_on_context``, the stabilised form). With one
+- pi_old is evaluated on q (the paper) or on x^c (``bicc.old_on_context``, the stabilised form; and under
+  ``bicc.context_in=denominator``, the released code's form, whose update then runs on q). With one
   optimizer update per rollout (``train.epochs_per_rollout = minibatches_per_rollout = 1``) and pi_old on
   the numerator's own context, pi_old *is* the policy the update's first forward runs, so that forward
   supplies it (``old_source = "update"``) unless something needs it before the update (RCC's delta, TIS,
@@ -42,8 +43,10 @@ def reads_reference(algo, delta: Optional[str]) -> bool:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """conditioned:  the trainable numerator is on x^c (BiCC on)
+    """conditioned:  BiCC builds contexts x^c this step (BiCC on)
     old_context:  "q" | "xc": where pi_old is evaluated
+    update_context: "q" | "xc": where the trainable numerator pi_theta is evaluated (x^c under BiCC unless
+                  ``bicc.context_in=denominator``)
     old_source:   "forward" (a no-grad pass) | "update" (the update's first forward) | "sampler"
     need_q:       pi_old on q is needed beside pi_old on x^c (the sampler's log-probs: their gap and TIS; delta on
                   q; diagnostics); it also gives log w
@@ -60,6 +63,7 @@ class StepPlan:
 
     conditioned: bool
     old_context: str
+    update_context: str
     old_source: str
     need_q: bool
     reference: bool
@@ -75,22 +79,25 @@ class StepPlan:
         """The plan for a step; ``sampler_logprobs``: the engine returns sampling log-probs;
         ``diagnostics``: this step runs the gradient-variance diagnostic (``diag.every``)."""
         conditioned = bool(cfg.bicc.enabled)
-        old_context = "xc" if conditioned and cfg.bicc.old_on_context else "q"
+        denominator = conditioned and cfg.bicc.context_in == "denominator"
+        old_context = "xc" if conditioned and (cfg.bicc.old_on_context or denominator) else "q"
+        update_context = "xc" if conditioned and not denominator else "q"
         from_sampler = bool(cfg.rollout.old_from_sampler)
         if from_sampler and old_context != "q":
             raise ValueError("rollout.old_from_sampler: the sampler's log-probs are on q, but bicc.old_on_context "
-                             "evaluates pi_old on x^c; use bicc=on or turn old_from_sampler off")
+                             "(or bicc.context_in=denominator) evaluates pi_old on x^c; use bicc=on or turn "
+                             "old_from_sampler off")
         if from_sampler and not sampler_logprobs:
             raise ValueError(f"rollout.old_from_sampler needs sampling log-probs from the engine "
                              f"(rollout={cfg.rollout.engine} returns none)")
         tis = sampler_logprobs and tis_cap(cfg.rollout) > 0 and not from_sampler
         delta = cfg.rcc.delta_context if (cfg.rcc.enabled or diagnostics) else None
         single_update = cfg.train.epochs_per_rollout == 1 and cfg.train.minibatches_per_rollout == 1
-        same_context = (old_context == "xc") == conditioned
+        same_context = old_context == update_context
         # delta on the numerator's own context (x^c, or q when BiCC is off), at theta_old = the update's weights; not
         # where that is q and pi_old on q is the sampler's: delta reads the same pi_old on q as the ratio does
         deferred = (cfg.train.delta_from_update and single_update and not diagnostics and delta is not None
-                    and ((conditioned and delta == "xc") or (not conditioned and not from_sampler)))
+                    and ((update_context == "xc" and delta == "xc") or (not conditioned and not from_sampler)))
         # the sampler's correction (its gap to pi_old on q, TIS's weights) from the update's first forward where that
         # forward is pi_old on q: no BiCC context, one update per rollout
         sampler_deferred = (cfg.train.delta_from_update and single_update and not diagnostics and sampler_logprobs
@@ -106,8 +113,8 @@ class StepPlan:
         # the sampler's log-probs are read against pi_old on q: the mismatch metric always, TIS's weights when on
         need_q = old_context == "xc" and (sampler_logprobs or delta == "q" or diagnostics)
         reference = reads_reference(cfg.algo, delta)
-        kl_ref_xc = old_context == "xc" and cfg.algo.kl_coef > 0
-        return cls(conditioned, old_context, source, need_q, reference, kl_ref_xc, delta, tis, diagnostics,
+        kl_ref_xc = old_context == "xc" and update_context == "xc" and cfg.algo.kl_coef > 0
+        return cls(conditioned, old_context, update_context, source, need_q, reference, kl_ref_xc, delta, tis, diagnostics,
                    delta_from_update=deferred, sampler_from_update=sampler_deferred and source == "update")
 
     def at_step(self, cfg: StepConfig, step: int, sampler_logprobs: bool, sharded: bool) -> "StepPlan":
@@ -145,7 +152,7 @@ class StepPlan:
             out.append("pi_ref on x^c for the KL term (no grad)")
         if self.delta_pass:
             out.append("pi_theta_old on x^c for RCC's delta (no grad)")
-        numerator = "x^c" if self.conditioned else "q"
+        numerator = ctx[self.update_context]
         supplies = [name for name, yes in (("pi_old", self.old_source == "update"),
                                            ("RCC's delta", self.delta_from_update),
                                            ("the sampler's weights", self.sampler_from_update)) if yes]
@@ -181,9 +188,9 @@ class StepLogProbs:
     log_w: Optional[torch.Tensor]
 
 
-def step_logprobs(plan: StepPlan, model, ref_model, plain, numerator, sampled: Optional[torch.Tensor], cfg: StepConfig,
+def step_logprobs(plan: StepPlan, model, ref_model, plain, on_xc, sampled: Optional[torch.Tensor], cfg: StepConfig,
                   mask: torch.Tensor, d: Dist = Dist()) -> StepLogProbs:
-    """The plan's no-grad passes. ``plain``/``numerator``: the rows on q and on the numerator's context
+    """The plan's no-grad passes. ``plain``/``on_xc``: the rows on q and on x^c (q itself with BiCC off)
     (``bicc.kernels.rows``); ``sampled`` [N, L]: the engine's sampling log-probs on the grid (or None);
     ``mask`` [N, L]: the completion mask."""
     T, n = cfg.rollout.temperature, mask.shape[0]
@@ -191,17 +198,17 @@ def step_logprobs(plan: StepPlan, model, ref_model, plain, numerator, sampled: O
     def run(m, inputs):
         return logprobs_no_grad(m, inputs, n, cfg.train.micro_batch_size, T, d, cfg.train.micro_batch_tokens)
 
-    context = numerator if plan.old_context == "xc" else plain
+    context = on_xc if plan.old_context == "xc" else plain
     old = {"forward": lambda: run(model, context), "sampler": lambda: sampled, "update": lambda: None}[plan.old_source]()
     on_q = old if plan.old_context == "q" else (run(model, plain) if plan.need_q else None)
     ref = run(ref_model, plain) if plan.reference and ref_model is not None else None
-    kl_ref = run(ref_model, numerator) if plan.kl_ref_xc and ref_model is not None else ref
+    kl_ref = run(ref_model, on_xc) if plan.kl_ref_xc and ref_model is not None else ref
     if plan.delta is None or plan.delta_from_update:
         delta = None
     elif plan.delta == "q":
         delta = on_q
     else:  # on x^c: pi_old itself when it is on x^c (or there is no context), else its own pass
-        delta = run(model, numerator) if plan.delta_pass else (old if plan.old_context == "xc" or not plan.conditioned else None)
+        delta = run(model, on_xc) if plan.delta_pass else (old if plan.old_context == "xc" or not plan.conditioned else None)
     log_w = None
     if plan.old_context == "xc" and on_q is not None and old is not None:
         log_w = ((old - on_q) * mask).sum(-1).cpu()

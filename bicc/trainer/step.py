@@ -13,7 +13,7 @@ import torch
 from bicc.config import StepConfig, tis_cap
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import ContextRows, query_rows
-from bicc.method.advantages import ADVANTAGES, Advantages, advantage_metrics, advantage_name
+from bicc.method.advantages import ADVANTAGES, Advantages, advantage_metrics, advantage_name, baseline_of
 from bicc.method.conditioning import build_contexts
 from bicc.method.diagnostics import (
     conditioning_weights,
@@ -54,18 +54,20 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
     t_rollout, busy_start = time.perf_counter(), time.monotonic()
     s.engine.sleep()  # vLLM with rollout.sleep on GPU: free its memory until the sync
 
-    # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c ----------------
-    batch, plain, numerator, contexts, bicc_metrics = step_inputs(s, cfg.bicc, cfg.train, ro, device)
+    # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c (the released code's form:
+    # pi_old, the denominator) ----------------------------------------------------------------------------------
+    batch, plain, on_xc, contexts, bicc_metrics = step_inputs(s, cfg.bicc, cfg.train, ro, device)
 
     # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
     if s.plan is None:  # a state built by hand (build_rl_state resolves it)
         s.plan = StepPlan.from_config(cfg, sampler_logprobs(cfg.rollout, s.engine))
     plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, s.sharded)
+    numerator = on_xc if plan.update_context == "xc" else plain  # the rows the update trains
     checked = agreement_checked(s, cfg.train, ro, plan)
     sampled = sampled_logprobs(ro, plan, batch, device)
     t_contexts = time.perf_counter()
     with s.peaks.phase("log-probs"):
-        lp = step_logprobs(plan, s.model, s.ref_model, plain, numerator, sampled, cfg, batch.completion_mask, s.dist)
+        lp = step_logprobs(plan, s.model, s.ref_model, plain, on_xc, sampled, cfg, batch.completion_mask, s.dist)
     t_logprobs = time.perf_counter()
     fresh = checked and ro.version == s.step  # drawn by these weights: pi_old on q is the trainer's side
     correct_sampler = lambda on_q: sampler_correction(ro, plan, on_q, batch, cfg.rollout, device, fresh)  # noqa: E731
@@ -80,7 +82,7 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
         """The step's advantages from delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step):
         delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), theta = theta_old here."""
         delta = None if delta_logp is None else sequence_delta(delta_logp, lp.ref, batch.completion_mask, cfg.rcc.delta).cpu()
-        values, metrics = estimator(ro.rewards, ro.group_ids, delta, cfg.algo)
+        values, metrics = estimator(ro.rewards, ro.group_ids, delta, cfg.algo, **baseline_of(ro))
         return Advantages(values.to(device), delta, metrics)
 
     diag_record, diag_metrics = {}, {}
@@ -141,7 +143,7 @@ def compiled_graphs() -> int:
 
 def step_inputs(s: RLState, bicc, train, ro, device):
     """The rollout as rows on q (``query_rows``) and, under BiCC, on x^c (``ContextRows``):
-    (batch, plain, numerator, contexts or None, ``bicc/`` metrics)."""
+    (batch, plain, on_xc, contexts or None, ``bicc/`` metrics); on_xc is plain with BiCC off."""
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
     plain = query_rows(batch, ro.out.prompt_ids, ro.out.completion_ids, train.share_prompts,
                        s.tokenizer.pad_token_id, device)
@@ -149,10 +151,8 @@ def step_inputs(s: RLState, bicc, train, ro, device):
         return batch, plain, plain, None, {}
     contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, bicc,
                               bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
-    numerator = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, train,
-                            s.tokenizer.pad_token_id, device)
-    return batch, plain, numerator, contexts, {**contexts.metrics,
-                                               "bicc/extra_token_share": numerator.tokens / plain.tokens - 1}
+    on_xc = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, train, s.tokenizer.pad_token_id, device)
+    return batch, plain, on_xc, contexts, {**contexts.metrics, "bicc/extra_token_share": on_xc.tokens / plain.tokens - 1}
 
 
 def sampled_logprobs(ro, plan, batch, device) -> torch.Tensor | None:
