@@ -16,11 +16,11 @@ from bicc.method.advantages import ADVANTAGES
 from bicc.method.conditioning import build_contexts
 from bicc.model.logprobs import batch_logprobs, make_token_batch
 from bicc.rollout import Engine, RolloutOutput
+from bicc.trainer import step as step_module
 from bicc.trainer.loop import describe_choices
 from bicc.trainer.state import build_rl_state
 from bicc.trainer.step import rl_step
 from bicc.trainer.validation import validate
-from bicc.trainer import step as step_module
 from tests.conftest import compose_cfg
 from tests.helpers import COMBINATION_CFG, TOK, BiccCfg, CoinTask, ReplayEngine, group
 
