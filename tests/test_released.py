@@ -214,3 +214,5 @@ def test_train_py_runs_the_released_form_and_remax_end_to_end(tmp_path):
     assert all(share > 0 for share in conditioned_steps(run_dir)) and len(conditioned_steps(run_dir)) == 2
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [0 <= r["train/remax_baseline"] <= 1 for r in rows if "reward/mean" in r] == [True, True]
+    assert [r["bicc/attempts_shown"] for r in rows if "bicc/attempts_shown" in r] == [1.0, 1.0]  # one attempt each
+    assert max(r["bicc/context_tokens"] for r in rows if "bicc/context_tokens" in r) > 0
