@@ -216,3 +216,13 @@ def test_train_py_runs_the_released_form_and_remax_end_to_end(tmp_path):
     assert [0 <= r["train/remax_baseline"] <= 1 for r in rows if "reward/mean" in r] == [True, True]
     assert [r["bicc/attempts_shown"] for r in rows if "bicc/attempts_shown" in r] == [1.0, 1.0]  # one attempt each
     assert max(r["bicc/context_tokens"] for r in rows if "bicc/context_tokens" in r) > 0
+
+
+def test_a_warm_start_shows_its_contexts_in_the_released_layout():
+    from bicc.data import encode_prompt
+    from bicc.method.conditioning import render_context
+
+    attempt = TOK("7\\boxed{7}", add_special_tokens=False)["input_ids"]
+    shown = render_context(TOK, "Compute 3+4.", [attempt], BiccCfg(**RELEASED), 64)
+    assert shown == encode_prompt(TOK, "Compute 3+4.") + [2] + attempt + [2]
+    assert render_context(TOK, "Compute 3+4.", [attempt], BiccCfg(), 64) != shown  # the paper's template

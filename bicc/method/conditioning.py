@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bicc.data import encode_prompt
+
 SENTINEL = "\x00ATTEMPTS\x00"
 
 
@@ -267,8 +269,11 @@ def _render(enc: _Encoded, chosen: list[list[int]], budget: int, bicc_cfg, token
 def render_context(tokenizer, prompt: str, attempts: list[list[int]], bicc_cfg, budget: int,
                    anchors=DEFAULT_ANCHORS) -> list[int] | None:
     """The prompt ``prompt`` with ``attempts`` (token ids) shown under the BiCC template and budget, as
-    build_contexts renders them; None when no attempt fits. Used to show warm starts such prompts."""
-    enc = _encode_template(tokenizer, prompt, bicc_cfg, len(attempts))
+    build_contexts renders them (in ``bicc.layout``); None when no attempt fits. Used to show warm starts such prompts."""
+    if bicc_cfg.layout == "released":
+        enc = _released_template(encode_prompt(tokenizer, prompt), bicc_cfg, len(attempts))
+    else:
+        enc = _encode_template(tokenizer, prompt, bicc_cfg, len(attempts))
     stats = {"attempts": 0, "dropped": 0, "truncated": 0}
     return _render(enc, attempts, budget, bicc_cfg, tokenizer, stats, anchors)[0]
 

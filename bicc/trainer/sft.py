@@ -62,6 +62,8 @@ def cache_key(cfg: WarmStartConfig) -> str:
     if cfg.sft.context_share > 0:  # the template shown in SFT prompts then shapes the checkpoint too
         keyed["template"] = [cfg.bicc.preamble, cfg.bicc.attempt_header, cfg.bicc.elision, cfg.bicc.context_ratio,
                              cfg.bicc.max_tokens, cfg.bicc.min_attempt_tokens, cfg.bicc.truncate]
+        if cfg.bicc.layout != "paper":  # the released layout (a key of its own, so earlier warm starts keep theirs)
+            keyed["template"] += [cfg.bicc.layout, cfg.bicc.separator_id]
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
 
 
