@@ -8,6 +8,7 @@ import dataclasses
 
 from bicc.config import RunConfig, StepConfig
 from bicc.machine.memory import GIB, Arch, Run, peak
+from bicc.method.conditioning import context_budget
 
 # Model types whose layout bicc.machine.memory counts: dense decoders with one attention and one MLP per layer.
 COUNTED = ("qwen2", "qwen3", "llama", "mistral", "phi3")
@@ -53,7 +54,8 @@ def run_of(cfg: StepConfig, model_cfg, eval_cfg, dist_cfg, world: int, sharded: 
     vllm = r.engine == "vllm"
     plan = StepPlan.from_config(cfg, vllm or bool(r.old_from_sampler))
     return Run(world=world, micro_batch=t.micro_batch_size, output_tokens=r.max_new_tokens, prompt_tokens=prompt_tokens,
-               context_ratio=cfg.bicc.context_ratio, bicc=bool(cfg.bicc.enabled),
+               context_ratio=(cfg.bicc.context_ratio if cfg.bicc.truncate != "none"  # attempts whole: all they hold
+                              else context_budget(cfg.bicc, r.max_new_tokens) / r.max_new_tokens), bicc=bool(cfg.bicc.enabled),
                contexts=max(1, 2 * r.prompts_per_step // world), reference=StepPlan.loads_reference(cfg),
                chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.gpu_memory_utilization, gpu_gib=gpu_gib,
                compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
