@@ -38,16 +38,18 @@ STEPS = 20
 ROWS = {"GRPO": (["bicc=off", "rcc=off"], 3),
         "Paper": (["bicc=on", "rcc=on"], 3),
         "Released": (["bicc=released", "algo=released"], 3),
-        "Released, paper's ratio": (["bicc=released", "algo=released", "bicc.context_in=numerator"], 2),
+        "Released with paper ratio": (["bicc=released", "algo=released", "bicc.context_in=numerator"], 2),
         "Released objective alone": (["bicc=off", "algo=released"], 2)}
 BASES = ("GRPO", "Paper", "Released")  # every row is paired with each of these
 EXTRA = ["diag.every=0"]  # no diagnostics step: every row's update is the same work
 RECORD = ("results.json", "metrics.jsonl", "wall_s.txt", "commit.txt", "eval/*/per_problem.jsonl")
 
 
-def jobs(only: list[str] | None = None) -> list[tuple[str, int]]:
-    """(row, seed) in the order they run: seed 0 of every row, then seed 1, then seed 2 of the main rows."""
-    order = [(name, seed) for seed in range(3) for name, (_, seeds) in ROWS.items() if seed < seeds]
+def jobs(only: list[str] | None = None, seeds: list[int] | None = None) -> list[tuple[str, int]]:
+    """(row, seed) in the order they run: seed 0 of every row, then seed 1, then seed 2 of the main rows; or those
+    of the rows named in ``only`` and the seeds in ``seeds``, in that order of seeds."""
+    order = [(name, seed) for seed in (seeds if seeds is not None else range(3)) for name, (_, n) in ROWS.items()
+             if seed < n]
     if only:
         if unknown := sorted(set(only) - set(ROWS)):
             raise SystemExit(f"--only: no row named {unknown}; the rows: {sorted(ROWS)}")
@@ -206,12 +208,13 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=float, default=float("inf"), help="start nothing new after this long")
     parser.add_argument("--report-only", action="store_true", help="write the tables from the runs there are")
     parser.add_argument("--only", nargs="+", metavar="ROW", help="run only these rows (in the grid's order)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="run only these seeds, in this order")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "runs" / "released", help="the run records")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "history" / "released")
     args = parser.parse_args()
     start = time.time()
-    for name, seed in ([] if args.report_only else jobs(args.only)):
+    for name, seed in ([] if args.report_only else jobs(args.only, args.seeds)):
         if time.time() >= start + 60 * args.max_minutes:
             print(f"[released] {args.max_minutes:.0f} min passed: the rest is left for a later call", flush=True)
             break
