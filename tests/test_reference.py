@@ -119,6 +119,8 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
     assert s.plan.sampler_from_update is (bicc == "off" and tis > 0 and not extra)
     if bicc != "off":
         assert metrics["bicc/samples_conditioned_share"] > 0  # contexts were built and read
+    if bicc == "released" or "mode=last" in extra:  # one opposite attempt each
+        assert metrics["bicc/attempts_shown"] == 1.0
     if tis > 0:
         assert 0 < metrics["rollout/tis_clip_frac"] < 1  # the weights are neither all 1 nor all capped
 

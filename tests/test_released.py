@@ -207,7 +207,7 @@ def test_train_py_runs_the_released_form_and_remax_end_to_end(tmp_path):
 
     run_dir = tmp_path / "run"
     small = [a for a in SMALL if not a.startswith(("bicc=", "rcc="))]
-    proc = run_train([*small, "bicc=released", "algo=released", "algo.advantage=remax", "train.steps=2",
+    proc = run_train([*small, "bicc=released", "algo=released", "algo.advantage=remax", "eval.num_problems=2",
                       f"hydra.run.dir={run_dir}"], tmp_path)
     run_line = next(line for line in proc.stdout.splitlines() if line.startswith("[run]"))
     assert "bicc=released (the authors' released code's form, not the paper's)" in run_line
