@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED := 1
 # in the locale's encoding otherwise).
 export PYTHONUTF8 := 1
 
-.PHONY: setup setup-gpu setup-smollm2 gpu-check train train-dist test test-fast test-all lint bench results clean
+.PHONY: setup setup-gpu setup-smollm2 gpu-check train train-dist test test-heavy test-fast test-all lint bench results clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,14 +68,18 @@ train-dist: $(STAMP)
 # test file runs whole on one worker, so its module fixtures are built once.
 TEST_WORKERS ?= 2
 PYTEST := VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-# It prints its 15 slowest tests, so that drift shows in every CI log.
+# It prints its 15 slowest tests, so that drift shows in every CI log. The tests marked `heavy` (tests/conftest.py HEAVY:
+# long variants of paths make test runs) are `make test-heavy`; CI runs both (.ci/run).
 test: $(STAMP) $(VLLM_STAMP)
-	$(PYTEST) --durations=15 -m "not slow and not gpu" tests
+	$(PYTEST) --durations=15 -m "not slow and not gpu and not heavy" tests
+
+test-heavy: $(STAMP) $(VLLM_STAMP)
+	$(PYTEST) --durations=5 -m "heavy and not slow and not gpu" tests
 
 # The fast loop while changing code: the unit tests, without those that start a process or an engine (`launch`) or
 # compile with Inductor (`compile`); under 3 minutes on 2 cores (docs/results.md). `make test` is the whole default set.
 test-fast: $(STAMP) $(VLLM_STAMP)
-	$(PYTEST) -m "not slow and not gpu and not launch and not compile" tests
+	$(PYTEST) -m "not slow and not gpu and not launch and not compile and not heavy" tests
 
 # Ruff (pyproject.toml): pycodestyle, pyflakes, import order; CI runs it before the tests.
 lint: $(STAMP)

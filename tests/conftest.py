@@ -1,6 +1,7 @@
 import multiprocessing.process
 import os
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -110,16 +111,70 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
-# The longest test files, longest first (their seconds under `make test` from a fresh clone on a 2-core host,
-# a713a14: 302, 275, 243, 165, then 96 to 59): a file runs whole on one worker, so one of these left to the end kept
+# The longest test files, longest first (their seconds under `make test` on a 2-core AMD EPYC, heavy tier left out:
+# about 265, 205, 180, 145, 110, then 80 to 35): a file runs whole on one worker, so one of these left to the end kept
 # a worker busy for minutes after the other had finished. `make test` passes `--no-loadscope-reorder`, without which
 # pytest-xdist queues the files with the most tests first instead.
-LONGEST_FIRST = ("test_compile.py", "test_distributed.py", "test_paper_rehearsal.py", "test_rollout_vllm.py",
-                 "test_recompute_in_graph.py", "test_memory_tracker.py", "test_update_vs_bare.py", "test_train_smoke.py",
-                 "test_reference.py", "test_gpu_check.py", "test_resume.py", "test_compile_graphs.py", "test_host.py")
+LONGEST_FIRST = ("test_resume.py", "test_distributed.py", "test_paper_rehearsal.py", "test_async.py",
+                 "test_rollout_vllm.py", "test_reference.py", "test_train_smoke.py", "test_checking.py",
+                 "test_split_invariance.py", "test_habits.py", "test_doc_commands.py", "test_readme_commands.py",
+                 "test_experiments.py", "test_sampler_gate.py", "test_compile.py", "test_host.py")
 
 
+# ---- make test-heavy: the long variants of paths make test already runs ---------------------------------------
+# Each of these is a second form of something a shorter test in `make test` runs end to end (another kill point or
+# epoch boundary, the other paper preset, the compiled form of an eager check, a second planted fault, the paper
+# width of a traced run, another FSDP2 split), at 14-101 s apiece (12 min of the suite's test time on a 2-core EPYC).
+# `make test` leaves them out; `make test-heavy` runs them and CI runs it after `make test` (.ci/run). A test
+# file's name, '::', the test's name and, for one case of a parametrised test, its id in brackets.
+HEAVY = (
+    "test_paper_rehearsal.py::test_headline_command_phi4_mini_shape_with_a_bpe_tokenizer",
+    "test_gpu_check.py::test_the_rehearsal_runs_on_cpu_at_a_small_shape",
+    "test_recompute_in_graph.py::test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls",
+    "test_update_vs_bare.py::test_the_flops_are_counted_inside_compiled_layers_without_a_recompile",
+    "test_compile.py::test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2",
+    "test_compile.py::test_every_layer_runs_the_same_graphs_under_kv_reuse",
+    "test_compile.py::test_the_prefix_pass_runs_compiled_and_the_floats_are_constants",
+    "test_compile_graphs.py::test_an_update_under_fsdp2_compiles_a_graph_per_kind_of_pass",
+    "test_checkpoint_policy.py::test_keeping_attention_works_through_compiled_layers",
+    "test_head_memory.py::test_one_head_chunk_holds_what_the_memory_model_counts[compiled]",
+    "test_memory_tracker.py::test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_the_models",
+    "test_resume.py::test_async_sigkill_then_resume_is_bit_identical[6]",
+    "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[a-step-before-sync]",
+    "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[a-step-before-async]",
+    "test_rollout_vllm.py::test_a_run_with_vllm_rollouts_resumes_from_its_checkpoint_to_the_uninterrupted_weights",
+    "test_host.py::test_numerics_hold_without_vector_instructions",
+    "test_sampler_gate.py::test_a_planted_fault_stops_the_run_naming_the_setting_and_its_causes[WrongDtypePush]",
+    "test_sampler_gate.py::test_a_prefix_cache_not_reset_after_a_push_stops_the_run",
+    "test_distributed.py::test_fsdp2_at_another_split_matches_one_process",
+    "test_distributed.py::test_ddp_checkpoint_resumes_in_two_processes",
+    "test_distributed.py::test_fsdp2_rank_with_one_token_outputs_stays_in_step[padding_free]",
+    "test_distributed.py::test_rollout_workers_under_torchrun_match_one_process",
+)
+
+
+def heavy_entry(item) -> str | None:
+    """The HEAVY entry naming ``item`` (the whole test, or this case of it), if any."""
+    whole = f"{item.path.name}::{item.originalname}"
+    return next((e for e in (f"{item.path.name}::{item.name}", whole) if e in HEAVY), None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    named = set()
+    for item in items:
+        entry = heavy_entry(item)
+        if entry is not None:
+            item.add_marker(pytest.mark.heavy)
+            named.add(entry)
+    # a renamed test or case would otherwise leave the tier without a word: every entry of a collected file names one
+    # of its tests, and a case's id one of its cases wherever more than one was collected (not a single node id)
+    modules = {item.path.name: item.module for item in items if getattr(item, "module", None) is not None}
+    cases = Counter(f"{item.path.name}::{item.originalname}" for item in items)
+    stale = [e for e in HEAVY if e.split("::")[0] in modules and e not in named
+             and (not hasattr(modules[e.split("::")[0]], e.split("::")[1].split("[")[0]) or cases[e.split("[")[0]] > 1)]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py HEAVY names no collected test: {stale}")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 

@@ -90,10 +90,13 @@ def test_fsdp2_with_dynamic_sampling_and_uneven_ranks_matches_one_process(runs):
     rows = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
     groups = [r["rollout/groups"] for r in rows if "rollout/groups" in r]
     assert groups == [3.5, 4.5], f"ranks' mean group counts {groups}: expected (4 + 3) / 2 and (4 + 5) / 2"
-    for run_dir in (multi, once, rows_once):
+    # one row per output is other arithmetic than the single process's shared prompts (each row's own prompt forward):
+    # after two Adam steps at lr 3e-4 its weights sat 1.03e-5 from them on an AVX2 EPYC (within 1e-5 on AVX-512 Xeons),
+    # so it is held to a tenth of one Adam step there (3e-5); its losses stay held to 1e-5
+    for run_dir, tol in ((multi, 1e-5), (once, 1e-5), (rows_once, 3e-5)):
         a, b = losses(single), losses(run_dir)
         assert len(a) == len(b) == 2 and all(abs(x - y) <= 1e-5 for x, y in zip(a, b)), (run_dir.name, a, b)
-        assert max_diff(weights(single, 2), weights(run_dir, 2)) <= 1e-5, run_dir.name
+        assert max_diff(weights(single, 2), weights(run_dir, 2)) <= tol, run_dir.name
 
 
 def test_fsdp2_at_another_split_matches_one_process(runs):

@@ -51,7 +51,7 @@ COMMANDS = {
     "python train.py hydra.searchpath=": "tests/test_extending.py (a loss and its YAML outside the library)",
     ".venv/bin/python -m tests.presets": "tests/test_layout.py::test_every_preset_resolves_as_recorded (its record)",
     "make train": "the main job (6-7 min): tests/test_train_smoke.py starts train.py on the same default, shrunk",
-    "make test": "CI's command (.ci/run); make test-fast and make lint: the Makefile's own lines, run by CI",
+    "make test": "CI's command (.ci/run; make test-heavy after it); make test-fast and make lint: the Makefile's own lines",
     "make lint": "CI's command (.ci/run)",
     "make results": ["-m", "bench.results", "--steps", "1", "--seeds", "1", "--configs", "GRPO", "--ratios", "",
                      "--no-readme", "--out", "{tmp}/results", "diag.every=0", *STEP],

@@ -2,6 +2,7 @@
 (``bench.memory_model.measure_head``, in a fresh process whose allocator returns freed buffers at once)."""
 
 import pytest
+import torch
 
 
 @pytest.mark.launch
@@ -21,7 +22,10 @@ def test_one_head_chunk_holds_what_the_memory_model_counts(compiled):
     assert 2 - 0.3 <= measured["matmul"] <= 6 + 0.3  # its bf16 output, and at most an fp32 buffer beside it
     expected = head_expected(predicted, measured)
     n, _, hidden = HEAD_SIZE
-    gemm_buffer = (measured["matmul"] - 2) * hidden / n  # per logit, for the weight gradient's product; 0 on a GPU
+    # per logit, for the weight gradient's product: on a CPU without native bf16 GEMMs (oneDNN's check) even where the
+    # forward's product came out unbuffered (an AVX2 EPYC: matmul 2.0, update 6.37 = 6 + 0.125 + 0.25)
+    buffered = measured["matmul"] > 2 + 0.3 or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    gemm_buffer = 4 * hidden / n if buffered else 0
     for phase, value in expected.items():
         # within 0.3 bytes a logit (5 MiB here: the weight's gradient, the kernels' row-wise buffers)
         assert measured[phase] == pytest.approx(value, abs=0.3 + gemm_buffer), (phase, measured)
