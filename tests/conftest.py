@@ -171,8 +171,12 @@ def pytest_collection_modifyitems(config, items):
     # of its tests, and a case's id one of its cases wherever more than one was collected (not a single node id)
     modules = {item.path.name: item.module for item in items if getattr(item, "module", None) is not None}
     cases = Counter(f"{item.path.name}::{item.originalname}" for item in items)
-    stale = [e for e in HEAVY if e.split("::")[0] in modules and e not in named
-             and (not hasattr(modules[e.split("::")[0]], e.split("::")[1].split("[")[0]) or cases[e.split("[")[0]] > 1)]
+    stale = []
+    for entry in HEAVY:
+        test = entry.split("[")[0]
+        file, name = test.split("::")
+        if file in modules and entry not in named and (not hasattr(modules[file], name) or cases[test] > 1):
+            stale.append(entry)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py HEAVY names no collected test: {stale}")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
