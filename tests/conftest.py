@@ -1,3 +1,4 @@
+import functools
 import multiprocessing.process
 import os
 import subprocess
@@ -19,6 +20,14 @@ register_configs()
 def compose_cfg(overrides=()):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="train", overrides=list(overrides))
+
+
+@functools.cache
+def algo_preset(name: str) -> dict:
+    """conf/algo/<name>.yaml as a run composes it (resolved; a fresh copy to each caller's use)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(compose_cfg([f"algo={name}", "sft.cache_dir=/tmp/x"]).algo, resolve=True)
 
 
 def run_of(cfg, *args, **kwargs):
@@ -129,6 +138,7 @@ LONGEST_FIRST = ("test_resume.py", "test_distributed.py", "test_paper_rehearsal.
 # file's name, '::', the test's name and, for one case of a parametrised test, its id in brackets.
 HEAVY = (
     "test_paper_rehearsal.py::test_headline_command_phi4_mini_shape_with_a_bpe_tokenizer",
+    "test_paper_rehearsal.py::test_two_training_ranks_and_two_vllm_workers[then-one-rank]",
     "test_gpu_check.py::test_the_rehearsal_runs_on_cpu_at_a_small_shape",
     "test_recompute_in_graph.py::test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls",
     "test_update_vs_bare.py::test_the_flops_are_counted_inside_compiled_layers_without_a_recompile",
@@ -147,6 +157,7 @@ HEAVY = (
     "test_sampler_gate.py::test_a_planted_fault_stops_the_run_naming_the_setting_and_its_causes[WrongDtypePush]",
     "test_sampler_gate.py::test_a_prefix_cache_not_reset_after_a_push_stops_the_run",
     "test_distributed.py::test_fsdp2_at_another_split_matches_one_process",
+    "test_distributed.py::test_fsdp2_with_dynamic_sampling_and_uneven_ranks_matches_one_process[once-a-step]",
     "test_distributed.py::test_ddp_checkpoint_resumes_in_two_processes",
     "test_distributed.py::test_fsdp2_rank_with_one_token_outputs_stays_in_step[padding_free]",
     "test_distributed.py::test_rollout_workers_under_torchrun_match_one_process",

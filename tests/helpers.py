@@ -26,7 +26,7 @@ from bicc.model.tokenizer import build_char_tokenizer
 from bicc.rollout import Engine
 from bicc.trainer.optim import build_optimizer, warmup_cosine
 from bicc.trainer.state import RLState
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, refuse_unmarked_launch, set_by_a_library
 
 # ---- Paths and runs of train.py ------------------------------------------------------------------
 
@@ -79,12 +79,124 @@ def run_train(args, tmp_path, check=True, torchrun: int = 0, timeout: int = 300,
     is off."""
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
            **(env or {})}
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else []
-    proc = subprocess.run([sys.executable, *launcher, str(ROOT / script), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    if torchrun:
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
+        proc = subprocess.run([sys.executable, *launcher, str(ROOT / script), *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    else:
+        proc = run_script(script, args, tmp_path, env, timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def run_script(script: str, args, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``python <script> <args>`` (a path from the repo root) in ``cwd`` with the environment ``env``, its output
+    captured as text, in a process group of its own: forked from this test process's pre-imported server
+    (tests/zygote.py) when it can be, else started."""
+    if not forkable(env):
+        return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=timeout, process_group=0)
+    run = Zygote.get().start(script, args, cwd, env)
+    try:
+        run.wait(timeout)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.wait()
+        raise subprocess.TimeoutExpired(run.args, timeout, *run.output()) from None
+    return subprocess.CompletedProcess(run.args, run.returncode, *run.output())
+
+
+def start_script(script: str, args, cwd, env: dict):
+    """``python <script> <args>`` started, not waited for: a ``subprocess.Popen``, or the forked run's handle
+    (``pid``, ``poll``, ``wait``), its output discarded."""
+    if not forkable(env):
+        return subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
+    return Zygote.get().start(script, args, cwd, env, capture=False)
+
+
+# What a forked run's environment may hold beyond the server's: what the tests' runs set, and the import path (read
+# at the child's start). Any other difference (a variable a library or the interpreter reads at start) needs a
+# process of its own.
+FORKABLE_ENV = {"BICC_CACHE", "WANDB_MODE", "PYTHONUNBUFFERED", "PYTHONPATH", "BICC_SIGNAL_GROUP", "BICC_SIGNAL_RANK",
+                "BICC_WORKER_FAULT"}
+
+
+def forkable(env: dict) -> bool:
+    """Whether ``env`` differs from the server's only in FORKABLE_ENV or in what libraries set of themselves in
+    this test process (pytest's current test, Inductor's and vLLM's own settings: tests/conftest.py)."""
+    base = Zygote.env
+    changed = {name for name in {*env, *base} if env.get(name) != base.get(name) and not set_by_a_library(name)}
+    return changed <= FORKABLE_ENV and os.environ.get("BICC_TEST_FORK") != "0"
+
+
+class Zygote:
+    """The client of tests/zygote.py: one server per test process, started at its first run; one run at a time."""
+
+    _one = None
+
+    # The test process's environment before any test changed it: the server's, less the import path.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    @classmethod
+    def get(cls) -> "Zygote":
+        if cls._one is None or cls._one.server.poll() is not None:
+            cls._one = cls()
+        return cls._one
+
+    def __init__(self):
+        self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, env=self.env, text=True, bufsize=1)
+        self.running = None
+
+    def answer(self, wait: float | None = None) -> dict | None:
+        """The server's next answer, or None when none came within ``wait`` seconds."""
+        import select
+
+        if not select.select([self.server.stdout], [], [], wait)[0]:
+            return None
+        line = self.server.stdout.readline()
+        assert line, f"the run server (tests/zygote.py) ended with {self.server.wait()}"
+        return json.loads(line)
+
+    def start(self, script, args, cwd, env, capture: bool = True) -> "Forked":
+        assert self.running is None or self.running.poll() is not None, "the run server runs one run at a time"
+        refuse_unmarked_launch(f"a run forked by tests/zygote.py ({script})")  # as a process started apart would
+        out, err = ((tempfile.mkstemp(prefix=f"run_{name}_")[1] if capture else os.devnull) for name in ("stdout", "stderr"))
+        request = {"script": script, "args": [str(a) for a in args], "cwd": str(cwd), "env": env, "stdout": out,
+                   "stderr": err}
+        self.server.stdin.write(json.dumps(request) + "\n")
+        self.running = Forked(self, [script, *request["args"]], self.answer()["pid"], Path(out), Path(err))
+        return self.running
+
+
+class Forked:
+    """A run forked by the server: ``pid``, ``returncode``, ``poll``, ``wait``, ``kill`` as a ``subprocess.Popen``'s."""
+
+    def __init__(self, zygote, args, pid, out, err):
+        self.zygote, self.args, self.pid, self.out, self.err, self.returncode = zygote, args, pid, out, err, None
+
+    def poll(self, wait: float | None = 0.0):
+        if self.returncode is None and (answer := self.zygote.answer(wait)) is not None:
+            self.returncode = answer["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll(timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, 9)
+
+    def output(self) -> tuple[str, str]:
+        """Its stdout and stderr, once it has ended (the files are removed)."""
+        texts = tuple(path.read_text(encoding="utf-8", errors="replace") for path in (self.out, self.err))
+        for path in {self.out, self.err} - {Path(os.devnull)}:
+            path.unlink(missing_ok=True)
+        return texts
 
 
 def logged_steps(run_dir: Path) -> int:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from bicc.trainer.checkpoint import CorruptCheckpoint, save_checkpoint, verify_checkpoint
-from tests.helpers import ROOT, SMALL, conditioned_steps, logged_steps
+from tests.helpers import ROOT, SMALL, conditioned_steps, logged_steps, run_script, start_script
 
 pytestmark = pytest.mark.launch
 
@@ -31,16 +31,14 @@ def env(tmp_path):
 
 
 def train(args, tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env(tmp_path), capture_output=True,
-                          text=True, timeout=600)
+    proc = run_script("train.py", args, ROOT, env(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
 
 def kill_mid_way(args, run_dir, environment, after: int) -> None:
     """``train.py <args>`` into ``run_dir``, SIGKILLed once it has logged step ``after``, before its last (8)."""
-    proc = subprocess.Popen([sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=environment,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_script("train.py", [*args, f"hydra.run.dir={run_dir}"], ROOT, environment)
     deadline = time.time() + 300
     while logged_steps(run_dir) < after and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -92,10 +90,13 @@ def signalled(args, run_dir, environment, sig: str, where: list[str], steps_done
     exit REQUEUE_EXIT having trained and saved exactly ``steps_done`` steps, saying so with the signal's delay."""
     from bicc.machine.preemption import REQUEUE_EXIT
 
-    launcher = launcher or [sys.executable]
-    proc = subprocess.run([*launcher, str(ROOT / "tests" / "signal_at.py"), sig, *where, "--", *args,
-                           f"hydra.run.dir={run_dir}"], cwd=ROOT, env=environment, capture_output=True, text=True,
-                          timeout=600, start_new_session=True)  # a process group of its own (BICC_SIGNAL_GROUP)
+    script = ["tests/signal_at.py", sig, *where, "--", *args, f"hydra.run.dir={run_dir}"]
+    if launcher:
+        proc = subprocess.run([*launcher, str(ROOT / script[0]), *script[1:]], cwd=ROOT, env=environment,
+                              capture_output=True, text=True, timeout=600, start_new_session=True)
+    else:  # a process group of its own (BICC_SIGNAL_GROUP), as the launcher's
+        proc = run_script(script[0], script[1:], ROOT, environment, timeout=600)
+        launcher = [sys.executable]
     assert f"[test] {sig} sent in" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     if launcher[0] == sys.executable and len(launcher) == 1:
         assert proc.returncode == REQUEUE_EXIT, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -165,9 +166,8 @@ def test_a_run_whose_checkpoint_cannot_be_written_stops_naming_it_and_resumes(sy
     2's stays the sound resume point, nothing of step 4's is left, and resume=auto ends where the uninterrupted run
     does."""
     failed = tmp_path / "failed"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "signal_at.py"), "ENOSPC", "save:2", "--", *RUN,
-                           f"hydra.run.dir={failed}"], cwd=ROOT, env=env(sync_reference), capture_output=True, text=True,
-                          timeout=600)
+    proc = run_script("tests/signal_at.py", ["ENOSPC", "save:2", "--", *RUN, f"hydra.run.dir={failed}"], ROOT,
+                      env(sync_reference), timeout=600)
     ckpts = failed / "checkpoints"
     assert proc.returncode != 0 and "[test] ENOSPC in write 2" in proc.stdout
     assert f"checkpoint {ckpts / 'step_4'} could not be written (OSError: [Errno 28] No space left on device" in proc.stderr
@@ -193,9 +193,8 @@ def test_a_dead_worker_stops_the_run_and_its_checkpoint_resumes(async_reference,
     """The worker exits while drawing batch 7: the run stops with an error naming it, the step-4 checkpoint stays
     sound, and resuming from it ends where the uninterrupted run does."""
     failed = tmp_path / "failed"
-    proc = subprocess.run([sys.executable, "train.py", *ASYNC_RUN, f"hydra.run.dir={failed}"], cwd=ROOT,
-                          env={**env(async_reference), "BICC_WORKER_FAULT": "sample:7:exit"}, capture_output=True,
-                          text=True, timeout=600)
+    proc = run_script("train.py", [*ASYNC_RUN, f"hydra.run.dir={failed}"], ROOT,
+                      {**env(async_reference), "BICC_WORKER_FAULT": "sample:7:exit"}, timeout=600)
     assert proc.returncode != 0
     assert "rollout worker 0 (CPU cores" in proc.stderr and "exited with code 3 while sampling step 7" in proc.stderr
     verify_checkpoint(failed / "checkpoints" / "step_4")

@@ -21,7 +21,7 @@ from bicc.config import StepConfig
 from bicc.method.losses import LOSSES
 from bicc.trainer.state import build_rl_state
 from bicc.trainer.step import rl_step
-from tests.conftest import CONF, compose_cfg
+from tests.conftest import CONF, algo_preset, compose_cfg
 from tests.helpers import COMBINATION_CFG, CoinTask, ReplayEngine, recorded_rollout, sgd
 
 SHAPE = ["rollout.prompts_per_step=2", "rollout.group_size=4"]  # 8 rows, both groups mixed (``recorded``)
@@ -37,11 +37,7 @@ SPLITS = {
 PRESETS = sorted(path.stem for path in (CONF / "algo").glob("*.yaml"))
 
 
-def preset_loss(name: str) -> str:
-    return compose_cfg([f"algo={name}", "sft.cache_dir=/tmp/x"]).algo.loss
-
-
-LOSS_OF = {name: preset_loss(name) for name in PRESETS}
+LOSS_OF = {name: algo_preset(name)["loss"] for name in PRESETS}
 # every preset under the full method, and any registered loss no preset uses (GRPO's settings, that loss)
 METHOD_CASES = [[f"algo={name}"] for name in PRESETS]
 METHOD_CASES += [["algo=grpo", f"algo.loss={loss}"] for loss in LOSSES.names() if loss not in LOSS_OF.values()]

@@ -3,7 +3,7 @@
 import torch
 
 from bicc.config import AlgoConfig
-from tests.conftest import CONF, compose_cfg
+from tests.conftest import CONF, algo_preset
 
 
 def cfg(**overrides) -> AlgoConfig:
@@ -26,9 +26,7 @@ def random_case(seed: int, n: int = 8, length: int = 6, scale: float = 0.3):
 
 def preset(name: str) -> AlgoConfig:
     """conf/algo/<name>.yaml as the loss reads it."""
-    from omegaconf import OmegaConf
-
-    return AlgoConfig(**OmegaConf.to_container(compose_cfg([f"algo={name}", "sft.cache_dir=/tmp/x"]).algo, resolve=True))
+    return AlgoConfig(**algo_preset(name))
 
 
 # Every conf/algo preset's loss settings, found on disk (a new variant's YAML joins every test over them), and the

@@ -1,0 +1,57 @@
+"""The tests' run server (tests/zygote.py, tests.helpers.run_script): a run forked from it is the run a process of
+its own is, in what a test reads of it (exit code, output, argv, working dir, environment, import path, process
+group), and one the server cannot stand for is started as a process."""
+
+import os
+import subprocess
+
+import pytest
+
+from tests.helpers import ROOT, Zygote, run_script, start_script
+
+pytestmark = pytest.mark.launch
+
+PROBE = ROOT / "tests" / "zygote_probe.py"
+
+
+@pytest.fixture
+def probe_env(tmp_path):
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "probe_extra.py").write_text("WHERE = 'extra'\n")
+    return {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path / "extra")}
+
+
+def report(proc) -> dict:
+    return dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+
+
+@pytest.mark.parametrize("code", ["0", "3", "raise"])
+def test_a_forked_run_reads_as_its_own_process(tmp_path, probe_env, monkeypatch, code):
+    forked = run_script("tests/zygote_probe.py", [code, "two words"], tmp_path, probe_env, timeout=60)
+    monkeypatch.setenv("BICC_TEST_FORK", "0")
+    started = run_script("tests/zygote_probe.py", [code, "two words"], tmp_path, probe_env, timeout=60)
+    assert forked.returncode == started.returncode == {"0": 0, "3": 3, "raise": 1}[code]
+    a, b = report(forked), report(started)
+    assert a.pop("parent") == str(Zygote.get().server.pid) and b.pop("parent") == str(os.getpid())
+    assert a.pop("pid") == a.pop("group") and b.pop("pid") == b.pop("group")  # a process group of its own
+    assert a == b and a["argv"] == repr([str(PROBE), code, "two words"]) and a["cwd"] == str(tmp_path)
+    assert a["cache"] == str(tmp_path / "cache") and a["extra"] == "extra" and a["main"] == "True"
+    assert forked.stderr.splitlines()[0] == started.stderr.splitlines()[0] == "to stderr"
+    assert ("ValueError: planted" in forked.stderr) == ("ValueError: planted" in started.stderr) == (code == "raise")
+    assert "exit handler ran" in forked.stdout and "exit handler ran" in started.stdout
+
+
+def test_a_variable_the_server_did_not_start_under_gets_a_process(tmp_path, probe_env):
+    proc = run_script("tests/zygote_probe.py", ["0"], tmp_path, {**probe_env, "OMP_NUM_THREADS": "3"}, timeout=60)
+    assert report(proc)["parent"] == str(os.getpid())
+
+
+def test_a_run_past_its_timeout_is_killed_and_a_started_one_can_be(tmp_path, probe_env):
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_script("tests/zygote_probe.py", ["sleep"], tmp_path, probe_env, timeout=2)
+    run = start_script("tests/zygote_probe.py", ["sleep"], tmp_path, probe_env)
+    assert run.poll() is None
+    os.kill(run.pid, 9)
+    assert run.wait(30) == -9
+    after = run_script("tests/zygote_probe.py", ["0"], tmp_path, probe_env, timeout=60)  # the server serves on
+    assert after.returncode == 0 and report(after)["parent"] == str(Zygote.get().server.pid)

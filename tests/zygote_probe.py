@@ -1,0 +1,24 @@
+"""What tests/test_zygote.py reads of a run: ``python tests/zygote_probe.py <0|3|raise|sleep> [words]``."""
+
+import atexit
+import os
+import sys
+import time
+
+import probe_extra  # on PYTHONPATH only
+
+atexit.register(lambda: print("exit handler ran", flush=True))
+print("to stderr", file=sys.stderr)
+print(f"argv={sys.argv!r}")
+print(f"cwd={os.getcwd()}")
+print(f"cache={os.environ.get('BICC_CACHE')}")
+print(f"extra={probe_extra.WHERE}")
+print(f"main={__name__ == '__main__'}")
+print(f"pid={os.getpid()}")
+print(f"group={os.getpgid(0)}")
+print(f"parent={os.getppid()}")
+if sys.argv[1] == "raise":
+    raise ValueError("planted")
+if sys.argv[1] == "sleep":
+    time.sleep(600)
+sys.exit(int(sys.argv[1]))
