@@ -23,7 +23,7 @@ from bicc.model.logprobs import batch_logprobs, make_token_batch  # noqa: E402
 from bicc.rollout import SamplingParams, build_engine  # noqa: E402
 from bicc.rollout.vllm import named_parameters_full  # noqa: E402
 from bicc.trainer.checkpoint import save_hf  # noqa: E402
-from tests.helpers import ROOT, SMALL, conditioned_steps, small_numa_node  # noqa: E402
+from tests.helpers import ROOT, SMALL, conditioned_steps, run_script, small_numa_node  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 VLLM_CFG = ["rollout=vllm", "rollout.gpu_memory_utilization=0.1", "rollout.enforce_eager=true"]
@@ -140,9 +140,8 @@ def test_two_step_training_run_with_vllm_rollouts(tmp_path):
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "train.py", *SMALL, *VLLM_CFG, "bicc=stable", "rollout.tis_cap=2.0",
-                           "rollout.kv_cache_bytes=100000000", f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_script("train.py", [*SMALL, *VLLM_CFG, "bicc=stable", "rollout.tis_cap=2.0",
+                                   "rollout.kv_cache_bytes=100000000", f"hydra.run.dir={run_dir}"], ROOT, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "vLLM KV space 0.09 GiB" in proc.stdout  # rollout.kv_cache_bytes, as given
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -207,8 +206,7 @@ def test_a_run_with_vllm_rollouts_resumes_from_its_checkpoint_to_the_uninterrupt
             "train.save_every=2", "train.keep_last=0", "eval.num_problems=2"]
 
     def train(*extra):
-        proc = subprocess.run([sys.executable, "train.py", *args, *extra], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=600)
+        proc = run_script("train.py", [*args, *extra], ROOT, env, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc
 
@@ -254,9 +252,8 @@ def test_a_vllm_rollout_worker_draws_each_batch_with_the_weights_of_its_version(
     weighs (on by default under async)."""
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled"}
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "train.py", *SMALL, *VLLM_CFG, "train.steps=3", "optim.lr=1e-3",
-                           "rollout.kv_cache_bytes=100000000", "rollout.async_steps=1", f"hydra.run.dir={run_dir}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_script("train.py", [*SMALL, *VLLM_CFG, "train.steps=3", "optim.lr=1e-3", "rollout.kv_cache_bytes=100000000",
+                                   "rollout.async_steps=1", f"hydra.run.dir={run_dir}"], ROOT, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[rollout] async_steps=1: vllm on 1 worker(s) (CPU cores" in proc.stdout
     steps = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
