@@ -153,7 +153,10 @@ def test_items_after_deadline_kills_do_not_wait_for_imports():
 BIG_MAIN = '''
 import mmap
 import sys
+from pathlib import Path
 
+with open(Path(__file__).with_suffix(".imports"), "a") as f:  # one line each time a process imports this file
+    f.write(__name__ + "\\n")
 _RESERVED = mmap.mmap(-1, 6 << 30)  # like CUDA torch at import: gigabytes mapped, little touched
 
 from bicc.data.checking import MathChecker
@@ -167,10 +170,12 @@ if __name__ == "__main__":
 '''
 
 
-def test_workers_under_a_main_module_that_maps_gigabytes_still_verify(tmp_path):
-    """Spawned workers import the parent's ``__main__`` (``train.py``: torch and CUDA libraries) before their
-    loop starts. Their memory cap is headroom over what they already map, so math-verify still has room:
-    an answer only math-verify can decide scores 1, not a silent 0 from a MemoryError."""
+def test_workers_import_nothing_of_the_main_module_and_verify(tmp_path):
+    """A multiprocessing spawn would import the parent's ``__main__`` in each worker (``train.py``: torch and its CUDA
+    libraries, gigabytes of mappings, seconds before the worker could notice its parent was gone). The workers
+    import the checker alone: the main module here, which maps 6 GiB at import, is imported once (by its own
+    process), and an answer only math-verify can decide scores 1 (the memory cap is headroom over what a worker
+    maps, not a silent 0 from a MemoryError)."""
     import os
     import subprocess
     import sys
@@ -181,3 +186,27 @@ def test_workers_under_a_main_module_that_maps_gigabytes_still_verify(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1.0", "1"], out.stdout
+    assert (tmp_path / "big_main.imports").read_text().split() == ["__main__"]
+
+
+def test_a_worker_starts_on_a_light_import_and_ends_when_its_parent_is_gone_already():
+    """The worker asks the kernel to end it with its parent before its imports of math-verify, so the window in
+    which a killed trainer could leave it behind is the interpreter's start and the checker's light modules: no
+    torch, no transformers. A worker whose parent ended before that request (its parent pid is not the one it was
+    given) ends at once, without waiting on its connection."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from bicc.data.checking import PACKAGE_ROOT
+
+    probe = "import sys, bicc.data.verify_worker; print([m for m in ('torch', 'transformers') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=PACKAGE_ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stdout + out.stderr[-2000:]
+    ours, theirs = socket.socketpair()
+    with ours, theirs:  # our end stays open: a worker that served would wait on it until the timeout
+        proc = subprocess.run([sys.executable, "-m", "bicc.data.verify_worker", str(theirs.fileno()), str(os.getpid() + 1),
+                               "0"], cwd=PACKAGE_ROOT, pass_fds=(theirs.fileno(),), capture_output=True, text=True,
+                              timeout=20)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -7,8 +7,8 @@ checkpoint can store), ``test_problems(n)`` and, when it supports supervised war
 
 Modules: ``arith`` (the embedded sums task), ``math`` (math problems from JSONL, parquet or HF datasets),
 ``answers`` (answer extractors, and the anchors BiCC's truncation keeps), ``checking`` (the math checker: exact
-match, then math-verify in processes of its own), ``rewards`` (a user's reward functions, TRL's signature included),
-``benchmarks`` (evaluation's datasets).
+match, then math-verify in processes of its own, each a ``verify_worker``), ``rewards`` (a user's reward
+functions, TRL's signature included), ``benchmarks`` (evaluation's datasets).
 """
 
 from dataclasses import dataclass

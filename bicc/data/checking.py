@@ -22,80 +22,42 @@ the first that finds something wins.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import re
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
 
 from bicc.data.answers import EXTRACTORS, balanced, canonical, extract, number_of
 
 MAX_ANSWER_CHARS = 1_000
 _CODE_LIKE = re.compile(r"__|\bimport\b|\blambda\b|\beval\b|\bexec\b|\bos\.|\bsys\.|\bsubprocess\b|\bopen\(")
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # where ``bicc`` is importable from
 
 
-# ---- slow path: math-verify in worker processes --------------------------------------------------
-def _verify_in_worker(gold: str, pred: str, match_types: tuple[str, ...], precision: int, set_rel: bool,
-                      gold_is_latex: bool) -> bool:
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    if _CODE_LIKE.search(pred):  # checked by the caller too; the expression parser below ends in eval
-        return False
-    configs = {"latex": LatexExtractionConfig(), "expr": ExprExtractionConfig()}
-    gold_cfg = [configs[m] for m in match_types] if not gold_is_latex else [LatexExtractionConfig(), ExprExtractionConfig()]
-    pred_cfg = [configs[m] for m in match_types]
-    g = parse(gold, extraction_config=gold_cfg, parsing_timeout=None)
-    p = parse(pred, extraction_config=pred_cfg, parsing_timeout=None)
-    if not g or not p:
-        return False
-    return bool(verify(g, p, float_rounding=precision, allow_set_relation_comp=set_rel, timeout_seconds=None))
+# ---- slow path: math-verify in worker processes (bicc.data.verify_worker) ---------------------------------
+def _start_worker(memory_bytes: int):
+    """(process, connection) of a new math-verify worker: ``python -m bicc.data.verify_worker`` from the directory
+    that holds this package, its end of a socket pair passed as a file descriptor."""
+    ours, theirs = socket.socketpair()
+    with theirs:
+        proc = subprocess.Popen([sys.executable, "-m", "bicc.data.verify_worker", str(theirs.fileno()), str(os.getpid()),
+                                 str(memory_bytes)], cwd=PACKAGE_ROOT, pass_fds=(theirs.fileno(),),
+                                stdin=subprocess.DEVNULL)
+    return proc, Connection(ours.detach())
 
 
-def _mapped_bytes() -> int:
-    """This process's address space now (VmSize), 0 where ``/proc`` is absent."""
-    import resource
-
+def _end(proc, timeout_s: float) -> None:
+    """Wait ``timeout_s`` for ``proc`` to end, then kill it."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[0]) * resource.getpagesize()
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _worker_loop(conn, memory_bytes: int) -> None:
-    """Serve ``_verify_in_worker`` calls. ``memory_bytes`` is headroom over what the worker maps when its loop
-    starts: a spawned worker has already imported the parent's ``__main__`` (``train.py``: torch and its CUDA
-    libraries, gigabytes of mappings), and an absolute cap would leave math-verify no room at all."""
-    import logging
-    import resource
-    import warnings
-
-    from bicc.machine.host import die_with_parent
-    from bicc.machine.preemption import ignore_preemption
-
-    ignore_preemption()  # the run it serves decides what SIGTERM / SIGUSR1 mean
-    parent = mp.parent_process()
-    if die_with_parent() and parent is not None and os.getppid() != parent.pid:
-        return  # the process it serves ended before the kernel was asked to end this one with it
-    if memory_bytes > 0:  # a pathological expression fails with MemoryError instead of taking the machine
-        limit = _mapped_bytes() + memory_bytes
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-    logging.disable(logging.CRITICAL)  # math-verify warns on every disabled timeout
-    warnings.filterwarnings("ignore")
-    while True:
-        try:
-            item = conn.recv()
-        except EOFError:
-            return
-        if item is None:
-            return
-        try:
-            result = _verify_in_worker(*item)
-        except Exception:  # a parse/compare failure of untrusted text is a wrong answer, not a crash
-            result = False
-        conn.send(result)
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 _WARM_ITEM = ("1", "1", ("latex",), 6, False, True)
@@ -113,7 +75,6 @@ class VerifyPool:
                  spares: int | None = None):
         self.size, self.deadline_s, self.memory_bytes = max(1, workers), deadline_s, memory_bytes
         self.spares = self.size if spares is None else spares
-        self._ctx = mp.get_context("spawn")  # fork after torch threads start is unsafe
         self._workers: list = []  # (process, connection) per slot
         self._warming: dict = {}  # connection -> slot (None: a spare), for workers still importing
         self._ready: list = []  # warm spares: (process, connection)
@@ -121,10 +82,7 @@ class VerifyPool:
         self.timeouts = 0
 
     def _spawn(self, slot: int | None = None, spare: bool = False):
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_loop, args=(child, self.memory_bytes), daemon=True)
-        proc.start()
-        child.close()
+        proc, parent = _start_worker(self.memory_bytes)
         parent.send(_WARM_ITEM)  # answered once the worker has imported math-verify
         if not spare:
             if slot is None:
@@ -163,7 +121,7 @@ class VerifyPool:
         return slot
 
     def run(self, items: list[tuple]) -> list[bool]:
-        """Verify ``items`` (arguments of ``_verify_in_worker``); an item past its deadline is False."""
+        """Verify ``items`` (arguments of ``bicc.data.verify_worker.verify``); an item past its deadline is False."""
         if not items:
             return []
         if len(self._workers) < self.size:
@@ -216,7 +174,7 @@ class VerifyPool:
         proc, conn = self._workers[slot]
         proc.kill()
         conn.close()
-        proc.join(timeout=1)
+        proc.wait()
         if self._ready:
             self._workers[slot] = self._ready.pop()
             self._spawn(spare=True)  # a new spare, warming in the background
@@ -232,10 +190,9 @@ class VerifyPool:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        for proc, _ in workers:
-            proc.join(timeout=2)
-            if proc.is_alive():
-                proc.kill()
+        for proc, conn in workers:
+            _end(proc, 2.0)
+            conn.close()
         self._workers, self._warming, self._ready, self._procs = [], {}, [], {}
 
     def __del__(self):

@@ -5,8 +5,6 @@ the caller (``encode_prompt``)."""
 
 from __future__ import annotations
 
-import torch
-
 from bicc.data import TASKS, Problem
 from bicc.data.answers import answer_anchors
 from bicc.data.benchmarks import FieldNames, load_problems
@@ -47,6 +45,8 @@ class MathTask:
         if epoch not in self._orders:
             if len(self._orders) >= 2:  # shards read two epochs at most at once, about the wrap
                 self._orders.pop(min(self._orders))
+            import torch  # here, not at the top: math-verify's workers import this package (bicc.data.verify_worker)
+
             seed = self.seed if epoch == 0 else self.seed * 1_000_003 + epoch
             self._orders[epoch] = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(seed)).tolist()
         return self._orders[epoch]
