@@ -116,11 +116,11 @@ def start_script(script: str, args, cwd, env: dict):
     return Zygote.get().start(script, args, cwd, env, capture=False)
 
 
-# What a forked run's environment may hold beyond the server's: what the tests' runs set, and the import path (read
-# at the child's start). Any other difference (a variable a library or the interpreter reads at start) needs a
-# process of its own.
+# What a forked run's environment may hold beyond the server's: what the tests' runs set, the import path (read at
+# the child's start) and torch's thread count (set in the child as torch sets it at start). Any other difference (a
+# variable a library or the interpreter reads at start) needs a process of its own.
 FORKABLE_ENV = {"BICC_CACHE", "WANDB_MODE", "PYTHONUNBUFFERED", "PYTHONPATH", "BICC_SIGNAL_GROUP", "BICC_SIGNAL_RANK",
-                "BICC_WORKER_FAULT"}
+                "BICC_WORKER_FAULT", "BICC_DAPO_MATH", "OMP_NUM_THREADS"}
 
 
 def forkable(env: dict) -> bool:

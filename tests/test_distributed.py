@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import MIXED_RUN, ROOT
+from tests.helpers import MIXED_RUN, ROOT, run_script
 
 pytestmark = pytest.mark.launch
 
@@ -36,7 +36,9 @@ def run(cmd, tmp_path, cwd=ROOT):
 
 
 def one_process(args, tmp_path):
-    return run([sys.executable, "train.py", *RUN, *args], tmp_path)
+    proc = run_script("train.py", [*RUN, *args], ROOT, env(tmp_path), timeout=600)  # forked from the tests' server
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
 
 
 def two_processes(args, tmp_path, script="train.py", cwd=ROOT):

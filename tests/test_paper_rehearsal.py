@@ -29,7 +29,7 @@ pytestmark = pytest.mark.launch
 
 pytest.importorskip("vllm")
 
-from tests.helpers import CONSTRUCTED_REWARD, ROOT  # noqa: E402
+from tests.helpers import CONSTRUCTED_REWARD, ROOT, run_script  # noqa: E402
 
 ARITH = ["data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.test_size=50",
          "model.tiny.max_position_embeddings=1024"]
@@ -55,7 +55,9 @@ def run(cmd, tmp_path, data_file, timeout=900, cwd=ROOT):
 
 
 def warm_start(tmp_path, data_file, extra=()) -> Path:
-    proc = run([sys.executable, "train.py", *WARM, *extra, f"hydra.run.dir={tmp_path / 'sft'}"], tmp_path, data_file)
+    proc = run_script("train.py", [*WARM, *extra, f"hydra.run.dir={tmp_path / 'sft'}"], ROOT, env(tmp_path, data_file),
+                      timeout=900)  # forked from the tests' server
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return Path(re.search(r"\[sft\] warm start at (\S+)", proc.stdout).group(1))
 
 

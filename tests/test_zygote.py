@@ -42,8 +42,19 @@ def test_a_forked_run_reads_as_its_own_process(tmp_path, probe_env, monkeypatch,
 
 
 def test_a_variable_the_server_did_not_start_under_gets_a_process(tmp_path, probe_env):
-    proc = run_script("tests/zygote_probe.py", ["0"], tmp_path, {**probe_env, "OMP_NUM_THREADS": "3"}, timeout=60)
+    proc = run_script("tests/zygote_probe.py", ["0"], tmp_path, {**probe_env, "PYTHONHASHSEED": "3"}, timeout=60)
     assert report(proc)["parent"] == str(os.getpid())
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_a_forked_run_has_the_torch_threads_its_omp_num_threads_gives_a_started_one(tmp_path, probe_env, monkeypatch,
+                                                                                    threads):
+    env = {**probe_env, "OMP_NUM_THREADS": threads}
+    forked = report(run_script("tests/zygote_probe.py", ["0", "threads"], tmp_path, env, timeout=60))
+    monkeypatch.setenv("BICC_TEST_FORK", "0")
+    started = report(run_script("tests/zygote_probe.py", ["0", "threads"], tmp_path, env, timeout=60))
+    assert forked["parent"] == str(Zygote.get().server.pid) and started["parent"] == str(os.getpid())
+    assert forked["threads"] == started["threads"] == threads
 
 
 def test_a_run_past_its_timeout_is_killed_and_a_started_one_can_be(tmp_path, probe_env):

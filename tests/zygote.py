@@ -54,6 +54,10 @@ def child(request: dict) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if "OMP_NUM_THREADS" in request["env"]:  # torch sizes its thread pool by it at start
+        import torch
+
+        torch.set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
     script = str(ROOT / request["script"])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [str(Path(script).parent), *extra, *BASE_PATH]

@@ -1,4 +1,5 @@
-"""What tests/test_zygote.py reads of a run: ``python tests/zygote_probe.py <0|3|raise|sleep> [words]``."""
+"""What tests/test_zygote.py reads of a run: ``python tests/zygote_probe.py <0|3|raise|sleep> [words]`` (``0 threads``:
+torch's thread count too)."""
 
 import atexit
 import os
@@ -17,6 +18,10 @@ print(f"main={__name__ == '__main__'}")
 print(f"pid={os.getpid()}")
 print(f"group={os.getpgid(0)}")
 print(f"parent={os.getppid()}")
+if sys.argv[1:] == ["0", "threads"]:
+    import torch
+
+    print(f"threads={torch.get_num_threads()}")
 if sys.argv[1] == "raise":
     raise ValueError("planted")
 if sys.argv[1] == "sleep":
