@@ -1,3 +1,4 @@
+import copy
 import functools
 import multiprocessing.process
 import os
@@ -18,6 +19,13 @@ register_configs()
 
 
 def compose_cfg(overrides=()):
+    """conf/train.yaml composed with ``overrides``, a copy of its own to each caller: Hydra composes each distinct list
+    once in a test process (0.3 s each on a 2-core EPYC, and the suite asks for many of them again)."""
+    return copy.deepcopy(composed(tuple(overrides)))
+
+
+@functools.cache
+def composed(overrides: tuple):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 
@@ -121,13 +129,13 @@ def pytest_configure(config):
 
 
 # The longest test files, longest first (their seconds under `make test` on a 2-core AMD EPYC, heavy tier left out:
-# about 265, 205, 180, 145, 110, then 80 to 35): a file runs whole on one worker, so one of these left to the end kept
-# a worker busy for minutes after the other had finished. `make test` passes `--no-loadscope-reorder`, without which
-# pytest-xdist queues the files with the most tests first instead.
-LONGEST_FIRST = ("test_resume.py", "test_distributed.py", "test_paper_rehearsal.py", "test_async.py",
-                 "test_rollout_vllm.py", "test_reference.py", "test_train_smoke.py", "test_checking.py",
-                 "test_split_invariance.py", "test_habits.py", "test_doc_commands.py", "test_readme_commands.py",
-                 "test_experiments.py", "test_sampler_gate.py", "test_compile.py", "test_host.py")
+# about 190, 170, 165, 140, 120, 80, then 55 to 35): a file runs whole on one worker, so one of these left to the end
+# kept a worker busy for minutes after the other had finished. `make test` passes `--no-loadscope-reorder`, without
+# which pytest-xdist queues the files with the most tests first instead.
+LONGEST_FIRST = ("test_distributed.py", "test_async.py", "test_resume.py", "test_paper_rehearsal.py",
+                 "test_rollout_vllm.py", "test_reference.py", "test_doc_commands.py", "test_checkpoint_layers.py",
+                 "test_split_invariance.py", "test_update.py", "test_compile.py", "test_host.py",
+                 "test_recompute_in_graph.py", "test_bench_entry.py", "test_train_smoke.py", "test_experiments.py")
 
 
 # ---- make test-heavy: the long variants of paths make test already runs ---------------------------------------
