@@ -1,4 +1,3 @@
-import copy
 import functools
 import multiprocessing.process
 import os
@@ -19,13 +18,6 @@ register_configs()
 
 
 def compose_cfg(overrides=()):
-    """conf/train.yaml composed with ``overrides``, a copy of its own to each caller: Hydra composes each distinct list
-    once in a test process (0.3 s each on a 2-core EPYC, and the suite asks for many of them again)."""
-    return copy.deepcopy(composed(tuple(overrides)))
-
-
-@functools.cache
-def composed(overrides: tuple):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 
