@@ -121,24 +121,31 @@ def pytest_configure(config):
 
 
 # The longest test files, longest first (their seconds under `make test` on a 2-core AMD EPYC, heavy tier left out:
-# about 190, 170, 165, 140, 120, 80, then 55 to 35): a file runs whole on one worker, so one of these left to the end
-# kept a worker busy for minutes after the other had finished. `make test` passes `--no-loadscope-reorder`, without
-# which pytest-xdist queues the files with the most tests first instead.
-LONGEST_FIRST = ("test_distributed.py", "test_async.py", "test_resume.py", "test_paper_rehearsal.py",
-                 "test_rollout_vllm.py", "test_reference.py", "test_doc_commands.py", "test_checkpoint_layers.py",
+# about 260, 130, 115, 105, 100, then 55 to 35; test_paper_rehearsal.py is all make test-heavy's, its longest): a
+# file runs whole on one worker, so one of these left to the end kept a worker busy for minutes after the other had
+# finished. `make test` passes `--no-loadscope-reorder`, without which pytest-xdist queues the files with the most
+# tests first instead.
+LONGEST_FIRST = ("test_paper_rehearsal.py", "test_distributed.py", "test_resume.py", "test_rollout_vllm.py",
+                 "test_async.py", "test_reference.py", "test_doc_commands.py", "test_checkpoint_layers.py",
                  "test_split_invariance.py", "test_update.py", "test_compile.py", "test_host.py",
                  "test_recompute_in_graph.py", "test_bench_entry.py", "test_train_smoke.py", "test_experiments.py")
 
 
 # ---- make test-heavy: the long variants of paths make test already runs ---------------------------------------
-# Each of these is a second form of something a shorter test in `make test` runs end to end (another kill point or
-# epoch boundary, the other paper preset, the compiled form of an eager check, a second planted fault, the paper
-# width of a traced run, another FSDP2 split), at 14-101 s apiece (12 min of the suite's test time on a 2-core EPYC).
+# Each of these is a second form of something a shorter test in `make test` runs end to end (another kill point,
+# fault, staleness or epoch boundary, the paper presets' rehearsals with a vLLM engine per process, the compiled form
+# of an eager check, a bench's measurement, the paper width of a traced run, another FSDP2 split), at 10-150 s apiece.
 # `make test` leaves them out; `make test-heavy` runs them and CI runs it after `make test` (.ci/run). A test
 # file's name, '::', the test's name and, for one case of a parametrised test, its id in brackets.
 HEAVY = (
     "test_paper_rehearsal.py::test_headline_command_phi4_mini_shape_with_a_bpe_tokenizer",
-    "test_paper_rehearsal.py::test_two_training_ranks_and_two_vllm_workers[then-one-rank]",
+    "test_paper_rehearsal.py::test_two_training_ranks_and_two_vllm_workers",
+    "test_bench_entry.py::test_the_push_bench_measures_both_hand_offs",
+    "test_async.py::test_no_process_of_the_run_outlives_its_killed_trainer[kill-start-sample:0:hang]",
+    "test_async.py::test_no_process_of_the_run_outlives_its_killed_trainer[kill-push-]",
+    "test_async.py::test_a_failing_worker_stops_the_run_with_its_name[load:1:hang-(loaded weight version 0 of 1)]",
+    "test_async.py::test_async_run_is_the_reference_stale_loop[2]",
+    "test_checkpoint_layers.py::test_compiled_only_the_checkpointed_layers_take_the_recompute_form",
     "test_gpu_check.py::test_the_rehearsal_runs_on_cpu_at_a_small_shape",
     "test_recompute_in_graph.py::test_the_recompute_in_the_graph_gives_the_eager_update_with_fewer_matmuls",
     "test_update_vs_bare.py::test_the_flops_are_counted_inside_compiled_layers_without_a_recompile",
@@ -150,8 +157,10 @@ HEAVY = (
     "test_head_memory.py::test_one_head_chunk_holds_what_the_memory_model_counts[compiled]",
     "test_memory_tracker.py::test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_the_models",
     "test_resume.py::test_async_sigkill_then_resume_is_bit_identical[6]",
+    "test_resume.py::test_a_dead_worker_stops_the_run_and_its_checkpoint_resumes",
     "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[a-step-before-sync]",
     "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[a-step-before-async]",
+    "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[at-the-wrap-async]",
     "test_rollout_vllm.py::test_a_run_with_vllm_rollouts_resumes_from_its_checkpoint_to_the_uninterrupted_weights",
     "test_host.py::test_numerics_hold_without_vector_instructions",
     "test_sampler_gate.py::test_a_planted_fault_stops_the_run_naming_the_setting_and_its_causes[WrongDtypePush]",
@@ -160,7 +169,6 @@ HEAVY = (
     "test_distributed.py::test_fsdp2_with_dynamic_sampling_and_uneven_ranks_matches_one_process[once-a-step]",
     "test_distributed.py::test_ddp_checkpoint_resumes_in_two_processes",
     "test_distributed.py::test_fsdp2_rank_with_one_token_outputs_stays_in_step[padding_free]",
-    "test_distributed.py::test_rollout_workers_under_torchrun_match_one_process",
 )
 
 

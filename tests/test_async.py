@@ -91,7 +91,7 @@ def test_async_at_lr_0_is_the_synchronous_run(tmp_path, monkeypatch, one_thread)
 @pytest.mark.parametrize("async_steps", [1, 2])
 def test_async_run_is_the_reference_stale_loop(async_steps, tmp_path, monkeypatch, one_thread):
     """Algorithm 1 with batch t drawn by theta_{t-N} (``bicc.method.reference.stale_loop``, one sequence per
-    forward), against ``rl_step`` fed by the workers: the same weights after every step."""
+    forward), against ``rl_step`` fed by the workers: the same weights after every step. [2]: make test-heavy."""
     tok = policy_and_reference(tmp_path)
     s, cfg = state(tmp_path, [f"rollout.async_steps={async_steps}"])
     sgd(s)
@@ -126,7 +126,8 @@ def test_async_run_is_the_reference_stale_loop(async_steps, tmp_path, monkeypatc
 ])
 def test_a_failing_worker_stops_the_run_with_its_name(fault, expected, tmp_path, monkeypatch):
     """A worker that exits, hangs in a step or hangs taking new weights: the step raises within the timeout (3 s
-    here), naming the worker, its cores and what it was doing, and the worker is gone."""
+    here), naming the worker, its cores and what it was doing, and the worker is gone. [load:1:hang]: make
+    test-heavy (a hang's timeout runs in make test at sample:2)."""
     policy_and_reference(tmp_path)
     s, cfg = state(tmp_path, ["rollout.async_steps=1"])
     monkeypatch.setenv(FAULT_ENV, fault)
@@ -241,7 +242,7 @@ def test_no_process_of_the_run_outlives_its_killed_trainer(moment, fault, tmp_pa
     (``kill-start``), while the worker is stuck in something that never looks at its trainer (a planted hang), or in
     the middle of a weight push while the worker receives it (``kill-push``), on the math task, whose checker starts
     processes of its own in the worker. Every process the run started (each carries the run's mark in its
-    environment) is gone within 15 s."""
+    environment) is gone within 15 s. The hang and ``kill-push``: make test-heavy."""
     import os
     import subprocess
     import sys

@@ -40,7 +40,8 @@ def test_every_bench_starts_as_a_module():
 def test_the_push_bench_measures_both_hand_offs():
     """``bench.weight_sync`` at a tiny tied shape (2 layers, 64 wide, 4,096 tokens: 336,320 parameters): the collective
     sends each parameter once in bf16, 2 bytes each; the shared-memory hand-off sends the fp32 state dict with the
-    tied output projection a second time, 4 x (336,320 + 262,144) / 336,320 = 7.12 bytes each."""
+    tied output projection a second time, 4 x (336,320 + 262,144) / 336,320 = 7.12 bytes each. make test-heavy: in
+    make test the bench starts (above) and tests/test_async.py pushes without host shared memory."""
     proc = subprocess.run([sys.executable, "-m", "bench.weight_sync", "--shapes", "tiny", "--pushes", "2"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

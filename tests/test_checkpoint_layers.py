@@ -64,7 +64,8 @@ def test_checkpointing_the_first_layer_only_gives_the_same_update(share):
 @pytest.mark.compile
 def test_compiled_only_the_checkpointed_layers_take_the_recompute_form():
     """Compiled (aot_eager), the checkpointed first layer traces its recompute into its graph and the second compiles
-    its plain forward; the update (one micro-batch of every row, so fewer graphs to compile) is the eager one."""
+    its plain forward; the update (one micro-batch of every row, so fewer graphs to compile) is the eager one. make
+    test-heavy: the eager form is test_checkpointing_the_first_layer_only_gives_the_same_update."""
     eager = partly_checkpointed("1")
     expected = update(eager, False, one_pass=True)
     model = partly_checkpointed("1")

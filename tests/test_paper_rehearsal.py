@@ -146,17 +146,17 @@ def test_headline_command_phi4_mini_shape_with_a_bpe_tokenizer(tmp_path):
     assert "lm_head.weight" in load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")  # untied
 
 
-@pytest.mark.parametrize("resumed", [False, True], ids=["two-ranks", "then-one-rank"])
-def test_two_training_ranks_and_two_vllm_workers(tmp_path, qwen_warm_start, resumed):
+def test_two_training_ranks_and_two_vllm_workers(tmp_path, qwen_warm_start):
     """The README's rollout-worker command at miniature size (``torchrun --nproc_per_node=2 ... rollout.async_steps=1
     rollout.devices=[2,3]``; on CPU two vLLM workers share a core, ``rollout.cpu_workers=2``) on the paper preset's
     DAPO-Math path with algo=dapo bicc=on rcc=on: each rank trains on its prompt shard of what the two workers drew,
     every weight push reaching both, with a checkpoint at step 2 holding the batch the workers had drawn ahead, by the
     weights of step 1 (the preset's synchronous path, in bf16 with fp32 master weights: the Phi-4-mini shape above).
-    [then-one-rank] (make test-heavy; tests/test_resume.py resumes drawn batches in make test): one training process
-    (torchrun, FSDP2 on one rank, both prompt shards) resumed from that checkpoint with two workers of its own reads
-    the batch back and trains step 3 as the two ranks did. In fp32: in bf16 (the preset's, whose push
-    tests/test_weight_sync.py covers) one Adam step on 1 and 2 ranks already differs."""
+    Then one training process (torchrun, FSDP2 on one rank, both prompt shards) resumed from that checkpoint with two
+    workers of its own reads the batch back and trains step 3 as the two ranks did. In fp32: in bf16 (the preset's,
+    whose push tests/test_weight_sync.py covers) one Adam step on 1 and 2 ranks already differs. make test-heavy (4
+    vLLM engines on one core, 2 min): in make test, tests/test_rollout_vllm.py runs a vLLM worker,
+    tests/test_distributed.py workers beside torchrun and tests/test_resume.py the resume of drawn batches."""
     data_file, distinct, model_dir = qwen_warm_start
     assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]  # Qwen3's tied head
     workers = ["rollout.async_steps=1", "rollout.cpu_workers=2", "optim.lr=1e-4", "model.dtype=float32",
@@ -170,8 +170,6 @@ def test_two_training_ranks_and_two_vllm_workers(tmp_path, qwen_warm_start, resu
     assert [r["rollout/staleness_max"] for r in steps] == [0.0, 1.0, 1.0]
     assert [r["rollout/weight_version"] for r in steps] == [0.0, 0.0, 1.0]  # batch 2: the weights pushed after step 1
     assert all(r["perf/push_bytes"] == steps[0]["perf/push_bytes"] > 0 for r in steps)  # every step, every weight
-    if not resumed:
-        return
     one = tmp_path / "one"
     _, stdout = headline(one, data_file, "paper_qwen3_4b", model_dir, 3,
                          [*workers, "rollout.shards=2", "eval.shards=2", f"resume={run_dir / 'checkpoints' / 'step_2'}",

@@ -191,7 +191,8 @@ def test_a_signal_under_rollout_workers_keeps_the_drawn_batches(async_reference,
 
 def test_a_dead_worker_stops_the_run_and_its_checkpoint_resumes(async_reference, tmp_path):
     """The worker exits while drawing batch 7: the run stops with an error naming it, the step-4 checkpoint stays
-    sound, and resuming from it ends where the uninterrupted run does."""
+    sound, and resuming from it ends where the uninterrupted run does. make test-heavy: in make test a failing worker
+    stops the run (tests/test_async.py) and drawn batches resume after a signal (above)."""
     failed = tmp_path / "failed"
     proc = run_script("train.py", [*ASYNC_RUN, f"hydra.run.dir={failed}"], ROOT,
                       {**env(async_reference), "BICC_WORKER_FAULT": "sample:7:exit"}, timeout=600)
@@ -225,10 +226,16 @@ def epoch_root(tmp_path_factory):
     tok.save_pretrained(root / "policy")
     (root / "rows.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "problem": f"What is {i} + {i}?",
                                                          "answer": str(2 * i)}) + "\n" for i in range(8)))
-    for mode in ("sync", "async"):
+    return root
+
+
+def uninterrupted(root, mode: str):
+    """The uninterrupted run of ``mode`` over ``root``'s rows, trained by the first test that reads it (make test runs
+    the sync cases alone)."""
+    if not (root / mode / "results.json").exists():
         extra = ["rollout.async_steps=1"] if mode == "async" else []
         train([*epoch_args(root), *extra, f"hydra.run.dir={root / mode}"], root)
-    return root
+    return root / mode
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -236,9 +243,10 @@ def epoch_root(tmp_path_factory):
 def test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run(mode, at, epoch_root, tmp_path):
     """Resumed from step 2's checkpoint (data position 8: exactly the wrap) or step 1's, synchronously or with rollout
     workers one step ahead: steps 3 and 4 read epoch 1's rows in its own order, as the uninterrupted run read them, and
-    end with its weights."""
+    end with its weights. The async cases are make test-heavy's: in make test, the batches drawn ahead are resumed
+    after a SIGKILL and after a signal (the tests above)."""
     extra = ["rollout.async_steps=1"] if mode == "async" else []
-    reference, resumed = epoch_root / mode, tmp_path / "resumed"
+    reference, resumed = uninterrupted(epoch_root, mode), tmp_path / "resumed"
     state = torch.load(reference / "checkpoints" / f"step_{at}" / "trainer_state.pt", weights_only=True)
     assert state["data_pos"] == 4 * at if mode == "sync" else state["pending_batches"]  # async: drawn ahead, kept
     train([*epoch_args(epoch_root), *extra, f"resume={reference / 'checkpoints' / f'step_{at}'}",
