@@ -229,12 +229,14 @@ def epoch_root(tmp_path_factory):
     return root
 
 
+MODE_ARGS = {"sync": [], "async": ["rollout.async_steps=1"]}  # the epoch-wrap runs: synchronous, or workers ahead
+
+
 def uninterrupted(root, mode: str):
     """The uninterrupted run of ``mode`` over ``root``'s rows, trained by the first test that reads it (make test runs
     the sync cases alone)."""
     if not (root / mode / "results.json").exists():
-        extra = ["rollout.async_steps=1"] if mode == "async" else []
-        train([*epoch_args(root), *extra, f"hydra.run.dir={root / mode}"], root)
+        train([*epoch_args(root), *MODE_ARGS[mode], f"hydra.run.dir={root / mode}"], root)
     return root / mode
 
 
@@ -245,11 +247,10 @@ def test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run(
     workers one step ahead: steps 3 and 4 read epoch 1's rows in its own order, as the uninterrupted run read them, and
     end with its weights. The async cases are make test-heavy's: in make test, the batches drawn ahead are resumed
     after a SIGKILL and after a signal (the tests above)."""
-    extra = ["rollout.async_steps=1"] if mode == "async" else []
     reference, resumed = uninterrupted(epoch_root, mode), tmp_path / "resumed"
     state = torch.load(reference / "checkpoints" / f"step_{at}" / "trainer_state.pt", weights_only=True)
     assert state["data_pos"] == 4 * at if mode == "sync" else state["pending_batches"]  # async: drawn ahead, kept
-    train([*epoch_args(epoch_root), *extra, f"resume={reference / 'checkpoints' / f'step_{at}'}",
+    train([*epoch_args(epoch_root), *MODE_ARGS[mode], f"resume={reference / 'checkpoints' / f'step_{at}'}",
            f"hydra.run.dir={resumed}"], epoch_root)
     a, b = (load_file(d / "checkpoints" / "step_4" / "model.safetensors") for d in (reference, resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
