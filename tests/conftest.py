@@ -135,7 +135,7 @@ LONGEST_FIRST = ("test_paper_rehearsal.py", "test_distributed.py", "test_resume.
 # Each of these is a second form of something a shorter test in `make test` runs end to end (another kill point,
 # fault, staleness or epoch boundary, the paper presets' rehearsals with a vLLM engine per process, the compiled form
 # of an eager check, a bench's measurement, the paper width of a traced run, another FSDP2 split), at 10-220 s apiece
-# (`make test-heavy`: 841.4 s on a 2-core EPYC).
+# (`make test-heavy` at 9488c4f: 657.6 s on a 2-core EPYC with AVX-512, 680.1 s on one with AVX2 only).
 # `make test` leaves them out; `make test-heavy` runs them and CI runs it after `make test` (.ci/run). A test
 # file's name, '::', the test's name and, for one case of a parametrised test, its id in brackets.
 HEAVY = (

@@ -155,7 +155,7 @@ def test_two_training_ranks_and_two_vllm_workers(tmp_path, qwen_warm_start):
     Then one training process (torchrun, FSDP2 on one rank, both prompt shards) resumed from that checkpoint with two
     workers of its own reads the batch back and trains step 3 as the two ranks did. In fp32: in bf16 (the preset's,
     whose push tests/test_weight_sync.py covers) one Adam step on 1 and 2 ranks already differs. make test-heavy (4
-    vLLM engines on one core: 221 s on a 2-core EPYC): in make test, tests/test_rollout_vllm.py runs a vLLM worker,
+    vLLM engines on one core: 221 s on a 2-core AVX2 EPYC): in make test, tests/test_rollout_vllm.py runs a vLLM worker,
     tests/test_distributed.py workers beside torchrun and tests/test_resume.py the resume of drawn batches."""
     data_file, distinct, model_dir = qwen_warm_start
     assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]  # Qwen3's tied head
