@@ -285,16 +285,20 @@ def test_fsdp2_rank_with_one_token_outputs_stays_in_step(tmp_path, layout):
 def async_single(runs):
     """One process drawing both prompt shards from its rollout worker (rollout.async_steps=1)."""
     tmp, _ = runs
-    one_process([f"hydra.run.dir={tmp / 'async_single'}", "rollout.async_steps=1"], tmp)
+    one_process([f"hydra.run.dir={tmp / 'async_single'}", "rollout.async_steps=1", "train.sampler_check_every=1"], tmp)
     return tmp / "async_single"
 
 
-def test_rollout_workers_under_torchrun_match_one_process(runs, async_single):
+@pytest.mark.parametrize("gathered", [False, True], ids=["defaults", "reshard_after_forward=false"])
+def test_rollout_workers_under_torchrun_match_one_process(runs, async_single, gathered):
     """rollout.async_steps=1 under FSDP2 on two ranks (rank 0 owns the worker, every rank joins the weight
-    gathering, each takes its prompt shard of each batch) against one process drawing both shards from its worker."""
+    gathering, each takes its prompt shard of each batch) against one process drawing both shards from its worker.
+    [reshard_after_forward=false]: the no-grad passes leave each rank's parameters gathered; the weights of the
+    batch's version are swapped into the shards, not into the gathered copies, and no forward after reads those."""
     tmp, _ = runs
-    single, multi = async_single, tmp / "async_fsdp2"
-    two_processes([f"hydra.run.dir={multi}", "rollout.async_steps=1", "dist.strategy=fsdp2"], tmp)
+    single, multi = async_single, tmp / f"async_fsdp2_{gathered}"
+    two_processes([f"hydra.run.dir={multi}", "rollout.async_steps=1", "dist.strategy=fsdp2", "train.sampler_check_every=1",
+                   *(["dist.reshard_after_forward=false"] if gathered else [])], tmp)
     rows = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/staleness_max"] for r in rows if "rollout/staleness_max" in r] == [0.0, 1.0]
     # the sampler against the trainer at the weights that sampled (step 2's: those before the update, swapped into
@@ -319,7 +323,7 @@ def test_a_rollout_worker_started_elsewhere_draws_what_one_started_here_does(run
     worker = subprocess.Popen([sys.executable, "-m", "bicc.rollout.worker", "--connect", f"127.0.0.1:{port}"], cwd=ROOT,
                               env=env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc = one_process([f"hydra.run.dir={remote}", "rollout.async_steps=1", "rollout.remote_workers=1",
-                        f"rollout.worker_port={port}"], tmp)
+                        f"rollout.worker_port={port}", "train.sampler_check_every=1"], tmp)
     assert "1 from other nodes" in proc.stdout and "rollout worker 0 (cpu on " in proc.stdout
     out, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0, out[-3000:]

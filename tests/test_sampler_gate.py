@@ -10,8 +10,9 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from bicc.rollout.agreement import SamplerGate, WeightVersions, mismatch_limit, token_prob_ratio
+from bicc.rollout.agreement import SamplerGate, WeightVersions, check_every, kept_versions, mismatch_limit, token_prob_ratio
 from tests.helpers import CONSTRUCTED_REWARD, run_train
 
 
@@ -56,9 +57,23 @@ def test_weight_versions_swap_in_and_restore_exactly():
     with versions.at(model, 4):
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert all(torch.equal(p, a) for p, a in zip(model.parameters(), after))
+    with versions.at(model, 4):  # the swap is its own inverse: the kept copy is version 4's again after
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     versions.keep(model, 5)
-    versions.forget_before(5)
-    assert list(versions.kept) == [5]
+    versions.keep(model, 6)
+    versions.forget(5, still_read=True)  # version 5 is read again by a later step: older ones go, it stays
+    assert list(versions.kept) == [5, 6]
+    versions.forget(5)
+    assert list(versions.kept) == [6]
+    assert versions.bytes() == (3 * 2 + 2) * 4  # one copy of the fp32 weights and bias
+
+
+def test_the_versions_kept_at_once_and_the_default_spacing():
+    # a copy lives from the push of the version a checked step reads to that step: N + 1 steps are in flight
+    # (the one training and N drawn ahead), so every step checked at N = 2 holds 3 copies, every 3rd one
+    assert [kept_versions(2, k) for k in (0, 1, 2, 3, 4)] == [0, 3, 2, 1, 1]
+    assert [check_every(None, n) for n in (0, 1, 2)] == [1, 2, 3]  # null: free without workers, one copy with them
+    assert check_every(5, 2) == 5 and kept_versions(2, check_every(None, 2)) == 1
 
 
 # ---- Runs -------------------------------------------------------------------------------------------------
@@ -66,7 +81,7 @@ def test_weight_versions_swap_in_and_restore_exactly():
 RUN = ["bicc=stable", "rcc=mean", "sft.steps=5", "sft.batch_size=8", "rollout.prompts_per_step=4",
        "rollout.group_size=4", "rollout.max_new_tokens=16", "bicc.min_attempt_tokens=4", *CONSTRUCTED_REWARD,
        "eval.num_problems=4", "eval.samples_per_problem=1", "eval.max_new_tokens=16", "logger.wandb_mode=disabled",
-       "logger.progress=false", "optim.lr=1e-2"]
+       "logger.progress=false", "optim.lr=1e-2", "train.sampler_check_every=1"]
 
 
 def steps_of(run_dir):
@@ -83,6 +98,26 @@ def test_stale_batches_from_healthy_workers_pass(tmp_path):
     assert [r["rollout/staleness_max"] for r in steps] == [0, 1, 2, 2, 2]
     assert all(r["rollout/token_prob_ratio"] < 1 + 1e-5 for r in steps), [r["rollout/token_prob_ratio"] for r in steps]
     assert min(r["rollout/logprob_diff"] for r in steps[2:]) > 0.05  # exp(0.05) > the gate's 1.01: staleness is large
+    # every step checked: the versions of the step training and the two drawn ahead, a host copy each
+    assert max(r["perf/gate_host_bytes"] for r in steps) == 3 * weight_bytes(tmp_path / "run")
+
+
+@pytest.mark.launch
+def test_the_default_check_under_workers_keeps_one_host_copy(tmp_path):
+    """train.sampler_check_every null at rollout.async_steps=2: every third step is scored at its batch's version
+    (steps 1 and 4 of 5), and the host holds one copy of the weights at most, where checking every step holds three."""
+    run_train([*RUN, "train.steps=5", "rollout.async_steps=2", "train.sampler_check_every=null",
+               f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    steps = steps_of(tmp_path / "run")
+    assert ["rollout/token_prob_ratio" in r for r in steps] == [True, False, False, True, False]
+    assert all(r["rollout/token_prob_ratio"] < 1 + 1e-5 for r in steps if "rollout/token_prob_ratio" in r)
+    assert max(r["perf/gate_host_bytes"] for r in steps) == weight_bytes(tmp_path / "run")
+
+
+def weight_bytes(run_dir) -> int:
+    """One fp32 copy of the policy's parameters (its checkpoint's tensors: a tied head once)."""
+    tensors = load_file(run_dir / "checkpoints" / "step_5" / "model.safetensors")
+    return 4 * sum(t.numel() for t in tensors.values())
 
 
 FAULTS = {  # engine -> (extra overrides, the step it stops at, the least ratio there); the first push is the start's:

@@ -13,7 +13,7 @@ from bicc.machine.distributed import Dist
 from bicc.machine.layout import GIB, host_warnings, worker_gpu
 from bicc.machine.memory import QWEN3_4B, Run
 from bicc.model.tokenizer import build_char_tokenizer
-from bicc.trainer.fit import check_workers, predicted_run
+from bicc.trainer.fit import check_workers, gate_host_bytes, predicted_run
 from tests.conftest import compose_cfg
 
 
@@ -34,7 +34,22 @@ def test_host_warnings_name_their_fix(roomy_host, monkeypatch):
     assert shm.startswith("/dev/shm has 64 MiB free") and "--shm-size" in shm and "NCCL_SHM_DISABLE=1" in shm
     assert host_warnings("gloo", 2, GIB, meminfo=str(roomy_host)) == []  # nothing of a CPU layout lives there
     (memory,) = host_warnings("gloo", 2, 200 * GIB, meminfo=str(roomy_host))
-    assert memory.startswith("host memory: its processes load about 200.0 GiB at start and 85.8 GiB are available")
+    assert memory.startswith("host memory: its processes load about 200.0 GiB at start, and 85.8 GiB are available")
+
+
+def test_the_sampler_checks_host_copies_at_the_paper_preset(roomy_host):
+    """Qwen3-4B (4,022,468,096 parameters, fp32 master: 16.09 GB) on 4 FSDP2 ranks, 2 batches drawn ahead: checking
+    every step holds 3 copies of each rank's quarter (12.07 GB a rank, 48.27 GB a node); the default, every third
+    step, holds one (4.02 GB a rank). DDP holds whole copies. The launch check names the setting when they do not fit."""
+    run = Run(world=4, sharded=True)
+    quarter = 4_022_468_096 * 4 // 4
+    assert gate_host_bytes(QWEN3_4B, run, 2, 1) == 3 * quarter == 12_067_404_288
+    assert gate_host_bytes(QWEN3_4B, run, 2, None) == quarter
+    assert gate_host_bytes(QWEN3_4B, Run(world=4, sharded=False), 2, None) == 4 * quarter
+    assert gate_host_bytes(QWEN3_4B, run, 2, 0) == 0
+    (memory,) = host_warnings("gloo", 0, 41 * GIB, 4 * 3 * quarter, meminfo=str(roomy_host))
+    assert "the sampler check holds 45.0 GiB while training" in memory and "train.sampler_check_every" in memory
+    assert host_warnings("gloo", 0, 41 * GIB, 4 * quarter, meminfo=str(roomy_host)) == []  # the default fits 85.8
 
 
 def test_a_low_open_file_limit_is_raised_or_named(roomy_host, monkeypatch):
@@ -78,8 +93,10 @@ def test_the_launch_check_refuses_a_bad_gpu_layout_before_anything_loads(roomy_h
     (rollout.share_gpus) counts both."""
     monkeypatch.setattr(layout, "mem_available", lambda meminfo="": 90 * GIB)
     env = {"LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
-    (line,) = check(["rollout.devices=[2,3]", "train.memory_gib=80"], env)
+    (line, gate) = check(["rollout.devices=[2,3]", "train.memory_gib=80"], env)
     assert line.startswith("rollout worker GPU: predicted") and line.endswith("of 80.0 GiB (hf)")
+    # the tiny model's 0.46M fp32 parameters, one copy of each rank's half at the default spacing
+    assert gate.startswith("sampler check: 1 host copy of each training process's share of the weights, 0.9 MiB a ")
     with pytest.raises(ValueError, match=r"GPU 1 \(physical 5\) is training rank 1's GPU"):
         check(["rollout.devices=[1,3]", "train.memory_gib=80"], env)
     with pytest.raises(ValueError, match=r"GPU 4 is out of range: this process sees 4 GPU\(s\)"):

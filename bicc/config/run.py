@@ -186,7 +186,7 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     max_sampler_mismatch: Optional[float] = None
     sampler_mismatch_steps: int = 3
-    sampler_check_every: int = 1
+    sampler_check_every: Optional[int] = None
     memory_check: bool = True
     memory_gib: Optional[float] = None
     context_packing: bool = True
@@ -208,7 +208,9 @@ class TrainConfig:
         need(t.memory_gib is None or t.memory_gib > 0, "train.memory_gib", f"must be > 0 or null, got {t.memory_gib}")
         need(t.max_sampler_mismatch in (None, 0) or t.max_sampler_mismatch > 1, "train.max_sampler_mismatch",
              f"must be > 1 (the ratio is 1 at agreement), 0 (off) or null (by model.dtype), got {t.max_sampler_mismatch}")
-        need(t.sampler_check_every >= 0, "train.sampler_check_every", f"must be >= 0 (0 = never), got {t.sampler_check_every}")
+        need(t.sampler_check_every is None or t.sampler_check_every >= 0, "train.sampler_check_every",
+             f"must be >= 0 (0 = never) or null (1; under rollout workers rollout.async_steps + 1), "
+             f"got {t.sampler_check_every}")
         need(t.max_packed_len >= 1, "train.max_packed_len", f"must be >= 1, got {t.max_packed_len}")
 
 

@@ -156,6 +156,16 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model) -> None:
+    """FSDP2: free every gathered parameter, so that ``model.parameters()`` are this rank's shards again (under
+    ``dist.reshard_after_forward=false`` a forward leaves them gathered, in the compute dtype); else nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def global_totals(totals, d: Dist):
     """``StepTotals`` summed over ranks (tokens, sequences); ``max_len`` is a setting, not a count."""
     if not d.enabled:
@@ -269,11 +279,16 @@ def all_gather_objects(obj, d: Dist) -> list:
     return gathered
 
 
-def full_state_dict(model, dtype: torch.dtype | None = None) -> dict:
-    """The full, unsharded weights on CPU (in ``dtype`` if given), on every rank. Under FSDP2 each
-    parameter is all-gathered on its own (every rank must call this), so at most one unsharded tensor
-    exists beyond the result."""
-    return {name: full_tensor(t).detach().to("cpu", dtype or t.dtype) for name, t in model.state_dict().items()}
+def full_state_dict(model, dtype: torch.dtype | None = None, keep: bool = True) -> dict:
+    """The full, unsharded weights on CPU (in ``dtype`` if given). Under FSDP2 each parameter is all-gathered on its
+    own (every rank must call this), so at most one unsharded tensor exists beyond the result; a rank that does not
+    ``keep`` them (all but the one that writes) drops each as soon as it is gathered and returns {}."""
+    out = {}
+    for name, t in model.state_dict().items():
+        full = full_tensor(t)
+        if keep:
+            out[name] = full.detach().to("cpu", dtype or t.dtype)
+    return out
 
 
 def full_tensor(x: torch.Tensor) -> torch.Tensor:

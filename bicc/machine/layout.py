@@ -94,11 +94,12 @@ def transport(engine: str, cuda: bool, places: list[Place]) -> str:
     return "vllm" if engine == "vllm" else "nccl"
 
 
-def host_warnings(kind: str, workers: int, load_bytes: int, shm_dir: str = "/dev/shm",
+def host_warnings(kind: str, workers: int, load_bytes: int, gate_bytes: int = 0, shm_dir: str = "/dev/shm",
                   meminfo: str = "/proc/meminfo") -> list[str]:
     """What the host lacks for this layout, each with its fix: ``kind`` the transport, ``workers`` how many this node
-    starts, ``load_bytes`` what the node's processes load into host memory at start. Raises the open-file limit to
-    its hard limit where that is needed."""
+    starts, ``load_bytes`` what the node's processes load into host memory at start, ``gate_bytes`` what the
+    sampler check holds there while training (``bicc.trainer.fit.gate_host_bytes``, the node's processes together).
+    Raises the open-file limit to its hard limit where that is needed."""
     warnings = []
     if kind in ("nccl", "vllm") and workers:
         free = shutil.disk_usage(shm_dir).free if os.path.isdir(shm_dir) else 0
@@ -115,8 +116,10 @@ def host_warnings(kind: str, workers: int, load_bytes: int, shm_dir: str = "/dev
             warnings.append(f"open files: the limit is {soft} (hard {hard}) and this layout wants about {need}: "
                             "raise it before launching (ulimit -n 65536)")
     available = mem_available(meminfo)
-    if available is not None and load_bytes > available:
-        warnings.append(f"host memory: its processes load about {load_bytes / GIB:.1f} GiB at start and "
+    if available is not None and load_bytes + gate_bytes > available:
+        held = (f" and the sampler check holds {gate_bytes / GIB:.1f} GiB while training (raise "
+                "train.sampler_check_every: fewer host copies of the weights)" if gate_bytes else "")
+        warnings.append(f"host memory: its processes load about {load_bytes / GIB:.1f} GiB at start{held}, and "
                         f"{available / GIB:.1f} GiB are available: start fewer rollout workers on this node "
                         "(rollout.devices) or training processes, or free memory")
     return warnings

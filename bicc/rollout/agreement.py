@@ -52,35 +52,71 @@ def local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
+def kept_versions(async_steps: int, every: int) -> int:
+    """Host copies ``WeightVersions`` holds at most: one for each checked step among the ``async_steps + 1`` whose
+    batches are drawn or being drawn (a copy is made at the push of the version a checked step reads and dropped
+    once that step has read it); 0 when no step is checked."""
+    return 0 if not every else -(-(async_steps + 1) // every)
+
+
+def check_every(every: int | None, async_steps: int) -> int:
+    """``train.sampler_check_every``, null resolved: every step where the check is free (no rollout workers: the
+    step's own pi_old on q is the trainer's side), every ``async_steps + 1`` under workers, so that at most one host
+    copy of the policy's shard is held (``kept_versions``)."""
+    if every is not None:
+        return every
+    return async_steps + 1 if async_steps else 1
+
+
 class WeightVersions:
     """Host copies of the policy's parameters at the weight versions a rollout worker may still draw a checked
-    batch with (this process's shards under FSDP2), dropped once that batch is read."""
+    batch with (this process's shards under FSDP2, in the master dtype), each dropped once its batch is read."""
 
     def __init__(self):
         self.kept: dict[int, list[torch.Tensor]] = {}
 
     def keep(self, model, version: int) -> None:
+        from bicc.machine.distributed import reshard
+
+        reshard(model)  # the shards, not parameters a forward left gathered (dist.reshard_after_forward=false)
         with torch.no_grad():
             self.kept[version] = [local(p).detach().to("cpu", copy=True) for p in model.parameters()]
 
-    def forget_before(self, version: int) -> None:
-        for v in [v for v in self.kept if v < version]:
+    def forget(self, version: int, still_read: bool = False) -> None:
+        """Drop the copies of ``version`` (unless ``still_read``: a later checked step reads it too) and older."""
+        for v in [v for v in self.kept if v < version or (v == version and not still_read)]:
             del self.kept[v]
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for copy in self.kept.values() for t in copy)
 
     @contextmanager
     def at(self, model, version: int):
-        """``model`` holds version ``version``'s parameters inside, its own again after."""
-        params = [local(p) for p in model.parameters()]
-        with torch.no_grad():
-            own = [p.detach().to("cpu", copy=True) for p in params]
-            for p, kept in zip(params, self.kept[version]):
-                p.copy_(kept)
+        """``model`` holds version ``version``'s parameters inside, its own again after. The two are swapped in
+        place, one tensor at a time (no second host copy); the parameters a forward inside leaves gathered are
+        freed on the way out, so that no later forward computes with them."""
+        from bicc.machine.distributed import reshard
+
+        reshard(model)
+        params, kept = [local(p) for p in model.parameters()], self.kept[version]
+        swap(params, kept)
         try:
             yield model
         finally:
-            with torch.no_grad():
-                for p, saved in zip(params, own):
-                    p.copy_(saved)
+            reshard(model)
+            swap(params, kept)
+
+
+@torch.no_grad()
+def swap(params: list[torch.Tensor], host: list[torch.Tensor]) -> None:
+    """Exchange each parameter's values with its host copy's, holding one tensor's values beside them at a time."""
+    for p, h in zip(params, host):
+        if p.shape != h.shape:
+            raise RuntimeError(f"a kept weight version has a parameter of shape {tuple(h.shape)} where the model's "
+                               f"is {tuple(p.shape)}: the model is not in the layout the version was kept in")
+        mine = p.detach().to("cpu", copy=True)
+        p.copy_(h)
+        h.copy_(mine)
 
 
 class SamplerGate:

@@ -192,6 +192,20 @@ def launch_check(train, model_cfg, predict, device) -> str | None:
 
 
 
+def gate_copies(async_steps: int, every: int | None) -> int:
+    from bicc.rollout.agreement import check_every, kept_versions
+
+    return kept_versions(async_steps, check_every(every, async_steps))
+
+
+def gate_host_bytes(arch: Arch, run: Run, async_steps: int, every: int | None) -> int:
+    """Host bytes one training process holds for ``rollout/token_prob_ratio`` under rollout workers
+    (``bicc.rollout.agreement.WeightVersions``): its share of the master weights (1/world under FSDP2), once for
+    each version a checked step will read."""
+    share = arch.params() * run.master_bytes // (run.world if run.sharded else 1)
+    return gate_copies(async_steps, every) * share
+
+
 def check_workers(rollout, train, predict, d, device, environ=None, device_count: int | None = None) -> list[str]:
     """Under ``rollout.async_steps``, before any weights load: the workers' devices (a GPU out of range, listed twice
     or a training rank's is refused, naming both: ``bicc.machine.layout.worker_places``), what the host lacks for the
@@ -217,9 +231,14 @@ def check_workers(rollout, train, predict, d, device, environ=None, device_count
         return [f"warning: the memory check cannot count this model ({err}): the workers' GPUs are not checked"]
     trainers = int(environ.get("LOCAL_WORLD_SIZE", d.world))
     load = trainers * run.master_bytes * arch.params() + len(places) * run.compute_bytes * arch.params()
-    lines = [f"warning: {w}" for w in host_warnings(kind, len(places), load)]
+    gate = gate_host_bytes(arch, run, r.async_steps, train.sampler_check_every)
+    lines = [f"warning: {w}" for w in host_warnings(kind, len(places), load, trainers * gate)]
+    copies = gate_copies(r.async_steps, train.sampler_check_every)
+    gate_line = (f"sampler check: {copies} host cop{'y' if copies == 1 else 'ies'} of each training process's share "
+                 f"of the weights, {size(gate)} a process, {size(trainers * gate)} on this node "
+                 "(train.sampler_check_every)")
     if not cuda or not train.memory_check or not places:
-        return lines
+        return lines + [gate_line] * bool(gate)
     rows = min(r.batch_size, max(1, r.prompts_per_step * r.group_size // max(1, len(places) + r.remote_workers)))
     bucket = int(r.push_bucket_mib * 2**20)
     worker = sum(worker_gpu(arch, run, r.engine != "vllm", rows, bucket).values())
@@ -232,4 +251,8 @@ def check_workers(rollout, train, predict, d, device, environ=None, device_count
         raise ValueError(f"config field 'rollout.devices': {line}: it does not fit. Lower {knob}"
                          + (", or give the workers GPUs of their own" if shared else "")
                          + "; or set train.memory_check=false to start anyway")
-    return [*lines, line]
+    return [*lines, line] + [gate_line] * bool(gate)
+
+
+def size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 100 else f"{n / 2**20:.1f} MiB"

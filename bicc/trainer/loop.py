@@ -106,8 +106,8 @@ def save_rl_checkpoint(s: RLState, model_cfg, keep_last: int, ckpt_dir: Path) ->
     sharded = distributed.is_sharded(s.model)
     mixed = DTYPES[model_cfg.master_dtype] != DTYPES[model_cfg.dtype]
     weights = None  # one process or DDP in the master dtype: rank 0 writes the model as is
-    if sharded or (mixed and d.is_main):
-        weights = distributed.full_state_dict(s.model, DTYPES[model_cfg.dtype])
+    if sharded or (mixed and d.is_main):  # every FSDP2 rank joins the gathers; rank 0 alone keeps the host copy
+        weights = distributed.full_state_dict(s.model, DTYPES[model_cfg.dtype], keep=d.is_main)
         if s.model.config.tie_word_embeddings:  # gathered copies are no longer shared: keep the HF layout
             weights.pop("lm_head.weight", None)
     tmp = checkpoints.tmp_dir(ckpt_dir)

@@ -24,7 +24,7 @@ from bicc.method.diagnostics import (
 )
 from bicc.method.losses.tis import sampler_grid, sampler_importance_weights, sampler_logprob_diff
 from bicc.model.logprobs import make_token_batch
-from bicc.rollout.agreement import WeightVersions, token_prob_ratio
+from bicc.rollout.agreement import WeightVersions, check_every, token_prob_ratio
 from bicc.rollout.collect import collect_rollout, step_seed
 from bicc.rollout.workers import check_staleness
 from bicc.trainer.plan import StepPlan, step_logprobs
@@ -63,7 +63,7 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
         s.plan = StepPlan.from_config(cfg, sampler_logprobs(cfg.rollout, s.engine))
     plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, s.sharded)
     numerator = on_xc if plan.update_context == "xc" else plain  # the rows the update trains
-    checked = agreement_checked(s, cfg.train, ro, plan)
+    checked = agreement_checked(s, cfg.train, ro, plan, cfg.rollout.async_steps)
     sampled = sampled_logprobs(ro, plan, batch, device)
     t_contexts = time.perf_counter()
     with s.peaks.phase("log-probs"):
@@ -115,8 +115,10 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
     # workers get the weights, version step + 1, and the batch of step + 1 + N is requested (drawn by them) ------
     if s.workers is not None:
         s.workers.push(s.model, s.step + 1)
-        if s.versions is not None and (s.step + 1 + N) % cfg.train.sampler_check_every == 0:  # the step that reads it
+        if s.versions is not None and read_at(s.step + 1 + N, cfg.train.sampler_check_every, N):  # the step reading it
             s.versions.keep(s.model, s.step + 1)
+        if s.versions is not None:  # the gate's host copies, at their most (docs/distributed.md)
+            async_metrics["perf/gate_host_bytes"] = float(s.versions.bytes())
         s.workers.request(s.step + 1 + N)
         s.workers.mark_busy(busy_start, time.monotonic())
     else:
@@ -184,14 +186,22 @@ def sampler_correction(ro, plan, on_q, batch, rollout, device, fresh: bool = Fal
     return is_weight.to(device), {**metrics, **tis_metrics}
 
 
-def agreement_checked(s: RLState, train, ro, plan) -> bool:
+def read_at(step: int, every: int | None, async_steps: int) -> bool:
+    """Whether ``step`` measures ``rollout/token_prob_ratio`` (``train.sampler_check_every``, null resolved)."""
+    every = check_every(every, async_steps)
+    return bool(every) and step % every == 0
+
+
+def agreement_checked(s: RLState, train, ro, plan, async_steps: int = 0) -> bool:
     """Whether this step measures ``rollout/token_prob_ratio`` (``bicc.rollout.agreement``); under rollout workers,
-    the first such step keeps the weights the workers started from."""
-    every = train.sampler_check_every
-    if s.workers is not None and s.versions is None and every:
+    the first step keeps the weights the workers started from where a later step reads them (its own batch is drawn
+    by the weights it trains: measured at no cost)."""
+    if s.workers is not None and s.versions is None:
         s.versions = WeightVersions()
-        s.versions.keep(s.model, s.step)
-    return bool(every) and s.step % every == 0 and ro.out.logprobs is not None and plan.old_source != "sampler"
+        if any(read_at(t, train.sampler_check_every, async_steps) for t in range(s.step + 1, s.step + async_steps + 1)):
+            s.versions.keep(s.model, s.step)
+    return read_at(s.step, train.sampler_check_every, async_steps) and ro.out.logprobs is not None \
+        and plan.old_source != "sampler"
 
 
 def agreement_at_version(s: RLState, cfg: StepConfig, ro, plain, batch) -> dict:
@@ -202,7 +212,9 @@ def agreement_at_version(s: RLState, cfg: StepConfig, ro, plain, batch) -> dict:
     with s.versions.at(s.model, ro.version):
         then = logprobs_no_grad(s.model, plain, len(ro.out.completion_ids), cfg.train.micro_batch_size,
                                 cfg.rollout.temperature, s.dist, cfg.train.micro_batch_tokens)
-    s.versions.forget_before(ro.version)
+    N = cfg.rollout.async_steps  # the version the workers started from is read by the N steps after this one too
+    s.versions.forget(ro.version, any(read_at(t, cfg.train.sampler_check_every, N)
+                                      for t in range(s.step + 1, ro.version + N + 1)))
     ratio = token_prob_ratio(ro.out.logprobs, then, batch.completion_mask)
     return {} if ratio is None else {"rollout/token_prob_ratio": ratio}
 
