@@ -65,3 +65,61 @@ def fails_on_long(completions, **kwargs):
     if any(len(text) > 3 for text in completions):
         raise RuntimeError("too long")
     return [1.0] * len(completions)
+
+
+# ---- Rewards that start processes or stall, for what a rollout worker does with them (tests/test_async.py) ------
+
+def in_rollout_worker() -> bool:
+    import sys
+
+    return sys.argv[0].endswith(("bicc/rollout/worker.py", "bicc\\rollout\\worker.py"))
+
+
+def parity(text: str) -> float:
+    return float(len(text) % 2 == 0)
+
+
+def pooled_parity(completions, **kwargs):
+    """TRL's form, scored by a ``multiprocessing.Pool`` whose with-block ends it with SIGTERM, then a child process
+    ended with SIGTERM: each returns only where the process calling it lets its children take the signal."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        busy = pool.map_async(time_sleep, [600])  # a worker busy when the pool's exit terminates it
+        scores = [parity(text) for text in completions]
+        del busy
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    child.terminate()
+    try:
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise RuntimeError("a child process ignored SIGTERM: it inherited an ignored disposition") from None
+    return scores
+
+
+def time_sleep(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def stalls_in_worker(completions, **kwargs):
+    """Parity, except in a rollout worker, where it never returns (its first call is the reward's check at start)."""
+    if in_rollout_worker():
+        time_sleep(10**6)
+    return [parity(text) for text in completions]
+
+
+def signals_trainer_in_worker(completions, **kwargs):
+    """In a rollout worker: SIGTERM to the trainer that started it (a preemption before the first step), then never
+    returns. Elsewhere parity."""
+    import os
+    import signal
+
+    if in_rollout_worker():
+        os.kill(os.getppid(), signal.SIGTERM)
+        time_sleep(10**6)
+    return [parity(text) for text in completions]

@@ -330,3 +330,55 @@ def test_a_weight_push_needs_no_host_shared_memory(tmp_path):
                        64 * 1024)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "trained 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+# ---- What a worker does with the processes a reward starts, and a worker that is late at start ------------------
+START = ["sft.steps=5", "sft.batch_size=8", "train.steps=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
+         "rollout.max_new_tokens=16", "eval.num_problems=2", "eval.samples_per_problem=1", "eval.max_new_tokens=16",
+         "logger.progress=false", "data.reward_batched=true", "rollout.async_steps=1", "dist.timeout_minutes=2"]
+
+
+@pytest.mark.launch
+def test_a_reward_that_ends_its_processes_with_sigterm_runs_in_a_worker(tmp_path):
+    """A TRL-form reward scored in a ``multiprocessing.Pool`` (its with-block ends it with SIGTERM) and ending a child
+    with SIGTERM: the worker lets the scheduler's signals pass, but what it starts takes them, so the reward's check
+    at the worker's start and every step's scoring return."""
+    from tests.helpers import run_train
+
+    run_train([*START, "data.reward=tests.rewards:pooled_parity", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert (tmp_path / "run" / "checkpoints" / "step_1" / "COMPLETE").exists()
+
+
+@pytest.mark.launch
+def test_a_worker_not_ready_in_time_stops_the_run_naming_it_and_where(tmp_path):
+    """A worker stuck in the reward's check at its start: the run stops after rollout.worker_start_minutes (12 s
+    here), naming the worker and what it was doing, with its stacks printed first."""
+    from tests.helpers import run_train
+
+    start = time.monotonic()
+    proc = run_train([*START, "data.reward=tests.rewards:stalls_in_worker", "rollout.worker_start_minutes=0.2",
+                      f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "WorkerFailure: no answer from rollout worker 0 (CPU cores" in out, out[-3000:]
+    assert "while building the task (data.reward's check on a sample)" in out
+    assert "within 12 s (rollout.worker_start_minutes) while the workers start" in out
+    assert "is late: its stacks follow" in out and 'in stalls_in_worker' in out  # the worker's own stack
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.launch
+def test_a_signal_while_the_workers_start_stops_the_run_at_once(tmp_path):
+    """SIGTERM to the trainer while its worker is still starting (here the worker sends it, then hangs): nothing is
+    trained to save, so the run stops at once with the preemption's exit code, naming the worker and where it was,
+    instead of waiting for it (dist.timeout_minutes, 60)."""
+    from bicc.machine.preemption import REQUEUE_EXIT
+    from tests.helpers import run_train
+
+    start = time.monotonic()
+    proc = run_train([*START, "data.reward=tests.rewards:signals_trainer_in_worker",
+                      f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == REQUEUE_EXIT, out[-3000:]
+    assert "preempted (SIGTERM" in out and "while the workers start (rollout worker 0 (CPU cores" in out
+    assert "building the task (data.reward's check on a sample)" in out
+    assert time.monotonic() - start < 90

@@ -96,6 +96,8 @@ class RolloutConfig:
     worker_port: Optional[int] = None
     share_gpus: bool = False
     push_bucket_mib: float = 32.0
+    worker_gpu_memory_utilization: float = 0.9
+    worker_start_minutes: float = 20.0
 
     MAX_ASYNC_STEPS = 64
     MAX_CPU_WORKERS = 256
@@ -128,6 +130,9 @@ class RolloutConfig:
         need(not r.remote_workers or r.worker_port is not None, "rollout.worker_port",
              f"must be set when rollout.remote_workers={r.remote_workers}: workers on other nodes connect to it")
         need(r.push_bucket_mib > 0, "rollout.push_bucket_mib", f"must be > 0, got {r.push_bucket_mib}")
+        need(0 < r.worker_gpu_memory_utilization <= 1, "rollout.worker_gpu_memory_utilization",
+             f"must be in (0, 1], got {r.worker_gpu_memory_utilization}")
+        need(r.worker_start_minutes > 0, "rollout.worker_start_minutes", f"must be > 0, got {r.worker_start_minutes}")
         need(r.kv_cache_bytes is None or r.kv_cache_bytes > 0, "rollout.kv_cache_bytes",
              f"must be null (what the run needs, on CPU) or a positive number of bytes, got {r.kv_cache_bytes}")
         need(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",

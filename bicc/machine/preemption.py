@@ -11,6 +11,7 @@ kernel does when it dies (``bicc.machine.host.die_with_parent``)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -44,6 +45,10 @@ class Preemption:
     def requested(self) -> bool:
         return self.signum is not None
 
+    def reason(self) -> str | None:
+        """The signal and its age once one came, else None (a wait that no step follows stops on it)."""
+        return self.describe() if self.requested else None
+
     def describe(self) -> str:
         """The signal and the seconds since it came (this process's, where it got one)."""
         if self.signum is None:
@@ -57,6 +62,28 @@ class Preemption:
 
 
 def ignore_preemption() -> None:
-    """In a process the run started for itself: the scheduler's signals are the trainer's to act on."""
+    """In a process the run started for itself: the scheduler's signals are the trainer's to act on, so this process
+    lets them pass, but every process it starts keeps the default dispositions. A signal set to SIG_IGN would be
+    inherited across fork and exec, and a reward's ``multiprocessing.Pool`` (whose exit ends its workers with SIGTERM)
+    or any subprocess ended with SIGTERM would then never end, leaving this process waiting for it. A handler that
+    does nothing is reset to the default by exec, and by ``os.fork``'s hook below in a forked child; interrupted
+    system calls restart (``siginterrupt``)."""
     for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, _let_pass)
+        signal.siginterrupt(sig, False)
+    if not _FORK_HOOK:
+        os.register_at_fork(after_in_child=_defaults_in_child)
+        _FORK_HOOK.append(True)
+
+
+_FORK_HOOK: list = []
+
+
+def _let_pass(signum, frame) -> None:
+    """The trainer acts on it; this process carries on."""
+
+
+def _defaults_in_child() -> None:
+    for sig in SIGNALS:
+        if signal.getsignal(sig) is _let_pass:
+            signal.signal(sig, signal.SIG_DFL)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bicc.machine.preemption import REQUEUE_EXIT, Preempted
 from bicc.rollout import channel
 from bicc.rollout.channel import POLL_S
 
@@ -59,6 +61,9 @@ class Link:
     connect_host: str = "127.0.0.1"  # the trainer's host as the worker reached it
     pending: list = field(default_factory=list)  # what it was asked and has not answered yet, oldest first
     loaded: int | None = None  # the last weight version it loaded
+    doing: str = "starting its process"  # what it last said it is doing, until it is ready
+    ready: bool = False
+    joined: float | None = None  # when it said hello (time.monotonic)
 
 
 class Line:
@@ -73,17 +78,20 @@ class Line:
         self.acks: dict[tuple, set] = {}
         self.pushed = None  # the weight version being or last sent
 
-    def launch(self, specs: list[dict], labels: list[str], visible: list[str | None], port: int) -> None:
-        """Serve the store on ``port`` (0: a free one), write each worker's spec, start this node's workers (one per
-        label, on ``visible``'s GPU), and wait until every worker, those from elsewhere too, has said hello."""
-        self.store = channel.serve(port, self.timeout)
+    def launch(self, specs: list[dict], labels: list[str], visible: list[str | None], port: int, store=None,
+               start_s: float | None = None, stop=None) -> None:
+        """Serve the store on ``port`` (0: a free one; ``store``: one served already, at the run's start, which workers
+        from elsewhere may have joined), write each worker's spec, start this node's workers (one per label, on
+        ``visible``'s GPU), and wait until every worker, those from elsewhere too, has said hello (within
+        ``start_s``; ``stop``: as ``wait``'s)."""
+        self.store = store if store is not None else channel.serve(port, self.timeout)
         for spec in specs:
             self.store.set(f"line/spec/{spec['index']}", json.dumps(spec))
         self.store.set("line/local_workers", str(len(labels)))
         env = worker_env(os.environ)
         for i, (label, gpu) in enumerate(zip(labels, visible)):
             cmd = [sys.executable, "-m", "bicc.rollout.worker", "--connect", f"127.0.0.1:{self.store.port}",
-                   "--index", str(i)]
+                   "--index", str(i), "--parent-pid", str(os.getpid())]
             proc = subprocess.Popen(cmd, env={**env, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})})
             self._add(i, f"rollout worker {i} ({label})", proc)
         for i in range(len(labels), len(specs)):
@@ -91,7 +99,7 @@ class Line:
         if len(specs) > len(labels):
             print(f"[rollout] waiting for {len(specs) - len(labels)} worker(s) from other nodes: "
                   f"python -m bicc.rollout.worker --connect <this host>:{self.store.port}")
-        self.wait(lambda: self.all("hello"), "starting")
+        self.wait(lambda: self.all("hello"), "starting", start_s, stop)
 
     def send(self, kind: str, doing: str | None = None, **fields) -> None:
         """``kind`` to every worker; ``doing``: what answering it is, until it is answered (for error messages)."""
@@ -103,10 +111,13 @@ class Line:
     def all(self, kind: str, key=None) -> bool:
         return len(self.acks.get((kind, key), ())) == len(self.links)
 
-    def wait(self, done, what: str) -> None:
+    def wait(self, done, what: str, timeout_s: float | None = None, stop=None) -> None:
         """Read answers until ``done()``; a worker that exits, reports an error, stops beating or stays silent past
-        the timeout stops the run with an error naming it."""
-        deadline, pause = time.monotonic() + self.timeout, 0.001
+        ``timeout_s`` (default the line's, ``dist.timeout_minutes``) stops the run with an error naming it and
+        what it was doing, the stacks of those on this node printed first. ``stop``: called while waiting, an
+        exception to raise instead of waiting on (a preemption before the first step: nothing to save)."""
+        timeout_s = self.timeout if timeout_s is None else timeout_s
+        deadline, pause = time.monotonic() + timeout_s, 0.001
         while not done():
             got = False
             for link in self.links:
@@ -117,14 +128,25 @@ class Line:
             if got:
                 pause = 0.001
                 continue
+            reason = stop() if stop is not None else None
+            if reason is not None:  # nothing to save: the run stops here, saying where it waited
+                states = "; ".join(f"{link.name}, pid {link.proc.pid if link.proc else '?'}: {doing(link, what)}"
+                                   for link in self.links)
+                self.close(kill=True)
+                raise Preempted(f"[rl] preempted ({reason}) while {what} ({states}); no step was trained in this "
+                                f"process: exit {REQUEUE_EXIT}, resume=auto starts from the last checkpoint")
             self._check_alive(what)
             if time.monotonic() > deadline:
+                late = self.links
                 silent = [f"{link.name}, pid {link.proc.pid if link.proc else '?'} (loaded weight version {link.loaded} "
                           f"of {self.pushed if self.pushed is not None else 'none yet'}), while "
-                          f"{link.pending[0] if link.pending else 'idle'}" for link in self.links]
+                          f"{link.pending[0] if link.pending else link.doing if not link.ready else 'idle'}"
+                          for link in late]
+                self.print_stacks(late)
                 self.close(kill=True)
-                raise WorkerFailure(f"no answer from {'; '.join(silent)} within {self.timeout:g} s "
-                                    f"(dist.timeout_minutes) while {what}; stopped it")
+                setting = "rollout.worker_start_minutes" if timeout_s != self.timeout else "dist.timeout_minutes"
+                raise WorkerFailure(f"no answer from {'; '.join(silent)} within {timeout_s:g} s ({setting}) while "
+                                    f"{what}; stopped it")
             time.sleep(pause)
             pause = min(2 * pause, POLL_S)
 
@@ -150,6 +172,19 @@ class Line:
         self.links = []
         self.store = None  # the store's server goes with it: a worker elsewhere sees it gone and ends
 
+    def print_stacks(self, links: list[Link]) -> None:
+        """Each of ``links`` started on this node prints its threads' stacks to the run's stderr (the worker's
+        faulthandler on SIGUSR2), before it is stopped."""
+        asked = [link for link in links if link.proc is not None and link.proc.poll() is None]
+        for link in asked:
+            print(f"[rollout] {link.name} is late: its stacks follow", file=sys.stderr, flush=True)
+            try:
+                os.kill(link.proc.pid, signal.SIGUSR2)
+            except OSError:
+                pass
+        if asked:
+            time.sleep(1.0)
+
     # ---- inside ---------------------------------------------------------------------------------
     def _add(self, i: int, name: str, proc) -> None:
         self.links.append(Link(i, name, proc, channel.to_worker(self.store, i), channel.from_worker(self.store, i)))
@@ -161,14 +196,18 @@ class Line:
                 code = link.proc.returncode
                 self.close(kill=True)
                 raise WorkerFailure(f"{link.name} exited with code {code} while {doing(link, what)}")
-            if link.proc is None and now - link.beat_seen > 1.0 and self.store is not None:
+            # one elsewhere, once it has said hello: its beats, counted from then (one that dies before its first
+            # beat is failed as one whose beats stop)
+            if link.proc is None and link.joined is not None and now - link.beat_seen > 1.0 and self.store is not None:
                 beats = self.store.add(f"line/beat/{link.index}", 0)
                 if beats != link.beats or not link.beat_seen:
-                    link.beats, link.beat_seen = beats, now
-                elif beats and now - link.beat_seen > HEARTBEAT_LAPSE_S:
+                    link.beats, link.beat_seen = beats, (now if beats else link.joined)
+                elif now - link.beat_seen > HEARTBEAT_LAPSE_S:
                     self.close(kill=True)
                     raise WorkerFailure(f"{link.name} stopped its heartbeat {HEARTBEAT_LAPSE_S:g} s ago while "
-                                        f"{doing(link, what)}")
+                                        f"{doing(link, what)}" if beats else
+                                        f"{link.name} said hello {now - link.joined:.0f} s ago and has not beaten its "
+                                        f"heartbeat since (it beats every second), while {doing(link, what)}")
 
     def _record(self, message, link: Link, what: str) -> None:
         if message.kind == "error":
@@ -182,8 +221,11 @@ class Line:
             self.close(kill=True)
             raise WorkerFailure(f"{link.name} failed while {doing(link, what)} (exit code {code}): "
                                 f"{trace.strip().splitlines()[-1]}\n{trace}")
+        if message.kind == "starting":
+            link.doing = message["doing"]
+            return
         if message.kind == "hello":
-            link.connect_host = message["connect"].rpartition(":")[0]
+            link.connect_host, link.joined = message["connect"].rpartition(":")[0], time.monotonic()
             if link.proc is None:
                 link.name = f"rollout worker {link.index} ({message['device']} on {message['host']})"
             print(f"[rollout] {link.name}: pid {message['pid']} on {message['host']}, {message['device']}")
@@ -194,6 +236,8 @@ class Line:
                 link.pending.remove(answered)
         if message.kind == "loaded":
             link.loaded = message["version"]
+        if message.kind == "ready":
+            link.ready = True
         if message.kind == "batch":
             shards = torch.load(io.BytesIO(message.payload), weights_only=True)
             self.batches.setdefault(message["step"], {})[link.index] = Answer(
@@ -204,9 +248,10 @@ class Line:
 
 
 def doing(link: Link, what: str) -> str:
-    """What a failed worker was doing (its oldest unanswered request), and what the trainer was waiting for."""
-    asked = link.pending[0] if link.pending else what
-    return asked if asked == what else f"{asked} (the trainer was {what})"
+    """What a failed worker was doing (its oldest unanswered request, or before it was ready what it last said), and
+    what the trainer was waiting for."""
+    asked = link.pending[0] if link.pending else what if link.ready else link.doing
+    return asked if asked == what else f"{asked} (the trainer was waiting for {what})"
 
 
 def worker_env(environ) -> dict:

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import io
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -70,19 +72,41 @@ def watch_trainer(address: str, index: int, timeout_s: float) -> None:
     threading.Thread(target=watch, name="bicc-watch-trainer", daemon=True).start()
 
 
+STATUS_EVERY_S = 60.0  # how often a worker waiting for its trainer says what the trainer is doing
+
+
+def wait_for_key(store, key: str, address: str) -> bytes:
+    """``key``'s value once the trainer has set it, waiting as long as the trainer's store is there (its start may
+    take long: a model load, the first evaluation); every ``STATUS_EVERY_S`` the wait prints what the trainer is
+    doing (``line/status``). A store that is gone raises (``DistNetworkError``): the trainer has ended."""
+    start = last = time.monotonic()
+    while not store.check([key]):
+        if time.monotonic() - last >= STATUS_EVERY_S:
+            last = time.monotonic()
+            status = store.get("line/status").decode() if store.check(["line/status"]) else "starting"
+            print(f"[rollout worker] waiting for the trainer at {address} for {last - start:.0f} s: it is {status}",
+                  flush=True)
+        time.sleep(0.2)
+    return store.get(key)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="A rollout worker of a run with rollout.async_steps >= 1.")
     parser.add_argument("--connect", required=True, help="host:port of the trainer's rollout store "
                         "(rank 0's host and rollout.worker_port)")
     parser.add_argument("--index", type=int, default=None, help="set by the trainer for the workers it starts")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="how long to wait for the trainer's store")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="how long to wait for the trainer's store "
+                        "to answer (it serves it as soon as it starts; after that the worker waits as long as the "
+                        "trainer is there: its model load and first evaluation may take long)")
+    parser.add_argument("--parent-pid", type=int, default=None, help="set by the trainer for the workers it starts")
     args = parser.parse_args(argv)
     from bicc.machine.host import die_with_parent
     from bicc.machine.preemption import ignore_preemption
 
     ignore_preemption()  # the trainer saves and stops on SIGTERM / SIGUSR1 and then ends its workers
-    if args.index is not None:  # started by the trainer: die with it
-        die_with_parent()
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # the trainer asks for the stacks of one that is late
+    if args.index is not None and die_with_parent() and args.parent_pid not in (None, os.getppid()):
+        os._exit(0)  # started by a trainer that died before the kernel was asked to end this process with it
     import torch.distributed
 
     from bicc.rollout.channel import connect, from_worker, to_worker
@@ -90,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     store = connect(args.connect, args.timeout_s)
     index = args.index
     if index is None:  # joined from elsewhere: after the trainer's own workers, in the order they join
-        index = int(store.get("line/local_workers")) + store.add("line/remote_joined", 1) - 1
-    spec = {**json.loads(store.get(f"line/spec/{index}")), "connect": args.connect}
+        index = int(wait_for_key(store, "line/local_workers", args.connect)) + store.add("line/remote_joined", 1) - 1
+    spec = {**json.loads(wait_for_key(store, f"line/spec/{index}", args.connect)), "connect": args.connect}
     watch_trainer(args.connect, index, spec["timeout_s"])
     outbox = from_worker(store, index)
     try:
@@ -123,6 +147,8 @@ def build_sampler(spec: dict, rollout, model_cfg, eval_cfg, device):
 
     rollout_cfg = copy.deepcopy(rollout)
     rollout_cfg.sleep = False  # the worker's device is its own: nothing to free while the trainer updates
+    if spec["device"] == "cuda" and not spec["shares_gpu"]:  # alone on its GPU: its KV cache and batch take the rest
+        rollout_cfg.gpu_memory_utilization = rollout.worker_gpu_memory_utilization
     options = EngineOptions(end_ids=tuple(spec["end_ids"]), max_model_len=spec["max_model_len"], dtype=model_cfg.dtype,
                             rows=engine_rows(rollout, eval_cfg, spec["num_shards"]), logprobs=True,
                             weight_transfer="nccl" if spec["transport"] == "vllm" else None)
@@ -170,9 +196,12 @@ def serve(spec: dict, inbox, outbox, store) -> None:
                 device=torch.cuda.get_device_name(0) if cuda else "cpu")
     group = None
     if spec["transport"] != "vllm":  # joined first, so that the trainer's side never waits on an engine's start
+        outbox.send("starting", doing="joining the weight push's process group")
         group = weight_group(store, spec["index"] + 1, spec["world"], spec["transport"], spec["timeout_s"])
     cfg = OmegaConf.create(spec["cfg"])
+    outbox.send("starting", doing=f"loading the policy and building its {cfg.rollout.engine} engine")
     engine, tokenizer, into = build_sampler(spec, cfg.rollout, cfg.model, cfg.eval, device)
+    outbox.send("starting", doing="building the task (data.reward's check on a sample)")
     task, collection = build_task(cfg.data), Collection.of(cfg.algo, cfg.rollout, cfg.data)
     cursor = DataCursor(spec["cursor"]["pos"], list(spec["cursor"]["shard_pos"]))
     entries = [Entry(name, tuple(shape)) for name, shape in spec["entries"]]

@@ -56,7 +56,7 @@ class RolloutWorkers:
     ``pending_state`` for checkpoints, ``close``."""
 
     def __init__(self, cfg, model_path: str, cursor: DataCursor, d=distributed.Dist(), max_model_len=None,
-                 pending: dict | None = None, cuda: bool | None = None, end_ids=()):
+                 pending: dict | None = None, cuda: bool | None = None, end_ids=(), store=None, stop=None):
         from omegaconf import OmegaConf
 
         self.N, self.d, self.cfg = cfg.rollout.async_steps, d, cfg
@@ -65,6 +65,10 @@ class RolloutWorkers:
         self.local = list(distributed.local_shards(cfg.rollout, d))
         self.dtype = DTYPES[cfg.model.dtype]
         self.line = Line(cfg.dist.timeout_minutes * 60)
+        # the store rank 0 serves (None: served at start), and what stops the wait for the workers' start
+        # (``bicc.machine.preemption.Preemption.stop_waiting``: a signal before the first step)
+        self.store, self.stop = store, stop
+        self.start_s = cfg.rollout.worker_start_minutes * 60
         self.busy: list[tuple[float, float]] = []  # the trainer's update intervals (time.monotonic)
         self.push_s, self.push_bytes = 0.0, 0
         self.group = self.transfer = None
@@ -97,6 +101,7 @@ class RolloutWorkers:
             place = self.places[i] if i < len(self.places) else None
             self.specs.append({"index": i, "cfg": plain, "model_path": model_path, "end_ids": list(end_ids),
                                "device": "cuda" if self.cuda else "cpu", "cores": list(place.cores or ()) if place else [],
+                               "shares_gpu": bool(place and place.shares),
                                "shards": [s for s in range(self.num_shards) if s % self.workers == i],
                                "num_shards": self.num_shards, "cursor": pending["cursor"], "max_model_len": max_model_len,
                                "world": self.workers + 1, "transport": self.kind, "timeout_s": self.line.timeout})
@@ -113,10 +118,10 @@ class RolloutWorkers:
             for spec in self.specs:
                 spec.update(entries=entries, bucket_elems=self.capacity)
             self.line.launch(self.specs, [p.label for p in self.places], [p.visible for p in self.places],
-                             self.cfg.rollout.worker_port or 0)
+                             self.cfg.rollout.worker_port or 0, self.store, self.start_s, self.stop)
             if self.kind != "vllm":  # the weight group: trainer rank 0 is 0, worker i is i + 1
                 self.group = weight_sync.weight_group(self.line.store, 0, self.workers + 1, self.kind, self.line.timeout)
-            self.line.wait(lambda: self.line.all("ready"), "starting its engine")
+            self.line.wait(lambda: self.line.all("ready"), "the workers start", self.start_s, self.stop)
         if self.kind == "vllm":
             from bicc.rollout.vllm_transfer import trainer_engine
 

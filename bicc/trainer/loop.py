@@ -166,6 +166,14 @@ def forward_layout(model, bicc, train) -> str:
             "(padding-free needs KV reuse: train.share_prompts, train.context_packing_impl=kv)")
 
 
+def serve_line(rollout, dist_cfg):
+    """The store rank 0 serves its rollout workers (``bicc.rollout.channel``) on ``rollout.worker_port`` (null: a free
+    one)."""
+    from bicc.rollout.channel import serve
+
+    return serve(rollout.worker_port or 0, dist_cfg.timeout_minutes * 60)
+
+
 def start_workers(s: RLState, workers: RolloutWorkers, r, dtype: str) -> None:
     """The rollout workers of ``rollout.async_steps`` (``r``), started with the policy's weights at ``s.step`` (sent
     in ``dtype``, ``model.dtype``) and any batches the checkpoint it resumed from held."""
@@ -270,6 +278,11 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
         print(f"[run] {describe_choices(choices, StepConfig.of(cfg), cfg.model, cfg.data, cfg.sft)}")
         cuda_line = f", CUDA allocator: {allocator_conf()}" if device.type == "cuda" else ""
         print(f"[host] usable cores: {usable_cores()}, torch threads per process: {torch.get_num_threads()}{cuda_line}")
+    # rank 0 serves the rollout workers' store first thing, so that workers started beside it (another node's, by
+    # Slurm) find it while it loads, and wait as long as it is there (bicc.rollout.worker)
+    line_store = serve_line(cfg.rollout, cfg.dist) if cfg.rollout.async_steps and d.is_main else None
+    status = lambda text: line_store.set("line/status", text) if line_store is not None else None  # noqa: E731
+    status("building the task and checking its reward")
     task = build_task(cfg.data)
     cfg.model.path = resolve_model_path(cfg.model.path, cfg.sft.cache_dir)  # gguf:<package>/<file>: an HF dir
     tokenizer, *positions = tokenizer_and_positions(cfg.model)
@@ -301,6 +314,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     tracker = Tracker(run_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True), cfg.logger.wandb_mode,
                       cfg.logger.wandb_project, enabled=d.is_main)
     build = lambda policy, init: build_rl_state(cfg, policy, init, device, d, max_model_len)  # noqa: E731
+    status("loading the policy")
     s = start_or_resume(cfg.resume, build, init_path, run_dir, cfg.rollout.async_steps, d)
     if d.is_main and s.engine.kv_bytes:
         print(f"[rollout] vLLM KV space {s.engine.kv_bytes / 2**30:.2f} GiB (rollout.kv_cache_bytes)")
@@ -313,6 +327,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
         baseline = distributed.broadcast_object(
             json.loads(cache.read_text(encoding="utf-8")) if d.is_main and cache is not None and cache.exists() else None, d)
         if baseline is None:
+            status("evaluating the initial policy")
             with s.peaks.phase("evaluation"):
                 baseline = evaluate(eval_engine(s, cfg.rollout, cfg.eval), s.tokenizer, task, cfg.eval, cfg.seed, d=s.dist)
             if cache is not None and d.is_main:
@@ -323,8 +338,10 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     preemption = Preemption().install()  # SIGTERM / SIGUSR1: the loop saves its last step and stops
     try:
         if cfg.rollout.async_steps:
+            status("starting its rollout workers")
             start_workers(s, RolloutWorkers(cfg, s.init_path, s.cursor, d, max_model_len, pending=s.pending,
-                                            end_ids=s.end_ids), cfg.rollout, cfg.model.dtype)
+                                            end_ids=s.end_ids, store=line_store, stop=preemption.reason),
+                          cfg.rollout, cfg.model.dtype)
         s = run_rl(s, cfg, run_dir, tracker, preemption)
     finally:
         if s.workers is not None:
