@@ -123,3 +123,15 @@ def signals_trainer_in_worker(completions, **kwargs):
         os.kill(os.getppid(), signal.SIGTERM)
         time_sleep(10**6)
     return [parity(text) for text in completions]
+
+
+def first_of_group_slow_start(completions, problems):
+    """``first_of_group``, with 15 s more at the first call in the trainer (the reward's check, before the model
+    loads): a trainer that is slow to reach its rollout workers."""
+    if not in_rollout_worker() and not _CALLED:
+        _CALLED.append(True)
+        time_sleep(15)
+    return first_of_group(completions, problems)
+
+
+_CALLED: list = []

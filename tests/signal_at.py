@@ -3,7 +3,9 @@
     python tests/signal_at.py SIGNAL WHERE [WHERE ...] -- <train.py overrides>
 
 Each WHERE is ``<phase>:<n>`` (on entering the n-th ``generate``, ``log-probs`` or ``update`` phase of the run, i.e.
-inside step n of this process) or ``save:<n>`` (inside the n-th checkpoint write, before it writes anything). Under
+inside step n of this process) or ``save:<n>`` (inside the n-th checkpoint write, before it writes anything). SIGNAL
+``NONE``: no signal (the test sends its own). ``BICC_SLOW_SAVE_S=<s>``: every checkpoint write takes that much longer
+on every rank (a slow file system), before it starts. Under
 torchrun ``BICC_SIGNAL_RANK`` names the one rank that signals itself (default: every rank); ``BICC_SIGNAL_GROUP=1``
 signals its whole process group instead (the rollout workers and math-verify processes it started too). SIGNAL ``ENOSPC`` or
 ``EACCES``: the n-th checkpoint's weights fail to write with that error instead, after the checkpoint's dir exists."""
@@ -21,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 split = sys.argv.index("--")
 FAILURE = sys.argv[1] if sys.argv[1] in ("ENOSPC", "EACCES") else None
-SIGNAL = None if FAILURE else getattr(signal, sys.argv[1])
+SIGNAL = None if FAILURE or sys.argv[1] == "NONE" else getattr(signal, sys.argv[1])
+SLOW_SAVE_S = float(os.environ.get("BICC_SLOW_SAVE_S", "0"))
 WHERE = {tuple(w.split(":")) for w in sys.argv[2:split]}
 sys.argv = [str(ROOT / "train.py"), *sys.argv[split + 1:]]
 MINE = os.environ.get("BICC_SIGNAL_RANK", os.environ.get("RANK", "0")) == os.environ.get("RANK", "0")
@@ -72,6 +75,11 @@ save = bicc.trainer.loop.save_rl_checkpoint
 
 def marked_save(*args, **kwargs):
     mark("save")
+    if SLOW_SAVE_S:
+        print(f"[test] the checkpoint write takes {SLOW_SAVE_S:g} s longer", flush=True)
+        import time
+
+        time.sleep(SLOW_SAVE_S)
     return save(*args, **kwargs)
 
 

@@ -3,6 +3,7 @@ loop, the version every batch carries, and the clear stop a failing worker gets.
 these tests are ``launch`` tests (the sync-mode checks at the end start none)."""
 
 import copy
+import threading
 import time
 
 import pytest
@@ -382,3 +383,79 @@ def test_a_signal_while_the_workers_start_stops_the_run_at_once(tmp_path):
     assert "preempted (SIGTERM" in out and "while the workers start (rollout worker 0 (CPU cores" in out
     assert "building the task (data.reward's check on a sample)" in out
     assert time.monotonic() - start < 90
+
+
+def test_a_worker_from_elsewhere_that_never_beats_after_its_hello_is_failed(monkeypatch):
+    """A worker on another node says hello and dies before its first heartbeat: it is failed once its heartbeat has
+    lapsed, counted from the hello (1 s here), not after dist.timeout_minutes."""
+    from bicc.rollout import channel, line
+
+    monkeypatch.setattr(line, "HEARTBEAT_LAPSE_S", 1.0)
+    trainer = line.Line(timeout_s=20)
+    trainer.store = channel.serve(0, 20)
+    trainer._add(0, "rollout worker 0 (joining from elsewhere)", None)
+    channel.from_worker(trainer.store, 0).send("hello", pid=7, host="node1", connect="node0:1", device="cuda")
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"rollout worker 0 \(cuda on node1\) said hello \d+ s ago and has not beaten"):
+        trainer.wait(lambda: False, "sampling step 0")
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.launch
+def test_a_worker_whose_trainer_died_before_it_asked_to_die_with_it_ends_at_once():
+    """The kernel ends a worker with its trainer only from the moment the worker asks (prctl); a trainer that died
+    before that leaves the worker re-parented: it sees another parent than the pid it was given and ends, instead of
+    waiting for a store that will never answer (600 s)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "bicc.rollout.worker", "--connect", "127.0.0.1:9", "--index", "0",
+                           "--parent-pid", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert time.monotonic() - start < 20
+
+
+class BlocksUntilAborted:
+    """A weight group whose broadcast waits as an NCCL collective does when a peer has died: until the group is
+    aborted (then it raises, as NCCL's aborted communicator does). 60 s at most, so that a test of code that never
+    aborts it fails instead of hanging."""
+
+    def __init__(self, group):
+        self.aborted, self.group = threading.Event(), group  # the real group kept open: its peer stays in it
+
+    def broadcast(self, tensors, options):
+        return self
+
+    def wait(self):
+        if not self.aborted.wait(60):
+            raise AssertionError("the blocked broadcast was never aborted")
+        raise RuntimeError("NCCL communicator was aborted")
+
+    def abort(self):
+        self.aborted.set()
+
+
+@pytest.mark.launch
+def test_a_worker_that_dies_in_a_push_whose_collective_blocks_stops_the_run_naming_it(tmp_path):
+    """The push's collective cannot see a worker that died (NCCL's broadcast waits for ever): the worker is SIGKILLed
+    while the trainer is blocked in it, and the push stops within seconds with an error naming the worker and the
+    version, the communicator aborted and the worker gone."""
+    import os
+    import signal
+
+    policy_and_reference(tmp_path)
+    s, cfg = state(tmp_path, ["rollout.async_steps=1"])
+    s.workers = RolloutWorkers(cfg, str(tmp_path / "policy"), s.cursor)
+    s.workers.start(s.model, 0)
+    blocked = s.workers.group = BlocksUntilAborted(s.workers.group)
+    (proc,) = s.workers.procs
+    threading.Timer(1.0, os.kill, (proc.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"rollout worker 0 \(CPU cores \[\d+\]\) exited with code -9 while sending "
+                                            r"weight version 1: the transfer was aborted \(RuntimeError: NCCL"):
+        s.workers.push(s.model, 1)
+    assert blocked.aborted.is_set() and time.monotonic() - start < 10
+    assert proc.poll() is not None and s.workers.line.links == []

@@ -316,14 +316,18 @@ def test_rollout_workers_under_torchrun_match_one_process(runs, async_single, ga
 def test_a_rollout_worker_started_elsewhere_draws_what_one_started_here_does(runs, async_single):
     """A worker on another node: the trainer starts none (rollout.remote_workers=1 on a fixed rollout.worker_port) and
     waits; the worker is started apart, as ``python -m bicc.rollout.worker --connect <host>:<port>`` from the
-    repository root (docs/slurm/train_async_2x4.sbatch), before the trainer's store is up. The run equals the one
-    whose worker the trainer started, and the worker ends by itself when the trainer is done."""
+    repository root (docs/slurm/train_async_2x4.sbatch), before the trainer's store is up, and waits for it 10 s at
+    most, while the trainer is 15 s longer than that to load (its reward's check): the trainer serves the store as it
+    starts, and the worker waits as long as it is there. The run equals the one whose worker the trainer started,
+    and the worker ends by itself when the trainer is done."""
     tmp, _ = runs
     remote, port = tmp / "async_remote", free_port()
-    worker = subprocess.Popen([sys.executable, "-m", "bicc.rollout.worker", "--connect", f"127.0.0.1:{port}"], cwd=ROOT,
-                              env=env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = subprocess.Popen([sys.executable, "-m", "bicc.rollout.worker", "--connect", f"127.0.0.1:{port}",
+                               "--timeout-s", "10"], cwd=ROOT, env=env(tmp), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
     proc = one_process([f"hydra.run.dir={remote}", "rollout.async_steps=1", "rollout.remote_workers=1",
-                        f"rollout.worker_port={port}", "train.sampler_check_every=1"], tmp)
+                        f"rollout.worker_port={port}", "train.sampler_check_every=1", "dist.timeout_minutes=2",
+                        "data.reward=tests.rewards:first_of_group_slow_start"], tmp)
     assert "1 from other nodes" in proc.stdout and "rollout worker 0 (cpu on " in proc.stdout
     out, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0, out[-3000:]

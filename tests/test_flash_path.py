@@ -285,7 +285,7 @@ def test_paper_steps_padding_free_equal_sdpa(reference_kernel, tmp_path, monkeyp
 def test_start_up_line_says_how_forwards_are_laid_out():
     """``[rl] forwards: ...``: a run that asked for flash-attn and fell back to SDPA (flash-attn not installed)
     says so at start-up, as does one whose rows cannot go padding-free."""
-    from bicc.trainer.loop import forward_layout
+    from bicc.trainer.banner import forward_layout
     from tests.conftest import compose_cfg
 
     flash, _ = tiny("flash_attention_2")

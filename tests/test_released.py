@@ -17,7 +17,7 @@ from bicc.method.conditioning import build_contexts
 from bicc.model.logprobs import batch_logprobs, make_token_batch
 from bicc.rollout import Engine, RolloutOutput
 from bicc.trainer import step as step_module
-from bicc.trainer.loop import describe_choices
+from bicc.trainer.banner import describe_choices
 from bicc.trainer.state import build_rl_state
 from bicc.trainer.step import rl_step
 from bicc.trainer.validation import validate

@@ -84,6 +84,33 @@ def test_the_async_script_starts_the_workers_its_run_waits_for():
     assert cfg.rollout.prompts_per_step % (4 * cfg.rollout.remote_workers) == 0  # shards over ranks, then workers
 
 
+@pytest.mark.parametrize("script", [SCRIPT, ASYNC])
+def test_torchrun_waits_for_the_save_within_the_schedulers_lead(script):
+    """``--signal=B:USR1@600`` gives the job 600 s; torchrun's --shutdown-timeout (its wait for the ranks after passing
+    the signal on) sits inside it, and the run is told the lead. At the paper preset the launch check finds the
+    predicted save inside both; with torchrun's default 30 s the one-node trainer's (52 s) is cut, and it warns,
+    naming the setting."""
+    from types import SimpleNamespace
+
+    from bicc.machine.memory import QWEN3_4B
+    from bicc.trainer.fit import preemption_check
+
+    lead = int(sbatch_options(script)["signal"].split("@")[1])
+    trainer = words(script)
+    launcher = " ".join(trainer[trainer.index(".venv/bin/torchrun"):trainer.index("train.py")])
+    grace = int(next(w for w in trainer if w.startswith("--shutdown-timeout=")).split("=")[1])
+    assert lead == 600 and 0 < grace < lead and f"train.preemption_lead_s={lead}" in trainer
+    cfg = compose_cfg([o for o in trainer[trainer.index("train.py") + 1:] if not o.startswith("hydra.")])
+    ranks = SimpleNamespace(world=8 if script == SCRIPT else 4, enabled=True, strategy="fsdp2")
+    env = {"TORCHELASTIC_RUN_ID": "4242", "LOCAL_WORLD_SIZE": "4"}
+    lines = preemption_check(cfg, None, ranks, env, launcher, QWEN3_4B.params())
+    assert len(lines) == 1 and f"torchrun kills the ranks {grace} s after" in lines[0], lines
+    if script == ASYNC:  # one node of trainers writes every shard: 52 s, past torchrun's default 30 s
+        default = preemption_check(cfg, None, ranks, env, launcher.replace(f"--shutdown-timeout={grace}", ""),
+                                   QWEN3_4B.params())
+        assert default[0].startswith("warning: the save (52 s) does not fit torchrun's --shutdown-timeout=30"), default
+
+
 @pytest.mark.parametrize("sig, requeued", [("SIGUSR1", True), ("SIGTERM", False)], ids=["ahead-of-the-limit", "preempted"])
 def test_a_signal_to_the_job_stops_the_run_after_its_save_and_requeues_ahead_of_the_limit(sig, requeued, tmp_path):
     """The script's preemption, with srun and scontrol faked: USR1 (``--signal=B:USR1@600``) or TERM reaches the batch

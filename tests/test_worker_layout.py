@@ -13,6 +13,7 @@ from bicc.machine.distributed import Dist
 from bicc.machine.layout import GIB, host_warnings, worker_gpu
 from bicc.machine.memory import QWEN3_4B, Run
 from bicc.model.tokenizer import build_char_tokenizer
+from bicc.rollout.worker import worker_rollout
 from bicc.trainer.fit import check_workers, gate_host_bytes, predicted_run
 from tests.conftest import compose_cfg
 
@@ -50,6 +51,16 @@ def test_the_sampler_checks_host_copies_at_the_paper_preset(roomy_host):
     (memory,) = host_warnings("gloo", 0, 41 * GIB, 4 * 3 * quarter, meminfo=str(roomy_host))
     assert "the sampler check holds 45.0 GiB while training" in memory and "train.sampler_check_every" in memory
     assert host_warnings("gloo", 0, 41 * GIB, 4 * quarter, meminfo=str(roomy_host)) == []  # the default fits 85.8
+
+
+def test_a_vllm_worker_alone_on_its_gpu_takes_its_own_share():
+    """vLLM's share in a worker (bicc.rollout.worker.worker_rollout): rollout.worker_gpu_memory_utilization on a GPU of
+    its own, the colocated rollout.gpu_memory_utilization beside a training rank (share_gpus) and on CPU."""
+    rollout = compose_cfg(["rollout=vllm"]).rollout
+    shares = {(device, shared): worker_rollout(rollout, {"device": device, "shares_gpu": shared}).gpu_memory_utilization
+              for device in ("cuda", "cpu") for shared in (False, True)}
+    assert shares == {("cuda", False): 0.9, ("cuda", True): 0.4, ("cpu", False): 0.4, ("cpu", True): 0.4}
+    assert worker_rollout(rollout, {"device": "cuda", "shares_gpu": False}).sleep is False
 
 
 def test_a_low_open_file_limit_is_raised_or_named(roomy_host, monkeypatch):
@@ -104,9 +115,12 @@ def test_the_launch_check_refuses_a_bad_gpu_layout_before_anything_loads(roomy_h
     with pytest.raises(ValueError, match=r"'rollout.devices': rollout worker GPU: predicted .* of 0\.0 GiB \(hf\): it "
                                          r"does not fit. Lower rollout.batch_size"):
         check(["rollout.devices=[2,3]", "train.memory_gib=0.01"], env)
-    with pytest.raises(ValueError, match="Lower rollout.gpu_memory_utilization"):
-        check(["rollout=vllm", "rollout.devices=[2]", "train.memory_gib=8", "rollout.gpu_memory_utilization=0.95",
+    with pytest.raises(ValueError, match="Lower rollout.worker_gpu_memory_utilization"):
+        check(["rollout=vllm", "rollout.devices=[2]", "train.memory_gib=8", "rollout.worker_gpu_memory_utilization=0.95",
                "rollout.push_bucket_mib=512"], env)  # its share and the transfer's two buffers: 7.6 + 1 GiB
+    # a vLLM worker alone on its GPU takes 0.9 of it (72 GiB of 80), not the colocated engine's 0.4
+    (line, _) = check(["rollout=vllm", "rollout.devices=[2]", "train.memory_gib=80"], env)
+    assert line == "rollout worker GPU: predicted 72.1 GiB of 80.0 GiB (vllm)"  # + two 32 MiB transfer buffers
     alone = float(check(["rollout.devices=[1]", "rollout.share_gpus=true", "train.memory_gib=80"], env, world=1)[0]
                   .split("predicted ")[1].split()[0])
     apart = float(check(["rollout.devices=[1]", "train.memory_gib=80"], {"LOCAL_WORLD_SIZE": "1"}, world=1)[0]

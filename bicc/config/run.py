@@ -192,6 +192,8 @@ class TrainConfig:
     max_sampler_mismatch: Optional[float] = None
     sampler_mismatch_steps: int = 3
     sampler_check_every: Optional[int] = None
+    preemption_lead_s: Optional[float] = None
+    checkpoint_write_gib_s: float = 1.0
     memory_check: bool = True
     memory_gib: Optional[float] = None
     context_packing: bool = True
@@ -217,6 +219,9 @@ class TrainConfig:
              f"must be >= 0 (0 = never) or null (1; under rollout workers rollout.async_steps + 1), "
              f"got {t.sampler_check_every}")
         need(t.max_packed_len >= 1, "train.max_packed_len", f"must be >= 1, got {t.max_packed_len}")
+        need(t.preemption_lead_s is None or t.preemption_lead_s > 0, "train.preemption_lead_s",
+             f"must be > 0 or null (not known), got {t.preemption_lead_s}")
+        need(t.checkpoint_write_gib_s > 0, "train.checkpoint_write_gib_s", f"must be > 0, got {t.checkpoint_write_gib_s}")
 
 
 @dataclass

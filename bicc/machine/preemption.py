@@ -61,6 +61,91 @@ class Preemption:
         self._previous = {}
 
 
+# ---- The contract at launch: the scheduler's lead, the launcher's grace and the save -------------------------------
+TORCHRUN_GRACE_S = 30  # torchrun's default: SIGKILL this long after it forwards a signal to the ranks
+
+
+def launcher_grace(environ=os.environ, parent_cmdline: str | None = None) -> int | None:
+    """Seconds between torchrun forwarding a signal to the ranks and its SIGKILL: its ``--shutdown-timeout`` (read
+    from the launcher's command line, this process's parent), else ``PET_SHUTDOWN_TIMEOUT`` or
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else torch's 30 s; None when no torchrun started this process."""
+    if "TORCHELASTIC_RUN_ID" not in environ:
+        return None
+    if parent_cmdline is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                parent_cmdline = f.read().decode(errors="replace").replace("\0", " ")
+        except OSError:
+            parent_cmdline = ""
+    words = parent_cmdline.split()
+    for i, word in enumerate(words):
+        name, _, value = word.partition("=")
+        if name in ("--shutdown-timeout", "--shutdown_timeout"):
+            value = value or (words[i + 1] if i + 1 < len(words) else "")
+            if value.isdigit():
+                return int(value)
+    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return TORCHRUN_GRACE_S
+
+
+def checkpoint_bytes(params: int, compute_bytes: int, master_bytes: int, world: int, local_world: int,
+                     sharded: bool) -> int:
+    """Bytes the node that writes the most (rank 0's) puts in one checkpoint: the HF weights in the compute dtype
+    (rank 0), the master weights where wider and AdamW's two moments (fp32), each rank its share under FSDP2's
+    sharded writes, rank 0 all of them otherwise."""
+    master = params * master_bytes if master_bytes != compute_bytes else 0
+    sharded_part = master + 2 * 4 * params
+    return params * compute_bytes + (sharded_part * local_world // world if sharded else sharded_part)
+
+
+def preemption_contract(save_bytes: int, write_gib_s: float, grace_s: int | None, lead_s: float | None,
+                        save_every: int) -> tuple[str, list[str]]:
+    """What a preempted run has from the signal to its kill against its save's predicted duration: a line to print,
+    and warnings naming the setting where the save does not fit (the run then resumes from its last periodic
+    checkpoint, up to ``train.save_every`` steps back)."""
+    save_s = save_bytes / (write_gib_s * 2**30)
+    line = (f"a preempted run finishes its step and saves it: {save_bytes / 2**30:.1f} GiB on this node, about "
+            f"{save_s:.0f} s at train.checkpoint_write_gib_s={write_gib_s:g}")
+    limits = []
+    if grace_s is not None:
+        limits.append(f"torchrun kills the ranks {grace_s} s after passing the signal on (--shutdown-timeout)")
+    if lead_s is not None:
+        limits.append(f"the scheduler kills the job {lead_s:g} s after its signal (train.preemption_lead_s)")
+    line += "; " + "; ".join(limits) if limits else "; no launcher or scheduler limit is known"
+    lost = lost_steps(save_every)
+    warnings = []
+    if grace_s is not None and save_s > grace_s:
+        room = f" (under the scheduler's {lead_s:g} s)" if lead_s is not None else ""
+        warnings.append(f"the save ({save_s:.0f} s) does not fit torchrun's --shutdown-timeout={grace_s}: {lost}. Launch "
+                        f"torchrun with --shutdown-timeout above the save and a step{room}")
+    if lead_s is not None and save_s > lead_s:
+        warnings.append(f"the save ({save_s:.0f} s) does not fit train.preemption_lead_s={lead_s:g}: {lost}. Ask the "
+                        "scheduler for more lead (Slurm: --signal=B:USR1@<seconds>)")
+    if grace_s is not None and lead_s is not None and grace_s > lead_s:
+        warnings.append(f"torchrun's --shutdown-timeout={grace_s} is above the scheduler's lead "
+                        f"(train.preemption_lead_s={lead_s:g}): the scheduler's kill comes first")
+    return line, warnings
+
+
+def lost_steps(save_every: int) -> str:
+    return ("the save is cut and the run resumes from its last periodic checkpoint, up to "
+            f"train.save_every={save_every} steps back")
+
+
+def measured_contract(step_s: float, save_s: float, grace_s: int | None, lead_s: float | None,
+                      save_every: int) -> str | None:
+    """The contract again with what the run measured (a step, and a checkpoint it wrote): a preempted step needs at
+    most the rest of a step and a save; a warning naming the limit it passes, else None."""
+    need = step_s + save_s
+    for limit, name in ((grace_s, "torchrun's --shutdown-timeout"), (lead_s, "train.preemption_lead_s")):
+        if limit is not None and need > limit:
+            return (f"a step took {step_s:.0f} s and its checkpoint {save_s:.0f} s: a preempted step needs up to "
+                    f"{need:.0f} s, past {name}={limit:g}: {lost_steps(save_every)}")
+    return None
+
+
 def ignore_preemption() -> None:
     """In a process the run started for itself: the scheduler's signals are the trainer's to act on, so this process
     lets them pass, but every process it starts keeps the default dispositions. A signal set to SIG_IGN would be

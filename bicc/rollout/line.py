@@ -16,9 +16,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -27,6 +30,7 @@ from bicc.rollout import channel
 from bicc.rollout.channel import POLL_S
 
 HEARTBEAT_LAPSE_S = 60.0  # a worker on another node whose heartbeat stops this long is failed
+GUARD_POLL_S = 0.2  # how often a push's guard looks at the workers
 # torchrun's variables: a worker is no rank of the trainer's group (vLLM would read LOCAL_RANK as its GPU)
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -172,6 +176,48 @@ class Line:
         self.links = []
         self.store = None  # the store's server goes with it: a worker elsewhere sees it gone and ends
 
+    @contextmanager
+    def guard(self, what: str, abort) -> Iterator[None]:
+        """Around a call that cannot see the workers (a weight push: an NCCL broadcast waits for ever on a peer that
+        died), a thread watches them: one that exits (this node's) or stops its heartbeat (another node's) has
+        ``abort()`` called (the transport's communicator torn down, so that the blocked call returns) and the run
+        stops with an error naming it. A call that fails by itself (gloo sees the peer's socket close) is named the
+        same way."""
+        links, stopped, failure = list(self.links), threading.Event(), []
+        beats = channel.connect(f"127.0.0.1:{self.store.port}", 30) if any(k.proc is None for k in links) else None
+        seen = {k.index: (k.beats, time.monotonic()) for k in links}
+
+        def watch():
+            while not stopped.wait(GUARD_POLL_S):
+                culprit = dead(links, beats, seen)
+                if culprit is not None:
+                    failure.append(culprit)
+                    abort()
+                    return
+
+        thread = threading.Thread(target=watch, name="bicc-push-guard", daemon=True)
+        thread.start()
+        try:
+            yield
+        except BaseException as err:
+            stopped.set()
+            thread.join()
+            deadline = time.monotonic() + 5  # the transport may see a peer's socket close before its exit is reaped
+            while not failure and time.monotonic() < deadline:
+                culprit = dead(links, beats, seen)
+                failure.extend([culprit] if culprit else [])
+                time.sleep(0.05)
+            if not failure:
+                raise
+            self.close(kill=True)
+            raise WorkerFailure(f"{failure[0]} while {what}: the transfer was aborted ({type(err).__name__}: "
+                                f"{str(err).splitlines()[0] if str(err) else ''})") from err
+        stopped.set()
+        thread.join()
+        if failure:  # the call returned although aborted
+            self.close(kill=True)
+            raise WorkerFailure(f"{failure[0]} while {what}: the transfer was aborted")
+
     def print_stacks(self, links: list[Link]) -> None:
         """Each of ``links`` started on this node prints its threads' stacks to the run's stderr (the worker's
         faulthandler on SIGUSR2), before it is stopped."""
@@ -245,6 +291,23 @@ class Line:
             return
         key = message.fields.get("version", message.fields.get("call"))
         self.acks.setdefault((message.kind, key), set()).add(link.index)
+
+
+def dead(links: list[Link], beats, seen: dict) -> str | None:
+    """The first of ``links`` that has exited (this node's) or whose heartbeat on ``beats`` (a store client of the
+    caller's thread) has not moved for ``HEARTBEAT_LAPSE_S`` (``seen``: index -> (beats, when they last moved)), said
+    as an error's opening; None while all live."""
+    now = time.monotonic()
+    for link in links:
+        if link.proc is not None and link.proc.poll() is not None:
+            return f"{link.name} exited with code {link.proc.returncode}"
+        if link.proc is None and beats is not None:
+            count = beats.add(f"line/beat/{link.index}", 0)
+            if count != seen[link.index][0]:
+                seen[link.index] = (count, now)
+            elif now - seen[link.index][1] > HEARTBEAT_LAPSE_S:
+                return f"{link.name} stopped its heartbeat {HEARTBEAT_LAPSE_S:g} s ago"
+    return None
 
 
 def doing(link: Link, what: str) -> str:

@@ -42,7 +42,8 @@ import time
 import traceback
 
 # A planted fault, for the tests of what the trainer does when a worker fails: "<event>:<at>:<how>", the event
-# "sample" (at a step) or "load" (at a weight version), how "exit" (code 3) or "hang".
+# "sample" (at a step), "load" (at a weight version, before it is received) or "push" (in the middle of receiving
+# it: after its first tensor), how "exit" (code 3), "kill" (SIGKILL) or "hang".
 FAULT_ENV = "BICC_WORKER_FAULT"
 WATCH_S = 1.0  # how often a worker checks that its trainer's store is there (and beats its heartbeat)
 
@@ -50,9 +51,20 @@ WATCH_S = 1.0  # how often a worker checks that its trainer's store is there (an
 def planted_fault(event: str, at: int) -> None:
     plan = os.environ.get(FAULT_ENV, "")
     if plan and plan.split(":")[:2] == [event, str(at)]:
-        if plan.split(":")[2] == "exit":
+        how = plan.split(":")[2]
+        if how == "exit":
             os._exit(3)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10**6)
+
+
+def planted_after_first(items, event: str, at: int):
+    """``items``, with ``planted_fault(event, at)`` once the first has been taken."""
+    for i, item in enumerate(items):
+        yield item
+        if i == 0:
+            planted_fault(event, at)
 
 
 def watch_trainer(address: str, index: int, timeout_s: float) -> None:
@@ -145,10 +157,7 @@ def build_sampler(spec: dict, rollout, model_cfg, eval_cfg, device):
     from bicc.rollout import EngineOptions, build_engine, engine_rows
     from bicc.rollout.weight_sync import tensors_of
 
-    rollout_cfg = copy.deepcopy(rollout)
-    rollout_cfg.sleep = False  # the worker's device is its own: nothing to free while the trainer updates
-    if spec["device"] == "cuda" and not spec["shares_gpu"]:  # alone on its GPU: its KV cache and batch take the rest
-        rollout_cfg.gpu_memory_utilization = rollout.worker_gpu_memory_utilization
+    rollout_cfg = worker_rollout(rollout, spec)
     options = EngineOptions(end_ids=tuple(spec["end_ids"]), max_model_len=spec["max_model_len"], dtype=model_cfg.dtype,
                             rows=engine_rows(rollout, eval_cfg, spec["num_shards"]), logprobs=True,
                             weight_transfer="nccl" if spec["transport"] == "vllm" else None)
@@ -165,6 +174,17 @@ def build_sampler(spec: dict, rollout, model_cfg, eval_cfg, device):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return build_engine(rollout.engine, model, tokenizer, rollout_cfg, options), tokenizer, into
+
+
+def worker_rollout(rollout, spec: dict):
+    """The rollout settings a worker's engine runs with: no sleep (the device is the worker's: nothing to free while
+    the trainer updates) and, alone on its GPU, ``rollout.worker_gpu_memory_utilization`` of it (its KV cache and
+    batch take what a colocated engine leaves to training)."""
+    rollout_cfg = copy.deepcopy(rollout)
+    rollout_cfg.sleep = False
+    if spec["device"] == "cuda" and not spec["shares_gpu"]:
+        rollout_cfg.gpu_memory_utilization = rollout.worker_gpu_memory_utilization
+    return rollout_cfg
 
 
 class ModelRef:
@@ -222,7 +242,8 @@ def serve(spec: dict, inbox, outbox, store) -> None:
             version = message["version"]
             planted_fault("load", version)
             outbox.send("receiving", version=version)
-            engine.load_weights(receive(group, entries, buckets, dtype, device, capacity, into, staging), version)
+            tensors = receive(group, entries, buckets, dtype, device, capacity, into, staging)
+            engine.load_weights(planted_after_first(tensors, "push", version), version)
             outbox.send("loaded", version=version)
         elif message.kind == "transfer":  # vLLM's weight transfer (CUDA): one call of its protocol
             transfer_call(engine, message)

@@ -133,21 +133,35 @@ class RolloutWorkers:
     def push(self, model, version: int) -> None:
         """Send ``model``'s weights as ``version``; every rank calls it (FSDP2 gathers each tensor on all)."""
         t0, self.line.pushed = time.monotonic(), version
+        if self.d.is_main and torch.cuda.is_available():  # the optimizer step's kernels are done before any gather
+            torch.cuda.current_stream().synchronize()  # runs on a transfer's side streams
         if self.transfer is not None:
             if self.d.is_main:
                 self.transfer.client.version = version
                 for link in self.line.links:
                     link.pending.append(f"loading weight version {version}")
-            self.transfer.send_weights()
+                with self.line.guard(f"sending weight version {version}", self.abort):
+                    self.transfer.send_weights()
+            else:
+                self.transfer.send_weights()
         elif self.d.is_main:
             self.line.send("weights", f"loading weight version {version}", version=version)
             self.line.wait(lambda: self.line.all("receiving", version), f"sending weight version {version}")
             device = next(model.parameters()).device if self.kind == "nccl" else torch.device("cpu")
-            weight_sync.send(model, self.entries, self.buckets, self.group, self.dtype, device, self.capacity)
+            with self.line.guard(f"sending weight version {version}", self.abort):
+                weight_sync.send(model, self.entries, self.buckets, self.group, self.dtype, device, self.capacity)
         elif distributed.is_sharded(model):  # the gathers are collectives of every rank
             weight_sync.send(model, self.entries, self.buckets, None, self.dtype, None, self.capacity)
         # what each worker received (logged the same on every rank)
         self.push_s, self.push_bytes = time.monotonic() - t0, sum(e.numel for e in self.entries) * self.dtype.itemsize
+
+    def abort(self) -> None:
+        """Tear down the push's communicator (a worker died: its collective would wait for ever), so that a call
+        blocked in it returns with an error: vLLM's NCCL group (``ncclCommAbort``), or the weight group's."""
+        if self.transfer is not None and getattr(self.transfer, "model_update_group", None) is not None:
+            self.transfer.model_update_group.destroy()
+        elif self.group is not None:
+            self.group.abort()
 
     def request(self, step: int) -> None:
         if self.d.is_main:
@@ -196,6 +210,8 @@ class RolloutWorkers:
     def close(self, kill: bool = False) -> None:
         """Stop the workers: asked to (waiting up to 10 s for each this node started), or at once (``kill``)."""
         self.line.close(kill)
+        if self.transfer is not None and self.d.is_main:  # vLLM's NCCL group is aborted, not left to its peers
+            self.transfer.shutdown()
         self.group = self.transfer = None
         if self.d.is_main and hasattr(self, "affinity"):  # the trainer's cores and threads as they were
             os.sched_setaffinity(0, self.affinity)

@@ -241,13 +241,16 @@ def check_workers(rollout, train, predict, d, device, environ=None, device_count
         return lines + [gate_line] * bool(gate)
     rows = min(r.batch_size, max(1, r.prompts_per_step * r.group_size // max(1, len(places) + r.remote_workers)))
     bucket = int(r.push_bucket_mib * 2**20)
-    worker = sum(worker_gpu(arch, run, r.engine != "vllm", rows, bucket).values())
     shared = any(p.shares for p in places)
+    share = r.gpu_memory_utilization if shared else r.worker_gpu_memory_utilization  # bicc.rollout.worker.worker_rollout
+    worker = sum(worker_gpu(arch, dataclasses.replace(run, vllm_utilization=share), r.engine != "vllm", rows,
+                            bucket).values())
     value = worker + (trainer_peak(arch, run)[1] if shared else 0)
     line = (f"rollout worker GPU: predicted {value / GIB:.1f} GiB of {budget:.1f} GiB ({r.engine}"
             + (", beside a training rank" if shared else "") + ")")
     if value > budget * GIB:
-        knob = "rollout.gpu_memory_utilization (vLLM's share)" if r.engine == "vllm" else "rollout.batch_size"
+        knob = ((f"rollout.{'gpu' if shared else 'worker_gpu'}_memory_utilization (vLLM's share)")
+                if r.engine == "vllm" else "rollout.batch_size")
         raise ValueError(f"config field 'rollout.devices': {line}: it does not fit. Lower {knob}"
                          + (", or give the workers GPUs of their own" if shared else "")
                          + "; or set train.memory_check=false to start anyway")
@@ -256,3 +259,28 @@ def check_workers(rollout, train, predict, d, device, environ=None, device_count
 
 def size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 100 else f"{n / 2**20:.1f} MiB"
+
+
+def preemption_check(cfg, tokenizer, d, environ=None, launcher: str | None = None, params: int | None = None) -> list[str]:
+    """At launch, where a limit is known (torchrun's ``--shutdown-timeout``, ``train.preemption_lead_s``): the
+    predicted save of a preempted step against them (``bicc.machine.preemption.preemption_contract``), as lines to
+    print, warnings first; ``launcher``: torchrun's command line (default: read from this process's parent);
+    ``params``: the model's parameters (default: counted from its config)."""
+    import os
+
+    from bicc.machine.distributed import DTYPES
+    from bicc.machine.preemption import checkpoint_bytes, launcher_grace, preemption_contract
+
+    environ = os.environ if environ is None else environ
+    grace, lead = launcher_grace(environ, launcher), cfg.train.preemption_lead_s
+    if grace is None and lead is None:
+        return []
+    try:
+        params = params or model_arch(cfg.model, len(tokenizer)).params()
+    except UncountedModel as err:
+        return [f"warning: the save of a preempted step is not predicted: {err}"]
+    local = int(environ.get("LOCAL_WORLD_SIZE", d.world))
+    size = checkpoint_bytes(params, DTYPES[cfg.model.dtype].itemsize, DTYPES[cfg.model.master_dtype].itemsize, d.world,
+                            local, d.enabled and d.strategy == "fsdp2")
+    line, warnings = preemption_contract(size, cfg.train.checkpoint_write_gib_s, grace, lead, cfg.train.save_every)
+    return [*(f"warning: {w}" for w in warnings), line]

@@ -13,14 +13,13 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from bicc.config import StepConfig, WarmStartConfig, diag_every, tis_cap
+from bicc.config import StepConfig, WarmStartConfig, diag_every
 from bicc.data import build_task
 from bicc.evaluation.evaluate import evaluate, format_eval
-from bicc.kernels.packing import padding_free
 from bicc.machine import distributed
 from bicc.machine.distributed import DTYPES
 from bicc.machine.host import allocator_conf, torch_threads, usable_cores
-from bicc.machine.preemption import REQUEUE_EXIT, Preempted, Preemption
+from bicc.machine.preemption import REQUEUE_EXIT, Preempted, Preemption, launcher_grace, measured_contract
 from bicc.machine.progress import progress
 from bicc.machine.tracking import Tracker, rewind_jsonl
 from bicc.method.conditioning import context_budget
@@ -31,46 +30,13 @@ from bicc.rollout.agreement import SamplerGate, mismatch_limit
 from bicc.rollout.collect import DataCursor
 from bicc.rollout.workers import RolloutWorkers
 from bicc.trainer import checkpoint as checkpoints
-from bicc.trainer.fit import check_workers, launch_check, predicted_run
+from bicc.trainer.banner import describe_choices, forward_layout
+from bicc.trainer.fit import check_workers, launch_check, predicted_run, preemption_check
 from bicc.trainer.samples import write_samples
 from bicc.trainer.sft import config_hash, warm_start
-from bicc.trainer.state import RLState, build_rl_state, peak_lr
+from bicc.trainer.state import RLState, build_rl_state
 from bicc.trainer.step import rl_step
 from bicc.trainer.validation import validate_lengths
-
-NAMED_FORMS = {("bicc", "stable"): "stabilised BiCC, not the paper's",
-               ("bicc", "released"): "the authors' released code's form, not the paper's",
-               ("algo", "released"): "the released code's objective, not a paper variant",
-               ("rcc", "mean"): "RCC with per-token mean delta, not the paper's"}
-
-
-def describe_choices(choices, cfg: StepConfig, model, data, sft) -> str:
-    """What this run trains, by config group (the step's groups, the model's, the data's, the warm start's), with the
-    forms that are not the paper's named as such."""
-    parts = []
-    for group in ("algo", "bicc", "rcc", "model", "data", "rollout", "eval", "experiment"):
-        choice = choices.get(group)
-        if choice is not None:
-            note = NAMED_FORMS.get((group, choice))
-            parts.append(f"{group}={choice}" + (f" ({note})" if note else ""))
-    r = cfg.rollout
-    text = (" ".join(parts) + f"; lr {peak_lr(cfg.optim, cfg.bicc):g}, {cfg.train.steps} steps of {r.prompts_per_step} prompts x "
-            f"G={r.group_size}, max {r.max_new_tokens} tokens")
-    if cfg.algo.kl_coef > 0:
-        text += f", KL {cfg.algo.kl_coef:g} ({cfg.algo.kl_estimator})"
-    if cfg.bicc.enabled:
-        text += ", attempts shown whole" if cfg.bicc.truncate == "none" else f", context budget {context_budget(cfg.bicc)} tokens"
-        if cfg.bicc.context_in == "denominator":
-            text += ", ratio pi_theta(o | q) / pi_old(o | x^c) (the released code's, the paper's reversed)"
-    if r.async_steps:
-        cap = tis_cap(r)
-        text += (f", rollout workers {r.async_steps} step(s) ahead with "
-                 + (f"TIS (cap {cap:g})" if cap else "no importance weights"))
-    if model.tiny is not None and data.task == "arith":
-        text += f", arith slips {data.arith.slip_rate:g} at {data.arith.slip_step} step"
-    if model.tiny is not None and sft.context_share > 0:
-        text += f", warm start shows {sft.context_attempts} attempts on {sft.context_share:g} of its prompts"
-    return text
 
 
 def initial_eval_cache(init_path: str, model, cache_dir: str, evaluation, data, seed: int, engine: str) -> Path | None:
@@ -152,20 +118,6 @@ def start_or_resume(resume: str | None, build, init_path: str, run_dir: Path, as
     return s
 
 
-def forward_layout(model, bicc, train) -> str:
-    """How the trainer's forwards lay out their rows (``bicc.kernels.packing.padding_free``), for the start-up line."""
-    impl = model.config._attn_implementation
-    if not padding_free(model):
-        return (f"each micro-batch padded to its longest row (attn_implementation={impl}; padding-free needs "
-                "flash_attention_2 and model.padding_free)")
-    bicc_kv = not bicc.enabled or (train.context_packing and train.context_packing_impl == "kv")
-    padded = [name for name, kv in (("the rows on q", train.share_prompts), ("BiCC's rows", bicc_kv)) if not kv]
-    if not padded:
-        return f"padding-free ({impl})"
-    return (f"padding-free ({impl}) but {' and '.join(padded)}, padded to each micro-batch's longest row "
-            "(padding-free needs KV reuse: train.share_prompts, train.context_packing_impl=kv)")
-
-
 def serve_line(rollout, dist_cfg):
     """The store rank 0 serves its rollout workers (``bicc.rollout.channel``) on ``rollout.worker_port`` (null: a free
     one)."""
@@ -213,8 +165,11 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preempt
     gate = SamplerGate(mismatch_limit(cfg.train.max_sampler_mismatch, cfg.model.dtype), cfg.train.sampler_mismatch_steps)
     bar = progress(cfg.train.steps, "rl", cfg.logger.progress and s.dist.is_main, initial=s.step)
     last_eval = None  # the last evaluation's pass@1, shown on the progress line
+    limits = launcher_grace(), cfg.train.preemption_lead_s  # checked again once a step and a save are measured
     while s.step < cfg.train.steps:
+        step_start = time.perf_counter()
         metrics, diag_record = step_on_every_rank(s, step_cfg)
+        step_s = time.perf_counter() - step_start
         if s.samples and s.dist.is_main:  # the step's rows kept for reading (python -m bicc.trainer.samples)
             write_samples(run_dir, s.samples, tracker)
         s.samples = None
@@ -248,7 +203,12 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preempt
         ckpt = run_dir / "checkpoints" / f"step_{s.step}"
         if ((cfg.train.save_every and s.step % cfg.train.save_every == 0) or s.step == cfg.train.steps or out_of_time
                 or diverged or preempted or mismatch):
+            save_start = time.perf_counter()
             save_rl_checkpoint(s, cfg.model, cfg.train.keep_last, ckpt)
+            late = measured_contract(step_s, time.perf_counter() - save_start, *limits, cfg.train.save_every)
+            if late and s.dist.is_main and not preempted:
+                print(f"[preemption] warning: {late}", flush=True)
+                limits = None, None  # once
         if preempted:  # the step in progress was finished (bicc.machine.preemption says why) and is saved
             raise Preempted(f"[rl] preempted ({preemption.describe()}): step {s.step} finished, checkpoint {ckpt}; "
                             f"exit {REQUEUE_EXIT}, resume=auto continues from it")
@@ -297,6 +257,8 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
             print(f"[memory] {fit}")
         for line in workers:
             print(f"[rollout] {line}")
+        for line in preemption_check(cfg, tokenizer, d) if cfg.stage != "sft" else ():
+            print(f"[preemption] {line}")
 
     # ---- warm start: tiny models are fine-tuned first (cached by settings; rank 0 builds it) --------
     init_path = cfg.model.path
