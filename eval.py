@@ -45,7 +45,7 @@ def score_main() -> None:
     from bicc.config import register_configs
     from bicc.data import build_task
     from bicc.evaluation.evaluate import evaluate, format_eval, markdown_table
-    from bicc.machine.host import console_never_fails, torch_threads
+    from bicc.machine.host import check_torch_build, console_never_fails, torch_threads
     from bicc.model.load import end_token_ids, load_pretrained, tokenizer_and_positions
     from bicc.rollout import EngineOptions, build_engine, eval_engine_config
     from bicc.trainer.validation import validate, validate_lengths
@@ -59,6 +59,7 @@ def score_main() -> None:
         if cfg.ckpt is None:
             raise ValueError("config field 'ckpt': set ckpt=PATH (an HF model dir or a run dir)")
         validate(cfg)
+        check_torch_build(cfg.device, torch.version.cuda, torch.__version__)
         torch.set_num_threads(torch_threads(cfg.threads))
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
         path = resolve_checkpoint(cfg.ckpt, cfg.sft.cache_dir)

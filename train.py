@@ -26,6 +26,11 @@ console_never_fails()
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg) -> dict:
     validate(cfg)
+    import torch
+
+    from bicc.machine.host import check_torch_build
+
+    check_torch_build(cfg.device, torch.version.cuda, torch.__version__)  # a CPU torch on a GPU machine stops here
     from transformers.utils import logging as hf_logging
 
     from bicc.machine import distributed

