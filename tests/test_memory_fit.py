@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from bicc.machine.memory import QWEN3_4B, Run, peak
+from bicc.machine.memory import QWEN3_4B, Run, peak, phases
 from bicc.trainer.fit import check_fit, knob
 from tests.conftest import compose_cfg, run_of
 from tests.helpers import SMALL, run_train
@@ -305,3 +305,17 @@ def test_a_model_it_cannot_count_gets_a_warning_naming_why_and_starts(monkeypatc
                                 torch.device("cpu"))
         assert line.startswith("warning: the memory check cannot count this model: " + says)
         assert cfg.model.checkpoint_layers == "all" and "the run starts" in line
+
+
+def test_the_weight_push_by_hand():
+    """Under rollout workers rank 0 gathers each tensor in fp32, casts it to bf16 and packs it into vLLM's two 32 MiB
+    buffers: at Qwen3-4B the largest is the embedding, 151,936 x 2,560 = 388,956,160 parameters, so 6 bytes each =
+    2.17 GiB beside the model between steps, under the update's peak. Without workers the trainer pushes nothing."""
+    run = dataclasses.replace(Run(), push_bucket_bytes=32 << 20)
+    push = phases(QWEN3_4B, run)["weight push"]
+    assert push["largest tensor, gathered and cast"] == 6 * 151_936 * 2_560 == 2_333_736_960
+    assert push["transfer buffers"] == 64 << 20
+    assert peak(QWEN3_4B, run) == peak(QWEN3_4B, Run())  # counted, and not the largest phase
+    assert "weight push" not in phases(QWEN3_4B, Run())
+    cfg = compose_cfg(["experiment=paper_qwen3_4b", "rollout.async_steps=1"])
+    assert run_of(cfg, 2, True, 80.0, 300).push_bucket_bytes == 32 << 20

@@ -134,6 +134,7 @@ class Run:
     reduce_per_step: bool = False  # dist.reduce_grads=step (FSDP2): gradients unreduced until a minibatch's last backward
     checkpoint_policy: str = "full"  # model.checkpoint_policy: what every checkpointed layer keeps from its forward
     checkpoint_layers: int | None = None  # model.checkpoint_layers: how many layers are checkpointed (None: every one)
+    push_bucket_bytes: int = 0  # rollout workers: rollout.push_bucket_mib (0: none, no push from the trainer)
 
 
 def kept_per_token(arch: Arch, b: int, policy: str) -> int:
@@ -301,6 +302,10 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
         out["update: root reduce-scatter"] = root_phase
     out["optimizer step"] = optimizer
     out["evaluation"] = _evaluation(arch, run, awake, gathered)
+    if run.push_bucket_bytes:  # rank 0 gathers each tensor in the master dtype, casts it and packs it (vLLM: 2 buffers)
+        largest = arch.vocab * arch.hidden  # the embedding: a dense decoder's largest tensor
+        out["weight push"] = {**awake, "largest tensor, gathered and cast": (run.master_bytes + b) * largest,
+                              "transfer buffers": (2 if run.vllm else 1) * run.push_bucket_bytes}
     if not run.bicc:
         del out["update: contexts backward"]
     for parts in out.values():  # the caching allocator's slack on what the phase allocates

@@ -133,8 +133,8 @@ class RolloutWorkers:
     def push(self, model, version: int) -> None:
         """Send ``model``'s weights as ``version``; every rank calls it (FSDP2 gathers each tensor on all)."""
         t0, self.line.pushed = time.monotonic(), version
-        if self.d.is_main and torch.cuda.is_available():  # the optimizer step's kernels are done before any gather
-            torch.cuda.current_stream().synchronize()  # runs on a transfer's side streams
+        if torch.cuda.is_available():  # the optimizer step's kernels are done before any gather, which vLLM's
+            torch.cuda.current_stream().synchronize()  # transfer runs on side streams of its own (every rank gathers)
         if self.transfer is not None:
             if self.d.is_main:
                 self.transfer.client.version = version

@@ -70,7 +70,8 @@ def run_of(cfg: StepConfig, model_cfg, eval_cfg, dist_cfg, world: int, sharded: 
                reshard_after_forward=dist_cfg.reshard_after_forward, reshard_after_backward=dist_cfg.reshard_after_backward,
                reduce_per_step=dist_cfg.reduce_grads == "step",
                checkpoint_policy=model_cfg.checkpoint_policy if model_cfg.gradient_checkpointing else "full",
-               checkpoint_layers=checkpoint_setting(model_cfg))
+               checkpoint_layers=checkpoint_setting(model_cfg),
+               push_bucket_bytes=int(r.push_bucket_mib * 2**20) if r.async_steps else 0)
 
 
 def checkpoint_setting(model_cfg) -> int | None:
