@@ -7,7 +7,6 @@ import textwrap
 
 import pytest
 
-from bicc.machine.preemption import REQUEUE_EXIT, checkpoint_bytes, launcher_grace, measured_contract, preemption_contract
 from tests.helpers import ROOT
 
 # A process that lets the signals pass, as a rollout or math-verify worker does: it survives SIGTERM and SIGUSR1
@@ -59,6 +58,8 @@ def test_a_process_that_lets_the_signals_pass_starts_children_that_take_them(tmp
 
 
 def test_the_launchers_grace_is_read_from_its_command_line_or_environment():
+    from bicc.machine.preemption import launcher_grace
+
     elastic = {"TORCHELASTIC_RUN_ID": "x"}
     assert launcher_grace({}, "python -m torch.distributed.run --shutdown-timeout=540 train.py") is None  # no torchrun
     assert launcher_grace(elastic, "python -m torch.distributed.run --shutdown-timeout=540 train.py") == 540
@@ -72,6 +73,8 @@ def test_the_save_of_a_preempted_step_against_the_launcher_and_the_scheduler():
     """Qwen3-4B (P = 4,022,468,096), bf16 over fp32 master weights, FSDP2. One node of 4: rank 0's node writes the
     bf16 weights (2P) and every shard of the master weights and AdamW's two moments (4P + 8P): 14P = 56.3 GB, 52 s at
     1 GiB/s, past torchrun's 30 s. Two nodes of 4: 2P + 12P / 2 = 8P = 32.2 GB, 30 s. DDP on one node: 14P, rank 0."""
+    from bicc.machine.preemption import checkpoint_bytes, preemption_contract
+
     p = 4_022_468_096
     one_node = checkpoint_bytes(p, 2, 4, world=4, local_world=4, sharded=True)
     assert one_node == 14 * p and checkpoint_bytes(p, 2, 4, 8, 4, True) == 8 * p
@@ -90,6 +93,8 @@ def test_the_save_of_a_preempted_step_against_the_launcher_and_the_scheduler():
 
 def test_the_contract_again_with_a_measured_step_and_save():
     """90 s a step and 35 s a save need 125 s: inside 540, past torchrun's default 30 and a 100 s lead."""
+    from bicc.machine.preemption import measured_contract
+
     assert measured_contract(90, 35, 540, 600, 100) is None
     late = measured_contract(90, 35, 30, None, 100)
     assert late == ("a step took 90 s and its checkpoint 35 s: a preempted step needs up to 125 s, past torchrun's "
@@ -174,6 +179,7 @@ def test_a_preempted_rehearsal_saves_its_last_step_past_torchruns_default_30_s(t
     import time
 
     from bench.common import processes_marked
+    from bicc.machine.preemption import REQUEUE_EXIT
 
     proc, out, run_dir, mark = rehearse(tmp_path, {"BICC_SLOW_SAVE_S": "35"})
     try:

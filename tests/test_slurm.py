@@ -103,11 +103,11 @@ def test_torchrun_waits_for_the_save_within_the_schedulers_lead(script):
     cfg = compose_cfg([o for o in trainer[trainer.index("train.py") + 1:] if not o.startswith("hydra.")])
     ranks = SimpleNamespace(world=8 if script == SCRIPT else 4, enabled=True, strategy="fsdp2")
     env = {"TORCHELASTIC_RUN_ID": "4242", "LOCAL_WORLD_SIZE": "4"}
-    lines = preemption_check(cfg, None, ranks, env, launcher, QWEN3_4B.params())
+    lines = preemption_check(cfg.train, cfg.model, None, ranks, env, launcher, QWEN3_4B.params())
     assert len(lines) == 1 and f"torchrun kills the ranks {grace} s after" in lines[0], lines
     if script == ASYNC:  # one node of trainers writes every shard: 52 s, past torchrun's default 30 s
-        default = preemption_check(cfg, None, ranks, env, launcher.replace(f"--shutdown-timeout={grace}", ""),
-                                   QWEN3_4B.params())
+        default = preemption_check(cfg.train, cfg.model, None, ranks, env,
+                                   launcher.replace(f"--shutdown-timeout={grace}", ""), QWEN3_4B.params())
         assert default[0].startswith("warning: the save (52 s) does not fit torchrun's --shutdown-timeout=30"), default
 
 

@@ -43,3 +43,19 @@ def test_the_state_carries_the_runs_backward_hooks_and_collection_rule(tmp_path)
         assert s.backward_hooks == hooks
         assert s.collection == Collection.of(cfg.algo, cfg.rollout, cfg.data)
         assert s.collection.dynamic_sampling == ("algo=dapo" in options)
+
+
+def test_a_checkpoints_full_state_dict_is_kept_by_the_rank_that_writes_it(monkeypatch):
+    """Under FSDP2 every rank joins each parameter's gather (a collective), but only rank 0, which writes the HF
+    weights, keeps the full host copy: the others return nothing (a full bf16 model each, before)."""
+    from bicc.machine import distributed
+
+    model, _ = build_tiny(ARCH, seed=0)
+    gathered = []
+    full = distributed.full_tensor
+    monkeypatch.setattr(distributed, "full_tensor", lambda t: gathered.append(t.shape) or full(t))
+    kept = distributed.full_state_dict(model, torch.bfloat16, keep=True)
+    assert set(kept) == set(model.state_dict()) and all(t.dtype == torch.bfloat16 for t in kept.values())
+    joined = len(gathered)
+    assert distributed.full_state_dict(model, torch.bfloat16, keep=False) == {}
+    assert len(gathered) == 2 * joined  # every gather joined all the same

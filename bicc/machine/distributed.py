@@ -156,16 +156,6 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def reshard(model) -> None:
-    """FSDP2: free every gathered parameter, so that ``model.parameters()`` are this rank's shards again (under
-    ``dist.reshard_after_forward=false`` a forward leaves them gathered, in the compute dtype); else nothing."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
 def global_totals(totals, d: Dist):
     """``StepTotals`` summed over ranks (tokens, sequences); ``max_len`` is a setting, not a count."""
     if not d.enabled:

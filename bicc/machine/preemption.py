@@ -5,9 +5,12 @@ The handler only notes the first signal (a second one, during the save, changes 
 each step, every rank together (``bicc.trainer.loop.run_rl``): the step in progress is finished, not abandoned (a
 step is what a checkpoint holds: half an optimizer step cannot be written, and the rest of a step is at most one
 step's time), a checkpoint of it is written (with the batches rollout workers had drawn ahead), and the process exits
-with ``REQUEUE_EXIT``, which ``docs/slurm/*.sbatch`` read as "requeue, then ``resume=auto``". Processes a run
-starts for itself (rollout workers, math-verify workers) ignore these signals: their trainer ends them, or the
-kernel does when it dies (``bicc.machine.host.die_with_parent``)."""
+with ``REQUEUE_EXIT``. Under torchrun that code stays the ranks': torchrun, signalled itself, exits 1 after them
+(``docs/slurm/*.sbatch`` read no code: they requeue on USR1 and the run resumes with ``resume=auto``), and kills
+ranks still running ``--shutdown-timeout`` seconds after it passed the signal on (30 by default), which the launch
+check holds against the predicted save (``preemption_contract``). Processes a run starts for itself (rollout
+workers, math-verify workers) let these signals pass: their trainer ends them, or the kernel does when it dies
+(``bicc.machine.host.die_with_parent``)."""
 
 from __future__ import annotations
 

@@ -76,8 +76,6 @@ class WeightVersions:
         self.kept: dict[int, list[torch.Tensor]] = {}
 
     def keep(self, model, version: int) -> None:
-        from bicc.machine.distributed import reshard
-
         reshard(model)  # the shards, not parameters a forward left gathered (dist.reshard_after_forward=false)
         with torch.no_grad():
             self.kept[version] = [local(p).detach().to("cpu", copy=True) for p in model.parameters()]
@@ -95,8 +93,6 @@ class WeightVersions:
         """``model`` holds version ``version``'s parameters inside, its own again after. The two are swapped in
         place, one tensor at a time (no second host copy); the parameters a forward inside leaves gathered are
         freed on the way out, so that no later forward computes with them."""
-        from bicc.machine.distributed import reshard
-
         reshard(model)
         params, kept = [local(p) for p in model.parameters()], self.kept[version]
         swap(params, kept)
@@ -105,6 +101,16 @@ class WeightVersions:
         finally:
             reshard(model)
             swap(params, kept)
+
+
+def reshard(model) -> None:
+    """FSDP2: free every gathered parameter, so that ``model.parameters()`` are this rank's shards again (under
+    ``dist.reshard_after_forward=false`` a forward leaves them gathered, in the compute dtype); else nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 @torch.no_grad()

@@ -262,7 +262,8 @@ def size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 100 else f"{n / 2**20:.1f} MiB"
 
 
-def preemption_check(cfg, tokenizer, d, environ=None, launcher: str | None = None, params: int | None = None) -> list[str]:
+def preemption_check(train, model_cfg, tokenizer, d, environ=None, launcher: str | None = None,
+                     params: int | None = None) -> list[str]:
     """At launch, where a limit is known (torchrun's ``--shutdown-timeout``, ``train.preemption_lead_s``): the
     predicted save of a preempted step against them (``bicc.machine.preemption.preemption_contract``), as lines to
     print, warnings first; ``launcher``: torchrun's command line (default: read from this process's parent);
@@ -273,15 +274,15 @@ def preemption_check(cfg, tokenizer, d, environ=None, launcher: str | None = Non
     from bicc.machine.preemption import checkpoint_bytes, launcher_grace, preemption_contract
 
     environ = os.environ if environ is None else environ
-    grace, lead = launcher_grace(environ, launcher), cfg.train.preemption_lead_s
+    grace, lead = launcher_grace(environ, launcher), train.preemption_lead_s
     if grace is None and lead is None:
         return []
     try:
-        params = params or model_arch(cfg.model, len(tokenizer)).params()
+        params = params or model_arch(model_cfg, len(tokenizer)).params()
     except UncountedModel as err:
         return [f"warning: the save of a preempted step is not predicted: {err}"]
     local = int(environ.get("LOCAL_WORLD_SIZE", d.world))
-    size = checkpoint_bytes(params, DTYPES[cfg.model.dtype].itemsize, DTYPES[cfg.model.master_dtype].itemsize, d.world,
+    size = checkpoint_bytes(params, DTYPES[model_cfg.dtype].itemsize, DTYPES[model_cfg.master_dtype].itemsize, d.world,
                             local, d.enabled and d.strategy == "fsdp2")
-    line, warnings = preemption_contract(size, cfg.train.checkpoint_write_gib_s, grace, lead, cfg.train.save_every)
+    line, warnings = preemption_contract(size, train.checkpoint_write_gib_s, grace, lead, train.save_every)
     return [*(f"warning: {w}" for w in warnings), line]

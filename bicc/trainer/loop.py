@@ -257,7 +257,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
             print(f"[memory] {fit}")
         for line in workers:
             print(f"[rollout] {line}")
-        for line in preemption_check(cfg, tokenizer, d) if cfg.stage != "sft" else ():
+        for line in preemption_check(cfg.train, cfg.model, tokenizer, d) if cfg.stage != "sft" else ():
             print(f"[preemption] {line}")
 
     # ---- warm start: tiny models are fine-tuned first (cached by settings; rank 0 builds it) --------
