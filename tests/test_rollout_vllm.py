@@ -253,7 +253,8 @@ def test_a_vllm_rollout_worker_draws_each_batch_with_the_weights_of_its_version(
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled"}
     run_dir = tmp_path / "run"
     proc = run_script("train.py", [*SMALL, *VLLM_CFG, "train.steps=3", "optim.lr=1e-3", "rollout.kv_cache_bytes=100000000",
-                                   "rollout.async_steps=1", "train.sampler_check_every=1", f"hydra.run.dir={run_dir}"], ROOT, env, timeout=600)
+                                   "rollout.async_steps=1", "train.sampler_check_every=1", f"hydra.run.dir={run_dir}"],
+                      ROOT, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[rollout] async_steps=1: vllm on 1 worker(s) (CPU cores" in proc.stdout
     steps = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
