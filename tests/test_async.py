@@ -85,7 +85,7 @@ def test_async_at_lr_0_is_the_synchronous_run(tmp_path, monkeypatch, one_thread)
     assert s.engine.version == STEPS  # ... which gives it the current weights first
     for a, b in zip(m_async, m_sync):
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-5)
-        assert a["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # the workers' log-probs are pi_old's
+        assert a["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)  # the workers' log-probs are pi_old's
 
 
 @pytest.mark.launch

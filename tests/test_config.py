@@ -315,10 +315,15 @@ def test_every_key_we_give_for_a_trl_or_verl_name_composes():
         assert ours, row
         for override in ours:
             key, _, value = override.partition("=")
-            # a key that reads another of the row's (data.reward_weights: one weight per reward) composes with it
-            needs = [o for o in ours if o.startswith("data.rewards=")] if key == "data.reward_weights" else []
+            # a key that reads another of the row's (data.reward_weights: one weight per reward; the rejection's
+            # criteria: their thresholds) composes with it
+            reads = {"data.reward_weights": "data.rewards=",
+                     "rollout.correction.rollout_rs": "rollout.correction.rollout_rs_threshold="}
+            needs = [o for o in ours if o.startswith(reads[key])] if key in reads else []
             cfg = compose_cfg(["sft.cache_dir=/tmp/x", *needs, override])
             validate(cfg)
             if "." in key:  # a key: it holds the value given (a group choice: the group composed)
                 actual, given = OmegaConf.select(cfg, key), OmegaConf.create({"v": yaml.safe_load(value)}).v
-                assert actual == (float(given) if isinstance(actual, float) else given), override
+                # a float field holds the value as a float, a string one (a threshold like 0.5_2.0) as its text
+                expected = float(given) if isinstance(actual, float) else str(given) if isinstance(actual, str) else given
+                assert actual == expected, override

@@ -76,13 +76,15 @@ def test_passes_per_configuration():
     # an engine with sampling log-probs (vLLM, rollout workers): without a context, the mismatch metric and TIS's
     # weights are read from the update's forward, which is pi_old on q; under BiCC pi_old on q is a pass of its own
     sampler_update = "update on q (forward + backward, supplies pi_old and the sampler's weights)"
-    assert passes(["bicc=off", "rcc=off", "rollout.tis_cap=2"], sampler=True) == [sampler_update]
-    assert passes(["bicc=off", "rcc=off", "rollout.tis_cap=0"], sampler=True) == [sampler_update]  # the metric only
-    assert passes(["bicc=off", "rcc=off", "rollout.tis_cap=2", "train.delta_from_update=false"],
+    assert passes(["bicc=off", "rcc=off", "rollout.correction.rollout_is=token"], sampler=True) == [sampler_update]
+    # the metric only
+    assert passes(["bicc=off", "rcc=off", "rollout.correction.rollout_is=none"], sampler=True) == [sampler_update]
+    assert passes(["bicc=off", "rcc=off", "rollout.correction.rollout_is=token", "train.delta_from_update=false"],
                   sampler=True)[0] == "pi_old on q (no grad)"
-    assert passes(["bicc=off", "rcc=off", "rollout.tis_cap=2", "train.epochs_per_rollout=2"],
+    assert passes(["bicc=off", "rcc=off", "rollout.correction.rollout_is=token", "train.epochs_per_rollout=2"],
                   sampler=True)[0] == "pi_old on q (no grad)"
-    assert passes(["bicc=on", "rcc=off", "rollout.tis_cap=2"], sampler=True) == ["pi_old on q (no grad)", update]
+    assert passes(["bicc=on", "rcc=off", "rollout.correction.rollout_is=token"], sampler=True) == [
+        "pi_old on q (no grad)", update]
 
 
 def test_plan_errors_name_the_field():

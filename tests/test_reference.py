@@ -84,6 +84,19 @@ COMBINATIONS += [("released", "off", 0.0, 0.0, "xc", f"{RELEASED} diag.every=1")
 COMBINATIONS += [("on", "on", 0.0, 0.0, "q", switch) for switch in
                  ("bicc.context_in=denominator", "bicc.mode=last", "bicc.layout=released", "bicc.mode=last bicc.truncate=none")]
 COMBINATIONS += [("on", "off", 0.0, 0.0, "xc", "algo.advantage=src")]
+# ... and the rollout correction's other forms (tis 1.2 gives the sampler's log-probs, e^{-0.3 sin(i + t)} apart from
+# pi_old's; the overrides after it set the correction): sequence-level weights, IcePop's band normalised over the
+# step, a token rejection, and two criteria chained; a rejected token leaves the loss and every normaliser
+CORRECTIONS = ("rollout.correction.rollout_is=sequence rollout.correction.rollout_is_threshold=1.5",
+               "rollout.correction.rollout_is_threshold=0.8_1.3 rollout.correction.rollout_is_batch_normalize=true",
+               "rollout.correction.rollout_is=none rollout.correction.rollout_rs=token_k2 "
+               "rollout.correction.rollout_rs_threshold=0.02",
+               'rollout.correction.rollout_rs="token_k1,seq_mean_k3" rollout.correction.rollout_rs_threshold="0.8_1.25,0.03"')
+COMBINATIONS += [(bicc, rcc, 0.0, 1.2, "xc", corr) for bicc in ("off", "on") for rcc in ("off", "on") for corr in CORRECTIONS]
+# ... and each registered advantage without RCC (they read lengths and the step's sums), the paper's BiCC on (not
+# grpo_passk: this rollout's groups have no single best output, so it gives every output 0; tests/test_advantages.py)
+COMBINATIONS += [("on", "off", 0.0, 0.0, "xc", f"algo.advantage={a}") for a in
+                 ("rloo", "opo", "reinforce_plus_plus_baseline", "gpg")]
 
 
 def group_cov_loop(rewards: torch.Tensor, values: torch.Tensor, group_ids: torch.Tensor) -> float:
@@ -95,6 +108,13 @@ def group_cov_loop(rewards: torch.Tensor, values: torch.Tensor, group_ids: torch
     return sum(covs) / len(covs)
 
 
+def tis_cap(cap: float) -> list[str]:
+    """Token-level truncated importance weights at ``cap`` (0: none), as ``rollout.correction`` says it."""
+    if not cap:
+        return ["rollout.correction.rollout_is=none"]
+    return ["rollout.correction.rollout_is=token", f"rollout.correction.rollout_is_threshold={cap}"]
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     return recorded_rollout(tmp_path_factory.mktemp("combinations"))
@@ -103,7 +123,7 @@ def recorded(tmp_path_factory):
 @pytest.mark.parametrize(("bicc", "rcc", "kl", "tis", "where", "extra"), COMBINATIONS)
 def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, where, extra, recorded, monkeypatch):
     tmp, out, sampled, ref_model = recorded
-    cfg = compose_cfg([*COMBINATION_CFG, f"bicc={bicc}", f"rcc={rcc}", f"algo.kl_coef={kl}", f"rollout.tis_cap={tis}",
+    cfg = compose_cfg([*COMBINATION_CFG, f"bicc={bicc}", f"rcc={rcc}", f"algo.kl_coef={kl}", *tis_cap(tis),
                        f"rcc.delta_context={where}", *extra.split()])
     s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
     with_logprobs = tis > 0 or cfg.rollout.old_from_sampler
@@ -116,13 +136,16 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
     metrics, _ = rl_step(s, StepConfig.of(cfg))
     ro = rollouts[0]
     # without a context, pi_old on q is the update's first forward, and TIS's weights are read from it
-    assert s.plan.sampler_from_update is (bicc == "off" and tis > 0 and not extra)
+    assert s.plan.sampler_from_update is (bicc == "off" and tis > 0 and (not extra or (
+        "rollout.correction" in extra and "rollout_rs" not in extra)))  # a rejection needs pi_old before the update
     if bicc != "off":
         assert metrics["bicc/samples_conditioned_share"] > 0  # contexts were built and read
     if bicc == "released" or "mode=last" in extra:  # one opposite attempt each
         assert metrics["bicc/attempts_shown"] == 1.0
-    if tis > 0:
-        assert 0 < metrics["rollout/tis_clip_frac"] < 1  # the weights are neither all 1 nor all capped
+    if tis > 0 and "rollout_is=" not in extra and "rollout_rs" not in extra:
+        assert 0 < metrics["rollout_corr/rollout_is_oob_ratio"] < 1  # the weights are neither all 1 nor all capped
+    if "rollout_rs" in extra:
+        assert 0 < metrics["rollout_corr/rollout_rs_masked_fraction"] < 1  # some tokens left the loss, not all
 
     reference = copy.deepcopy(before)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -152,7 +175,7 @@ def test_sampler_weights_from_the_update_equal_their_own_pass(rcc, recorded):
     tmp, out, sampled, _ = recorded
     runs = {}
     for deferred in (True, False):
-        cfg = compose_cfg([*COMBINATION_CFG, "bicc=off", f"rcc={rcc}", "rollout.tis_cap=1.2",
+        cfg = compose_cfg([*COMBINATION_CFG, "bicc=off", f"rcc={rcc}", *tis_cap(1.2),
                            f"train.delta_from_update={str(deferred).lower()}"])
         s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
         s.engine, s.plan, s.task = ReplayEngine(out, sampled), None, CoinTask(s.task)
@@ -162,9 +185,9 @@ def test_sampler_weights_from_the_update_equal_their_own_pass(rcc, recorded):
         runs[deferred] = metrics, [p.detach().clone() for p in s.model.parameters()]
     (read, weights_read), (own, weights_own) = runs[True], runs[False]
     assert read["perf/no_grad_passes"] == own["perf/no_grad_passes"] - 1
-    assert 0 < own["rollout/tis_clip_frac"] < 1 and own["rollout/logprob_diff"] > 0.05
-    for key in ("rollout/tis_weight_mean", "rollout/tis_weight_min", "rollout/tis_clip_frac", "rollout/logprob_diff",
-                "train/loss"):
+    assert 0 < own["rollout_corr/rollout_is_oob_ratio"] < 1 and own["rollout/logprob_diff"] > 0.05
+    for key in ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_min", "rollout_corr/rollout_is_oob_ratio",
+                "rollout/logprob_diff", "train/loss"):
         assert read[key] == pytest.approx(own[key], abs=1e-6), key
     for p, q in zip(weights_read, weights_own):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)

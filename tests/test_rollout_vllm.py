@@ -140,7 +140,7 @@ def test_two_step_training_run_with_vllm_rollouts(tmp_path):
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     run_dir = tmp_path / "run"
-    proc = run_script("train.py", [*SMALL, *VLLM_CFG, "bicc=stable", "rollout.tis_cap=2.0",
+    proc = run_script("train.py", [*SMALL, *VLLM_CFG, "bicc=stable", "rollout.correction.rollout_is=token",
                                    "rollout.kv_cache_bytes=100000000", f"hydra.run.dir={run_dir}"], ROOT, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "vLLM KV space 0.09 GiB" in proc.stdout  # rollout.kv_cache_bytes, as given
@@ -152,7 +152,7 @@ def test_two_step_training_run_with_vllm_rollouts(tmp_path):
     assert all(r["rollout/logprob_diff"] < 1e-3 for r in steps)
     assert all(r["rollout/token_prob_ratio"] < 1 + 1e-5 for r in steps)  # the agreement gate passes (1.0000001 here)
     # so the truncated importance weights pi_old / pi_sampler are ~1, none at the cap
-    assert all(abs(r["rollout/tis_weight_mean"] - 1) < 1e-3 and r["rollout/tis_clip_frac"] == 0 for r in steps)
+    assert all(abs(r["rollout_corr/rollout_is_mean"] - 1) < 1e-3 and r["rollout_corr/rollout_is_oob_ratio"] == 0 for r in steps)
     assert (run_dir / "results.json").exists()
     assert len(conditioned_steps(run_dir)) == 2 and all(share > 0 for share in conditioned_steps(run_dir))
 
@@ -265,4 +265,4 @@ def test_a_vllm_rollout_worker_draws_each_batch_with_the_weights_of_its_version(
     assert diff[0] < 1e-5 and min(diff[1:]) > 10 * diff[0]  # the same weights, then weights a step old
     # ... which the agreement gate does not count: it scores each batch at the weights that drew it
     assert all(r["rollout/token_prob_ratio"] - 1 < min(1e-5, d / 10) for r, d in zip(steps[1:], diff[1:]))
-    assert all("rollout/tis_weight_mean" in r for r in steps)
+    assert all("rollout_corr/rollout_is_mean" in r for r in steps)

@@ -11,6 +11,7 @@ the registries and the checks across groups, before any model is loaded, naming 
 | --- | --- |
 | ``method.py`` | ``algo``, ``bicc``, ``rcc`` |
 | ``run.py`` | ``model``, ``rollout``, ``optim``, ``train``, ``dist``, ``sft``, ``diag`` |
+| ``correction.py`` | ``rollout.correction`` |
 | ``data.py`` | ``data`` |
 | ``evaluation.py`` | ``eval``, ``logger`` |
 | ``fields.py`` | (the helpers: closed choices, the check that names the field) |
@@ -27,6 +28,7 @@ from typing import Literal, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from bicc.config.correction import CorrectionConfig, corrects, is_level
 from bicc.config.data import ArithConfig, DataConfig, MathDataConfig
 from bicc.config.evaluation import BenchmarkConfig, EvalConfig, LoggerConfig
 from bicc.config.fields import choice, need
@@ -41,7 +43,6 @@ from bicc.config.run import (
     TinyArchConfig,
     TrainConfig,
     diag_every,
-    tis_cap,
 )
 
 
@@ -154,5 +155,5 @@ __all__ = [
     "AlgoConfig", "ArithConfig", "BenchmarkConfig", "BiccConfig", "DataConfig", "DiagConfig",
     "DistConfig", "EvalConfig", "LoggerConfig", "MathDataConfig", "ModelConfig", "OptimConfig", "RccConfig",
     "RolloutConfig", "RunConfig", "SFTConfig", "StepConfig", "WarmStartConfig", "TinyArchConfig", "TrainConfig", "diag_every",
-    "register_configs", "tis_cap",
+    "register_configs", "CorrectionConfig", "corrects", "is_level",
 ]

@@ -3,11 +3,12 @@ range checks of its own fields (the data group's: ``bicc.config.data``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from omegaconf import MISSING
 
+from bicc.config.correction import CorrectionConfig
 from bicc.config.fields import Dtype, at_least, choice, need
 
 
@@ -86,7 +87,8 @@ class RolloutConfig:
     enforce_eager: bool = False
     max_model_len: Optional[int] = None
     kv_cache_bytes: Optional[int] = None
-    tis_cap: Optional[float] = None
+    tis_cap: Optional[float] = None  # replaced by correction: refused unless null (check)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     old_from_sampler: bool = False
     static_cache: bool = False
     async_steps: int = 0
@@ -117,8 +119,10 @@ class RolloutConfig:
              f"must be <= {RolloutConfig.MAX_ASYNC_STEPS} (batches drawn ahead, each held until trained), got {r.async_steps}")
         need(r.cpu_workers <= RolloutConfig.MAX_CPU_WORKERS, "rollout.cpu_workers",
              f"must be <= {RolloutConfig.MAX_CPU_WORKERS} (processes on one node), got {r.cpu_workers}")
-        need(r.tis_cap is None or r.tis_cap >= 0, "rollout.tis_cap",
-             f"must be null (on under rollout.async_steps, else off) or >= 0 (0 = no correction), got {r.tis_cap}")
+        need(r.tis_cap is None, "rollout.tis_cap", f"was replaced by rollout.correction (verl's rollout correction): "
+             f"rollout.tis_cap={r.tis_cap} is rollout.correction.rollout_is=token "
+             f"rollout.correction.rollout_is_threshold={r.tis_cap} (0: rollout.correction.rollout_is=none)")
+        CorrectionConfig.check(r.correction, r.async_steps)
         need(r.async_steps >= 0, "rollout.async_steps",
              f"must be >= 0 (0 = synchronous; N = batches sampled by weights up to N steps old), got {r.async_steps}")
         need(r.devices is None or (len(r.devices) >= 1 and all(int(d) >= 0 for d in r.devices)), "rollout.devices",
@@ -138,19 +142,6 @@ class RolloutConfig:
         need(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",
              f"must be null (one per process) or a divisor of rollout.prompts_per_step={r.prompts_per_step}, "
              f"got {r.shards}")
-
-
-# The truncated importance weight's cap under rollout.async_steps when rollout.tis_cap is null: the
-# behaviour policy is then up to N steps older than pi_old, and peers without the weight collapsed.
-ASYNC_TIS_CAP = 2.0
-
-
-def tis_cap(r) -> float:
-    """The cap of the truncated importance weights min(pi_old / pi_behaviour, C) a run uses (0 = none):
-    ``rollout.tis_cap``, or when it is null ``ASYNC_TIS_CAP`` under ``rollout.async_steps`` and 0 without."""
-    if r.tis_cap is not None:
-        return float(r.tis_cap)
-    return ASYNC_TIS_CAP if r.async_steps > 0 else 0.0
 
 
 @dataclass

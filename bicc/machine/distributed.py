@@ -23,7 +23,7 @@ Strategies (``dist.strategy``):
   run different numbers of micro-batches, e.g. after DAPO's dynamic sampling).
 
 Checkpoints: rank 0 writes the HF-format weights (a full state dict) and the trainer state; under FSDP2
-the optimizer state is saved sharded with ``torch.distributed.checkpoint`` (``optim_dcp/``), which any
+the optimizer state is saved sharded with ``torch.distributed.checkpoint`` (``bicc.machine.dcp``), which any
 world size, one process included, can load back.
 """
 
@@ -33,7 +33,6 @@ import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -305,45 +304,16 @@ def merge_shard_positions(positions: list[int], rollout_cfg, d: Dist) -> list[in
     return [gathered[shard // per_rank][shard] for shard in range(len(positions))]
 
 
-OPTIM_DCP = "optim_dcp"
-MASTER_DCP = "master_dcp"
+def summed_over_ranks(d: Dist):
+    """A function summing a CPU tensor over every rank (the identity in one process): what a statistic over the
+    whole step's outputs needs when each rank holds its shards (``bicc.method.advantages``, ``reads``)."""
+    if not d.enabled:
+        return lambda t: t
 
+    def total(t: torch.Tensor) -> torch.Tensor:
+        out = t.to(d.device, torch.float64)
+        dist.all_reduce(out)
+        return out.cpu()
 
-def save_master_weights(model, ckpt_tmp: Path) -> None:
-    """The policy's master (fp32) weights, for an exact resume when the HF weights beside them are written
-    in the lower compute dtype; sharded under FSDP2 (every rank calls this), one file otherwise."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return total
 
-    dcp.save(get_model_state_dict(model), checkpoint_id=str(ckpt_tmp / MASTER_DCP))
-
-
-def load_master_weights(model, ckpt: Path) -> bool:
-    """Load master weights written by ``save_master_weights`` (any world size); False if there are none."""
-    if not (ckpt / MASTER_DCP).is_dir():
-        return False
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    state = get_model_state_dict(model)
-    dcp.load(state, checkpoint_id=str(ckpt / MASTER_DCP))
-    set_model_state_dict(model, state)
-    return True
-
-
-def save_sharded_optimizer(model, optimizer, ckpt_tmp: Path) -> None:
-    """Under FSDP2: every rank writes its optimizer shard with DCP into the checkpoint being written."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(ckpt_tmp / OPTIM_DCP))
-
-
-def load_sharded_optimizer(model, optimizer, ckpt: Path) -> None:
-    """Load a DCP optimizer state written by any number of ranks into this run's (sharded or not) one."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    state = get_optimizer_state_dict(model, optimizer)  # the target layout (states initialised)
-    dcp.load(state, checkpoint_id=str(ckpt / OPTIM_DCP))
-    set_optimizer_state_dict(model, optimizer, state)

@@ -13,12 +13,13 @@ import copy
 
 import torch
 
-from bicc.config import StepConfig, tis_cap
-from bicc.method.advantages import ADVANTAGES, baseline_of
+from bicc.config import StepConfig, corrects, is_level
+from bicc.method.advantages import ADVANTAGES, inputs_of
 from bicc.method.conditioning import build_contexts
+from bicc.method.correction import correct
 from bicc.method.diagnostics import sequence_delta
 from bicc.method.losses import LOSSES, StepTotals
-from bicc.method.losses.tis import sampler_grid, sampler_importance_weights
+from bicc.method.losses.tis import sampler_grid
 from bicc.model.logprobs import batch_logprobs, make_token_batch
 
 
@@ -47,19 +48,26 @@ def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg: 
         old = old_xc if old_on_xc or released else old_q  # the ratio's denominator
         ref = logp(ref_model, q)  # pi_ref(o | q)
         kl_ref = logp(ref_model, xc) if old_on_xc and cfg.algo.kl_coef > 0 else ref  # the KL's: like with like
-    log_w = ((old_xc - old_q) * mask).sum(-1)  # [N] BiCC's log conditioning weight at theta_old
+    # the rollout correction: the tokens came from the sampler, so each is weighted by pi_old(o | q) / pi_sampler(o | q)
+    # (truncated, or zeroed out of a band), and those far from the sampler leave the loss and its normalisers (the
+    # mask the advantages, the loss and log w read from here on; delta reads every token)
+    is_weight, c, full = None, cfg.rollout.correction, mask
+    if corrects(cfg.rollout) and ro.out.logprobs is not None and not cfg.rollout.old_from_sampler:
+        sampled, valid = sampler_grid(ro.out.logprobs, old_q, mask)
+        is_weight, mask, _ = correct(torch.where(valid, old_q - sampled, torch.zeros_like(old_q)), mask,
+                                     is_level(cfg.rollout), c.rollout_is_threshold, c.rollout_is_batch_normalize,
+                                     c.rollout_rs, c.rollout_rs_threshold)
+    log_w = ((old_xc - old_q) * mask).sum(-1)  # [N] BiCC's log conditioning weight at theta_old, over trained tokens
     if cfg.rcc.enabled:  # RCC: delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), A_i = r_i - mean r - 2 Cov
-        delta = sequence_delta(old_xc if cfg.rcc.delta_context == "xc" else old_q, ref, mask, cfg.rcc.delta)
+        delta = sequence_delta(old_xc if cfg.rcc.delta_context == "xc" else old_q, ref, full, cfg.rcc.delta)
         adv, _ = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
         if cfg.rcc.scale == "std":  # rcc=std, a diagnostic form (not the paper's): over each group's reward std
             std = torch.stack([ro.rewards[ro.group_ids == g].double().std(unbiased=False) for g in ro.group_ids])
             adv = (adv.double() / (std + cfg.algo.adv_eps)).to(adv.dtype)
     else:
         delta = None
-        adv, _ = ADVANTAGES.get(cfg.algo.advantage)(ro.rewards, ro.group_ids, None, cfg.algo, **baseline_of(ro))
-    # TIS: the tokens came from the sampler, so each is weighted by min(pi_old(o | q) / pi_sampler(o | q), cap)
-    tis = tis_cap(cfg.rollout) > 0 and ro.out.logprobs is not None
-    is_weight = sampler_importance_weights(ro.out.logprobs, old_q, mask, tis_cap(cfg.rollout))[0] if tis else None
+        estimator = ADVANTAGES.get(cfg.algo.advantage)  # with what it reads: each output's length, the step's sums
+        adv, _ = estimator(ro.rewards, ro.group_ids, None, cfg.algo, **inputs_of(estimator, ro, mask.sum(-1)))
     # the registered loss on rho_i = pi_theta(o_i | x^c) / pi_old(o_i | q) (released: pi_theta(o_i | q) /
     # pi_old(o_i | x^c)), normalised over the whole step
     new = logp(model, q if released else xc)

@@ -3,7 +3,7 @@ named as such (``describe_choices``), and how its forwards lay out their rows (`
 
 from __future__ import annotations
 
-from bicc.config import StepConfig, tis_cap
+from bicc.config import StepConfig, corrects, is_level
 from bicc.kernels.packing import padding_free
 from bicc.method.conditioning import context_budget
 from bicc.trainer.state import peak_lr
@@ -33,9 +33,9 @@ def describe_choices(choices, cfg: StepConfig, model, data, sft) -> str:
         if cfg.bicc.context_in == "denominator":
             text += ", ratio pi_theta(o | q) / pi_old(o | x^c) (the released code's, the paper's reversed)"
     if r.async_steps:
-        cap = tis_cap(r)
-        text += (f", rollout workers {r.async_steps} step(s) ahead with "
-                 + (f"TIS (cap {cap:g})" if cap else "no importance weights"))
+        text += f", rollout workers {r.async_steps} step(s) ahead with {correction_words(r)}"
+    elif corrects(r):
+        text += f", sampler correction: {correction_words(r)}"
     if model.tiny is not None and data.task == "arith":
         text += f", arith slips {data.arith.slip_rate:g} at {data.arith.slip_step} step"
     if model.tiny is not None and sft.context_share > 0:
@@ -55,3 +55,20 @@ def forward_layout(model, bicc, train) -> str:
         return f"padding-free ({impl})"
     return (f"padding-free ({impl}) but {' and '.join(padded)}, padded to each micro-batch's longest row "
             "(padding-free needs KV reuse: train.share_prompts, train.context_packing_impl=kv)")
+
+
+def correction_words(r) -> str:
+    """``rollout.correction`` in words: TIS (cap C) / IcePop [lo, hi] at the token or sequence level, the rejection's
+    criteria, or no importance weights."""
+    from bicc.method.correction import is_bounds
+
+    c, level = r.correction, is_level(r)
+    parts = []
+    if level != "none":
+        b = is_bounds(c.rollout_is_threshold)
+        kind = f"TIS (cap {b.upper:g})" if b.lower is None else f"IcePop [{b.lower:g}, {b.upper:g}]"
+        parts.append(f"{level}-level {kind}" + (", normalised over the step" if c.rollout_is_batch_normalize else ""))
+    if c.rollout_rs:
+        parts.append(f"rejection {c.rollout_rs} at {c.rollout_rs_threshold}")
+    return "; ".join(parts) if parts else "no importance weights"
+

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from bicc.config import StepConfig, WarmStartConfig, diag_every
 from bicc.data import build_task
 from bicc.evaluation.evaluate import evaluate, format_eval
-from bicc.machine import distributed
+from bicc.machine import dcp, distributed
 from bicc.machine.distributed import DTYPES
 from bicc.machine.host import allocator_conf, torch_threads, usable_cores
 from bicc.machine.preemption import REQUEUE_EXIT, Preempted, Preemption, launcher_grace, measured_contract
@@ -83,10 +83,10 @@ def save_rl_checkpoint(s: RLState, model_cfg, keep_last: int, ckpt_dir: Path) ->
     distributed.barrier(d)
     state = s.trainer_state()
     if sharded:
-        distributed.save_sharded_optimizer(s.model, s.optimizer, tmp)
+        dcp.save_sharded_optimizer(s.model, s.optimizer, tmp)
         del state["optimizer"]
     if mixed:
-        distributed.save_master_weights(s.model, tmp)
+        dcp.save_master_weights(s.model, tmp)
     distributed.barrier(d)
     if d.is_main:
         checkpoints.save_checkpoint(ckpt_dir, s.model, s.tokenizer, state, keep_last, state_dict=weights, keep_tmp=True)
@@ -103,10 +103,10 @@ def start_or_resume(resume: str | None, build, init_path: str, run_dir: Path, as
         return build(init_path, init_path)
     state = checkpoints.load_trainer_state(ckpt)
     s = build(str(ckpt), state["init_path"])
-    distributed.load_master_weights(s.model, ckpt)  # the fp32 master behind the checkpoint's bf16 weights
+    dcp.load_master_weights(s.model, ckpt)  # the fp32 master behind the checkpoint's bf16 weights
     s.load_trainer_state(state)
     if "optimizer" not in state:  # written sharded by an FSDP2 run (any number of processes)
-        distributed.load_sharded_optimizer(s.model, s.optimizer, ckpt)
+        dcp.load_sharded_optimizer(s.model, s.optimizer, ckpt)
         s.apply_schedule()
     checkpoints.set_rng_state(state["rng"])
     s.engine.version = s.step  # it was built from the checkpoint's weights, the version of this step

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from bicc.config import StepConfig, diag_every, tis_cap
+from bicc.config import StepConfig, corrects, diag_every
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.machine.distributed import Dist
 
@@ -90,7 +90,7 @@ class StepPlan:
         if from_sampler and not sampler_logprobs:
             raise ValueError(f"rollout.old_from_sampler needs sampling log-probs from the engine "
                              f"(rollout={cfg.rollout.engine} returns none)")
-        tis = sampler_logprobs and tis_cap(cfg.rollout) > 0 and not from_sampler
+        tis = sampler_logprobs and corrects(cfg.rollout) and not from_sampler  # rollout.correction
         delta = cfg.rcc.delta_context if (cfg.rcc.enabled or diagnostics) else None
         single_update = cfg.train.epochs_per_rollout == 1 and cfg.train.minibatches_per_rollout == 1
         same_context = old_context == update_context
@@ -101,7 +101,8 @@ class StepPlan:
         # the sampler's correction (its gap to pi_old on q, TIS's weights) from the update's first forward where that
         # forward is pi_old on q: no BiCC context, one update per rollout
         sampler_deferred = (cfg.train.delta_from_update and single_update and not diagnostics and sampler_logprobs
-                            and not from_sampler and not conditioned)
+                            and not from_sampler and not conditioned
+                            and not cfg.rollout.correction.rollout_rs)  # a rejection changes the update's normalisers
         before_update = ((delta is not None and not deferred) or diagnostics
                          or (sampler_logprobs and not sampler_deferred))  # TIS's weights and the mismatch metric
         if from_sampler:

@@ -78,7 +78,7 @@ class RLState:
                             "cursor": {"pos": self.cursor.pos, "shard_pos": list(self.cursor.shard_pos)}}
         self.nonfinite_skips = state.get("nonfinite_skips", 0)
         self.nonfinite_streak = state.get("nonfinite_streak", 0)
-        if "optimizer" in state:  # else saved sharded (FSDP2): bicc.machine.distributed.load_sharded_optimizer
+        if "optimizer" in state:  # else saved sharded (FSDP2): bicc.machine.dcp.load_sharded_optimizer
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.apply_schedule()

@@ -6,15 +6,18 @@ shard's data position, the metrics' mean) is ``bicc.trainer.loop.step_on_every_r
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
-from bicc.config import StepConfig, tis_cap
+from bicc.config import StepConfig, is_level
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import ContextRows, query_rows
-from bicc.method.advantages import ADVANTAGES, Advantages, advantage_metrics, advantage_name, baseline_of
+from bicc.machine.distributed import summed_over_ranks
+from bicc.method.advantages import ADVANTAGES, Advantages, advantage_metrics, advantage_name, inputs_of
 from bicc.method.conditioning import build_contexts
+from bicc.method.correction import correct
 from bicc.method.diagnostics import (
     conditioning_weights,
     delta_by_reward,
@@ -22,7 +25,7 @@ from bicc.method.diagnostics import (
     sequence_delta,
     shift_and_delta,
 )
-from bicc.method.losses.tis import sampler_grid, sampler_importance_weights, sampler_logprob_diff
+from bicc.method.losses.tis import sampler_grid, sampler_logprob_diff
 from bicc.model.logprobs import make_token_batch
 from bicc.rollout.agreement import WeightVersions, check_every, token_prob_ratio
 from bicc.rollout.collect import collect_rollout, step_seed
@@ -70,25 +73,29 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
         lp = step_logprobs(plan, s.model, s.ref_model, plain, on_xc, sampled, cfg, batch.completion_mask, s.dist)
     t_logprobs = time.perf_counter()
     fresh = checked and ro.version == s.step  # drawn by these weights: pi_old on q is the trainer's side
-    correct_sampler = lambda on_q: sampler_correction(ro, plan, on_q, batch, cfg.rollout, device, fresh)  # noqa: E731
-    is_weight, sampler_metrics = (None, {}) if plan.sampler_from_update else correct_sampler(lp.on_q)
+    step_sum = summed_over_ranks(s.dist)
+    correct_sampler = lambda on_q: sampler_correction(ro, plan, on_q, batch, cfg.rollout, device, fresh,  # noqa: E731
+                                                      step_sum)
+    is_weight, sampler_metrics, kept = (None, {}, None) if plan.sampler_from_update else correct_sampler(lp.on_q)
+    trained = batch if kept is None else dataclasses.replace(batch, completion_mask=kept.to(batch.completion_mask.dtype))
     if checked and not fresh:  # drawn by older weights (rollout workers): scored at those, kept for it
         sampler_metrics.update(agreement_at_version(s, cfg, ro, plain, batch))
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
     estimator = ADVANTAGES.get(advantage_name(cfg.algo, cfg.rcc))
+    inputs = inputs_of(estimator, ro, trained.completion_mask.sum(-1).cpu(), step_sum)  # what it reads
 
     def advantages(delta_logp) -> Advantages:
         """The step's advantages from delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step):
         delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), theta = theta_old here."""
         delta = None if delta_logp is None else sequence_delta(delta_logp, lp.ref, batch.completion_mask, cfg.rcc.delta).cpu()
-        values, metrics = estimator(ro.rewards, ro.group_ids, delta, cfg.algo, **baseline_of(ro))
+        values, metrics = estimator(ro.rewards, ro.group_ids, delta, cfg.algo, **inputs)
         return Advantages(values.to(device), delta, metrics)
 
     diag_record, diag_metrics = {}, {}
     t_diagnostics = time.perf_counter()
     if plan.diagnostics:  # never with delta_from_update: lp.delta is delta's log-probs
-        diag_metrics, diag_record = step_diagnostics(s, cfg, batch, numerator, ro, lp, advantages(lp.delta), is_weight,
+        diag_metrics, diag_record = step_diagnostics(s, cfg, trained, numerator, ro, lp, advantages(lp.delta), is_weight,
                                                      seed)
     diagnostics_s = time.perf_counter() - t_diagnostics
 
@@ -96,14 +103,17 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
     # plan.delta_from_update) on the update's own first forward -----------------------------------
     sampler_fn = correct_sampler if plan.sampler_from_update else None
     with s.peaks.phase("update"):
-        update_metrics, first_pass_log_ratio, adv = update_policy(s, batch, numerator, lp.old, lp.kl_ref, advantages,
+        update_metrics, first_pass_log_ratio, adv = update_policy(s, trained, numerator, lp.old, lp.kl_ref, advantages,
                                                                   cfg, seed, is_weight, delta_logp=lp.delta,
                                                                   delta_from_update=plan.delta_from_update,
                                                                   sampler_fn=sampler_fn)
     adv_metrics = {**adv.metrics, **diag_metrics, **advantage_metrics(adv.values.cpu(), ro.rewards, ro.group_ids)}
     t_update = time.perf_counter()
-    if contexts is not None:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass
+    if contexts is not None:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass; over the
+        # tokens the update trains (a rejection's leave it, as they leave the first pass)
         log_w = first_pass_log_ratio if plan.old_context == "q" else lp.log_w
+        if log_w is not None and kept is not None and plan.old_context != "q":
+            log_w = ((lp.old - lp.on_q) * trained.completion_mask).sum(-1).cpu()
         if log_w is not None:
             bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
             bicc_metrics.update(shift_and_delta(log_w, adv.delta, ro.rewards, ro.group_ids, contexts.conditioned))
@@ -168,22 +178,28 @@ def sampled_logprobs(ro, plan, batch, device) -> torch.Tensor | None:
     return sampled.to(device)
 
 
-def sampler_correction(ro, plan, on_q, batch, rollout, device, fresh: bool = False):
+def sampler_correction(ro, plan, on_q, batch, rollout, device, fresh: bool = False, step_sum=None):
     """The sampler against the trainer, both on q (``on_q`` [N, L]: pi_old on q): ``rollout/logprob_diff``,
-    ``rollout/token_prob_ratio`` where ``fresh`` (these weights drew the batch) and, under TIS, each token's weight
-    min(pi_old / pi_sampler, C) (tokens were drawn from pi_sampler, not pi_old). Returns (weights [N, L] or None,
-    metrics); nothing when the engine gave no log-probs or they stand for pi_old."""
+    ``rollout/token_prob_ratio`` where ``fresh`` (these weights drew the batch) and, under ``rollout.correction``, the
+    importance weights pi_old / pi_sampler and the rejection of tokens far from the sampler (tokens were drawn from
+    pi_sampler, not pi_old: bicc/method/correction.py). Returns (weights [N, L] or None, metrics, the mask the update
+    trains [N, L] or None: the batch's); nothing when the engine gave no log-probs or they stand for pi_old."""
     if ro.out.logprobs is None or plan.old_source == "sampler":
-        return None, {}
+        return None, {}, None
     mask, q = batch.completion_mask.cpu(), on_q.cpu()
     metrics = {"rollout/logprob_diff": sampler_logprob_diff(ro.out.logprobs, q, mask)}
     ratio = token_prob_ratio(ro.out.logprobs, q, mask) if fresh else None
     if ratio is not None:
         metrics["rollout/token_prob_ratio"] = ratio
     if not plan.tis:
-        return None, metrics
-    is_weight, tis_metrics = sampler_importance_weights(ro.out.logprobs, q, mask, tis_cap(rollout))
-    return is_weight.to(device), {**metrics, **tis_metrics}
+        return None, metrics, None
+    sampled, valid = sampler_grid(ro.out.logprobs, q, mask)
+    c = rollout.correction
+    weight, kept, corr_metrics = correct(torch.where(valid, q - sampled, torch.zeros_like(q)), mask, is_level(rollout),
+                                         c.rollout_is_threshold, c.rollout_is_batch_normalize, c.rollout_rs,
+                                         c.rollout_rs_threshold, step_sum)
+    metrics.update(corr_metrics)
+    return (None if weight is None else weight.to(device)), metrics, (kept.to(device) if c.rollout_rs else None)
 
 
 def read_at(step: int, every: int | None, async_steps: int) -> bool:

@@ -53,7 +53,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     trainable log-probs (plain or BiCC-conditioned); ``batch`` the completion masks. Returns (metrics,
     ``first_pass_log_ratio`` [N]): each sequence's summed log pi_theta - log pi_old before any update
     (under BiCC: the log conditioning weight log w_i). ``is_weight`` [N, L]: the sampler correction
-    (``sampler_importance_weights``), or None. ``old_logp`` None: pi_old is the policy this update's first
+    (``bicc.method.correction``), or None. ``old_logp`` None: pi_old is the policy this update's first
     forward runs (one update per rollout, ``bicc.trainer.plan.StepPlan``), taken from that forward, detached.
 
     ``advantages`` maps delta's log-probs [N, L] to the step's ``Advantages`` and is called once: on
@@ -148,7 +148,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                     for rows, first in [(rows, logp.detach()) for rows, logp, _ in held if rows is not None]:
                         grid[on_device(rows, device)] = first
                     if sampler_fn is not None:  # the forward ran pi_old on q: the sampler's weights, read by finish()
-                        is_weight, sampler_metrics = sampler_fn(grid)
+                        is_weight, sampler_metrics = sampler_fn(grid)[:2]  # no rejection here (StepPlan)
                     adv = advantages(grid if delta_from_update else delta_logp)  # what finish() reads
                     while held:
                         hooks.before(model, len(held) == 1 and not prefix_backward)

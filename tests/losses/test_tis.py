@@ -1,4 +1,5 @@
-"""Truncated importance sampling for the rollout engine's mismatch (``rollout.tis_cap``)."""
+"""Truncated importance sampling for the rollout engine's mismatch (``rollout.correction``'s token level, the
+default under rollout workers): the weights by hand, and every loss weighting each token's term by them."""
 
 import math
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 
 from bicc.method.advantages import Advantages
+from bicc.method.correction import correct
 from bicc.method.losses import LOSSES, StepTotals
-from bicc.method.losses.tis import sampler_importance_weights
+from bicc.method.losses.tis import sampler_grid
 from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
 
 
@@ -16,13 +18,16 @@ def test_weights_hand_computed():
     old = torch.log(torch.tensor([[0.5, 0.6, 0.1], [0.3, 0.9, 0.7]], dtype=torch.float64))
     sampler = [[math.log(0.25), math.log(0.2), math.log(0.2)], [float("nan"), math.log(0.9)]]
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    w, metrics = sampler_importance_weights(sampler, old, mask, cap=2.0)
-    # 0.5/0.25 = 2 (at the cap, not over), 0.6/0.2 = 3 -> 2, 0.1/0.2 = 0.5; NaN -> 1; 0.9/0.9 = 1; padding -> 1
-    expected = torch.tensor([[2.0, 2.0, 0.5], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    sampled, valid = sampler_grid(sampler, old, mask)
+    w, kept, metrics = correct(torch.where(valid, old - sampled, torch.zeros_like(old)), mask, "token", "2.0", False,
+                               None, None)
+    # 0.5/0.25 = 2 (at the cap, not over), 0.6/0.2 = 3 -> 2, 0.1/0.2 = 0.5; NaN -> 1; 0.9/0.9 = 1; padding -> 0
+    expected = torch.tensor([[2.0, 2.0, 0.5], [1.0, 1.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(w, expected, atol=1e-12, rtol=0)
-    assert metrics["rollout/tis_weight_mean"] == pytest.approx((2 + 2 + 0.5 + 1 + 1) / 5)
-    assert metrics["rollout/tis_weight_min"] == pytest.approx(0.5)
-    assert metrics["rollout/tis_clip_frac"] == pytest.approx(1 / 5)
+    torch.testing.assert_close(kept, mask.double())  # no rejection asked: every token trains
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx((2 + 2 + 0.5 + 1 + 1) / 5)
+    assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(0.5)
+    assert metrics["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(1 / 5)  # the one over the cap
 
 
 def reference_weighted_grpo(logp, old, adv, mask, w, eps=0.2):

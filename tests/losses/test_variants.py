@@ -190,8 +190,9 @@ def test_zero_advantage_zero_policy_gradient(variant):
     logp, old, _, _, mask = random_case(7)
     logp.requires_grad_(True)
     c = type(VARIANTS[variant])(**{**VARIANTS[variant].__dict__, "kl_coef": 0.0})
-    if "ppo_kl_coef" in c.params:  # KL-Cov's penalty on its top tokens is not a policy-gradient term
-        c = type(c)(**{**c.__dict__, "params": {**c.params, "ppo_kl_coef": 0.0}})
+    off = getattr(LOSSES.get(LOSS_OF[variant]), "penalty_off", None)  # a penalty that is no policy-gradient term
+    if off:  # (KL-Cov's on its top tokens, DRO's on the log-ratio) declared with the params that turn it off
+        c = type(c)(**{**c.__dict__, "params": {**c.params, **off}})
     loss, _ = LOSSES.get(LOSS_OF[variant])(logp, old, None, torch.zeros(8, dtype=torch.float64), mask, c,
                                             StepTotals.of(mask, 6))
     (grad,) = torch.autograd.grad(loss, logp)

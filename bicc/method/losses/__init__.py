@@ -6,7 +6,7 @@ logp, old_logp, ref_logp: [B, L] per-token log-probs (ref_logp may be None when 
 adv: [B] per-sequence advantages; mask: [B, L] completion mask; cfg: the ``algo`` config;
 totals: ``StepTotals`` of the whole optimizer step (the aggregation's normaliser);
 is_weight: optional [B, L] detached per-token weight on the policy-gradient term (the rollout engine's
-truncated importance-sampling correction, ``rollout.tis_cap``), applied before aggregation.
+importance weights, ``rollout.correction``: bicc/method/correction.py), applied before aggregation.
 ``loss`` is this micro-batch's share of the step's loss; ``metrics`` are floats for logging.
 
 A variant's own hyperparameters are a dataclass given to ``LOSSES.register(name, params=...)``, set under
@@ -14,8 +14,10 @@ A variant's own hyperparameters are a dataclass given to ``LOSSES.register(name,
 a key the dataclass lacks, and runs its ``check()``. A loss that selects tokens by statistics of the batch it is
 given (a micro-batch, as verl does) sets ``fn.micro_batch_statistics = True``: its step depends on how the step is
 split (the split-invariance tests pass it by), and it runs eagerly where the model is compiled (data-dependent
-shapes). A loss with detached factors whose gradient is not its value's derivative sets ``fn.stop_gradient = True``
-(the finite-difference test passes it by; its own test holds its gradient).
+shapes). A loss with a penalty that is no policy-gradient term declares the ``algo.params`` that turn it off
+(``fn.penalty_off``: the test that a zero advantage gives no gradient sets them). A loss with detached factors whose
+gradient is not its value's derivative sets ``fn.stop_gradient = True`` (the finite-difference test passes it by; its
+own test holds its gradient).
 
 Every module of this folder is imported here, so a new variant is one module (and its YAML).
 """

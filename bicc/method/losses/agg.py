@@ -7,6 +7,7 @@ token count instead would weight tokens unequally across micro-batches.
 
 Modes, for per-token values x_it, mask m_it, lengths T_i = sum_t m_it, over the step's S sequences:
 - token-mean:              sum_it m x / sum_it m                          (DAPO)
+- token-sum:               sum_it m x                                     (verl's token-sum: no normaliser)
 - seq-mean-token-mean:     (1/S) sum_i (1/T_i) sum_t m x                  (GRPO, paper eq. 4)
 - seq-mean-token-sum:      (1/S) sum_i sum_t m x
 - seq-mean-token-sum-norm: sum_it m x / (S * L_max), L_max a constant    (Dr.GRPO)
@@ -39,6 +40,11 @@ class StepTotals:
 @AGGREGATIONS.register("token-mean")
 def token_mean(x, mask, totals: StepTotals):
     return (x * mask).sum() / totals.tokens
+
+
+@AGGREGATIONS.register("token-sum")
+def token_sum(x, mask, totals: StepTotals):
+    return (x * mask).sum()
 
 
 @AGGREGATIONS.register("seq-mean-token-mean")

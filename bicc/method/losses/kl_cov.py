@@ -63,3 +63,4 @@ def kl_cov_loss(logp, old_logp, ref_logp, adv, mask, cfg, totals: StepTotals, is
 
 
 kl_cov_loss.micro_batch_statistics = True
+kl_cov_loss.penalty_off = {"ppo_kl_coef": 0.0}  # its penalty on the top tokens is no policy-gradient term

@@ -1,13 +1,22 @@
 """Advantage estimators, registered by name, one signature:
 
-    fn(rewards [N], group_ids [N], delta [N] | None, cfg) -> (advantages [N], metrics)
-
-An estimator that baselines on a greedy output (``fn.greedy_baseline = True``: ReMax) is also given
-``baseline=`` [N], the reward of its query's greedy output, which the rollout draws for it.
+    fn(rewards [N], group_ids [N], delta [N] | None, cfg, **inputs) -> (advantages [N], metrics)
 
 ``group_ids`` says which query each sample answers (integers, any order). ``delta`` is the per-sample
 sequence log-prob shift used by reward-confidence correction; estimators that do not use it ignore it.
 Every group needs at least 2 samples: a group-relative advantage of one sample is meaningless.
+
+An estimator declares what else it reads, and the step gives it that alone (``inputs_of``):
+
+- ``fn.greedy_baseline = True`` (ReMax): ``baseline=`` [N], the reward of its query's greedy output, which the
+  rollout draws for it;
+- ``fn.reads = ("lengths",)``: ``lengths=`` [N], each output's token count;
+- ``fn.reads = ("step_sum",)``: ``step_sum=``, a function that sums a tensor over every output of the step, on
+  every rank (the identity in one process), for statistics over the whole batch (verl computes those on its driver,
+  over the whole batch; here each rank holds its shards, so the sums are a collective).
+
+This module holds the paper's estimators and what they share. Every module of this folder is imported here, so a new
+estimator is one module (and its conf/algo YAML).
 """
 
 from __future__ import annotations
@@ -116,6 +125,19 @@ def baseline_of(ro) -> dict:
     return {} if getattr(ro, "baseline", None) is None else {"baseline": ro.baseline}
 
 
+def inputs_of(estimator, ro, lengths: torch.Tensor, step_sum=None) -> dict:
+    """The keywords ``estimator`` declares it reads (``fn.reads``, ``fn.greedy_baseline``), from the rollout ``ro``,
+    each output's token count ``lengths`` [N] and ``step_sum`` (a sum over every rank's outputs; None: this
+    process's alone)."""
+    reads = getattr(estimator, "reads", ())
+    inputs = baseline_of(ro)
+    if "lengths" in reads:
+        inputs["lengths"] = lengths.to(ro.rewards.device, torch.float64)
+    if "step_sum" in reads:
+        inputs["step_sum"] = step_sum or (lambda t: t)
+    return inputs
+
+
 def advantage_name(algo, rcc) -> str:
     """The run's advantage estimator: RCC's (``rcc=on``; ``rcc=std`` its diagnostic form divided by the group's
     std) when RCC is on, else the variant's own (``algo.advantage``)."""
@@ -169,3 +191,17 @@ def rcc_std_advantage(rewards, group_ids, delta, cfg):
     adv, metrics = rcc_advantage(rewards, group_ids, delta, cfg)
     _, std, _ = group_stats(rewards, group_ids)
     return (adv.double() / (std + cfg.adv_eps)).to(rewards.dtype), metrics
+
+
+def _import_all() -> None:
+    """Every module of this folder, so that each registers its estimator: a new one is its module, with no import to
+    add here."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_all()
+
