@@ -87,6 +87,7 @@ def test_kl_estimators_hand_computed(estimator, per_token):
 
 @pytest.mark.parametrize("agg,expected", [
     ("token-mean", (1.8 + 0.6) / 5),  # over the 5 real tokens
+    ("token-sum", 1.8 + 0.6),  # verl's token-sum: the step's sum, no normaliser (its dp_size factor: one process)
     ("seq-mean-token-mean", (1.8 / 3 + 0.6 / 2) / 2),  # each sequence's mean, then over the 2 sequences
     ("seq-mean-token-sum", (1.8 + 0.6) / 2),  # each sequence's sum, over the 2 sequences
     ("seq-mean-token-sum-norm", (1.8 + 0.6) / (2 * 4)),  # Dr.GRPO: over sequences x max_len 4, not the width 3
@@ -152,6 +153,7 @@ def test_aggregation_modes_hand_computed():
     t = StepTotals.of(mask, max_len=3)  # 4 tokens, 2 seqs
     agg = AGGREGATIONS.get
     assert agg("token-mean")(x, mask, t).item() == pytest.approx((1 + 2 + 3 + 4) / 4)  # 2.5
+    assert agg("token-sum")(x, mask, t).item() == pytest.approx(1 + 2 + 3 + 4)  # 10: the padded 5 and 6 left out
     assert agg("seq-mean-token-mean")(x, mask, t).item() == pytest.approx((2 + 4) / 2)  # seq means 2, 4 -> 3
     assert agg("seq-mean-token-sum")(x, mask, t).item() == pytest.approx((6 + 4) / 2)  # 5
     assert agg("seq-mean-token-sum-norm")(x, mask, t).item() == pytest.approx(10 / (2 * 3))  # 1.667
