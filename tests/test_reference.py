@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bicc.config import StepConfig
+from bicc.method.advantages import ADVANTAGES
 from bicc.method.diagnostics import conditioning_weights
 from bicc.method.reference import algorithm1_step
 from bicc.trainer import step as step_module
@@ -18,6 +19,7 @@ from bicc.trainer.state import build_rl_state
 from bicc.trainer.step import rl_step
 from tests.conftest import compose_cfg
 from tests.helpers import COMBINATION_CFG, LR, CoinTask, ReplayEngine, policy_and_reference, recorded_rollout, sgd
+from tests.losses.helpers import VARIANTS, split_invariant
 
 # GRPO over packing (KV reuse, a packed mask, one row per output) x delta (from the update's forward or a
 # no-grad pass) x micro-batches (all rows at once, or 5 rows: uneven splits); DAPO's loss and sampling on one
@@ -93,10 +95,17 @@ CORRECTIONS = ("rollout.correction.rollout_is=sequence rollout.correction.rollou
                "rollout.correction.rollout_rs_threshold=0.02",
                'rollout.correction.rollout_rs="token_k1,seq_mean_k3" rollout.correction.rollout_rs_threshold="0.8_1.25,0.03"')
 COMBINATIONS += [(bicc, rcc, 0.0, 1.2, "xc", corr) for bicc in ("off", "on") for rcc in ("off", "on") for corr in CORRECTIONS]
-# ... and each registered advantage without RCC (they read lengths and the step's sums), the paper's BiCC on (not
-# grpo_passk: this rollout's groups have no single best output, so it gives every output 0; tests/test_advantages.py)
-COMBINATIONS += [("on", "off", 0.0, 0.0, "xc", f"algo.advantage={a}") for a in
-                 ("rloo", "opo", "reinforce_plus_plus_baseline", "gpg")]
+# ... and every registered advantage without RCC (found in the registry: a new one joins), the paper's BiCC on, but
+# those named here with why
+NOT_HERE = {"grpo": "every case above", "src": "its case above", "rcc": "RCC's own (rcc=on)", "rcc_std": "rcc=std above",
+            "remax": "needs a greedy output per query (tests/test_released.py)",
+            "grpo_passk": "this rollout's groups have no single best output: every output gets 0 (tests/test_advantages.py)"}
+COMBINATIONS += [("on", "off", 0.0, 0.0, "xc", f"algo.advantage={a}") for a in ADVANTAGES.names() if a not in NOT_HERE]
+# ... and every conf/algo preset's loss under the paper's BiCC and RCC (found on disk: a new one joins), but those that
+# select tokens by the statistics of the micro-batch they are given (declared: Clip-Cov, KL-Cov), whose step is not
+# the whole batch's
+COMBINATIONS += [("on", "on", 0.0, 0.0, "q", f"algo={v}") for v in sorted(VARIANTS)
+                 if v not in ("grpo", "released") and split_invariant(v)]
 
 
 def group_cov_loop(rewards: torch.Tensor, values: torch.Tensor, group_ids: torch.Tensor) -> float:
