@@ -32,7 +32,6 @@ setup: $(STAMP)
 GPU_STAMP := $(VENV)/.gpu-installed
 $(GPU_STAMP): $(STAMP) requirements-gpu.txt requirements-flash.txt
 	$(PY) -m bicc.machine.setup_gpu --python $(PY)
-	rm -f $(VLLM_STAMP)
 	touch $(GPU_STAMP)
 
 setup-gpu: $(GPU_STAMP)
