@@ -117,9 +117,11 @@ class Line:
 
     def wait(self, done, what: str, timeout_s: float | None = None, stop=None) -> None:
         """Read answers until ``done()``; a worker that exits, reports an error, stops beating or stays silent past
-        ``timeout_s`` (default the line's, ``dist.timeout_minutes``) stops the run with an error naming it and
+        ``timeout_s`` (the workers' start: ``rollout.worker_start_minutes``; default the line's,
+        ``dist.timeout_minutes``) stops the run with an error naming it and
         what it was doing, the stacks of those on this node printed first. ``stop``: called while waiting, an
         exception to raise instead of waiting on (a preemption before the first step: nothing to save)."""
+        setting = "dist.timeout_minutes" if timeout_s is None else "rollout.worker_start_minutes"
         timeout_s = self.timeout if timeout_s is None else timeout_s
         deadline, pause = time.monotonic() + timeout_s, 0.001
         while not done():
@@ -141,14 +143,12 @@ class Line:
                                 f"process: exit {REQUEUE_EXIT}, resume=auto starts from the last checkpoint")
             self._check_alive(what)
             if time.monotonic() > deadline:
-                late = self.links
                 silent = [f"{link.name}, pid {link.proc.pid if link.proc else '?'} (loaded weight version {link.loaded} "
                           f"of {self.pushed if self.pushed is not None else 'none yet'}), while "
                           f"{link.pending[0] if link.pending else link.doing if not link.ready else 'idle'}"
-                          for link in late]
-                self.print_stacks(late)
+                          for link in self.links]
+                self.print_stacks(self.links)
                 self.close(kill=True)
-                setting = "rollout.worker_start_minutes" if timeout_s != self.timeout else "dist.timeout_minutes"
                 raise WorkerFailure(f"no answer from {'; '.join(silent)} within {timeout_s:g} s ({setting}) while "
                                     f"{what}; stopped it")
             time.sleep(pause)

@@ -282,7 +282,7 @@ def preemption_check(train, model_cfg, tokenizer, d, environ=None, launcher: str
     except UncountedModel as err:
         return [f"warning: the save of a preempted step is not predicted: {err}"]
     local = int(environ.get("LOCAL_WORLD_SIZE", d.world))
-    size = checkpoint_bytes(params, DTYPES[model_cfg.dtype].itemsize, DTYPES[model_cfg.master_dtype].itemsize, d.world,
-                            local, d.enabled and d.strategy == "fsdp2")
-    line, warnings = preemption_contract(size, train.checkpoint_write_gib_s, grace, lead, train.save_every)
+    save_bytes = checkpoint_bytes(params, DTYPES[model_cfg.dtype].itemsize, DTYPES[model_cfg.master_dtype].itemsize,
+                                  d.world, local, d.enabled and d.strategy == "fsdp2")
+    line, warnings = preemption_contract(save_bytes, train.checkpoint_write_gib_s, grace, lead, train.save_every)
     return [*(f"warning: {w}" for w in warnings), line]
