@@ -31,6 +31,7 @@ CHANGES = {
     "algo.adv_eps": (1.0, ["rcc=off"]),
     "algo.overlong_buffer_share": (0.5, []),
     "algo.overlong_penalty": (0.25, ["algo.overlong_buffer_share=0.5"]),
+    "algo.partition": ("reward", ["algo.overlong_buffer_share=0.1"]),  # right outputs of 32 tokens fall to 0
     "bicc.enabled": (False, []),
     "bicc.mode": ("paired", []),
     "bicc.paired_k": (2, ["bicc.mode=paired"]),

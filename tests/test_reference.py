@@ -83,6 +83,10 @@ RELEASED = "algo=released"
 COMBINATIONS += [("released", rcc, kl, tis, where, RELEASED if rcc == "off" else "") for rcc in ("off", "on")
                  for kl in (0.0, 0.05) for tis in (0.0, 1.2) for where in (("xc", "q") if rcc == "on" else ("xc",))]
 COMBINATIONS += [("released", "off", 0.0, 0.0, "xc", f"{RELEASED} diag.every=1")]
+# ... and its partition under overlong shaping (a buffer of 3 of 32 tokens: right outputs of 32 tokens fall to 0), by
+# the shaped reward (algo=released's) and by the verdict
+COMBINATIONS += [("released", "off", 0.0, 0.0, "xc", f"{RELEASED} algo.overlong_buffer_share=0.1 {rule}")
+                 for rule in ("", "algo.partition=correct")]
 COMBINATIONS += [("on", "on", 0.0, 0.0, "q", switch) for switch in
                  ("bicc.context_in=denominator", "bicc.mode=last", "bicc.layout=released", "bicc.mode=last bicc.truncate=none")]
 COMBINATIONS += [("on", "off", 0.0, 0.0, "xc", "algo.advantage=src")]

@@ -147,6 +147,37 @@ def test_the_first_update_reads_its_ratio_the_released_way(context_in, recorded,
     assert metrics["train/ratio_mean"] != pytest.approx(other, rel=1e-3)
 
 
+# ---- the partition: one rule for the contexts and the advantage (algo.partition) ----------------------------------
+@pytest.mark.parametrize("form, rule", [(["bicc=released", "algo=released"], "reward"),
+                                        (["bicc=on", "algo=released"], "reward"),
+                                        (["bicc=released", "algo=released", "algo.partition=correct"], "correct")])
+def test_the_contexts_and_the_advantage_read_one_partition(form, rule, recorded, monkeypatch):
+    """Under overlong shaping a right output past the penalty's midpoint is on the wrong side by the released rule
+    (refine_dapo_trainer.py:1596, shaped reward > 0.5; algo=released): it is shown the right outputs, they are shown
+    it, and its advantage is negative. With algo.partition=correct it stays right in both. Either way every
+    attempt a context shows is from the other side of the advantage's partition."""
+    tmp, out, _, _ = recorded
+    # a buffer of 3 of the 32 tokens: a right output of 30 tokens keeps 2/3, one of 32 (as most here) falls to 0
+    cfg = compose_cfg([*COMBINATION_CFG, *form, "algo.overlong_buffer_share=0.1"])
+    s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
+    s.engine, s.plan, s.task = ReplayEngine(out, None), None, CoinTask(s.task)
+    seen = {}
+    collect, contexts_of, inputs = step_module.collect_rollout, step_module.build_contexts, step_module.inputs_of
+    monkeypatch.setattr(step_module, "collect_rollout", lambda *a, **k: seen.setdefault("ro", collect(*a, **k)))
+    monkeypatch.setattr(step_module, "build_contexts", lambda *a, **k: seen.setdefault("contexts", contexts_of(*a, **k)))
+    monkeypatch.setattr(step_module, "inputs_of", lambda *a, **k: seen.setdefault("inputs", inputs(*a, **k)))
+    rl_step(s, StepConfig.of(cfg))
+    ro, contexts = seen["ro"], seen["contexts"]
+    adv, _ = ADVANTAGES.get("src")(ro.rewards, ro.group_ids, None, cfg.algo, **seen["inputs"])  # the step's own
+    rule = ro.rewards > 0.5 if rule == "reward" else ro.correct == 1
+    mixed = adv != 0
+    assert ((adv > 0) == rule)[mixed].all()  # the advantage's sides are the rule's
+    overlong_right = (ro.correct == 1) & (ro.rewards <= 0.5) & mixed & contexts.conditioned
+    assert overlong_right.any()  # the case that tells the rules apart is in this rollout
+    for r in contexts.conditioned.nonzero().flatten().tolist():
+        assert contexts.shown[r] and all(bool(rule[a]) != bool(rule[r]) for a in contexts.shown[r]), r
+
+
 def test_train_py_says_at_start_that_the_form_is_the_released_codes():
     cfg = compose_cfg(["bicc=released", "algo=released"])
     text = describe_choices({"bicc": "released", "algo": "released"}, StepConfig.of(cfg), cfg.model, cfg.data, cfg.sft)

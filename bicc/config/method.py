@@ -31,6 +31,7 @@ class AlgoConfig:
     max_sampling_rounds: int = 4
     overlong_buffer_share: float = 0.0
     overlong_penalty: float = 1.0
+    partition: str = choice(Literal["correct", "reward"], "correct")
     # the variant's own hyperparameters, declared by its loss (``LOSSES.register(name, params=...)``)
     params: Dict[str, Any] = field(default_factory=dict)
 

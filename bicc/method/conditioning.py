@@ -67,6 +67,14 @@ def partition(correct: torch.Tensor, threshold: float | None) -> torch.Tensor:
     return correct >= threshold
 
 
+def positives(ro, rule: str, threshold: float | None) -> torch.Tensor:
+    """O+ [N] bool by ``algo.partition``, the one partition BiCC's contexts and an advantage that reads one (src)
+    share: ``correct``, the task's verdict r = 1 (the paper's; ``bicc.reward_threshold`` for non-binary verdicts);
+    ``reward``, the shaped reward ``ro.rewards`` above 0.5 (the released code's rule: a correct output the overlong
+    penalty takes to 0.5 or below is on the wrong side)."""
+    return ro.rewards > 0.5 if rule == "reward" else partition(ro.correct, threshold)
+
+
 def fair_shares(lengths: list[int], budget: int) -> list[int]:
     """Max-min fair integer split of ``budget`` over items wanting ``lengths``; sum <= budget, and
     == budget whenever the items want more than it."""
@@ -168,14 +176,15 @@ def context_budget(bicc_cfg, max_tokens: int | None = None) -> int:
 def build_contexts(prompts: list[str], completion_ids: list[list[int]], correct: torch.Tensor,
                    group_ids: torch.Tensor, tokenizer, bicc_cfg, max_tokens: int,
                    plain_prompt_ids: list[list[int]], end_ids=None, anchors=DEFAULT_ANCHORS) -> ConditionedPrompts:
-    """x^c for every sample. ``prompts`` holds the user-turn text of each sample's query (per sample),
+    """x^c for every sample. ``correct``: each sample's verdict (0/1; others by ``bicc.reward_threshold``), or O+
+    itself as a bool mask (``positives``). ``prompts`` holds the user-turn text of each sample's query (per sample),
     ``plain_prompt_ids`` the ids of q used where a group falls back. ``end_ids``: the tokens that end an
     output (default the tokenizer's EOS), stripped from attempts shown in a context. ``anchors``: text that
     starts a final answer (the task's extractors'), kept by middle truncation.
 
     A group is conditioned whole or not at all: when every attempt of one side is dropped (so some of its
     samples would see attempts and others not, ratios w and 1 in one group), the whole group keeps q."""
-    positive = partition(correct, bicc_cfg.reward_threshold)
+    positive = correct if correct.dtype == torch.bool else partition(correct, bicc_cfg.reward_threshold)
     budget = context_budget(bicc_cfg, max_tokens)
     end = set(end_ids or [tokenizer.eos_token_id])
     released = bicc_cfg.layout == "released"  # the attempt as sampled, its end token kept

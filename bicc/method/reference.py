@@ -10,12 +10,13 @@ holds ``bicc.trainer.step.rl_step`` equal to it. Every formula is the library's 
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
 from bicc.config import StepConfig, corrects, is_level
 from bicc.method.advantages import ADVANTAGES, inputs_of
-from bicc.method.conditioning import build_contexts
+from bicc.method.conditioning import build_contexts, positives
 from bicc.method.correction import correct
 from bicc.method.diagnostics import sequence_delta
 from bicc.method.losses import LOSSES, StepTotals
@@ -35,8 +36,10 @@ def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg: 
         rows = [batch_logprobs(policy, make_token_batch([p], [o], pad), temperature)[0][0] for p, o in zip(prompts, outputs)]
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
-    # partition O+ / O- per group; x+ = [q; O-], x- = [q; O+] (q itself where a group has one side only); BiCC off: q
-    contexts = build_contexts(ro.prompts, outputs, ro.correct, ro.group_ids, tokenizer, cfg.bicc, cfg.bicc.max_tokens, q,
+    # partition O+ / O- per group (algo.partition: by the verdict, or the shaped reward > 0.5); x+ = [q; O-], x- = [q; O+]
+    # (q itself where a group has one side only); BiCC off: q
+    positive = functools.partial(positives, ro, cfg.algo.partition, cfg.bicc.reward_threshold)
+    contexts = build_contexts(ro.prompts, outputs, positive(), ro.group_ids, tokenizer, cfg.bicc, cfg.bicc.max_tokens, q,
                               end_ids, anchors) if cfg.bicc.enabled else None
     xc = contexts.prompt_ids if contexts is not None else q
     old_on_xc = cfg.bicc.enabled and cfg.bicc.old_on_context  # the stabilised form (bicc=stable); the paper: on q
@@ -67,7 +70,7 @@ def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg: 
     else:
         delta = None
         estimator = ADVANTAGES.get(cfg.algo.advantage)  # with what it reads: each output's length, the step's sums
-        adv, _ = estimator(ro.rewards, ro.group_ids, None, cfg.algo, **inputs_of(estimator, ro, mask.sum(-1)))
+        adv, _ = estimator(ro.rewards, ro.group_ids, None, cfg.algo, **inputs_of(estimator, ro, mask.sum(-1), None, positive))
     # the registered loss on rho_i = pi_theta(o_i | x^c) / pi_old(o_i | q) (released: pi_theta(o_i | q) /
     # pi_old(o_i | x^c)), normalised over the whole step
     new = logp(model, q if released else xc)

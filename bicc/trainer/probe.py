@@ -36,7 +36,14 @@ from bicc.config import StepConfig
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import ContextRows, QueryRows
 from bicc.machine.host import console_never_fails
-from bicc.method.conditioning import ConditionedPrompts, build_contexts, context_budget, render_context, template_prompt
+from bicc.method.conditioning import (
+    ConditionedPrompts,
+    build_contexts,
+    context_budget,
+    positives,
+    render_context,
+    template_prompt,
+)
 from bicc.method.losses import LOSSES, StepTotals
 from bicc.model.logprobs import make_token_batch
 
@@ -122,12 +129,13 @@ def probe_batch(model, tokenizer, ro, cfg: StepConfig, task_anchors, end_ids, de
     adv, _ = advantages(ro.rewards, ro.group_ids, None, cfg.algo)
     adv = adv.to(device)
     budget = context_budget(cfg.bicc)
-    real = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, tokenizer, cfg.bicc,
+    positive = positives(ro, cfg.algo.partition, cfg.bicc.reward_threshold)  # the step's partition (algo.partition)
+    real = build_contexts(ro.prompts, ro.out.completion_ids, positive, ro.group_ids, tokenizer, cfg.bicc,
                           cfg.bicc.max_tokens, ro.out.prompt_ids, end_ids, task_anchors)
     contexts = {
         "identity": identity_contexts(ro.out.prompt_ids, ro.group_ids),
         "real": real,
-        "perm": placebo_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, tokenizer, cfg.bicc, budget,
+        "perm": placebo_contexts(ro.prompts, ro.out.completion_ids, positive.float(), ro.group_ids, tokenizer, cfg.bicc, budget,
                                  end_ids, task_anchors, ro.out.prompt_ids),
         "tmpl": template_contexts(ro.prompts, ro.group_ids, tokenizer, cfg.bicc),
     }

@@ -7,6 +7,7 @@ shard's data position, the metrics' mean) is ``bicc.trainer.loop.step_on_every_r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import torch
@@ -16,7 +17,7 @@ from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import ContextRows, query_rows
 from bicc.machine.distributed import summed_over_ranks
 from bicc.method.advantages import ADVANTAGES, Advantages, advantage_metrics, advantage_name, inputs_of
-from bicc.method.conditioning import build_contexts
+from bicc.method.conditioning import build_contexts, positives
 from bicc.method.correction import correct
 from bicc.method.diagnostics import (
     conditioning_weights,
@@ -59,7 +60,8 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
 
     # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c (the released code's form:
     # pi_old, the denominator) ----------------------------------------------------------------------------------
-    batch, plain, on_xc, contexts, bicc_metrics = step_inputs(s, cfg.bicc, cfg.train, ro, device)
+    positive = functools.partial(positives, ro, cfg.algo.partition, cfg.bicc.reward_threshold)  # O+ [N], one rule
+    batch, plain, on_xc, contexts, bicc_metrics = step_inputs(s, cfg.bicc, cfg.train, ro, positive, device)
 
     # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
     if s.plan is None:  # a state built by hand (build_rl_state resolves it)
@@ -83,7 +85,7 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
 
     # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
     estimator = ADVANTAGES.get(advantage_name(cfg.algo, cfg.rcc))
-    inputs = inputs_of(estimator, ro, trained.completion_mask.sum(-1).cpu(), step_sum)  # what it reads
+    inputs = inputs_of(estimator, ro, trained.completion_mask.sum(-1).cpu(), step_sum, positive)  # what it reads
 
     def advantages(delta_logp) -> Advantages:
         """The step's advantages from delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step):
@@ -153,15 +155,16 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def step_inputs(s: RLState, bicc, train, ro, device):
-    """The rollout as rows on q (``query_rows``) and, under BiCC, on x^c (``ContextRows``):
-    (batch, plain, on_xc, contexts or None, ``bicc/`` metrics); on_xc is plain with BiCC off."""
+def step_inputs(s: RLState, bicc, train, ro, positive, device):
+    """The rollout as rows on q (``query_rows``) and, under BiCC, on x^c (``ContextRows``, the contexts partitioned
+    by ``positive()``, O+ [N]): (batch, plain, on_xc, contexts or None, ``bicc/`` metrics); on_xc is plain with BiCC
+    off."""
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
     plain = query_rows(batch, ro.out.prompt_ids, ro.out.completion_ids, train.share_prompts,
                        s.tokenizer.pad_token_id, device)
     if not bicc.enabled:
         return batch, plain, plain, None, {}
-    contexts = build_contexts(ro.prompts, ro.out.completion_ids, ro.correct, ro.group_ids, s.tokenizer, bicc,
+    contexts = build_contexts(ro.prompts, ro.out.completion_ids, positive(), ro.group_ids, s.tokenizer, bicc,
                               bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
     on_xc = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, train, s.tokenizer.pad_token_id, device)
     return batch, plain, on_xc, contexts, {**contexts.metrics, "bicc/extra_token_share": on_xc.tokens / plain.tokens - 1}

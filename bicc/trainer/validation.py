@@ -36,6 +36,10 @@ def validate(cfg: Any) -> None:
     check_schema(cfg, RunConfig)
     check_variant_params(cfg.algo, LOSSES.get(cfg.algo.loss))
 
+    need(cfg.algo.partition == "correct" or cfg.bicc.reward_threshold is None, "bicc.reward_threshold",
+         f"splits the task's verdicts (algo.partition=correct); under algo.partition={cfg.algo.partition} O+ is the "
+         f"shaped reward above 0.5: unset one of them (got {cfg.bicc.reward_threshold})")
+
     rollout_size = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     need(rollout_size % cfg.train.minibatches_per_rollout == 0, "train.minibatches_per_rollout",
          f"must divide prompts_per_step * group_size = {rollout_size}, got {cfg.train.minibatches_per_rollout}")

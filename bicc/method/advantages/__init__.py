@@ -14,6 +14,8 @@ An estimator declares what else it reads, and the step gives it that alone (``in
 - ``fn.reads = ("step_sum",)``: ``step_sum=``, a function that sums a tensor over every output of the step, on
   every rank (the identity in one process), for statistics over the whole batch (verl computes those on its driver,
   over the whole batch; here each rank holds its shards, so the sums are a collective).
+- ``fn.reads = ("positive",)``: ``positive=`` [N] bool, O+ by ``algo.partition``: the partition BiCC's contexts
+  read too (``bicc.method.conditioning.positives``), so the two never disagree.
 
 This module holds the paper's estimators and what they share. Every module of this folder is imported here, so a new
 estimator is one module (and its conf/algo YAML).
@@ -87,13 +89,13 @@ def mean_centered_advantage(rewards, group_ids, delta, cfg):
 
 
 @ADVANTAGES.register("src")
-def src_advantage(rewards, group_ids, delta, cfg):
-    """The released BiCC code's advantage: per group, with n+ outputs of reward > 0.5 and n- the rest,
-    A = sqrt(n- / n+) for the former and -sqrt(n+ / n-) for the latter; 0 in a group with one side only.
-    For 0/1 rewards this is GRPO's (r - mean r) / std r (population std) with no eps; other rewards count only
-    by which side of 0.5 they fall."""
+def src_advantage(rewards, group_ids, delta, cfg, positive=None):
+    """The released BiCC code's advantage: per group, with n+ outputs in O+ (``positive``, the step's partition;
+    None: reward > 0.5, the released code's rule) and n- the rest, A = sqrt(n- / n+) for the former and
+    -sqrt(n+ / n-) for the latter; 0 in a group with one side only. For 0/1 rewards this is GRPO's
+    (r - mean r) / std r (population std) with no eps; a reward counts only by its side."""
     _, _, counts = group_stats(rewards, group_ids)
-    positive = (rewards > 0.5).double()
+    positive = (rewards > 0.5 if positive is None else positive).double()
     n_pos, _, _ = group_stats(positive, group_ids)  # the group's share of positives
     n_pos = n_pos * counts
     n_neg = counts - n_pos
@@ -102,6 +104,9 @@ def src_advantage(rewards, group_ids, delta, cfg):
     adv = torch.where(positive.bool(), ratio.sqrt(), -(1 / ratio).sqrt()) * mixed
     share = ((~mixed).double() / counts).sum() / (1.0 / counts).sum()
     return adv.to(rewards.dtype), {"train/adv_zero_group_share": share.item()}
+
+
+src_advantage.reads = ("positive",)
 
 
 @ADVANTAGES.register("remax")
@@ -125,16 +130,19 @@ def baseline_of(ro) -> dict:
     return {} if getattr(ro, "baseline", None) is None else {"baseline": ro.baseline}
 
 
-def inputs_of(estimator, ro, lengths: torch.Tensor, step_sum=None) -> dict:
+def inputs_of(estimator, ro, lengths: torch.Tensor, step_sum=None, positive=None) -> dict:
     """The keywords ``estimator`` declares it reads (``fn.reads``, ``fn.greedy_baseline``), from the rollout ``ro``,
-    each output's token count ``lengths`` [N] and ``step_sum`` (a sum over every rank's outputs; None: this
-    process's alone)."""
+    each output's token count ``lengths`` [N], ``step_sum`` (a sum over every rank's outputs; None: this
+    process's alone) and ``positive`` (a function giving O+ [N], the step's partition; called only for an
+    estimator that reads it)."""
     reads = getattr(estimator, "reads", ())
     inputs = baseline_of(ro)
     if "lengths" in reads:
         inputs["lengths"] = lengths.to(ro.rewards.device, torch.float64)
     if "step_sum" in reads:
         inputs["step_sum"] = step_sum or (lambda t: t)
+    if "positive" in reads and positive is not None:
+        inputs["positive"] = positive()
     return inputs
 
 
