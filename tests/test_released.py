@@ -181,7 +181,8 @@ def test_the_contexts_and_the_advantage_read_one_partition(form, rule, recorded,
 def test_train_py_says_at_start_that_the_form_is_the_released_codes():
     cfg = compose_cfg(["bicc=released", "algo=released"])
     text = describe_choices({"bicc": "released", "algo": "released"}, StepConfig.of(cfg), cfg.model, cfg.data, cfg.sft)
-    assert "bicc=released (the authors' released code's form, not the paper's)" in text
+    assert ("bicc=released (the authors' released code's form, not the paper's; as its code describes it, not as its "
+            "update runs it (bicc=off") in text
     assert "algo=released (the released code's objective" in text
     assert "pi_theta(o | q) / pi_old(o | x^c)" in text and "attempts shown whole" in text
     paper = describe_choices({"bicc": "on"}, StepConfig.of(compose_cfg(["bicc=on"])), cfg.model, cfg.data, cfg.sft)
@@ -241,7 +242,8 @@ def test_train_py_runs_the_released_form_and_remax_end_to_end(tmp_path):
     proc = run_train([*small, "bicc=released", "algo=released", "algo.advantage=remax", "eval.num_problems=2",
                       f"hydra.run.dir={run_dir}"], tmp_path)
     run_line = next(line for line in proc.stdout.splitlines() if line.startswith("[run]"))
-    assert "bicc=released (the authors' released code's form, not the paper's)" in run_line
+    assert ("bicc=released (the authors' released code's form, not the paper's; as its code describes it, not as its "
+            "update runs it (bicc=off") in run_line
     assert all(share > 0 for share in conditioned_steps(run_dir)) and len(conditioned_steps(run_dir)) == 2
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [0 <= r["train/remax_baseline"] <= 1 for r in rows if "reward/mean" in r] == [True, True]

@@ -9,7 +9,8 @@ from bicc.method.conditioning import context_budget
 from bicc.trainer.state import peak_lr
 
 NAMED_FORMS = {("bicc", "stable"): "stabilised BiCC, not the paper's",
-               ("bicc", "released"): "the authors' released code's form, not the paper's",
+               ("bicc", "released"): "the authors' released code's form, not the paper's; as its code describes it, not "
+                                     "as its update runs it (bicc=off: docs/method.md, row 0)",
                ("algo", "released"): "the released code's objective, not a paper variant",
                ("rcc", "mean"): "RCC with per-token mean delta, not the paper's"}
 
