@@ -100,3 +100,22 @@ def test_right_answer_in_context_lowers_w_of_wrong_outputs():
     # the placebo shows another group's attempts with the same answers, so it moves w the same way: the probe
     # separates content from template only where groups differ; the template alone shows no answer
     assert min(out["log_w_tmpl"]) > max(out["log_w_neg"])
+
+
+def test_the_probe_partitions_as_the_step_does():
+    """Under algo.partition=reward a right output whose shaped reward is 0.3 is on the wrong side of the probe's
+    contexts too: the conditioning weights equal those of the same rollout whose verdicts say so."""
+    import dataclasses
+
+    tok = build_char_tokenizer()
+    shaped = rollout(tok, ["7", "7", "7"], ["3", "3", "3"])
+    shaped.rewards[0::4] = 0.3  # the first right output of each group, taken below 0.5 by the shaping
+    as_verdicts = dataclasses.replace(shaped, correct=(shaped.rewards > 0.5).float())
+
+    def log_w(ro, *extra):
+        out = probe_batch(CopyModel(len(tok)), tok, ro, probe_cfg("train.context_packing=false", *extra),
+                          ("answer is",), [tok.eos_token_id], torch.device("cpu"), ADVANTAGES.get("grpo"))
+        return sorted(out["log_w_pos"] + out["log_w_neg"])
+
+    assert log_w(shaped, "algo.partition=reward") == pytest.approx(log_w(as_verdicts), abs=1e-12)
+    assert log_w(shaped) != pytest.approx(log_w(as_verdicts), abs=1e-6)  # by the verdict, another partition

@@ -63,6 +63,8 @@ def test_released_config_refuses_what_it_cannot_mean():
         validate(compose_cfg(["bicc=on", "bicc.truncate=none"]))  # a whole partition, unbudgeted
     with pytest.raises(ValueError, match="bicc.context_in"):
         validate(compose_cfg(["bicc=released", "bicc.old_on_context=true"]))
+    with pytest.raises(ValueError, match="bicc.reward_threshold"):  # it splits verdicts; this O+ is the shaped reward
+        validate(compose_cfg(["bicc=released", "algo=released", "bicc.reward_threshold=0.5"]))
 
 
 # ---- the advantage -----------------------------------------------------------------------------------------
@@ -148,6 +150,37 @@ def test_the_first_update_reads_its_ratio_the_released_way(context_in, recorded,
 
 
 # ---- the partition: one rule for the contexts and the advantage (algo.partition) ----------------------------------
+def test_the_released_partition_is_the_shaped_reward_strictly_above_half():
+    """The script's lengths (3,072 tokens, a 1,700-token buffer): a right output of 2,221 tokens keeps 1 - 849/1700
+    = 0.5006 and stays right; at 2,222 the penalty is 850/1700 = 0.5 exactly, and 0.5 is not above 0.5."""
+    from types import SimpleNamespace
+
+    from bicc.method.conditioning import positives
+    from bicc.method.dapo import overlong_penalty
+
+    lengths, correct = torch.tensor([1372, 2221, 2222, 3072, 100]), torch.tensor([1.0, 1, 1, 1, 0])
+    ro = SimpleNamespace(correct=correct, rewards=correct + overlong_penalty(lengths, 3072, 1700, 1.0).float())
+    assert ro.rewards[1].item() == pytest.approx(1 - 849 / 1700) and ro.rewards[2].item() == 0.5
+    assert positives(ro, "reward", None).tolist() == [True, True, False, False, False]
+    assert positives(ro, "correct", None).tolist() == [True, True, True, True, False]
+    verdicts = SimpleNamespace(correct=torch.tensor([2.0, 0.5, 1.0, 0.0]), rewards=None)  # non-binary: a threshold
+    assert positives(verdicts, "correct", 1.0).tolist() == [True, False, True, False]
+
+
+def test_contexts_take_the_partition_as_given():
+    """A bool O+ (``positives``, the threshold already applied) is the partition itself, not verdicts to split again."""
+    from types import SimpleNamespace
+
+    from bicc.method.conditioning import positives
+
+    g = group(["a\\boxed{3}", "bb\\boxed{4}", "ccc\\boxed{3}", "dddd\\boxed{5}"], [2.0, 0.0, 2.0, 0.0])
+    cfg = BiccCfg(reward_threshold=1.5)
+    by_verdict = build_contexts(**g, bicc_cfg=cfg, max_tokens=64)
+    given = build_contexts(**{**g, "correct": positives(SimpleNamespace(correct=g["correct"]), "correct", 1.5)},
+                           bicc_cfg=cfg, max_tokens=64)
+    assert by_verdict.conditioned.all() and given.shown == by_verdict.shown == [[1, 3], [0, 2], [1, 3], [0, 2]]
+
+
 @pytest.mark.parametrize("form, rule", [(["bicc=released", "algo=released"], "reward"),
                                         (["bicc=on", "algo=released"], "reward"),
                                         (["bicc=released", "algo=released", "algo.partition=correct"], "correct")])
@@ -176,6 +209,18 @@ def test_the_contexts_and_the_advantage_read_one_partition(form, rule, recorded,
     assert overlong_right.any()  # the case that tells the rules apart is in this rollout
     for r in contexts.conditioned.nonzero().flatten().tolist():
         assert contexts.shown[r] and all(bool(rule[a]) != bool(rule[r]) for a in contexts.shown[r]), r
+
+
+def test_the_executed_preset_is_the_intended_script_with_no_conditioning():
+    """experiment=bicc_released_executed is what the released update computes (docs/method.md, row 0): the script of
+    experiment=bicc_released with BiCC off, its objective and its shaped partition kept."""
+    from tests.presets import resolved
+
+    intended, executed = resolved("experiment=bicc_released"), resolved("experiment=bicc_released_executed")
+    moved = {k for k in intended.keys() | executed.keys() if intended.get(k) != executed.get(k)}
+    assert moved - {"run_name"} == {"bicc.enabled", "bicc.mode", "bicc.truncate", "bicc.layout", "bicc.context_in"}
+    assert not executed["bicc.enabled"] and executed["algo.name"] == "released" and executed["algo.partition"] == "reward"
+    validate(compose_cfg(["experiment=bicc_released_executed", "sft.cache_dir=/tmp/x"]))
 
 
 def test_train_py_says_at_start_that_the_form_is_the_released_codes():
