@@ -61,6 +61,11 @@ def one_short(completions, **kwargs):
     return [0.0]
 
 
+def nan_on_long(completions, **kwargs):
+    """Each completion's length, but NaN for one longer than 3 characters: a value that fails for one sample only."""
+    return [float("nan") if len(text) > 3 else float(len(text)) for text in completions]
+
+
 def fails_on_long(completions, **kwargs):
     if any(len(text) > 3 for text in completions):
         raise RuntimeError("too long")

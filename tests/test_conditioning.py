@@ -193,3 +193,14 @@ def test_a_group_with_one_side_dropped_falls_back_whole():
     ctx = build_contexts(["p"] * 8, completions, correct, groups, tok, cfg, 100, plain)
     assert not ctx.conditioned.any() and ctx.prompt_ids == plain
     assert ctx.metrics["bicc/groups_dropped_share"] == 1.0 and ctx.metrics["bicc/samples_conditioned_share"] == 0.0
+
+
+@pytest.mark.parametrize("how", ["head", "middle"])
+def test_an_attempt_cut_to_exactly_the_minimum_is_kept_and_one_token_less_drops_the_group(how):
+    """The right output's context holds int(0.4 x 30) = 12 tokens for the one wrong attempt (49 tokens): cut to 12,
+    it is kept at bicc.min_attempt_tokens=12, and at 13 it is dropped, so the group keeps q."""
+    g = group(["x" * 40 + "\\boxed{4}", "\\boxed{3}"], [0, 1])
+    kept, dropped = (build_contexts(**g, bicc_cfg=BiccCfg(truncate=how, min_attempt_tokens=m), max_tokens=30) for m in (12, 13))
+    assert kept.shown[1] == [0] and kept.cut[1] == [0] and kept.conditioned.all()
+    assert kept.metrics["bicc/context_tokens"] == (9 + 12) / 2  # the right attempt whole, the wrong one cut to 12
+    assert dropped.shown == [[], []] and not dropped.conditioned.any()

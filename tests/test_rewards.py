@@ -145,6 +145,17 @@ def test_a_failing_trl_reward_names_itself_and_the_sample_or_scores_0_when_asked
     assert total == [0.0, 0.0] and parts["scoring_errors"] == [1.0, 1.0]
 
 
+def test_zero_on_error_zeroes_the_failing_sample_of_the_failing_function_alone():
+    """Under data.reward_errors=zero a NaN for sample 1 scores that sample 0 for that function only: its neighbours
+    keep their values, and the sample keeps the other function's."""
+    task = trl_task("data.rewards=[tests.rewards:nan_on_long,tests.rewards:brevity]", "data.reward_errors=zero")
+    p = task.train_problem(0)
+    total, parts = task.score(["x", "long one", "abc"], [p, p, p])
+    assert parts["nan_on_long"] == [1.0, 0.0, 3.0] and parts["scoring_errors"] == [0.0, 1.0, 0.0]
+    assert parts["brevity"] == [-0.01, -0.08, -0.03]
+    assert total == pytest.approx([0.99, -0.08, 2.97])
+
+
 def test_data_reward_and_data_rewards_are_not_both_set():
     with pytest.raises(ValueError, match="'data.reward' and 'data.rewards': set one"):
         trl_task("data.reward=tests.rewards:length_parity", "data.rewards=[tests.rewards:brevity]")
