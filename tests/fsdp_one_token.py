@@ -12,9 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from bicc.config import DistConfig
-from bicc.kernels.prefix_cache import prefix_cache_logprobs
 from bicc.machine.distributed import Dist, wrap
-from tests.helpers import prefix_cache_case, tiny
+from tests.helpers import prefix_cache_case, prefix_cache_logprobs, tiny
 
 if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=timedelta(seconds=float(sys.argv[1])))

@@ -494,3 +494,21 @@ def recorded_rollout(tmp, overrides=(), seed: int = 5, mixed=any):
         old = batch_logprobs(s.model.eval(), batch, cfg.rollout.temperature)[0]
     sampled = [[old[i, t].item() + 0.3 * math.sin(i + t) for t in range(len(c))] for i, c in enumerate(ro.out.completion_ids)]
     return tmp, ro.out, sampled, AutoModelForCausalLM.from_pretrained(tmp / "init").eval()
+
+
+def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int], completions: list[list[int]],
+                          length: int, pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
+    """Per-token log-probs [n, length] of each completion after its prefix, every distinct prefix encoded once and
+    its keys/values reused for all of its completions (``encode_prefixes`` then ``completion_logprobs``, as the
+    trainer's ``ContextRows`` calls them). ``prefix_of[i]``: which of ``prefixes`` completion i follows."""
+    from bicc.kernels.prefix_cache import completion_logprobs, encode_prefixes
+
+    states = encode_prefixes(model, prefixes, pad_id)
+    return completion_logprobs(model, states, prefix_of, completions, length, pad_id, temperature, with_entropy)
+
+
+def compiled_layers(model) -> int:
+    """How many decoder layers of ``model`` run compiled now (0 once they fell back, or were never compiled)."""
+    from bicc.kernels.compile import decoder_layers
+
+    return sum(bool(getattr(m, "_bicc_compile_ok", False)) for m in decoder_layers(model))

@@ -5,7 +5,7 @@ before micro-batches were cut by length)."""
 import pytest
 import torch
 
-from bicc.kernels.batching import logprobs_no_grad, micro_batches, padded_tokens, plan_micro_batches, trim_rows
+from bicc.kernels.batching import _size, logprobs_no_grad, micro_batches, plan_micro_batches, trim_rows
 from bicc.kernels.rows import QueryRows
 from bicc.machine.distributed import Dist
 from bicc.method.losses import LOSSES, StepTotals
@@ -13,6 +13,12 @@ from bicc.model.load import build_tiny
 from bicc.model.logprobs import batch_logprobs, make_token_batch
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, kv_case
+
+
+def padded_tokens(plan: list[torch.Tensor], lengths: torch.Tensor) -> int:
+    """Tokens the forwards over ``plan`` compute, ``lengths`` as in ``plan_micro_batches``."""
+    parts = (lengths if lengths.dim() == 2 else lengths[:, None]).tolist()
+    return sum(_size(mb.tolist(), parts)[0] for mb in plan if len(mb))
 
 
 def test_plan_by_hand():

@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from bicc.kernels.compile import compile_layers, compiled_layers, decoder_layers
+from bicc.kernels.compile import compile_layers, decoder_layers
 from bicc.machine.memory import GIB, QWEN3_4B, Arch, Run, peak, phases, saved_per_token
 from bicc.model.load import build_tiny, checkpointed_layers, enable_checkpointing, load_pretrained
 from bicc.trainer.fit import checkpoint_setting, knob, launch_check, resolve_checkpoint_layers
 from tests.conftest import compose_cfg, run_of
-from tests.helpers import ARCH
+from tests.helpers import ARCH, compiled_layers
 from tests.test_compile import update
 
 

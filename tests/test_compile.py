@@ -19,7 +19,6 @@ from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.compile import (
     _at_offset_0,
     compile_layers,
-    compiled_layers,
     decoder_layers,
     should_compile,
 )
@@ -33,7 +32,7 @@ from bicc.trainer.optim import warmup_cosine
 from bicc.trainer.state import RLState
 from bicc.trainer.update import update_policy
 from tests.conftest import compose_cfg
-from tests.helpers import ARCH, graph_code, graph_nodes, rows, run_train
+from tests.helpers import ARCH, compiled_layers, graph_code, graph_nodes, rows, run_train
 from tests.losses.helpers import LOSS_OF, VARIANTS, random_case
 
 pytestmark = pytest.mark.compile

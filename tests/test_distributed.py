@@ -265,8 +265,7 @@ def test_fsdp2_rank_with_one_token_outputs_stays_in_step(tmp_path, layout):
     longer ones. Rank 0 skipped the outputs' forward, so its layer all-gathers fell out of step with rank 1's:
     the job hung until the process group's timeout. Now both finish, and rank 0's log-probs are those of one
     unsharded process."""
-    from bicc.kernels.prefix_cache import prefix_cache_logprobs
-    from tests.helpers import prefix_cache_case, tiny
+    from tests.helpers import prefix_cache_case, prefix_cache_logprobs, tiny
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/fsdp_one_token.py",
            "30", layout, str(tmp_path)]

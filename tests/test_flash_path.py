@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from bicc.kernels.packing import pack, packed_logprobs
-from bicc.kernels.prefix_cache import prefix_cache_logprobs
 from bicc.model.logprobs import make_token_batch
-from tests.helpers import prefix_cache_case, tiny, unpacked
+from tests.helpers import prefix_cache_case, prefix_cache_logprobs, tiny, unpacked
 
 CALLS = {"varlen": 0, "dense": 0}
 

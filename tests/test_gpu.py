@@ -51,8 +51,7 @@ def test_flash_attention_prefix_cache_packing_matches_sdpa_rows(padding_free):
     """BiCC's packing under the real flash-attn kernel, padded and padding-free (``tests/test_flash_path.py``
     checks the same with a reference kernel on CPU)."""
     pytest.importorskip("flash_attn")
-    from bicc.kernels.prefix_cache import prefix_cache_logprobs
-    from tests.helpers import prefix_cache_case
+    from tests.helpers import prefix_cache_case, prefix_cache_logprobs
 
     model, tokenizer = build_tiny(TinyArchConfig(), seed=0)
     model = model.to("cuda", torch.bfloat16).eval()

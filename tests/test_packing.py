@@ -68,7 +68,7 @@ def test_entropy_is_returned_where_asked():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_prefix_cache_equals_unpacked(attn):
-    from bicc.kernels.prefix_cache import prefix_cache_logprobs
+    from tests.helpers import prefix_cache_logprobs
 
     model, tok = tiny(attn)
     prefixes, distinct, prefix_of, completions = prefix_cache_case()
@@ -104,7 +104,7 @@ def test_the_completions_sdpa_mask_is_the_one_transformers_builds():
 
 
 def test_prefix_cache_gradients_equal_unpacked():
-    from bicc.kernels.prefix_cache import prefix_cache_logprobs
+    from tests.helpers import prefix_cache_logprobs
 
     model, tok = tiny()
     prefixes, distinct, prefix_of, completions = prefix_cache_case()
@@ -117,7 +117,7 @@ def test_prefix_cache_under_activation_checkpointing_in_train_mode():
     """The presets' combination: KV-reuse packing, activation checkpointing, train mode. transformers drops a
     layer's cache under checkpointing (it crashed with 'NoneType' has no attribute 'batch_select_indices');
     here values and gradients equal one row per output without checkpointing."""
-    from bicc.kernels.prefix_cache import prefix_cache_logprobs
+    from tests.helpers import prefix_cache_logprobs
 
     model, tok = tiny()
     reference, _ = tiny()

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch._dynamo.backends.registry import lookup_backend
 
-from bicc.kernels.compile import compile_layers, compiled_layers, decoder_layers
+from bicc.kernels.compile import compile_layers, decoder_layers
 from tests.conftest import compose_cfg
-from tests.helpers import ARCH, graph_code
+from tests.helpers import ARCH, compiled_layers, graph_code
 from tests.test_compile import checkpointed_pair, update
 
 pytestmark = pytest.mark.compile

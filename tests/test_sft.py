@@ -6,11 +6,18 @@ import pytest
 import torch
 
 from bicc.data import build_task
+from bicc.model.logprobs import make_token_batch
 from bicc.model.tokenizer import build_char_tokenizer
-from bicc.trainer.sft import cache_key, demonstration_batch
+from bicc.trainer.sft import cache_key, demonstrations
 from tests.conftest import compose_cfg
 
 TOK = build_char_tokenizer()
+
+
+def demonstration_batch(task, tokenizer, indices, seed, context_share=0.0, bicc_cfg=None, context_attempts="independent"):
+    """The rows of ``demonstrations`` as one padded batch."""
+    prompts, completions, _ = demonstrations(task, tokenizer, indices, seed, context_share, bicc_cfg, context_attempts)
+    return make_token_batch(prompts, completions, tokenizer.pad_token_id)
 
 
 def decoded_rows(batch):

@@ -62,12 +62,6 @@ def _size(rows: list[int], parts: list[list[int]]) -> tuple[int, int]:
     return len(rows) * sum(widest), sum(sum(parts[r]) for r in rows)
 
 
-def padded_tokens(plan: list[torch.Tensor], lengths: torch.Tensor) -> int:
-    """Tokens the forwards over ``plan`` compute, ``lengths`` as in ``plan_micro_batches``."""
-    parts = (lengths if lengths.dim() == 2 else lengths[:, None]).tolist()
-    return sum(_size(mb.tolist(), parts)[0] for mb in plan if len(mb))
-
-
 def trim_rows(batch: TokenBatch, widths=None) -> TokenBatch:
     """``batch`` without the prompt columns that are padding in every row and the output columns past its
     longest output (at least one output column is kept). ``widths``: (longest prompt, longest output) of its rows

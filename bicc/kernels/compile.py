@@ -119,11 +119,6 @@ def compile_layers(model, backend: str = "inductor", checkpoint_in_graph: bool =
     return len(layers)
 
 
-def compiled_layers(model) -> int:
-    """How many decoder layers of ``model`` run compiled now (0 once they fell back, or were never compiled)."""
-    return sum(bool(getattr(m, "_bicc_compile_ok", False)) for m in decoder_layers(model))
-
-
 def compile_head(model, backend) -> None:
     """Run the chunks of ``model``'s log-prob head (``bicc.model.head``) through ``torch.compile`` with ``backend``: the
     forward's [n, V] work in one fused reduction after its matmul, the backward's dz in one pass before its two,

@@ -270,16 +270,6 @@ def _ragged_forward(model, states, prefix_of, queries, temperature, with_entropy
     return logp[0], (entropy[0] if with_entropy else None)
 
 
-def prefix_cache_logprobs(model, prefixes: list[list[int]], prefix_of: list[int], completions: list[list[int]],
-                          length: int, pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
-    """Per-token log-probs [n, length] of each completion after its prefix, computing every distinct
-    prefix ONCE and reusing its keys/values for all of its completions: ``encode_prefixes`` then
-    ``completion_logprobs``. ``prefixes``: the distinct prefixes; ``prefix_of[i]``: which one completion i
-    follows."""
-    states = encode_prefixes(model, prefixes, pad_id)
-    return completion_logprobs(model, states, prefix_of, completions, length, pad_id, temperature, with_entropy)
-
-
 class OneLayer:
     """For a compiled layer (``bicc.kernels.compile``): layer ``index`` of a read-only KV-reuse cache, as that layer's
     attention uses it: ``update`` with the layer's number ignored (the graph never indexes the cache by it);

@@ -25,7 +25,7 @@ Every no-grad forward has to earn its place:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -162,9 +162,6 @@ class StepPlan:
 
     def no_grad_passes(self) -> int:
         return len(self.passes()) - 1
-
-    def with_old_source(self, source: str) -> "StepPlan":
-        return replace(self, old_source=source)
 
 
 @dataclass

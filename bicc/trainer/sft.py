@@ -74,13 +74,6 @@ def cache_path(cfg: WarmStartConfig) -> Path:
 CONTEXT_ATTEMPTS = ("independent", "informative")
 
 
-def demonstration_batch(task, tokenizer, indices: list[int], seed: int, context_share: float = 0.0, bicc_cfg=None,
-                        context_attempts: str = "independent"):
-    """The rows of ``demonstrations`` as one padded batch."""
-    prompts, completions, _ = demonstrations(task, tokenizer, indices, seed, context_share, bicc_cfg, context_attempts)
-    return make_token_batch(prompts, completions, tokenizer.pad_token_id)
-
-
 def demonstrations(task, tokenizer, indices: list[int], seed: int, context_share: float = 0.0, bicc_cfg=None,
                    context_attempts: str = "independent") -> tuple[list[list[int]], list[list[int]], list[bool]]:
     """Prompts and demonstrations for ``indices``. With ``context_share`` > 0 that share of prompts also
