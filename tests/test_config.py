@@ -21,7 +21,6 @@ def test_every_option_composes_and_validates(group):
         files = ["data.math.train_source=a.jsonl", "data.math.test_source=b.jsonl"] if jsonl else []
         cfg = compose_cfg([f"{group}={option}", "sft.cache_dir=/tmp/x", *files])
         validate(cfg)
-        assert OmegaConf.to_container(cfg, resolve=False)
 
 
 def test_every_yaml_field_has_a_comment():

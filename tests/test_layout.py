@@ -50,6 +50,18 @@ def test_imports_run_down_the_layers_only():
     assert not upward, "imports that run up the layers of bicc/__init__.py:\n" + "\n".join(upward)
 
 
+def test_the_readmes_layout_lists_the_folders_in_the_order_imports_run():
+    """README's layout table names bicc/'s folders top to bottom in the order imports may run (``bicc.LAYERS`` read
+    from its end), so its sentence "imports run down that list" is true."""
+    import re
+
+    table = (ROOT / "README.md").read_text(encoding="utf-8").split("## Layout", 1)[1].split("\n\n", 2)[1]
+    listed = [name for row in table.splitlines() for name in re.findall(r"`bicc/(\w+)/`", row)]
+    folders = [name for name in reversed(LAYERS) if (BICC / name).is_dir()]
+    assert sorted(listed) == sorted(folders), listed
+    assert sorted(listed, key=lambda name: -LAYERS.index(name)) == listed, listed  # nothing listed below what it imports
+
+
 def test_every_module_lives_in_a_concern_folder_that_says_what_belongs_there():
     top = sorted(p.name for p in BICC.glob("*.py"))
     assert len(top) <= 3, top

@@ -63,10 +63,6 @@ def test_update_weights_copies_from_another_module(engine):
     assert engine.version == 3  # what the rollouts it samples from now on are stamped with
 
 
-def test_engine_registry_names():
-    assert "hf" in ENGINES
-
-
 def test_sampling_at_top_p_1_draws_from_the_whole_vocabulary():
     """T = 1, top-p 1 (the paper's training sampling) samples from the full softmax: no top-k cut (HF's global
     default is top_k = 50). A random-init model is close to uniform over the character vocabulary, so 4,000
@@ -126,7 +122,7 @@ def test_every_engine_implements_the_whole_contract_and_the_trainer_never_probes
     import ast
     import typing
 
-    from bicc.rollout import ENGINES, Engine
+    from bicc.rollout import Engine
     from tests.conftest import ROOT
 
     members = set(typing.get_type_hints(Engine)) | {n for n in vars(Engine) if not n.startswith("_")}
