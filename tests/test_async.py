@@ -219,11 +219,14 @@ def test_the_workers_devices():
         gpus(r([3, 3]), {"LOCAL_WORLD_SIZE": "2"})
     with pytest.raises(ValueError, match="no GPU is left for rollout workers"):
         gpus(r(), {"LOCAL_WORLD_SIZE": "4"}, world=4)
+    from bicc.rollout import ENGINES
+
+    hf, vllm = ENGINES.get("hf").weight_route, ENGINES.get("vllm").weight_route  # each engine's way between GPUs
     shared = worker_places(r([0], share_gpus=True), 1, True, {}, device_count=1)
-    assert [p.shares for p in shared] == [True] and transport("hf", True, shared) == "gloo"  # NCCL: one rank per GPU
+    assert [p.shares for p in shared] == [True] and transport(hf, True, shared) == "gloo"  # NCCL: one rank per GPU
     on_own = worker_places(r([1]), 1, True, {}, device_count=2)
-    assert transport("hf", True, on_own) == "nccl" and transport("vllm", True, on_own) == "vllm"
-    assert transport("vllm", False, worker_places(r(), 1, False, {}, cores=[0, 1])) == "gloo"
+    assert transport(hf, True, on_own) == "nccl" and transport(vllm, True, on_own) == "vllm"
+    assert transport(vllm, False, worker_places(r(), 1, False, {}, cores=[0, 1])) == "gloo"
 
 
 def test_each_shard_keeps_the_data_position_of_the_worker_that_draws_it():

@@ -89,3 +89,19 @@ def test_fsdps_hooks_live_in_one_named_place():
     users = {p.relative_to(ROOT).as_posix() for p in library_files()
              if any(h in p.read_text() for h in FSDP_HOOKS)}
     assert users == {"bicc/machine/distributed.py"}, users
+
+
+def test_no_engine_is_named_outside_its_own_module():
+    """The trainer reads what an engine can do from its class (``samples_from_module``, ``reserves_memory_share``,
+    ``weight_route``, ``always_returns_logprobs``, ``longrope_long_everywhere``), never by testing its name: a new
+    engine is its own module, and nothing else in the library branches on which one it is."""
+    import re
+
+    from bicc.rollout import ENGINES
+
+    compared = re.compile(r"""engine\s*(?:[!=]=|(?:not\s+)?in)\s*[("'{\[]""")
+    own = {f"bicc/rollout/{name}.py" for name in ENGINES.names()}
+    hits = [f"{path.relative_to(ROOT).as_posix()}:{i}" for path in library_files() if path.relative_to(ROOT).as_posix()
+            not in own for i, line in enumerate(path.read_text().splitlines(), 1) if compared.search(line.split("#")[0])]
+    assert not hits, f"engine names tested outside the engines' modules (read an ability instead): {hits}"
+    assert compared.search('if r.engine == "vllm":') and compared.search("rollout.engine in ('hf',)")  # what it finds

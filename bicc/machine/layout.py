@@ -87,11 +87,12 @@ def worker_places(rollout_cfg, world: int, cuda: bool, environ=os.environ, devic
     return [Place(f"CPU cores {list(c)}", cores=tuple(c)) for c in shares]
 
 
-def transport(engine: str, cuda: bool, places: list[Place]) -> str:
-    """How a push travels: "vllm" (vLLM's NCCL weight transfer), "nccl" or "gloo"."""
+def transport(route: str, cuda: bool, places: list[Place]) -> str:
+    """How a push travels: the engine's ``weight_route`` between GPUs ("vllm": vLLM's NCCL weight transfer, or
+    "nccl"), else "gloo" (on CPU, or where a worker shares a training GPU)."""
     if not cuda or any(p.shares for p in places):
         return "gloo"
-    return "vllm" if engine == "vllm" else "nccl"
+    return route
 
 
 def host_warnings(kind: str, workers: int, load_bytes: int, gate_bytes: int = 0, shm_dir: str = "/dev/shm",

@@ -77,6 +77,23 @@ class Engine(Protocol):
     """What the trainer and evaluation use of a rollout engine. Engines subclass it and so inherit the no-op
     members below where those mean nothing for them."""
 
+    # What the trainer reads of an engine by its class, before one is built (``ENGINES.get(name).<ability>``), so no
+    # engine's name is tested outside its own module:
+    # - it samples from an HF module it is handed: a full copy beside a sharded policy, and in a rollout worker a
+    #   loaded module that pushes land in (else it holds weights of its own, loaded from the model's files);
+    samples_from_module: bool = True
+    # - it holds a share of its GPU's memory for its weights and KV cache (``rollout.gpu_memory_utilization``, a
+    #   worker's ``rollout.worker_gpu_memory_utilization``) rather than growing with ``rollout.batch_size``;
+    reserves_memory_share: bool = False
+    # - how a rollout worker's push reaches it between GPUs: "nccl" (a broadcast into its module's tensors) or
+    #   "vllm" (vLLM's own weight transfer, ``vllm_transfer``);
+    weight_route: str = "nccl"
+    # - it returns its sampling log-probs with every rollout, whatever the config asks;
+    always_returns_logprobs: bool = False
+    # - past a LongRoPE model's original range it rotates every position with the long factors (transformers: only
+    #   the positions past it), so its runs must stay within that range.
+    longrope_long_everywhere: bool = False
+
     # Its HF sampling module, which the evaluation's HF engine reuses; None: it samples without one (vLLM).
     model: Optional[object] = None
     # Whether ``generate`` fills ``RolloutOutput.logprobs`` (the sampler's own log-probs of its tokens).

@@ -134,6 +134,12 @@ def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions
 
 @ENGINES.register("vllm")
 class VLLMEngine(Engine):
+    samples_from_module = False  # its own weights, loaded from the model's files
+    reserves_memory_share = True
+    weight_route = "vllm"
+    always_returns_logprobs = True  # every sampled token's processed log-prob
+    longrope_long_everywhere = True
+
     def __init__(self, model, tokenizer, rollout_cfg, options: EngineOptions = EngineOptions()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
         encoding = locale.getpreferredencoding(False)
@@ -153,7 +159,7 @@ class VLLMEngine(Engine):
         self.end_ids = end_ids_of(tokenizer, options)
         self.dtype = options.dtype or str(model.dtype).replace("torch.", "")
         self.sleep_enabled = bool(rollout_cfg.sleep) and torch.cuda.is_available()
-        self.returns_logprobs = True  # every sampled token's processed log-prob
+        self.returns_logprobs = self.always_returns_logprobs
         cuda = torch.cuda.is_available()
         self.kv_bytes = kv_space(model.config, self.dtype, rollout_cfg, options, cuda)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))

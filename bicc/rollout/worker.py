@@ -154,14 +154,14 @@ def build_sampler(spec: dict, rollout, model_cfg, eval_cfg, device):
     from transformers import AutoConfig
 
     from bicc.model.load import end_token_ids, load_pretrained, load_tokenizer
-    from bicc.rollout import EngineOptions, build_engine, engine_rows
+    from bicc.rollout import ENGINES, EngineOptions, build_engine, engine_rows
     from bicc.rollout.weight_sync import tensors_of
 
     rollout_cfg = worker_rollout(rollout, spec)
     options = EngineOptions(end_ids=tuple(spec["end_ids"]), max_model_len=spec["max_model_len"], dtype=model_cfg.dtype,
                             rows=engine_rows(rollout, eval_cfg, spec["num_shards"]), logprobs=True,
                             weight_transfer="nccl" if spec["transport"] == "vllm" else None)
-    if rollout.engine == "vllm":
+    if not ENGINES.get(rollout.engine).samples_from_module:  # it loads its own weights from the files
         model = ModelRef(spec["model_path"], AutoConfig.from_pretrained(spec["model_path"]))
         tokenizer, into = load_tokenizer(spec["model_path"]), None
     else:

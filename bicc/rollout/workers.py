@@ -32,7 +32,7 @@ from bicc.machine import distributed
 from bicc.machine.distributed import DTYPES
 from bicc.machine.host import set_torch_threads
 from bicc.machine.layout import transport, worker_places
-from bicc.rollout import weight_sync
+from bicc.rollout import ENGINES, weight_sync
 from bicc.rollout.collect import DataCursor, Rollout, merge_shards
 from bicc.rollout.line import Answer, Line, WorkerFailure
 
@@ -88,7 +88,7 @@ class RolloutWorkers:
         self.workers = len(self.places) + cfg.rollout.remote_workers
         if not self.workers:
             raise ValueError("rollout.async_steps: no rollout worker: list rollout.devices or set rollout.remote_workers")
-        self.kind = transport(cfg.rollout.engine, self.cuda, self.places)
+        self.kind = transport(ENGINES.get(cfg.rollout.engine).weight_route, self.cuda, self.places)
         self.affinity, self.threads = os.sched_getaffinity(0), torch.get_num_threads()  # restored by close
         taken = {c for p in self.places for c in (p.cores or ())}
         rest = sorted(set(self.affinity) - taken)

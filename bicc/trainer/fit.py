@@ -47,12 +47,13 @@ def run_of(cfg: StepConfig, model_cfg, eval_cfg, dist_cfg, world: int, sharded: 
     the evaluation's and the distribution's."""
     from bicc.machine.distributed import DTYPES
     from bicc.model.load import resolve_attn_implementation
+    from bicc.rollout import ENGINES
     from bicc.trainer.plan import StepPlan
 
     r, t, e = cfg.rollout, cfg.train, eval_cfg
     compute = DTYPES[dist_cfg.param_dtype] if sharded and dist_cfg.param_dtype else DTYPES[model_cfg.dtype]
-    vllm = r.engine == "vllm"
-    plan = StepPlan.from_config(cfg, vllm or bool(r.old_from_sampler))
+    engine = ENGINES.get(r.engine)
+    plan = StepPlan.from_config(cfg, engine.always_returns_logprobs or bool(r.old_from_sampler))
     return Run(world=world, micro_batch=t.micro_batch_size, output_tokens=r.max_new_tokens, prompt_tokens=prompt_tokens,
                context_ratio=(cfg.bicc.context_ratio if cfg.bicc.truncate != "none"  # attempts whole: all they hold
                               else context_budget(cfg.bicc, r.max_new_tokens) / r.max_new_tokens), bicc=bool(cfg.bicc.enabled),
@@ -62,7 +63,8 @@ def run_of(cfg: StepConfig, model_cfg, eval_cfg, dist_cfg, world: int, sharded: 
                # where the plan defers (delta on the update's own context, or the sampler's weights from its forward)
                delta_from_update=plan.delta_from_update or plan.sampler_from_update,
                no_grad_on_context=any("on x^c" in p and "no grad" in p for p in plan.passes()),
-               master_bytes=DTYPES[model_cfg.master_dtype].itemsize, sharded=sharded, vllm=vllm, eval_vllm=vllm,
+               master_bytes=DTYPES[model_cfg.master_dtype].itemsize, sharded=sharded, vllm=engine.reserves_memory_share,
+               eval_vllm=engine.reserves_memory_share,
                eval_batch_tokens=e.batch_tokens, eval_new_tokens=e.max_new_tokens,
                eval_rows=min(e.batch_size, e.limit * e.samples_per_problem if e.limit else e.batch_size),
                flash=resolve_attn_implementation(model_cfg.attn_implementation) == "flash_attention_2",
@@ -219,12 +221,13 @@ def check_workers(rollout, train, predict, d, device, environ=None, device_count
 
     from bicc.machine.layout import host_warnings, transport, worker_gpu, worker_places
     from bicc.machine.memory import peak as trainer_peak
+    from bicc.rollout import ENGINES
 
     environ = os.environ if environ is None else environ
-    cuda, r = device.type == "cuda", rollout
+    cuda, r, engine = device.type == "cuda", rollout, ENGINES.get(rollout.engine)
     count = torch.cuda.device_count() if device_count is None and cuda else (device_count or 0)
     places = worker_places(r, d.world, cuda, environ, device_count=count)
-    kind = transport(r.engine, cuda, places)
+    kind = transport(engine.weight_route, cuda, places)
     try:
         budget = train.memory_gib or (torch.cuda.get_device_properties(device).total_memory / GIB if cuda else 80.0)
         arch, run = predict(budget)
@@ -244,14 +247,14 @@ def check_workers(rollout, train, predict, d, device, environ=None, device_count
     bucket = int(r.push_bucket_mib * 2**20)
     shared = any(p.shares for p in places)
     share = r.gpu_memory_utilization if shared else r.worker_gpu_memory_utilization  # bicc.rollout.worker.worker_rollout
-    worker = sum(worker_gpu(arch, dataclasses.replace(run, vllm_utilization=share), r.engine != "vllm", rows,
+    worker = sum(worker_gpu(arch, dataclasses.replace(run, vllm_utilization=share), engine.samples_from_module, rows,
                             bucket).values())
     value = worker + (trainer_peak(arch, run)[1] if shared else 0)
     line = (f"rollout worker GPU: predicted {value / GIB:.1f} GiB of {budget:.1f} GiB ({r.engine}"
             + (", beside a training rank" if shared else "") + ")")
     if value > budget * GIB:
-        knob = ((f"rollout.{'gpu' if shared else 'worker_gpu'}_memory_utilization (vLLM's share)")
-                if r.engine == "vllm" else "rollout.batch_size")
+        knob = ((f"rollout.{'gpu' if shared else 'worker_gpu'}_memory_utilization (the engine's share)")
+                if engine.reserves_memory_share else "rollout.batch_size")
         raise ValueError(f"config field 'rollout.devices': {line}: it does not fit. Lower {knob}"
                          + (", or give the workers GPUs of their own" if shared else "")
                          + "; or set train.memory_check=false to start anyway")

@@ -15,7 +15,7 @@ from bicc.machine import distributed
 from bicc.machine.distributed import DTYPES, BackwardHooks, Dist
 from bicc.machine.tracking import PhasePeaks
 from bicc.model.load import compute_copy, end_token_ids, frozen_copy, load_policy
-from bicc.rollout import EngineOptions, build_engine, engine_rows
+from bicc.rollout import ENGINES, EngineOptions, build_engine, engine_rows
 from bicc.rollout.collect import Collection, DataCursor
 from bicc.trainer.optim import build_optimizer, warmup_cosine
 from bicc.trainer.plan import StepPlan
@@ -106,7 +106,7 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     model, tokenizer = load_policy(policy_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
     step_cfg = StepConfig.of(cfg)
     ref_model = frozen_copy(init_path, cfg.model, device) if StepPlan.loads_reference(step_cfg) else None
-    sharded_hf = d.enabled and d.strategy == "fsdp2" and cfg.rollout.engine == "hf"
+    sharded_hf = d.enabled and d.strategy == "fsdp2" and ENGINES.get(cfg.rollout.engine).samples_from_module
     sampler = compute_copy(model, cfg.model) if sharded_hf else model
     if should_compile(cfg.model.compile, device):  # the trainer's forwards only (generation stays eager)
         layers = compile_layers(model, checkpoint_in_graph=cfg.model.checkpoint_in_graph)

@@ -118,7 +118,9 @@ def validate_lengths(rollout, bicc, data, eval_cfg, task, tokenizer, max_positio
     Under vLLM a LongRoPE model (``longrope``: its original_max_position_embeddings) must fit that range: past it
     vLLM rotates every position with the long factors, transformers only positions beyond it, so the engine
     would sample from another policy than the trainer scores."""
-    if rollout.engine == "vllm" and longrope:
+    from bicc.rollout import ENGINES
+
+    if ENGINES.get(rollout.engine).longrope_long_everywhere and longrope:
         max_positions, limit_field = min(max_positions, longrope), (
             f"LongRoPE: vLLM uses the long RoPE factors for every position once max_model_len exceeds "
             f"original_max_position_embeddings={longrope}, transformers only past it; evaluate longer outputs "
