@@ -1,5 +1,6 @@
-"""Every preset's resolved values, recorded: ``tests/data/presets.json`` holds the default config and, for each
-group option, experiment and the paper's command lines, its differences from it. ``tests/test_layout.py`` holds
+"""What a user runs, its resolved values recorded: ``tests/data/presets.json`` holds the default config and, for each
+experiment and each of the paper's command lines, its differences from it (a group option alone is held by its own
+tests: tests/test_method_keys.py, tests/test_algorithms.py, tests/test_config.py). ``tests/test_layout.py`` holds
 today's config to the record, so a default that changes by accident fails, naming the keys.
 
 A change you mean: ``.venv/bin/python -m tests.presets`` rewrites the record; commit its diff with the change, where
@@ -42,10 +43,8 @@ def resolved(preset: str) -> dict:
 
 
 def presets() -> list[str]:
-    """Every option of every group in conf/, and the paper's command lines."""
-    options = [f"{group.name}={path.stem}" for group in sorted(CONF.iterdir()) if group.is_dir()
-               for path in sorted(group.glob("*.yaml"))]
-    return sorted(set(options) | set(COMMANDS))
+    """Every experiment in conf/experiment, and the paper's command lines."""
+    return sorted({f"experiment={path.stem}" for path in (CONF / "experiment").glob("*.yaml")} | set(COMMANDS))
 
 
 def record() -> dict:
