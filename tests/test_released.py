@@ -150,6 +150,13 @@ def test_the_first_update_reads_its_ratio_the_released_way(context_in, recorded,
 
 
 # ---- the partition: one rule for the contexts and the advantage (algo.partition) ----------------------------------
+class ByFirstLetter(CoinTask):
+    """The task with a reward read off the output's text: "R..." right, else wrong."""
+
+    def reward(self, completion: str, problem) -> float:
+        return float(completion.startswith("R"))
+
+
 def test_the_released_partition_is_the_shaped_reward_strictly_above_half():
     """The script's lengths (3,072 tokens, a 1,700-token buffer): a right output of 2,221 tokens keeps 1 - 849/1700
     = 0.5006 and stays right; at 2,222 the penalty is 850/1700 = 0.5 exactly, and 0.5 is not above 0.5."""
@@ -189,11 +196,17 @@ def test_the_contexts_and_the_advantage_read_one_partition(form, rule, recorded,
     (refine_dapo_trainer.py:1596, shaped reward > 0.5; algo=released): it is shown the right outputs, they are shown
     it, and its advantage is negative. With algo.partition=correct it stays right in both. Either way every
     attempt a context shows is from the other side of the advantage's partition."""
+    import dataclasses
+
     tmp, out, _, _ = recorded
-    # a buffer of 3 of the 32 tokens: a right output of 30 tokens keeps 2/3, one of 32 (as most here) falls to 0
+    # outputs set by hand, whatever this host's model sampled: in each group of 4 a right and a wrong one of 10 tokens
+    # and of 32; a buffer of 3 of the 32 tokens leaves the short right one at 1 and takes the long one to 0
+    lengths, right = [10, 32, 10, 32] * 4, [True, True, False, False] * 4
+    out = dataclasses.replace(out, completion_ids=[[7] * n for n in lengths], finished=[False] * 16, logprobs=None,
+                              texts=[f"{'R' if r else 'W'}{i}" for i, r in enumerate(right)])
     cfg = compose_cfg([*COMBINATION_CFG, *form, "algo.overlong_buffer_share=0.1"])
     s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
-    s.engine, s.plan, s.task = ReplayEngine(out, None), None, CoinTask(s.task)
+    s.engine, s.plan, s.task = ReplayEngine(out, None), None, ByFirstLetter(s.task)
     seen = {}
     collect, contexts_of, inputs = step_module.collect_rollout, step_module.build_contexts, step_module.inputs_of
     monkeypatch.setattr(step_module, "collect_rollout", lambda *a, **k: seen.setdefault("ro", collect(*a, **k)))
