@@ -44,7 +44,5 @@ def work_flops(model, rows, passes: float) -> float:
 def plan_flops(plan, model, on_q, on_xc) -> float:
     """FLOPs of a step's no-grad passes and its update (``bicc.trainer.plan.StepPlan``), the rows on q and on x^c given."""
     rows = {"q": on_q, "xc": on_xc}
-    total = work_flops(model, on_xc if plan.conditioned else on_q, 3)
-    passes = [plan.old_context] if plan.old_source == "forward" else []
-    passes += ["q"] * (plan.need_q + plan.reference) + ["xc"] * (plan.kl_ref_xc + plan.delta_pass)
-    return total + sum(work_flops(model, rows[ctx], 1) for ctx in passes)
+    total = work_flops(model, rows[plan.update_context], 3)
+    return total + sum(work_flops(model, rows[ctx], 1) for _, ctx in plan.passes)

@@ -284,9 +284,6 @@ def main() -> None:
     qwen = print_table("paper_qwen3_4b (rollout=vllm, bicc=on rcc=on)", QWEN3_4B, Run())
     phi = print_table("paper_phi4_mini (rollout=vllm, bicc=on rcc=on)", PHI4_MINI, Run())
     for name, arch in (("paper_qwen3_4b", QWEN3_4B), ("paper_phi4_mini", PHI4_MINI)):
-        phase, value = peak(arch, Run(delta_from_update=True))
-        print(f"{name} with rcc.delta_context=xc train.delta_from_update=true (the presets read delta on q): "
-              f"peak {value / GIB:.2f} GiB ({phase})")
         for policy, what in (("save_attention", "attention kept"), ("recompute_mlp", "the attention block kept")):
             phase, value = peak(arch, Run(checkpoint_policy=policy))
             print(f"{name} with model.checkpoint_policy={policy} ({what} through the recompute): "

@@ -111,12 +111,13 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     from bicc.config import StepConfig
     from bicc.machine import distributed
     from bicc.machine.distributed import DTYPES
+    from bicc.machine.ranks import Ranks
     from bicc.model.load import enable_checkpointing
     from bicc.model.logprobs import install_logprob_head
     from bicc.model.tokenizer import build_char_tokenizer
     from bicc.rollout.collect import Collection
     from bicc.trainer.optim import build_optimizer, warmup_cosine
-    from bicc.trainer.plan import StepPlan
+    from bicc.trainer.plan import loads_reference
     from bicc.trainer.state import RLState, peak_lr
 
     if not dist.is_initialized():
@@ -135,7 +136,7 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
         with torch.no_grad():  # FSDP2's lazy init: its persistent all-gather buffers are fake from here on
             model(input_ids=torch.zeros(1, 8, dtype=torch.long))
         ref = None
-        if StepPlan.loads_reference(cfg):  # as bicc.trainer.state.build_rl_state loads it: RCC's delta or a KL term
+        if loads_reference(cfg):  # as bicc.trainer.state.build_rl_state loads it: RCC's delta or a KL term
             previous = torch.get_default_dtype()
             torch.set_default_dtype(DTYPES[cfg.model.dtype])
             ref = Qwen3ForCausalLM(hf_config(arch, layers))
@@ -229,7 +230,7 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
     s = RLState(model, ref_model=ref, tokenizer=build_char_tokenizer(), engine=ReplayEngine(), optimizer=optimizer,
                 scheduler=scheduler, task=HalfRightTask(), dist=d, shards=distributed.local_shards(cfg.rollout, d),
                 num_shards=distributed.num_shards(cfg.rollout, d), collection=Collection.of(cfg.algo, cfg.rollout, cfg.data),
-                backward_hooks=distributed.BackwardHooks.of(cfg.dist))
+                ranks=Ranks.of(d, cfg.dist))
     try:
         with tracker, Placeholders():
             for _ in range(steps):

@@ -65,18 +65,18 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
 
 
 class UpdateWork:
-    """Our steps' update FLOPs and seconds: wraps ``bicc.trainer.step.step_inputs`` to keep the rows each step trains on."""
+    """Our steps' update FLOPs and seconds: wraps ``bicc.trainer.step.step_rows`` to keep the rows each step trains on."""
 
     def __init__(self, model):
         self.model, self.rows, self.flops, self.seconds = model, None, [], []
-        self._inputs = bicc.trainer.step.step_inputs
+        self._inputs = bicc.trainer.step.step_rows
 
         def keep(*a, **k):
             out = self._inputs(*a, **k)
-            self.rows = out[2]  # the numerator's rows (x^c under BiCC, else q)
+            self.rows = out[1]["xc"]  # the numerator's rows (x^c under bicc=on, else q)
             return out
 
-        bicc.trainer.step.step_inputs = keep
+        bicc.trainer.step.step_rows = keep
 
     def record(self, metrics: dict) -> None:
         self.flops.append(work_flops(self.model, self.rows, 3))  # forward + backward
@@ -167,7 +167,7 @@ def main() -> None:
     total = args.steps * args.rounds
     cfg.train.steps = total  # our cosine over the same number of steps as TRL's
     ours = build_rl_state(cfg, init_path, init_path, device)
-    print(f"ours: passes per step {' -> '.join(ours.plan.passes())}")
+    print(f"ours: passes per step {' -> '.join(ours.plan.describe())}")
     work, our_times = UpdateWork(ours.model), []
 
     def our_step(timed: bool) -> None:

@@ -13,7 +13,7 @@ G = 8 = 64 outputs, prompts of 300 tokens, output lengths from the labelled comp
 99th percentile is 2,048 tokens, the BiCC context budget 0.4 x 2,048 with KV-reuse packing (two distinct
 prefixes per group, each token costing what a plain token costs), activation checkpointing (one more forward
 in the update), and the passes each configuration makes (``bicc.trainer.plan.StepPlan``; the preset reads RCC's delta
-from a pass of its own, ``train.delta_from_update=true`` from the update's forward). On a GPU the weight sync
+from pi_old on q, Algorithm 1's on x^c from a pass of its own). On a GPU the weight sync
 is added: the bf16 weights at an assumed 100 GB/s. On a CPU the rollout is HF decoding, which costs ~10x a
 forward per token here; vLLM on a GPU changes that share, so read the CPU shares with that in mind.
 Ends with ``RESULT model_step_ratio_bicc_rcc=<BiCC+RCC / GRPO> target<=1.15``.
@@ -135,10 +135,10 @@ def step_phases(plan: StepPlan, cost: dict[str, float], mean_len: float, max_len
     q_tokens = (GROUPS if share_prompts else n) * PROMPT + n * mean_len
     prefix = PROMPT + int(0.4 * MAX_TOKENS)
     xc_tokens = GROUPS * 2 * prefix + n * mean_len  # KV-reuse packing: each group's two prefixes once
-    update_tokens = xc_tokens if plan.conditioned else q_tokens
+    update_tokens = xc_tokens if plan.update_context == "xc" else q_tokens
     phases = {"rollout": n * PROMPT * cost["forward"] + n * mean_len * cost["decode"]}
-    for name in plan.passes()[:-1]:
-        phases[name.replace(" (no grad)", "")] = (xc_tokens if "x^c" in name else q_tokens) * cost["forward"]
+    for name, (_, ctx) in zip(plan.describe(), plan.passes):
+        phases[name.replace(" (no grad)", "")] = (xc_tokens if ctx == "xc" else q_tokens) * cost["forward"]
     # activation checkpointing replays each layer's forward in the backward
     phases["update"] = update_tokens * (cost["forward_backward"] + cost["forward"])
     if torch.cuda.is_available():  # a GPU figure: beside this CPU's seconds it would mean nothing
@@ -183,10 +183,10 @@ def layouts(mean_len: float, longest: int) -> None:
     n = LAYOUT_QUERIES * G
     q_tokens = LAYOUT_QUERIES * PROMPT + n * mean_len
     xc_tokens = LAYOUT_QUERIES * 2 * (PROMPT + int(0.4 * MAX_TOKENS)) + n * mean_len
-    no_grad = sum(xc_tokens if "x^c" in name else q_tokens for name in plan.passes()[:-1])
-    train = (xc_tokens if plan.conditioned else q_tokens) * 4 / 3  # activation checkpointing's replayed forward
+    no_grad = sum(xc_tokens if ctx == "xc" else q_tokens for _, ctx in plan.passes)
+    train = (xc_tokens if plan.update_context == "xc" else q_tokens) * 4 / 3  # activation checkpointing's replayed forward
     print(f"the paper preset's step on {LAYOUT_GPUS} GPUs (a model, not a measurement): {n} outputs, mean {mean_len:.0f} "
-          f"tokens, longest {longest}; passes: {' -> '.join(plan.passes())}")
+          f"tokens, longest {longest}; passes: {' -> '.join(plan.describe())}")
     print(f"weight push (a model): {push_seconds():.2f}s over NCCL in bf16, against {push_seconds(False):.2f}s through host "
           "shared memory in fp32 before 63d8df1")
     print(f"RESULT model_push_s={push_seconds():.3f}")
@@ -224,7 +224,7 @@ def main() -> None:
           f"per GPU {GROUPS} queries x G = {G}, prompts {PROMPT} tokens, context budget {int(0.4 * MAX_TOKENS)}")
     totals = {}
     for name, overrides in (("GRPO", ["bicc=off", "rcc=off"]), ("BiCC+RCC (paper)", ["bicc=on", "rcc=on"]),
-                            ("BiCC+RCC, delta from the update", ["bicc=on", "rcc=on", "train.delta_from_update=true"]),
+                            ("BiCC+RCC, Algorithm 1's delta on x^c", ["bicc=on", "rcc=on", "rcc.delta_context=xc"]),
                             ("BiCC+RCC, pi_old from the sampler", ["bicc=on", "rcc=on", "rollout.old_from_sampler=true"])):
         cfg = compose_cfg(["experiment=paper_qwen3_4b", "diag.every=0", *overrides])
         plan = StepPlan.from_config(cfg, cfg.rollout.old_from_sampler)

@@ -50,7 +50,7 @@ def task_profile(overrides: list[str], warmup: int, steps: int) -> None:
     device = torch.device("cpu")
     init_path = str(warm_start(cfg, build_task(cfg.data), device, progress=False))
     state = build_rl_state(cfg, init_path, init_path, device)
-    print(f"passes per step: {' -> '.join(state.plan.passes())}")
+    print(f"passes per step: {' -> '.join(state.plan.describe())}")
     for _ in range(warmup):
         rl_step(state, StepConfig.of(cfg))
     records = [rl_step(state, StepConfig.of(cfg))[0] for _ in range(steps)]
@@ -58,7 +58,7 @@ def task_profile(overrides: list[str], warmup: int, steps: int) -> None:
     report(split, steps)
     print(f"median step {statistics.median(r['perf/step_s'] for r in records):.3f}s")
     print(f"RESULT loop_overhead_share={split['overhead'] / split['step']:.3f} target<=0.05")
-    print(f"RESULT passes_per_step={len(state.plan.passes())}")
+    print(f"RESULT passes_per_step={len(state.plan.describe())}")
 
 
 def main() -> None:

@@ -135,7 +135,7 @@ def memory_run(cfg, rows, prompt_tokens: int, sharded: bool, compiled: bool, dev
 
     run = run_of(cfg, cfg.model, cfg.eval, cfg.dist, 1, sharded, 0.0, prompt_tokens)
     return dataclasses.replace(run, rows=len(rows[1]), compute_bytes=2 if device.type == "cuda" else 4, reference=False,
-                               bicc=False, delta_from_update=False, no_grad_on_context=False, compiled=compiled,
+                               bicc=False, no_grad_on_context=False, compiled=compiled,
                                vllm=True, eval_vllm=True, vllm_utilization=0.0)
 
 
@@ -186,8 +186,8 @@ def synchronize(device: torch.device) -> None:
 def our_update(model, rows, cfg, device):
     """A function running one of our GRPO updates on ``rows`` (pi_old from its own first forward)."""
     from bicc.kernels.rows import query_rows
-    from bicc.machine.distributed import BackwardHooks
-    from bicc.method.advantages import Advantages
+    from bicc.machine.distributed import Dist
+    from bicc.machine.ranks import Ranks
     from bicc.model.logprobs import make_token_batch
     from bicc.trainer.optim import build_optimizer, warmup_cosine
     from bicc.trainer.state import RLState
@@ -196,10 +196,10 @@ def our_update(model, rows, cfg, device):
     prompts, outputs = rows
     batch = make_token_batch(prompts, outputs, 0).to(device)
     numerator = query_rows(batch, prompts, outputs, cfg.train.share_prompts, 0, device)
-    advantages = Advantages.given(torch.linspace(-1, 1, len(outputs), device=device))
+    advantages = torch.linspace(-1, 1, len(outputs), device=device)
     optimizer = build_optimizer(model, 1e-6, (0.9, 0.999), 0.01)
     state = RLState(model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 0, 10_000, 1.0),
-                    backward_hooks=BackwardHooks.of(cfg.dist))
+                    ranks=Ranks.of(Dist(), cfg.dist))
     return lambda: update_policy(state, batch, numerator, None, None, advantages, cfg, step_seed=0)
 
 

@@ -16,7 +16,7 @@ ContextRows = step.ContextRows
 
 
 def recording(contexts, *args, **kwargs):
-    state = sys._getframe(1).f_locals["s"]  # step_inputs(s, ...): the step being built is s.step + 1
+    state = sys._getframe(1).f_locals["s"]  # step_rows(s, ...): the step being built is s.step + 1
     read[state.step + 1] = [state.tokenizer.decode(ids) for ids in contexts.prompt_ids]
     run_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("hydra.run.dir="))
     Path(run_dir, "contexts_read.json").write_text(json.dumps(read))

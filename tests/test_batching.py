@@ -7,7 +7,6 @@ import torch
 
 from bicc.kernels.batching import _size, logprobs_no_grad, micro_batches, plan_micro_batches, trim_rows
 from bicc.kernels.rows import QueryRows
-from bicc.machine.distributed import Dist
 from bicc.method.losses import LOSSES, StepTotals
 from bicc.model.load import build_tiny
 from bicc.model.logprobs import batch_logprobs, make_token_batch
@@ -84,7 +83,7 @@ def test_gradient_equals_one_padded_forward(tokens):
 
     model, _ = build_tiny(ARCH, seed=0)
     plain = QueryRows(batch)
-    plan = micro_batches(torch.arange(10), plain, cfg.train.micro_batch_size, tokens, model, Dist())
+    plan = micro_batches(torch.arange(10), plain, cfg.train.micro_batch_size, tokens, model)
     assert sorted(torch.cat(plan).tolist()) == list(range(10)) and len(plan) > 1
     if tokens:
         assert padded_tokens(plan, plain.lengths) < padded_tokens(list(torch.arange(10).split(3)), plain.lengths)
@@ -117,7 +116,7 @@ def test_conditioned_logprobs_do_not_depend_on_the_plan(impl):
     model, _ = build_tiny(ARCH, seed=0)
     model.config._attn_implementation = "sdpa"
     whole = logprobs_no_grad(model, numerator, 8, 8, 1.0)
-    plan = micro_batches(torch.arange(8), numerator, 8, 40, model, Dist())
+    plan = micro_batches(torch.arange(8), numerator, 8, 40, model)
     assert len(plan) > 1
     torch.testing.assert_close(logprobs_no_grad(model, numerator, 8, 8, 1.0, micro_batch_tokens=40), whole,
                                atol=1e-5, rtol=0)
@@ -132,7 +131,7 @@ def test_kv_contexts_are_computed_once_per_step():
     model.config._attn_implementation = "sdpa"
     embedded = []
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(args[0].numel()))
-    plan = micro_batches(torch.arange(8), numerator, 8, 16, model, Dist())
+    plan = micro_batches(torch.arange(8), numerator, 8, 16, model)
     assert [mb.tolist() for mb in plan] == [[0], [4], [2, 6], [3, 7], [1], [5]]  # outputs 11 | 9 | 7, 7 | 3, 3 | 2 | 1
     logprobs_no_grad(model, numerator, 8, 8, 1.0, micro_batch_tokens=16)
     hook.remove()
@@ -156,7 +155,7 @@ def test_kv_gradient_over_micro_batches_equals_one_row_per_output(checkpointing)
         model.gradient_checkpointing_enable()
         model.train()
     weights = torch.randn(8, 11, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    plan = micro_batches(torch.arange(8), numerator, 8, 16, model, Dist())
+    plan = micro_batches(torch.arange(8), numerator, 8, 16, model)
     assert len(plan) > 2
     with numerator.contexts_once(model, torch.arange(8)):
         for rows in plan:
@@ -221,7 +220,6 @@ def test_the_update_never_packs_past_the_cap_on_real_tokens():
     """Rows whose real tokens fit the cap but whose padded size does not go apart. Prompts of 6 tokens, outputs of
     12, 11, 11, 10: rows of 18, 17, 17, 16 tokens. At a cap of 35 the 18 goes alone (with a 17: 2 x 18 = 36 padded
     for 35 real), then 17 + 17 (34), then 16; the update's forwards and the no-grad passes embed exactly those."""
-    from bicc.method.advantages import Advantages
     from bicc.trainer.update import update_policy
     from tests.helpers import state_for
 
@@ -235,5 +233,5 @@ def test_the_update_never_packs_past_the_cap_on_real_tokens():
     model.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
     plain = QueryRows(batch)
     old = logprobs_no_grad(model, plain, 4, 8, 1.0, micro_batch_tokens=35)
-    update_policy(state_for(model), batch, plain, old, None, Advantages.given(torch.tensor([1.0, -1.0, 0.5, -0.5])), cfg, 0)
+    update_policy(state_for(model), batch, plain, old, None, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, 0)
     assert shapes == [(1, 18), (2, 17), (1, 16)] * 2

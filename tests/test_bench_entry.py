@@ -58,13 +58,12 @@ def test_step_model_phases_follow_the_plan():
 
     cost = {"forward": 1.0, "forward_backward": 3.0, "decode": 10.0}
     grpo = step_phases(StepPlan.from_config(compose_cfg(["bicc=off", "rcc=off"]), False), cost, 100.0, 2048)
-    xc = ["bicc=on", "rcc=on", "rcc.delta_context=xc"]  # Algorithm 1's delta: its own pass, or the update's forward
-    paper = step_phases(StepPlan.from_config(compose_cfg([*xc, "train.delta_from_update=false"]), False), cost, 100.0, 2048)
-    read = step_phases(StepPlan.from_config(compose_cfg(xc), False), cost, 100.0, 2048)
+    xc = ["bicc=on", "rcc=on", "rcc.delta_context=xc"]  # Algorithm 1's delta: a pass of its own on x^c
+    paper = step_phases(StepPlan.from_config(compose_cfg(xc), False), cost, 100.0, 2048)
     on_q = step_phases(StepPlan.from_config(compose_cfg(["bicc=on", "rcc=on"]), False), cost, 100.0, 2048)
     assert list(grpo) == ["rollout", "update"]
     assert len(paper) == 5  # rollout, three no-grad passes, update
-    assert list(read) == list(on_q) == [k for k in paper if "delta" not in k]  # delta from the update, or on q
+    assert list(on_q) == [k for k in paper if "x^c" not in k]  # delta on q: pi_old's own
     # 8 prompts of 300 tokens, each computed once for its 64 / 8 outputs of 100 tokens (train.share_prompts), or
     # once per output; update = (3 + 1) per token (checkpointing replays the forward)
     assert grpo["update"] == (8 * 300 + 64 * 100) * 4.0
@@ -113,10 +112,8 @@ def test_plan_flops_count_each_pass_of_the_plan():
     assert q != xc
     plan = lambda *o: StepPlan.from_config(compose_cfg(list(o)), False)  # noqa: E731
     assert plan_flops(plan("bicc=off", "rcc=off"), model, on_q, on_xc) == 3 * q
-    assert plan_flops(plan("bicc=on", "rcc=on", "rcc.delta_context=xc"), model, on_q, on_xc) == 2 * q + 3 * xc
     assert plan_flops(plan("bicc=on", "rcc=on"), model, on_q, on_xc) == 2 * q + 3 * xc  # delta on q: pi_old's
-    own = plan("bicc=on", "rcc=on", "rcc.delta_context=xc", "train.delta_from_update=false")
-    assert plan_flops(own, model, on_q, on_xc) == 2 * q + 4 * xc
+    assert plan_flops(plan("bicc=on", "rcc=on", "rcc.delta_context=xc"), model, on_q, on_xc) == 2 * q + 4 * xc
 
 
 def test_memory_model_counts_every_phase_by_hand():
@@ -159,12 +156,12 @@ def test_peer_trl_counts_the_update_flops_of_the_rows_each_step_trained_on(monke
     import bicc.trainer.step
     from bench import peer_trl
 
-    calls = iter([(None, None, "rows A"), (None, None, "rows B")])
-    monkeypatch.setattr(bicc.trainer.step, "step_inputs", lambda *a, **k: next(calls))
+    calls = iter([(None, {"xc": "rows A"}, None, {}), (None, {"xc": "rows B"}, None, {})])
+    monkeypatch.setattr(bicc.trainer.step, "step_rows", lambda *a, **k: next(calls))
     monkeypatch.setattr(peer_trl, "work_flops", lambda m, rows, passes: {"rows A": 10.0, "rows B": 30.0}[rows] * passes)
     work = peer_trl.UpdateWork(model=None)
     for seconds in (1.0, 3.0):
-        bicc.trainer.step.step_inputs()  # what rl_step calls: the wrapper keeps the numerator's rows
+        bicc.trainer.step.step_rows()  # what rl_step calls: the wrapper keeps the numerator's rows
         work.record({"perf/update_forward_s": seconds / 4, "perf/update_backward_s": 3 * seconds / 4})
     assert work.flops == [30.0, 90.0]  # forward + backward = 3 forwards
     assert work.achieved() == 120.0 / 4.0

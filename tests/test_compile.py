@@ -24,7 +24,6 @@ from bicc.kernels.compile import (
 )
 from bicc.kernels.compiled_loss import _CompiledLoss, loss_function
 from bicc.kernels.rows import QueryRows, query_rows
-from bicc.method.advantages import Advantages
 from bicc.method.losses import LOSSES, StepTotals
 from bicc.model.load import build_tiny
 from bicc.model.logprobs import make_token_batch
@@ -68,7 +67,7 @@ def update(model, share: bool, one_pass: bool = False):
     adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = RLState(model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 0, 100, 1.0))
-    metrics, _, _ = update_policy(state, batch, numerator, old, None, Advantages.given(adv), cfg, step_seed=7)
+    metrics, _ = update_policy(state, batch, numerator, old, None, adv, cfg, step_seed=7)
     return metrics
 
 

@@ -36,7 +36,6 @@ import torch
 import torch.fx.experimental._config
 from torch._dynamo.backends.registry import lookup_backend
 from bench.update_vs_bare import fsdp_one_rank
-from bicc.method.advantages import Advantages
 from bicc.kernels.compile import compile_layers
 from bicc.model.logprobs import install_logprob_head, make_token_batch
 from bicc.model.load import build_tiny
@@ -60,7 +59,7 @@ prompts, completions = rows()
 prompts = [prompts[i // 4] for i in range(12)]
 batch = make_token_batch(prompts, completions, 0)
 numerator = query_rows(batch, prompts, completions, True, 0, torch.device("cpu"))  # KV reuse
-adv = Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64))
+adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
 weights = []
 for compiled in (False, True):
     model = build_tiny(ARCH, seed=0)[0].double()

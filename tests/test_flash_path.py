@@ -195,7 +195,6 @@ def test_padding_free_micro_batches_by_real_tokens(flash_model):
     16-token budget: 11 | 9 + 7 | 7 + 3 + 3 + 2 + 1 (a padded plan cuts six micro-batches,
     tests/test_batching.py); embedded: the contexts 12 + 9 + 7, then 10 | 8 + 6 | 6 + 2 + 2 + 1 + 0."""
     from bicc.kernels.batching import micro_batches
-    from bicc.machine.distributed import Dist
     from bicc.model.logprobs import batch_logprobs, make_token_batch
     from tests.helpers import kv_case
 
@@ -203,7 +202,7 @@ def test_padding_free_micro_batches_by_real_tokens(flash_model):
     numerator, _, outputs = kv_case()
     flash.gradient_checkpointing_enable()
     flash.train()
-    plan = micro_batches(torch.arange(8), numerator, 8, 16, flash, Dist())
+    plan = micro_batches(torch.arange(8), numerator, 8, 16, flash)
     assert [mb.tolist() for mb in plan] == [[0], [4, 2], [6, 3, 7, 1, 5]]
     weights = torch.randn(8, 11, generator=torch.Generator().manual_seed(2))
     seen, hook = embedded_tokens(flash)

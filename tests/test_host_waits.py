@@ -23,7 +23,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import ContextRows, QueryRows
-from bicc.method.advantages import Advantages
 from bicc.method.conditioning import ConditionedPrompts
 from bicc.model.load import build_tiny
 from bicc.model.logprobs import make_token_batch, on_device
@@ -95,7 +94,7 @@ def audited_update(form: str, micro: int, algo: str = "grpo"):
     batch = make_token_batch(prompts, completions, 0)
     numerator = numerators(form, batch, prompts, completions)
     model = build_tiny(ARCH, seed=0)[0].double()
-    adv = Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64))
+    adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = RLState(model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 0, 100, 1.0))
     ref_logp = logprobs_no_grad(build_tiny(ARCH, seed=1)[0].double(), QueryRows(batch), 12, 12, 1.0)  # a KL's

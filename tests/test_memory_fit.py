@@ -33,11 +33,6 @@ def test_the_launchers_numbers_for_the_paper_preset_are_the_memory_tables():
     two = run_of(cfg, world=2, sharded=True, gpu_gib=80.0, prompt_tokens=300)
     assert (two.rows, two.contexts, two.world) == (128, 32, 2)
     assert run_of(compose_cfg(["experiment=paper_qwen3_4b", "rcc=off", "bicc=off"]), 4, True, 80.0, 300).reference is False
-    # train.delta_from_update holds the update's graphs only where the step defers to it: delta on x^c under BiCC (the
-    # preset reads delta on q, from a no-grad pass before the update, and ignores the setting)
-    deferred = ["experiment=paper_qwen3_4b", "train.delta_from_update=true"]
-    assert run_of(compose_cfg(deferred), 4, True, 80.0, 300).delta_from_update is False
-    assert run_of(compose_cfg([*deferred, "rcc.delta_context=xc"]), 4, True, 80.0, 300).delta_from_update is True
 
 
 def test_the_no_grad_passes_by_hand_and_what_max_memory_allocated_counts():
@@ -169,7 +164,6 @@ def test_each_phase_names_its_own_knob():
     assert "gpu_memory_utilization" in knob("rollout", Run()) and "gpu_memory_utilization" in knob("evaluation", Run())
     assert "eval.batch_tokens" in knob("evaluation", hf)
     assert "micro_batch_size" in knob("update: layers backward", Run())
-    assert "train.delta_from_update=false" in knob("update: head backward", dataclasses.replace(Run(), delta_from_update=True))
     assert "nproc_per_node" in knob("optimizer step", Run())
     # a micro-batch too large for 40 GiB: the update's phase is the peak and the message says what to lower
     big = dataclasses.replace(Run(), micro_batch=64, gpu_gib=40.0)

@@ -1,6 +1,6 @@
 """The method's config groups (conf/algo, conf/bicc, conf/rcc) hold mathematics only: every key of their schemas
 changes what a step computes. Each key is set to another value on the same recorded rollout, and one plain SGD
-step lands elsewhere; the speed and memory choices (train.context_packing*, train.delta_from_update) land on the
+step lands elsewhere; the speed and memory choices (train.context_packing*) land on the
 same weights. A key added to a method group without a row here fails the first test."""
 
 import dataclasses
@@ -59,7 +59,7 @@ COLLECTION = {"algo.dynamic_sampling": (True, []), "algo.max_sampling_rounds": (
 # (tests/losses/test_<variant>.py).
 LABELS = {"algo.name", "algo.params"}
 # Speed and memory choices: the same step to float rounding.
-SAME = ["train.context_packing=false", "train.context_packing_impl=mask", "train.delta_from_update=false",
+SAME = ["train.context_packing=false", "train.context_packing_impl=mask",
         "train.context_packing_impl=mask train.max_packed_len=40"]
 
 

@@ -5,7 +5,6 @@ import torch
 
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import QueryRows
-from bicc.method.advantages import Advantages
 from bicc.trainer.update import update_policy
 from tests.helpers import guard_setup
 
@@ -17,12 +16,12 @@ def test_nonfinite_advantage_skips_the_step_and_finite_resets_the_streak():
     before = {k: v.clone() for k, v in state.model.state_dict().items()}
     bad = torch.tensor([1.0, float("nan"), -1.0, 0.5])
     for _ in range(2):
-        metrics, _, _ = update_policy(state, batch, plain, old, None, Advantages.given(bad), cfg, 0)
+        metrics, _ = update_policy(state, batch, plain, old, None, bad, cfg, 0)
         assert metrics["train/nonfinite_skip"] == 1.0
     assert state.nonfinite_skips == 2 and state.nonfinite_streak == 2
     assert all(torch.equal(before[k], v) for k, v in state.model.state_dict().items())
     assert state.optimizer.state_dict()["state"] == {} and state.scheduler.last_epoch == 0
-    metrics, _, _ = update_policy(state, batch, plain, old, None, Advantages.given(torch.tensor([1.0, -1.0, -1.0, 1.0])), cfg, 1)
+    metrics, _ = update_policy(state, batch, plain, old, None, torch.tensor([1.0, -1.0, -1.0, 1.0]), cfg, 1)
     assert metrics["train/nonfinite_skip"] == 0.0
     assert state.nonfinite_skips == 2 and state.nonfinite_streak == 0
     assert any(not torch.equal(before[k], v) for k, v in state.model.state_dict().items())

@@ -97,10 +97,11 @@ def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
     numerator = ContextRows(ctx, completions, batch.completion_len, Packing(),
                             tok.pad_token_id, "cpu")
     plain = QueryRows(batch)
-    # the paper: delta on x^c, here from its own no-grad pass (tests/test_plan.py: from the update's forward)
-    cfg = compose_cfg(["bicc=on", "rcc=on", "rcc.delta_context=xc", "train.micro_batch_size=2", "train.delta_from_update=false"])
-    lp = step_logprobs(StepPlan.from_config(cfg, False), policy, ref, plain, numerator, None, cfg, batch.completion_mask)
-    delta = sequence_delta(lp.delta, lp.ref, batch.completion_mask)
+    # the paper: delta on x^c, from its own no-grad pass
+    cfg = compose_cfg(["bicc=on", "rcc=on", "rcc.delta_context=xc", "train.micro_batch_size=2"])
+    models, on = {"model": policy, "ref": ref}, {"q": plain, "xc": numerator}
+    lp = step_logprobs(StepPlan.from_config(cfg, False), models, on, None, cfg)
+    delta = sequence_delta(lp["model", "xc"], lp["ref", "q"], batch.completion_mask)
     # by hand: each output scored alone after its conditioned prompt (policy) and after q (reference)
     for i, completion in enumerate(completions):
         cond = make_token_batch([ctx.prompt_ids[i]], [completion], tok.pad_token_id)
@@ -110,8 +111,8 @@ def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
         assert delta[i].item() == pytest.approx((a - b).item(), abs=1e-4)
     # the plain numerator gives delta on q instead, which differs
     cfg.rcc.delta_context = "q"
-    lp_q = step_logprobs(StepPlan.from_config(cfg, False), policy, ref, plain, numerator, None, cfg, batch.completion_mask)
-    delta_q = sequence_delta(lp_q.delta, lp_q.ref, batch.completion_mask)
+    lp_q = step_logprobs(StepPlan.from_config(cfg, False), models, on, None, cfg)
+    delta_q = sequence_delta(lp_q["model", "q"], lp_q["ref", "q"], batch.completion_mask)
     assert (delta_q - delta).abs().max() > 1e-3
 
 

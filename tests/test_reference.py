@@ -9,10 +9,14 @@ import copy
 import pytest
 import torch
 
-from bicc.config import StepConfig
+from bicc.config import StepConfig, corrects
+from bicc.kernels.batching import logprobs_no_grad
+from bicc.kernels.rows import QueryRows
 from bicc.method.advantages import ADVANTAGES
 from bicc.method.diagnostics import conditioning_weights
+from bicc.method.losses.tis import sampler_logprob_diff
 from bicc.method.reference import algorithm1_step
+from bicc.model.logprobs import make_token_batch
 from bicc.trainer import step as step_module
 from bicc.trainer.optim import warmup_cosine
 from bicc.trainer.state import build_rl_state
@@ -21,19 +25,17 @@ from tests.conftest import compose_cfg
 from tests.helpers import COMBINATION_CFG, LR, CoinTask, ReplayEngine, policy_and_reference, recorded_rollout, sgd
 from tests.losses.helpers import VARIANTS, split_invariant
 
-# GRPO over packing (KV reuse, a packed mask, one row per output) x delta (from the update's forward or a
-# no-grad pass) x micro-batches (all rows at once, or 5 rows: uneven splits); DAPO's loss and sampling on one
+# GRPO over packing (KV reuse, a packed mask, one row per output) x micro-batches (all rows at once, or 5 rows:
+# uneven splits); DAPO's loss and sampling on one
 PACKINGS = ("context_packing_impl=kv", "context_packing_impl=mask", "context_packing=false")
-CASES = [("grpo", packing, from_update, micro) for packing in PACKINGS
-         for from_update in (True, False) for micro in (64, 5)] + [("dapo", "context_packing_impl=kv", True, 5)]
+CASES = [("grpo", packing, micro) for packing in PACKINGS for micro in (64, 5)] + [("dapo", "context_packing_impl=kv", 5)]
 
 
-@pytest.mark.parametrize(("algo", "packing", "delta_from_update", "micro_batch"), CASES)
-def test_rl_step_is_algorithm1(algo, packing, delta_from_update, micro_batch, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("algo", "packing", "micro_batch"), CASES)
+def test_rl_step_is_algorithm1(algo, packing, micro_batch, tmp_path, monkeypatch):
     tok = policy_and_reference(tmp_path)
     # 32-token outputs: a 12-token context budget, above min_attempt_tokens 4, so mixed groups are conditioned
     cfg = compose_cfg([f"algo={algo}", "bicc=on", "rcc=on", "rcc.delta_context=xc", f"train.{packing}",
-                       f"train.delta_from_update={delta_from_update}",
                        f"train.micro_batch_size={micro_batch}", "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4",
                        "rollout.group_size=4", "rollout.max_new_tokens=32", "bicc.min_attempt_tokens=4",
                        "diag.every=0", "optim.warmup_steps=0", "optim.clip_grad=1e9"])
@@ -148,9 +150,9 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
     monkeypatch.setattr(step_module, "collect_rollout", lambda *a, **k: rollouts.append(collect(*a, **k)) or rollouts[-1])
     metrics, _ = rl_step(s, StepConfig.of(cfg))
     ro = rollouts[0]
-    # without a context, pi_old on q is the update's first forward, and TIS's weights are read from it
-    assert s.plan.sampler_from_update is (bicc == "off" and tis > 0 and (not extra or (
-        "rollout.correction" in extra and "rollout_rs" not in extra)))  # a rejection needs pi_old before the update
+    # the sampler's weights or rejection need pi_old before the loss: a pass of its own
+    if corrects(cfg.rollout) and with_logprobs and not cfg.rollout.old_from_sampler:
+        assert s.plan.old_source == "forward"
     if bicc != "off":
         assert metrics["bicc/samples_conditioned_share"] > 0  # contexts were built and read
     if bicc == "released" or "mode=last" in extra:  # one opposite attempt each
@@ -165,10 +167,10 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
     out = algorithm1_step(reference, ref_model, optimizer, warmup_cosine(optimizer, 0, 10, 1.0), s.tokenizer, ro,
                           StepConfig.of(cfg), s.task.answer_anchors, s.end_ids)
     if bicc != "off":  # the logged conditioning weights log pi_old(o | x^c) - log pi_old(o | q), by reward, wherever
-        # the step has pi_old on both (bicc=stable has it on q only for TIS or a delta on q)
+        # the step has pi_old on both (bicc=stable has it on q only for TIS or a delta on q; the released form's update
+        # runs on q, and its first forward is pi_old on q)
         expected = conditioning_weights(out["log_w"], out["conditioned"], ro.correct)
-        old_on_q = bicc == "on" and "context_in=denominator" not in extra
-        on_q = old_on_q or tis > 0 or (rcc != "off" and where == "q") or "diag" in extra
+        on_q = bicc != "stable" or tis > 0 or (rcc != "off" and where == "q") or "diag" in extra
         logged = {k: metrics[k] for k in expected if k in metrics}
         assert expected and logged == (pytest.approx(expected, abs=1e-4) if on_q else {})
         if on_q:  # what delta on x^c would add to Cov(r, delta): Cov(r, log w), group by group
@@ -181,26 +183,23 @@ def test_every_combination_of_switches_is_the_reference(bicc, rcc, kl, tis, wher
         torch.testing.assert_close(p.detach(), q.detach(), atol=2e-6, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("rcc", ["off", "on"])
-def test_sampler_weights_from_the_update_equal_their_own_pass(rcc, recorded):
-    """Without a context, TIS's weights and the sampler gap read from the update's first forward (pi_old on q) are
-    those of a no-grad pass of their own, one pass fewer: the same metrics and the same weights after the step."""
+def test_the_sampler_gap_read_from_the_update_is_a_pass_on_the_weights_before_it(recorded, monkeypatch):
+    """Without a context or a correction, nothing needs pi_old on q before the update: its first forward supplies it,
+    and the sampler's gap to it (``rollout/logprob_diff``) is read after the update from that forward. It equals the
+    gap to a no-grad pass on the weights before the step."""
     tmp, out, sampled, _ = recorded
-    runs = {}
-    for deferred in (True, False):
-        cfg = compose_cfg([*COMBINATION_CFG, "bicc=off", f"rcc={rcc}", *tis_cap(1.2),
-                           f"train.delta_from_update={str(deferred).lower()}"])
-        s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
-        s.engine, s.plan, s.task = ReplayEngine(out, sampled), None, CoinTask(s.task)
-        sgd(s)
-        metrics, _ = rl_step(s, StepConfig.of(cfg))
-        assert s.plan.sampler_from_update is deferred
-        runs[deferred] = metrics, [p.detach().clone() for p in s.model.parameters()]
-    (read, weights_read), (own, weights_own) = runs[True], runs[False]
-    assert read["perf/no_grad_passes"] == own["perf/no_grad_passes"] - 1
-    assert 0 < own["rollout_corr/rollout_is_oob_ratio"] < 1 and own["rollout/logprob_diff"] > 0.05
-    for key in ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_min", "rollout_corr/rollout_is_oob_ratio",
-                "rollout/logprob_diff", "train/loss"):
-        assert read[key] == pytest.approx(own[key], abs=1e-6), key
-    for p, q in zip(weights_read, weights_own):
-        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    cfg = compose_cfg([*COMBINATION_CFG, "bicc=off", "rcc=off", "rollout.correction.rollout_is=none"])
+    s = build_rl_state(cfg, str(tmp / "policy"), str(tmp / "init"), torch.device("cpu"))
+    s.engine, s.plan, s.task = ReplayEngine(out, sampled), None, CoinTask(s.task)
+    sgd(s)
+    before = copy.deepcopy(s.model)
+    rollouts, collect = [], step_module.collect_rollout
+    monkeypatch.setattr(step_module, "collect_rollout", lambda *a, **k: rollouts.append(collect(*a, **k)) or rollouts[-1])
+    metrics, _ = rl_step(s, StepConfig.of(cfg))
+    assert s.plan.passes == () and s.plan.old_source == "update" and metrics["perf/no_grad_passes"] == 0
+    ro = rollouts[0]
+    batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id)
+    old = logprobs_no_grad(before, QueryRows(batch), len(batch.input_ids), 64, cfg.rollout.temperature)
+    assert metrics["rollout/logprob_diff"] > 0.05
+    assert metrics["rollout/logprob_diff"] == pytest.approx(sampler_logprob_diff(ro.out.logprobs, old, batch.completion_mask),
+                                                            abs=1e-6)

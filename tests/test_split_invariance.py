@@ -42,9 +42,8 @@ LOSS_OF = {name: algo_preset(name)["loss"] for name in PRESETS}
 METHOD_CASES = [[f"algo={name}"] for name in PRESETS]
 METHOD_CASES += [["algo=grpo", f"algo.loss={loss}"] for loss in LOSSES.names() if loss not in LOSS_OF.values()]
 GRPO_CASES = [["algo=grpo", "bicc=off", "rcc=off"]]
-GRPO_CASES += [["algo=grpo", "bicc=on", "rcc=on", f"train.{packing}", f"train.delta_from_update={from_update}"]
-               for packing in ("context_packing_impl=kv", "context_packing_impl=mask", "context_packing=false")
-               for from_update in (True, False)]
+GRPO_CASES += [["algo=grpo", "bicc=on", "rcc=on", "rcc.delta_context=xc", f"train.{packing}"]
+               for packing in ("context_packing_impl=kv", "context_packing_impl=mask", "context_packing=false")]
 
 
 def invariant(cfg) -> bool:

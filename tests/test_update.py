@@ -11,7 +11,6 @@ from omegaconf import OmegaConf
 
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import ContextRows, QueryRows
-from bicc.method.advantages import Advantages
 from bicc.method.conditioning import ConditionedPrompts
 from bicc.method.losses import LOSSES, StepTotals
 from bicc.model.load import build_tiny
@@ -69,7 +68,7 @@ def test_update_equals_hand_sequenced_loop(algo, micro):
     ref_logp = logprobs_no_grad(build_tiny(ARCH, seed=1)[0].double(), QueryRows(batch), 12, 12, 1.0)
     adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
     s = sgd_state(model)
-    metrics, _, _ = update_policy(s, batch, QueryRows(batch), old_logp, ref_logp, Advantages.given(adv), cfg, step_seed=7)
+    metrics, _ = update_policy(s, batch, QueryRows(batch), old_logp, ref_logp, adv, cfg, step_seed=7)
     assert ("train/kl_ref" in metrics) == (algo == "dr_grpo")  # the KL term is in the comparison where it is on
     hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7, ref_logp=ref_logp)
     moved = max((p - q).abs().max().item() for p, q in zip(build_tiny(ARCH, seed=0)[0].double().parameters(),
@@ -83,12 +82,12 @@ FSDP2_ONE_RANK = """
 import sys
 import torch
 from bench.update_vs_bare import fsdp_one_rank
-from bicc.method.advantages import Advantages
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.model.logprobs import make_token_batch
 from bicc.model.load import build_tiny
 from bicc.kernels.rows import QueryRows
-from bicc.machine.distributed import BackwardHooks
+from bicc.machine.distributed import Dist
+from bicc.machine.ranks import Ranks
 from bicc.trainer.update import update_policy
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH, rows
@@ -103,8 +102,8 @@ old_logp = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
 adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
 model = fsdp_one_rank(model, cfg, torch.device("cpu"), None)
 state = sgd_state(model)
-state.backward_hooks = BackwardHooks.of(cfg.dist)
-update_policy(state, batch, QueryRows(batch), old_logp, None, Advantages.given(adv), cfg, step_seed=7)
+state.ranks = Ranks.of(Dist(), cfg.dist)
+update_policy(state, batch, QueryRows(batch), old_logp, None, adv, cfg, step_seed=7)
 hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
 # DTensor shards once resharded; the gathered copies themselves where FSDP2 still holds them
 full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
@@ -131,10 +130,8 @@ def test_the_update_under_fsdp2_equals_the_hand_loop_with_its_options(options):
     assert float(out.stdout.split()[-1]) <= 1e-6, out.stdout
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["advantages-first", "delta-from-update"])
-def test_no_micro_batch_graph_is_alive_at_the_optimizer_step(deferred):
-    """Every micro-batch's log-probs, and the graph behind them, are released by the optimizer step, whether the
-    backwards follow each forward or, under ``delta_from_update``, all the forwards first. A name still bound to the
+def test_no_micro_batch_graph_is_alive_at_the_optimizer_step():
+    """Every micro-batch's log-probs, and the graph behind them, are released by the optimizer step. A name still bound to the
     last micro-batch's log-probs would keep its autograd nodes, and the tensors they hold past their backward,
     through the step (1.2 GiB of the trace's optimizer step at 8 layers of the preset, fixed)."""
     import weakref
@@ -154,8 +151,8 @@ def test_no_micro_batch_graph_is_alive_at_the_optimizer_step(deferred):
     numerator.logprobs = recorded
     state = sgd_state(model)
     state.optimizer.register_step_pre_hook(lambda *_: alive.append(sum(r() is not None for r in made)))
-    adv = Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64))
-    update_policy(state, batch, numerator, None, None, adv, cfg, step_seed=0, delta_from_update=deferred)
+    adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
+    update_policy(state, batch, numerator, None, None, adv, cfg, step_seed=0)
     assert len(made) == 3 and alive == [0]
 
 
@@ -180,7 +177,7 @@ def test_update_metrics_are_the_micro_batch_means_read_once():
     item = torch.Tensor.item
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or item(t))
-        metrics, _, _ = update_policy(sgd_state(model), batch, QueryRows(batch), old_logp, None, Advantages.given(adv),
+        metrics, _ = update_policy(sgd_state(model), batch, QueryRows(batch), old_logp, None, adv,
                                       cfg, step_seed=0)
     assert reads == []  # no scalar read per micro-batch (the two reads of a step are one tolist each)
     assert metrics["train/loss"] == pytest.approx(loss.item(), abs=1e-9)
@@ -212,11 +209,11 @@ def test_old_reference_and_kl_reference_wiring(form):
     ref_q = logprobs_no_grad(ref, plain, 4, 4, 1.0)
     ref_xc = logprobs_no_grad(ref, numerator, 4, 4, 1.0)
     assert not torch.allclose(on_q, on_xc)  # the context changes the log-probs: the checks below can fail
-    lp = step_logprobs(StepPlan.from_config(cfg, False, diagnostics=True), policy, ref, plain, numerator, None, cfg,
-                       batch.completion_mask)
-    old, kl_ref = lp.old, lp.kl_ref
-    torch.testing.assert_close(lp.on_q, on_q)
-    torch.testing.assert_close(lp.ref, ref_q)  # RCC's delta: pi_ref on q in every form
+    plan = StepPlan.from_config(cfg, False, diagnostics=True)
+    lp = step_logprobs(plan, {"model": policy, "ref": ref}, {"q": plain, "xc": numerator}, None, cfg)
+    torch.testing.assert_close(lp["model", "q"], on_q)
+    torch.testing.assert_close(lp["ref", "q"], ref_q)  # RCC's delta: pi_ref on q in every form
+    old, kl_ref = lp["model", plan.old_context], lp["ref", plan.ref_context]
     if form == "on":  # the paper: rho = pi(o | x^c) / pi_old(o | q); KL to pi_ref(. | q)
         torch.testing.assert_close(old, on_q)
         torch.testing.assert_close(kl_ref, ref_q)
@@ -231,10 +228,9 @@ def test_rcc_delta_context(form, context):
     """The paper evaluates delta's policy term on x^c (Algorithm 1) and on q (Section 4.2, Appendices B/C)."""
     cfg, batch, plain, numerator = bicc_setup(form)
     cfg.rcc.delta_context = context
-    cfg.train.delta_from_update = False  # its own no-grad pass here (tests/test_plan.py: from the update's forward)
     policy, _ = build_tiny(ARCH, seed=0)
-    got = step_logprobs(StepPlan.from_config(cfg, False), policy, None, plain, numerator, None, cfg,
-                        batch.completion_mask).delta
+    plan = StepPlan.from_config(cfg, False)
+    got = step_logprobs(plan, {"model": policy, "ref": None}, {"q": plain, "xc": numerator}, None, cfg)["model", plan.delta]
     expected = logprobs_no_grad(policy, plain if context == "q" else numerator, 4, 4, 1.0)
     torch.testing.assert_close(got, expected)
 
@@ -259,7 +255,7 @@ def test_shared_prompts_update_equals_one_row_per_output(micro):
     old_logp = logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0)
     torch.testing.assert_close(logprobs_no_grad(model, shared, 12, int(size), 1.0), old_logp, atol=1e-10, rtol=0)
     adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
-    update_policy(sgd_state(model), batch, shared, old_logp, None, Advantages.given(adv), cfg, step_seed=7)
+    update_policy(sgd_state(model), batch, shared, old_logp, None, adv, cfg, step_seed=7)
     hand_loop(reference, batch, old_logp, adv, cfg, step_seed=7)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
@@ -277,23 +273,24 @@ def test_gradients_are_freed_after_the_optimizer_step():
     plain = QueryRows(batch)
     old = logprobs_no_grad(state.model, plain, 4, 4, 1.0)
     before = {k: v.clone() for k, v in state.model.state_dict().items()}
-    metrics, _, _ = update_policy(state, batch, plain, old, None, Advantages.given(torch.tensor([1.0, -1.0, -1.0, 1.0])), cfg, 0)
+    metrics, _ = update_policy(state, batch, plain, old, None, torch.tensor([1.0, -1.0, -1.0, 1.0]), cfg, 0)
     assert metrics["train/grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in state.model.state_dict().items())
     assert all(p.grad is None for p in state.model.parameters())
 
 
 def test_first_pass_log_ratio_is_each_row_before_any_update():
-    """The update returns each row's summed log pi_theta - log pi_old at its first forward, before any optimizer step
-    (BiCC's log w when pi_old is on q): with two epochs, not the second epoch's, after the first step moved theta."""
+    """The update returns each row's log-probs at its first forward, before any optimizer step (BiCC's log w reads
+    them when pi_old is on q): with two epochs, not the second epoch's, after the first step moved theta."""
     cfg = compose_cfg(["train.epochs_per_rollout=2", "rollout.max_new_tokens=12", "optim.clip_grad=1e9"])
     prompts, completions = rows()
     batch = make_token_batch(prompts, completions, 0)
     model = build_tiny(ARCH, seed=0)[0].double()
     old_logp = logprobs_no_grad(build_tiny(ARCH, seed=1)[0].double(), QueryRows(batch), 12, 12, 1.0)  # another policy
     before = ((logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0) - old_logp) * batch.completion_mask).sum(-1)
-    _, first_pass, _ = update_policy(sgd_state(model), batch, QueryRows(batch), old_logp, None,
-                                     Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)), cfg, step_seed=7)
+    _, first = update_policy(sgd_state(model), batch, QueryRows(batch), old_logp, None,
+                             torch.linspace(-1.5, 1.5, 12, dtype=torch.float64), cfg, step_seed=7)
+    first_pass = ((first - old_logp) * batch.completion_mask).sum(-1)
     after = ((logprobs_no_grad(model, QueryRows(batch), 12, 12, 1.0) - old_logp) * batch.completion_mask).sum(-1)
     assert (after - before).abs().max() > 1e-3  # theta moved: the epochs' passes differ
     torch.testing.assert_close(first_pass.double(), before, atol=1e-5, rtol=0)
@@ -311,21 +308,22 @@ def test_fsdp2_options_act_in_a_minibatch_last_backward_only(share, field, hook,
     import bicc.machine.distributed
     from bicc.kernels.batching import micro_batches
     from bicc.kernels.rows import query_rows
-    from bicc.machine.distributed import BackwardHooks, Dist
+    from bicc.machine.distributed import Dist
+    from bicc.machine.ranks import Ranks
 
     prompts, completions = rows()
     batch = make_token_batch(prompts, completions, 0)
     numerator = query_rows(batch, prompts, completions, share, 0, torch.device("cpu"))
-    adv = Advantages.given(torch.linspace(-1.5, 1.5, 12, dtype=torch.float64))
+    adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
     calls = []
     monkeypatch.setattr(bicc.machine.distributed, hook, lambda model, on: calls.append(on))
     for setting in (default, option):
         cfg = compose_cfg(["train.micro_batch_size=4", "rollout.max_new_tokens=12", f"{field}={setting}"])
         model = build_tiny(ARCH, seed=0)[0].double()
         state = sgd_state(model)
-        state.backward_hooks = BackwardHooks.of(cfg.dist)  # as build_rl_state sets them from the dist group
+        state.ranks = Ranks.of(Dist(), cfg.dist)  # as build_rl_state sets them from the dist group
         update_policy(state, batch, numerator, None, None, adv, cfg, step_seed=0)
         if setting == default:
             assert calls == []
-    k = len(micro_batches(torch.arange(12), numerator, 4, cfg.train.micro_batch_tokens, model, Dist()))
+    k = len(micro_batches(torch.arange(12), numerator, 4, cfg.train.micro_batch_tokens, model))
     assert k >= 2 and calls == [False] * (k - 1) + [not share, True]

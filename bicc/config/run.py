@@ -190,7 +190,6 @@ class TrainConfig:
     context_packing: bool = True
     context_packing_impl: str = choice(Literal["kv", "mask"], "kv")
     max_packed_len: int = 4096
-    delta_from_update: bool = True
 
     @staticmethod
     def check(t) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from bicc.kernels.packing import padding_free
-from bicc.machine.distributed import Dist, global_max, is_sharded
+from bicc.machine.ranks import Ranks
 from bicc.model.logprobs import TokenBatch, on_device
 
 MAX_PADDING = 0.1  # length-aware micro-batches: padded tokens at most 10% above the real ones
@@ -87,20 +87,16 @@ def to_grid(x: torch.Tensor | None, mask: torch.Tensor, length: int) -> torch.Te
     return torch.nn.functional.pad(x, (0, length - x.shape[1]))
 
 
-def micro_batches(rows: torch.Tensor, inputs, size: int, tokens: int, model, d: Dist) -> list[torch.Tensor]:
-    """``rows`` cut into micro-batches (``bicc.kernels.batching``: fixed, or by length under
-    ``train.micro_batch_tokens``, on real tokens where ``inputs`` go padding-free). A sharded (FSDP2) model
-    all-gathers in every forward and reduce-scatters in every backward, so every rank runs the largest count
-    of any rank (ranks hold different numbers of rows after DAPO's dynamic sampling); the extra ones are
-    empty (no-op forwards)."""
-    plan = plan_micro_batches(rows, inputs.lengths, size, tokens, ragged=inputs.kv and padding_free(model))
-    if d.enabled and is_sharded(model):
-        plan += [rows[:0]] * (global_max(len(plan), d) - len(plan))
-    return plan
+def micro_batches(rows: torch.Tensor, inputs, size: int, tokens: int, model, ranks: Ranks = Ranks()) -> list[torch.Tensor]:
+    """``rows`` cut into micro-batches (fixed, or by length under ``train.micro_batch_tokens``, on real tokens where
+    ``inputs`` go padding-free), as many on every rank as ``ranks`` needs (``Ranks.micro_batches``: the extra ones
+    empty, no-op forwards)."""
+    return ranks.micro_batches(plan_micro_batches(rows, inputs.lengths, size, tokens,
+                                                  ragged=inputs.kv and padding_free(model)), model)
 
 
 @torch.no_grad()
-def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temperature: float, d: Dist = Dist(),
+def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temperature: float, ranks: Ranks = Ranks(),
                      micro_batch_tokens: int = 0) -> torch.Tensor:
     """Per-token log-probs [N, L] in micro-batches (``micro_batches``), no graph kept (old and reference
     policies). ``inputs``: the rows to score (``bicc.kernels.rows``), on q or on x^c."""
@@ -108,9 +104,9 @@ def logprobs_no_grad(model, inputs, num_rows: int, micro_batch_size: int, temper
     model.eval()
     out = None
     with inputs.contexts_once(model, torch.arange(num_rows)):
-        for rows in micro_batches(torch.arange(num_rows), inputs, micro_batch_size, micro_batch_tokens, model, d):
-            if len(rows) == 0:  # a no-op forward that keeps this rank's collectives in step with the others
-                inputs.logprobs(model, torch.arange(0, 1), temperature)
+        for rows in micro_batches(torch.arange(num_rows), inputs, micro_batch_size, micro_batch_tokens, model, ranks):
+            if len(rows) == 0:  # keeps this rank's collectives in step with the others
+                ranks.no_op(model, inputs, temperature)
                 continue
             logp = inputs.logprobs(model, rows, temperature)[0]
             if out is None:

@@ -312,3 +312,11 @@ def compile_error_cause(error: Exception) -> str:
     """A compilation error as a warning names it: its type, the backend's own error and its first line."""
     cause = getattr(error, "inner_exception", None) or error.__cause__ or error
     return f"{type(error).__name__}, {type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (``model.compile``): one that turns up mid-run is a step
+    that paid for its compilation."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

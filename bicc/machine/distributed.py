@@ -202,6 +202,14 @@ class BackwardHooks:
             reshard_after_backward(model, last)
 
 
+def reshard(model) -> None:
+    """FSDP2: free every gathered parameter, so that ``model.parameters()`` are this rank's shards again (under
+    ``dist.reshard_after_forward=false`` a forward leaves them gathered, in the compute dtype); else nothing."""
+    for module in model.modules():
+        if is_sharded(module):
+            module.reshard()
+
+
 def reduce_after_backward(model, on: bool) -> None:
     """FSDP2 (``dist.reduce_grads=step``): whether the next backwards reduce-scatter the gradients (on) or
     accumulate them unreduced for a later one (off); a no-op unsharded."""

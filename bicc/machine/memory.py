@@ -33,8 +33,6 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   the matmul's output (compute dtype) and the exponentials (fp32), which one fused pass writes from it; in a no-grad
   pass the fp32 logits beside the matmul's output, compiled the output alone; in the update's backward, the head's
   V x H weight gradient and each chunk's contribution to it;
-- ``train.delta_from_update`` (false in the presets): the update's forwards all run before its backwards, so at the
-  first backward every other micro-batch's checkpointed layer inputs and final hidden states are held;
 - BiCC's KV-reuse packing: the step's distinct contexts (two per group, this GPU's share) computed once per minibatch
   and held through all of its micro-batches: their checkpointed layer inputs, their keys/values in every layer and
   the gradient that the micro-batches leave on those (each completion's rows of its context's keys/values are picked
@@ -115,7 +113,6 @@ class Run:
     gpu_gib: float = 80.0
     compute_bytes: int = 2  # bf16
     rows: int = 64  # this GPU's sequences per step: rollout.prompts_per_step x G / world
-    delta_from_update: bool = False  # train.delta_from_update: every micro-batch's graph held until the advantages
     no_grad_on_context: bool = False  # a no-grad pass on x^c (bicc.old_on_context, RCC's delta on x^c)
     master_bytes: int = 4  # fp32
     sharded: bool = True
@@ -235,12 +232,6 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     saved = {"kept activations (model.checkpoint_policy)": attention} if attention else {}
     if unchecked:
         saved["uncheckpointed layers' activations (model.checkpoint_layers)"] = tokens * unchecked
-    # train.delta_from_update: at the first backward every other micro-batch's graph is still held
-    held = {}
-    if run.delta_from_update:
-        others = -(-run.rows // run.micro_batch) - 1
-        graph = inputs + sum(saved.values()) + tokens * arch.hidden * b
-        held["other micro-batches' graphs (train.delta_from_update)"] = others * graph
     # from a minibatch's second micro-batch on, the gradients of the ones before are held throughout its backward;
     # its worst point is the top layer's backward: every layer's input kept, every layer gathered that is kept so
     held_grads = unreduced or {"gradients (fp32, sharded)": grads}
@@ -253,7 +244,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     elif unchecked:
         del layers_saved["uncheckpointed layers' activations (model.checkpoint_layers)"]
     update = {**static, **kept(keep_fwd or keep_bwd), **held_grads,
-              "checkpointed layer inputs": inputs, **layers_saved, **working, **contexts, **held, **fused_pair}
+              "checkpointed layer inputs": inputs, **layers_saved, **working, **contexts, **fused_pair}
     hq = arch.heads * arch.head_dim
     if not run.flash:  # SDPA: K/V repeated to every query head, and their gradient, in the recomputed layer
         update["SDPA repeated K/V and their gradient"] = run.micro_batch * (prefix_tokens(run) + run.output_tokens) * 4 * hq * b
@@ -265,7 +256,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     head_grad_bytes = (b if run.sharded else 4) * arch.vocab * arch.hidden
     head_phase = {**static, **kept(keep_fwd or keep_bwd), **held_grads,
                   "head weight gradient + one chunk's": 2 * head_grad_bytes, "checkpointed layer inputs": inputs,
-                  **saved, "log-prob head chunk": head, **contexts, **held}
+                  **saved, "log-prob head chunk": head, **contexts}
     # the contexts' own backward, after the last micro-batch: one recomputed layer over all context tokens
     context_phase = {**static, **kept(keep_bwd), **held_grads,
                      "BiCC contexts (inputs, K/V, K/V gradient)": contexts and sum(contexts.values()),

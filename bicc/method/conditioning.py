@@ -80,12 +80,12 @@ def fair_shares(lengths: list[int], budget: int) -> list[int]:
     == budget whenever the items want more than it."""
     shares = [0] * len(lengths)
     remaining, left = budget, len(lengths)
-    for rank, i in enumerate(sorted(range(len(lengths)), key=lambda j: lengths[j])):
+    for order, i in enumerate(sorted(range(len(lengths)), key=lambda j: lengths[j])):
         share = remaining // left
         if lengths[i] <= share:
             shares[i] = lengths[i]
         else:  # every item from here on wants at least `share`: split the rest evenly, remainder first
-            rest = sorted(range(len(lengths)), key=lambda j: lengths[j])[rank:]
+            rest = sorted(range(len(lengths)), key=lambda j: lengths[j])[order:]
             base, extra = divmod(remaining, left)
             for k, j in enumerate(rest):
                 shares[j] = min(lengths[j], base + (1 if k < extra else 0))

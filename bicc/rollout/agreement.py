@@ -22,7 +22,11 @@ from contextlib import contextmanager
 
 import torch
 
-from bicc.method.losses.tis import sampler_grid
+from bicc.config import StepConfig, corrects, is_level
+from bicc.kernels.batching import logprobs_no_grad
+from bicc.machine.distributed import reshard
+from bicc.method.correction import correct
+from bicc.method.losses.tis import sampler_grid, sampler_logprob_diff
 
 CAUSES = ("a weight push that did not reach the sampler (its version advanced, its weights did not); weights "
           "pushed or read in another dtype than model.dtype; a prefix cache not reset after a push, serving a "
@@ -103,16 +107,6 @@ class WeightVersions:
             swap(params, kept)
 
 
-def reshard(model) -> None:
-    """FSDP2: free every gathered parameter, so that ``model.parameters()`` are this rank's shards again (under
-    ``dist.reshard_after_forward=false`` a forward leaves them gathered, in the compute dtype); else nothing."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
 @torch.no_grad()
 def swap(params: list[torch.Tensor], host: list[torch.Tensor]) -> None:
     """Exchange each parameter's values with its host copy's, holding one tensor's values beside them at a time."""
@@ -151,3 +145,60 @@ class SamplerGate:
             print(f"[rollout] warning: {what}. Likely causes: {CAUSES}. The run stops after "
                   f"train.sampler_mismatch_steps = {self.steps} such steps in a row.", flush=True)
         return None
+
+
+def sampler_correction(ro, plan, on_q, batch, rollout, fresh: bool, step_sum=None):
+    """The sampler against the trainer, both on q (``on_q`` [N, L]: pi_old on q): ``rollout/logprob_diff``,
+    ``rollout/token_prob_ratio`` where ``fresh`` (these weights drew the batch) and, under ``rollout.correction``, the
+    importance weights pi_old / pi_sampler and the rejection of tokens far from the sampler (bicc/method/correction.py).
+    Returns (weights [N, L] or None, metrics, the mask the update trains [N, L] or None: the batch's); nothing when the
+    engine gave no log-probs or they stand for pi_old."""
+    if ro.out.logprobs is None or plan.old_source == "sampler" or on_q is None:
+        return None, {}, None
+    mask, q, device = batch.completion_mask.cpu(), on_q.cpu(), on_q.device
+    metrics = {"rollout/logprob_diff": sampler_logprob_diff(ro.out.logprobs, q, mask)}
+    ratio = token_prob_ratio(ro.out.logprobs, q, mask) if fresh else None
+    if ratio is not None:
+        metrics["rollout/token_prob_ratio"] = ratio
+    if not corrects(rollout):
+        return None, metrics, None
+    sampled, valid = sampler_grid(ro.out.logprobs, q, mask)
+    c = rollout.correction
+    weight, kept, corr_metrics = correct(torch.where(valid, q - sampled, torch.zeros_like(q)), mask, is_level(rollout),
+                                         c.rollout_is_threshold, c.rollout_is_batch_normalize, c.rollout_rs,
+                                         c.rollout_rs_threshold, step_sum)
+    metrics.update(corr_metrics)
+    return (None if weight is None else weight.to(device)), metrics, (kept.to(device) if c.rollout_rs else None)
+
+
+def read_at(step: int, every: int | None, async_steps: int) -> bool:
+    """Whether ``step`` measures ``rollout/token_prob_ratio`` (``train.sampler_check_every``, null resolved)."""
+    every = check_every(every, async_steps)
+    return bool(every) and step % every == 0
+
+
+def agreement_checked(s, train, ro, plan, async_steps: int = 0) -> bool:
+    """Whether this step measures ``rollout/token_prob_ratio`` (``bicc.rollout.agreement``); under rollout workers,
+    the first step keeps the weights the workers started from where a later step reads them (its own batch is drawn
+    by the weights it trains: measured at no cost)."""
+    if s.workers is not None and s.versions is None:
+        s.versions = WeightVersions()
+        if any(read_at(t, train.sampler_check_every, async_steps) for t in range(s.step + 1, s.step + async_steps + 1)):
+            s.versions.keep(s.model, s.step)
+    return read_at(s.step, train.sampler_check_every, async_steps) and ro.out.logprobs is not None \
+        and plan.old_source != "sampler"
+
+
+def agreement_at_version(s, cfg: StepConfig, ro, plain, batch) -> dict:
+    """``rollout/token_prob_ratio`` of a batch drawn by an older weight version, scored by the trainer at that
+    version's kept parameters (one no-grad pass on q); {} for a version not kept (drawn before a resume)."""
+    if s.versions is None or ro.version not in s.versions.kept:
+        return {}
+    with s.versions.at(s.model, ro.version):
+        then = logprobs_no_grad(s.model, plain, len(ro.out.completion_ids), cfg.train.micro_batch_size,
+                                cfg.rollout.temperature, s.ranks, cfg.train.micro_batch_tokens)
+    N = cfg.rollout.async_steps  # the version the workers started from is read by the N steps after this one too
+    s.versions.forget(ro.version, any(read_at(t, cfg.train.sampler_check_every, N)
+                                      for t in range(s.step + 1, ro.version + N + 1)))
+    ratio = token_prob_ratio(ro.out.logprobs, then, batch.completion_mask)
+    return {} if ratio is None else {"rollout/token_prob_ratio": ratio}

@@ -252,3 +252,15 @@ def _fitting_problems(task, tokenizer, plan: Collection, cursor: DataCursor, wan
         else:
             skipped += 1
     return [p for p, _ in kept], [ids for _, ids in kept], skipped
+
+
+def rollout_metrics(ro, batch, group_size: int) -> dict:
+    lengths = batch.completion_mask.sum(-1).float()
+    return {"reward/accuracy": ro.correct.mean().item(), "reward/mean": ro.rewards.mean().item(),
+            "rollout/response_len": lengths.mean().item(),
+            "rollout/truncated_share": 1 - sum(ro.out.finished) / len(ro.out.finished),
+            "rollout/prompts_drawn": ro.prompts_drawn, "rollout/generate_rounds": ro.rounds,
+            "rollout/prompts_over_length": float(ro.prompts_over_length),
+            "rollout/groups": len(ro.correct) // group_size,
+            **{f"reward/{name}": float(v.sum() if name == "scoring_errors" else v.mean())
+               for name, v in ro.reward_parts.items()}}

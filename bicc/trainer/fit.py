@@ -48,7 +48,7 @@ def run_of(cfg: StepConfig, model_cfg, eval_cfg, dist_cfg, world: int, sharded: 
     from bicc.machine.distributed import DTYPES
     from bicc.model.load import resolve_attn_implementation
     from bicc.rollout import ENGINES
-    from bicc.trainer.plan import StepPlan
+    from bicc.trainer.plan import StepPlan, loads_reference
 
     r, t, e = cfg.rollout, cfg.train, eval_cfg
     compute = DTYPES[dist_cfg.param_dtype] if sharded and dist_cfg.param_dtype else DTYPES[model_cfg.dtype]
@@ -57,12 +57,10 @@ def run_of(cfg: StepConfig, model_cfg, eval_cfg, dist_cfg, world: int, sharded: 
     return Run(world=world, micro_batch=t.micro_batch_size, output_tokens=r.max_new_tokens, prompt_tokens=prompt_tokens,
                context_ratio=(cfg.bicc.context_ratio if cfg.bicc.truncate != "none"  # attempts whole: all they hold
                               else context_budget(cfg.bicc, r.max_new_tokens) / r.max_new_tokens), bicc=bool(cfg.bicc.enabled),
-               contexts=max(1, 2 * r.prompts_per_step // world), reference=StepPlan.loads_reference(cfg),
+               contexts=max(1, 2 * r.prompts_per_step // world), reference=loads_reference(cfg),
                chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.gpu_memory_utilization, gpu_gib=gpu_gib,
                compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
-               # where the plan defers (delta on the update's own context, or the sampler's weights from its forward)
-               delta_from_update=plan.delta_from_update or plan.sampler_from_update,
-               no_grad_on_context=any("on x^c" in p and "no grad" in p for p in plan.passes()),
+               no_grad_on_context=any(ctx == "xc" for _, ctx in plan.passes),
                master_bytes=DTYPES[model_cfg.master_dtype].itemsize, sharded=sharded, vllm=engine.reserves_memory_share,
                eval_vllm=engine.reserves_memory_share,
                eval_batch_tokens=e.batch_tokens, eval_new_tokens=e.max_new_tokens,
@@ -111,7 +109,6 @@ def knob(phase: str, run: Run) -> str:
     if phase == "no-grad log-probs":
         return ", ".join(["train.logprob_chunk_tokens", *keep_fwd])
     update = ["train.micro_batch_size or train.micro_batch_tokens, train.logprob_chunk_tokens"]
-    update += ["train.delta_from_update=false"] if run.delta_from_update else []
     update += keep_fwd + (["dist.reshard_after_backward=true"] if run.sharded and not run.reshard_after_backward else [])
     if run.checkpoint_layers is not None:  # layers outside the checkpoint hold their activations
         update.append("model.checkpoint_layers (more layers checkpointed, model.gradient_checkpointing=true)")

@@ -159,7 +159,7 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preempt
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples on {s.dist.world} process(es)")
         every = diag_every(cfg.diag, cfg.rcc)
         extra = f"; every {every} steps the diagnostics add their own" if every else ""
-        print(f"[rl] passes per step: {' -> '.join(s.plan.passes())}{extra}")
+        print(f"[rl] passes per step: {' -> '.join(s.plan.describe())}{extra}")
         print(f"[rl] forwards: {forward_layout(s.model, cfg.bicc, cfg.train)}")
     start, step_cfg, preemption = time.perf_counter(), StepConfig.of(cfg), preemption or Preemption()
     gate = SamplerGate(mismatch_limit(cfg.train.max_sampler_mismatch, cfg.model.dtype), cfg.train.sampler_mismatch_steps)

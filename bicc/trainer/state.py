@@ -12,13 +12,14 @@ from bicc.config import StepConfig
 from bicc.data import build_task
 from bicc.kernels.compile import compile_layers, should_compile
 from bicc.machine import distributed
-from bicc.machine.distributed import DTYPES, BackwardHooks, Dist
+from bicc.machine.distributed import DTYPES, Dist
+from bicc.machine.ranks import Ranks
 from bicc.machine.tracking import PhasePeaks
 from bicc.model.load import compute_copy, end_token_ids, frozen_copy, load_policy
 from bicc.rollout import ENGINES, EngineOptions, build_engine, engine_rows
 from bicc.rollout.collect import Collection, DataCursor
 from bicc.trainer.optim import build_optimizer, warmup_cosine
-from bicc.trainer.plan import StepPlan
+from bicc.trainer.plan import StepPlan, loads_reference
 
 
 @dataclass
@@ -39,7 +40,7 @@ class RLState:
     nonfinite_skips: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm, in total
     nonfinite_streak: int = 0  # ... and in a row, up to now
     dist: Dist = field(default_factory=Dist)
-    backward_hooks: BackwardHooks = field(default_factory=BackwardHooks)  # FSDP2's, from the dist group
+    ranks: Ranks = field(default_factory=Ranks)  # what the step's ranks share (its collectives, FSDP2's hooks)
     end_ids: tuple = ()  # tokens that end an output (stripped from attempts shown in BiCC contexts)
     plan: Any = None  # the step's log-prob plan (bicc.trainer.plan.StepPlan), resolved once from the config
     collection: Optional[Collection] = None  # what a step samples and keeps (bicc.rollout.collect.Collection)
@@ -105,7 +106,7 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     full copy of the policy in the compute dtype; otherwise it samples from the policy itself."""
     model, tokenizer = load_policy(policy_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
     step_cfg = StepConfig.of(cfg)
-    ref_model = frozen_copy(init_path, cfg.model, device) if StepPlan.loads_reference(step_cfg) else None
+    ref_model = frozen_copy(init_path, cfg.model, device) if loads_reference(step_cfg) else None
     sharded_hf = d.enabled and d.strategy == "fsdp2" and ENGINES.get(cfg.rollout.engine).samples_from_module
     sampler = compute_copy(model, cfg.model) if sharded_hf else model
     if should_compile(cfg.model.compile, device):  # the trainer's forwards only (generation stays eager)
@@ -125,7 +126,7 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     engine = build_engine(cfg.rollout.engine, sampler, tokenizer, cfg.rollout, options)
     plan = StepPlan.from_config(step_cfg, sampler_logprobs(cfg.rollout, engine))
     return RLState(model, ref_model=ref_model, tokenizer=tokenizer, engine=engine, optimizer=optimizer, scheduler=scheduler,
-                   task=build_task(cfg.data), init_path=init_path, dist=d, backward_hooks=BackwardHooks.of(cfg.dist),
+                   task=build_task(cfg.data), init_path=init_path, dist=d, ranks=Ranks.of(d, cfg.dist),
                    end_ids=end_ids, plan=plan, collection=Collection.of(cfg.algo, cfg.rollout, cfg.data),
                    peaks=PhasePeaks(device), shards=distributed.local_shards(cfg.rollout, d),
                    num_shards=distributed.num_shards(cfg.rollout, d))

@@ -1,6 +1,7 @@
-"""One RL step, the paper's Algorithm 1 in marked phases: rollout -> reward -> partition/contexts ->
-log-probs (``bicc.trainer.plan``) -> advantages -> loss and optimizer step (``bicc.trainer.update``) -> weight sync -> metrics, on
-the state ``bicc.trainer.state.build_rl_state`` builds. This process's step: what the ranks share after it (every
+"""One RL step, the paper's Algorithm 1 (``bicc.method.reference.algorithm1_step``) in its phases: rollout and
+reward -> partition and contexts -> the no-grad log-probs (``bicc.trainer.plan``) -> advantages -> loss and
+optimizer steps (``bicc.trainer.update``) -> weight sync -> metrics, on the state ``bicc.trainer.state.build_rl_state``
+builds. What the ranks share inside it is ``s.ranks`` (``bicc.machine.ranks``); what they share after it (every
 shard's data position, the metrics' mean) is ``bicc.trainer.loop.step_on_every_rank``'s.
 """
 
@@ -12,45 +13,32 @@ import time
 
 import torch
 
-from bicc.config import StepConfig, is_level
-from bicc.kernels.batching import logprobs_no_grad
+from bicc.config import StepConfig, corrects
+from bicc.kernels.compile import compiled_graphs
 from bicc.kernels.rows import ContextRows, query_rows
-from bicc.machine.distributed import summed_over_ranks
-from bicc.method.advantages import ADVANTAGES, Advantages, advantage_metrics, advantage_name, inputs_of
+from bicc.method.advantages import ADVANTAGES, advantage_metrics, advantage_name, inputs_of
 from bicc.method.conditioning import build_contexts, positives
-from bicc.method.correction import correct
-from bicc.method.diagnostics import (
-    conditioning_weights,
-    delta_by_reward,
-    gradient_variance,
-    sequence_delta,
-    shift_and_delta,
-)
-from bicc.method.losses.tis import sampler_grid, sampler_logprob_diff
+from bicc.method.diagnostics import conditioning_weights, delta_by_reward, gradient_variance, sequence_delta, shift_and_delta
+from bicc.method.losses.tis import sampler_grid
 from bicc.model.logprobs import make_token_batch
-from bicc.rollout.agreement import WeightVersions, check_every, token_prob_ratio
-from bicc.rollout.collect import collect_rollout, step_seed
+from bicc.rollout.agreement import agreement_at_version, agreement_checked, read_at, sampler_correction
+from bicc.rollout.collect import collect_rollout, rollout_metrics, step_seed
 from bicc.rollout.workers import check_staleness
-from bicc.trainer.plan import StepPlan, step_logprobs
+from bicc.trainer.plan import StepPlan, diagnoses, step_logprobs
 from bicc.trainer.samples import sample_rows
 from bicc.trainer.state import RLState, sampler_logprobs
 from bicc.trainer.update import loss_of_rows_fn, update_policy
 
 
 def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
-    t0, graphs = time.perf_counter(), compiled_graphs()
-    device = next(s.model.parameters()).device
+    t0, graphs, device = time.perf_counter(), compiled_graphs(), next(s.model.parameters()).device
     seed, N = step_seed(cfg.seed, s.step), cfg.rollout.async_steps
 
-    # ---- 1-2. rollout and reward: G samples per query, scored (binary, plus shaping), drawn by the weights
-    # after step t-N (async_steps N; 0: pi_old itself). Each process takes its own prompt shards; groups never
-    # span processes. The batch's weight version is checked: none older than N reaches the loss.
+    # ---- 1-2. rollout and reward: G samples per query, scored, drawn by the weights after step t - N (async_steps N;
+    # 0: pi_old itself) on this process's prompt shards; none older than N reaches the loss
     with s.peaks.phase("generate"):
         if s.workers is not None:  # drawn by the rollout workers while the previous steps trained
             ro, async_metrics = s.workers.take(s.step)
-        elif s.collection is None:
-            raise ValueError("RLState.collection is None: build the state with build_rl_state, or set collection="
-                             "bicc.rollout.collect.Collection.of(algo, rollout, data)")
         else:
             ro, async_metrics = collect_rollout(s.engine, s.tokenizer, s.task, s.collection, s.cursor, seed, s.shards,
                                                 s.num_shards), {}
@@ -58,73 +46,62 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
     t_rollout, busy_start = time.perf_counter(), time.monotonic()
     s.engine.sleep()  # vLLM with rollout.sleep on GPU: free its memory until the sync
 
-    # ---- 3. partition and contexts: BiCC conditions the trainable numerator on x^c (the released code's form:
-    # pi_old, the denominator) ----------------------------------------------------------------------------------
+    # ---- 3. partition O+ / O- (algo.partition) and BiCC's contexts x+ = [q; O-], x- = [q; O+]
     positive = functools.partial(positives, ro, cfg.algo.partition, cfg.bicc.reward_threshold)  # O+ [N], one rule
-    batch, plain, on_xc, contexts, bicc_metrics = step_inputs(s, cfg.bicc, cfg.train, ro, positive, device)
+    batch, rows, contexts, bicc_metrics = step_rows(s, cfg.bicc, cfg.train, ro, positive, device)
 
-    # ---- 4. the plan's log-probs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's ----
-    if s.plan is None:  # a state built by hand (build_rl_state resolves it)
-        s.plan = StepPlan.from_config(cfg, sampler_logprobs(cfg.rollout, s.engine))
-    plan = s.plan.at_step(cfg, s.step, ro.out.logprobs is not None, s.sharded)
-    numerator = on_xc if plan.update_context == "xc" else plain  # the rows the update trains
-    checked = agreement_checked(s, cfg.train, ro, plan, cfg.rollout.async_steps)
+    # ---- 4. the no-grad log-probs the plan needs: pi_old (on q; x^c under bicc.old_on_context), pi_ref, delta's
+    s.plan = s.plan or StepPlan.from_config(cfg, sampler_logprobs(cfg.rollout, s.engine))  # (a state built by hand)
+    diagnose = diagnoses(cfg, s.step, s.sharded)  # the gradient-variance diagnostic's steps: delta before the update
+    plan = StepPlan.from_config(cfg, ro.out.logprobs is not None, diagnostics=True) if diagnose else s.plan
+    checked = agreement_checked(s, cfg.train, ro, plan, N)
     sampled = sampled_logprobs(ro, plan, batch, device)
     t_contexts = time.perf_counter()
     with s.peaks.phase("log-probs"):
-        lp = step_logprobs(plan, s.model, s.ref_model, plain, on_xc, sampled, cfg, batch.completion_mask, s.dist)
+        lp = step_logprobs(plan, {"model": s.model, "ref": s.ref_model}, rows, sampled, cfg, s.ranks)
     t_logprobs = time.perf_counter()
+    old, ref = lp.get(("model", plan.old_context)), lp.get(("ref", plan.ref_context))
+    # the sampler against the trainer on q: the tokens came from the sampler, weighted by pi_old / pi_sampler and
+    # those far from it rejected (before the loss), or its gap read as a metric (after the update, from its forward)
     fresh = checked and ro.version == s.step  # drawn by these weights: pi_old on q is the trainer's side
-    step_sum = summed_over_ranks(s.dist)
-    correct_sampler = lambda on_q: sampler_correction(ro, plan, on_q, batch, cfg.rollout, device, fresh,  # noqa: E731
-                                                      step_sum)
-    is_weight, sampler_metrics, kept = (None, {}, None) if plan.sampler_from_update else correct_sampler(lp.on_q)
+    weighted = corrects(cfg.rollout) and ro.out.logprobs is not None and plan.old_source != "sampler"
+    is_weight, sampler_metrics, kept = sampler_correction(ro, plan, lp.get(("model", "q")), batch, cfg.rollout, fresh,
+                                                          s.ranks.sum) if weighted else (None, {}, None)
     trained = batch if kept is None else dataclasses.replace(batch, completion_mask=kept.to(batch.completion_mask.dtype))
     if checked and not fresh:  # drawn by older weights (rollout workers): scored at those, kept for it
-        sampler_metrics.update(agreement_at_version(s, cfg, ro, plain, batch))
+        sampler_metrics.update(agreement_at_version(s, cfg, ro, rows["q"], batch))
 
-    # ---- 5. advantages; RCC corrects them by Cov(r, delta) and replaces the variant's own ----------
+    # ---- 5. advantages: the variant's own, or RCC's A_i = r_i - mean r - 2 Cov(r, delta), delta_i = log pi_theta_old(
+    # o_i | x^c or q) - log pi_ref(o_i | q)
+    delta = None if plan.delta is None else sequence_delta(lp[("model", plan.delta)], lp[("ref", "q")],
+                                                           batch.completion_mask, cfg.rcc.delta).cpu()
     estimator = ADVANTAGES.get(advantage_name(cfg.algo, cfg.rcc))
-    inputs = inputs_of(estimator, ro, trained.completion_mask.sum(-1).cpu(), step_sum, positive)  # what it reads
-
-    def advantages(delta_logp) -> Advantages:
-        """The step's advantages from delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step):
-        delta_i = log pi_theta(o_i | x^c or q) - log pi_ref(o_i | q), theta = theta_old here."""
-        delta = None if delta_logp is None else sequence_delta(delta_logp, lp.ref, batch.completion_mask, cfg.rcc.delta).cpu()
-        values, metrics = estimator(ro.rewards, ro.group_ids, delta, cfg.algo, **inputs)
-        return Advantages(values.to(device), delta, metrics)
-
-    diag_record, diag_metrics = {}, {}
+    inputs = inputs_of(estimator, ro, trained.completion_mask.sum(-1).cpu(), s.ranks.sum, positive)  # what it reads
+    adv, adv_metrics = estimator(ro.rewards, ro.group_ids, delta, cfg.algo, **inputs)
+    adv = adv.to(device)
+    numerator = rows[plan.update_context]  # the rows the update trains
     t_diagnostics = time.perf_counter()
-    if plan.diagnostics:  # never with delta_from_update: lp.delta is delta's log-probs
-        diag_metrics, diag_record = step_diagnostics(s, cfg, trained, numerator, ro, lp, advantages(lp.delta), is_weight,
-                                                     seed)
+    if diagnose:  # measured without changing the update: gradients are cleared before it
+        adv_metrics.update(step_diagnostics(s, cfg, trained, numerator, ro, old, ref, adv, delta, is_weight, seed))
     diagnostics_s = time.perf_counter() - t_diagnostics
 
-    # ---- 6. loss and optimizer step(s); the advantages are computed inside, on lp.delta or (under
-    # plan.delta_from_update) on the update's own first forward -----------------------------------
-    sampler_fn = correct_sampler if plan.sampler_from_update else None
+    # ---- 6. loss and optimizer step(s) on rho = pi_theta(o | x^c) / pi_old(o | q), normalised over the step
     with s.peaks.phase("update"):
-        update_metrics, first_pass_log_ratio, adv = update_policy(s, trained, numerator, lp.old, lp.kl_ref, advantages,
-                                                                  cfg, seed, is_weight, delta_logp=lp.delta,
-                                                                  delta_from_update=plan.delta_from_update,
-                                                                  sampler_fn=sampler_fn)
-    adv_metrics = {**adv.metrics, **diag_metrics, **advantage_metrics(adv.values.cpu(), ro.rewards, ro.group_ids)}
+        update_metrics, first = update_policy(s, trained, numerator, old, ref, adv, cfg, seed, is_weight)
     t_update = time.perf_counter()
-    if contexts is not None:  # log w: pi_old on x^c vs on q, or (pi_old on q) the update's first pass; over the
-        # tokens the update trains (a rejection's leave it, as they leave the first pass)
-        log_w = first_pass_log_ratio if plan.old_context == "q" else lp.log_w
-        if log_w is not None and kept is not None and plan.old_context != "q":
-            log_w = ((lp.old - lp.on_q) * trained.completion_mask).sum(-1).cpu()
-        if log_w is not None:
-            bicc_metrics.update(conditioning_weights(log_w, contexts.conditioned, ro.correct))
-            bicc_metrics.update(shift_and_delta(log_w, adv.delta, ro.rewards, ro.group_ids, contexts.conditioned))
-
+    at_old = {**{("model", plan.update_context): first}, **lp}  # every log-prob at theta_old this step has
+    if not weighted:
+        sampler_metrics.update(sampler_correction(ro, plan, at_old.get(("model", "q")), batch, cfg.rollout, fresh)[1])
+    on_q, on_xc = at_old.get(("model", "q")), at_old.get(("model", "xc"))
+    if contexts is not None and on_q is not None and on_xc is not None:  # log w = log pi_old(o | x^c) - log pi_old(o | q)
+        log_w = ((on_xc - on_q) * trained.completion_mask).sum(-1).cpu()
+        bicc_metrics.update({**conditioning_weights(log_w, contexts.conditioned, ro.correct),
+                             **shift_and_delta(log_w, delta, ro.rewards, ro.group_ids, contexts.conditioned)})
     if cfg.logger.samples_every and (s.step + 1) % cfg.logger.samples_every == 0:  # rows kept for reading
-        s.samples = sample_rows(s.step + 1, ro, adv.values.cpu(), contexts, s.tokenizer, cfg.logger)
+        s.samples = sample_rows(s.step + 1, ro, adv.cpu(), contexts, s.tokenizer, cfg.logger)
 
-    # ---- 7. weight sync: the rollout engine samples from the updated policy next step; under async_steps the
-    # workers get the weights, version step + 1, and the batch of step + 1 + N is requested (drawn by them) ------
+    # ---- 7. weight sync: the engine samples from the updated policy next step; under async_steps the workers get
+    # the weights, version step + 1, and the batch of step + 1 + N is requested
     if s.workers is not None:
         s.workers.push(s.model, s.step + 1)
         if s.versions is not None and read_at(s.step + 1 + N, cfg.train.sampler_check_every, N):  # the step reading it
@@ -137,37 +114,34 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
         s.engine.update_weights(s.model, s.step + 1)
     s.step += 1
 
-    # ---- 8. metrics ----------------------------------------------------------------------------
+    # ---- 8. metrics
     perf = {"perf/rollout_s": t_rollout - t0, "perf/generate_s": ro.generate_s, "perf/logprob_s": t_logprobs - t_contexts,
-            "perf/no_grad_passes": plan.no_grad_passes(), "perf/diagnostics_s": diagnostics_s,
+            "perf/no_grad_passes": len(plan.passes), "perf/diagnostics_s": diagnostics_s,
             "perf/update_s": t_update - t_logprobs, "perf/update_tokens": float(numerator.tokens),
             "perf/compiled_graphs": float(compiled_graphs() - graphs)}
-    metrics = {**rollout_metrics(ro, batch, cfg.rollout.group_size), **async_metrics, **adv_metrics, **update_metrics,
-               **bicc_metrics, **sampler_metrics, **perf}
-    return step_timing(metrics, batch, t0), diag_record
+    metrics = {**rollout_metrics(ro, batch, cfg.rollout.group_size), **async_metrics, **adv_metrics,
+               **advantage_metrics(adv.cpu(), ro.rewards, ro.group_ids), **update_metrics, **bicc_metrics,
+               **sampler_metrics, **perf}
+    record = {"step": s.step, "delta": delta.tolist(), "correct": ro.correct.tolist(),
+              "grad_var": adv_metrics["rcc/grad_var"]} if diagnose else {}  # for bicc.evaluation.plots
+    return step_timing(metrics, batch, t0), record
 
 
-def compiled_graphs() -> int:
-    """Graphs Dynamo has compiled in this process so far (``model.compile``): one that turns up mid-run is a step
-    that paid for its compilation."""
-    from torch._dynamo.utils import counters
 
-    return int(counters["stats"]["unique_graphs"])
-
-
-def step_inputs(s: RLState, bicc, train, ro, positive, device):
-    """The rollout as rows on q (``query_rows``) and, under BiCC, on x^c (``ContextRows``, the contexts partitioned
-    by ``positive()``, O+ [N]): (batch, plain, on_xc, contexts or None, ``bicc/`` metrics); on_xc is plain with BiCC
-    off."""
+def step_rows(s: RLState, bicc, train, ro, positive, device):
+    """The rollout as a batch and as rows: (batch, {"q": the rows on q (``query_rows``), "xc": on x^c
+    (``ContextRows``, the contexts partitioned by ``positive()``; q's with BiCC off)}, contexts or None, ``bicc/``
+    metrics)."""
     batch = make_token_batch(ro.out.prompt_ids, ro.out.completion_ids, s.tokenizer.pad_token_id).to(device)
     plain = query_rows(batch, ro.out.prompt_ids, ro.out.completion_ids, train.share_prompts,
                        s.tokenizer.pad_token_id, device)
     if not bicc.enabled:
-        return batch, plain, plain, None, {}
+        return batch, {"q": plain, "xc": plain}, None, {}
     contexts = build_contexts(ro.prompts, ro.out.completion_ids, positive(), ro.group_ids, s.tokenizer, bicc,
                               bicc.max_tokens, ro.out.prompt_ids, s.end_ids, s.task.answer_anchors)
     on_xc = ContextRows(contexts, ro.out.completion_ids, batch.completion_len, train, s.tokenizer.pad_token_id, device)
-    return batch, plain, on_xc, contexts, {**contexts.metrics, "bicc/extra_token_share": on_xc.tokens / plain.tokens - 1}
+    return batch, {"q": plain, "xc": on_xc}, contexts, {**contexts.metrics,
+                                                        "bicc/extra_token_share": on_xc.tokens / plain.tokens - 1}
 
 
 def sampled_logprobs(ro, plan, batch, device) -> torch.Tensor | None:
@@ -181,73 +155,9 @@ def sampled_logprobs(ro, plan, batch, device) -> torch.Tensor | None:
     return sampled.to(device)
 
 
-def sampler_correction(ro, plan, on_q, batch, rollout, device, fresh: bool = False, step_sum=None):
-    """The sampler against the trainer, both on q (``on_q`` [N, L]: pi_old on q): ``rollout/logprob_diff``,
-    ``rollout/token_prob_ratio`` where ``fresh`` (these weights drew the batch) and, under ``rollout.correction``, the
-    importance weights pi_old / pi_sampler and the rejection of tokens far from the sampler (tokens were drawn from
-    pi_sampler, not pi_old: bicc/method/correction.py). Returns (weights [N, L] or None, metrics, the mask the update
-    trains [N, L] or None: the batch's); nothing when the engine gave no log-probs or they stand for pi_old."""
-    if ro.out.logprobs is None or plan.old_source == "sampler":
-        return None, {}, None
-    mask, q = batch.completion_mask.cpu(), on_q.cpu()
-    metrics = {"rollout/logprob_diff": sampler_logprob_diff(ro.out.logprobs, q, mask)}
-    ratio = token_prob_ratio(ro.out.logprobs, q, mask) if fresh else None
-    if ratio is not None:
-        metrics["rollout/token_prob_ratio"] = ratio
-    if not plan.tis:
-        return None, metrics, None
-    sampled, valid = sampler_grid(ro.out.logprobs, q, mask)
-    c = rollout.correction
-    weight, kept, corr_metrics = correct(torch.where(valid, q - sampled, torch.zeros_like(q)), mask, is_level(rollout),
-                                         c.rollout_is_threshold, c.rollout_is_batch_normalize, c.rollout_rs,
-                                         c.rollout_rs_threshold, step_sum)
-    metrics.update(corr_metrics)
-    return (None if weight is None else weight.to(device)), metrics, (kept.to(device) if c.rollout_rs else None)
 
 
-def read_at(step: int, every: int | None, async_steps: int) -> bool:
-    """Whether ``step`` measures ``rollout/token_prob_ratio`` (``train.sampler_check_every``, null resolved)."""
-    every = check_every(every, async_steps)
-    return bool(every) and step % every == 0
 
-
-def agreement_checked(s: RLState, train, ro, plan, async_steps: int = 0) -> bool:
-    """Whether this step measures ``rollout/token_prob_ratio`` (``bicc.rollout.agreement``); under rollout workers,
-    the first step keeps the weights the workers started from where a later step reads them (its own batch is drawn
-    by the weights it trains: measured at no cost)."""
-    if s.workers is not None and s.versions is None:
-        s.versions = WeightVersions()
-        if any(read_at(t, train.sampler_check_every, async_steps) for t in range(s.step + 1, s.step + async_steps + 1)):
-            s.versions.keep(s.model, s.step)
-    return read_at(s.step, train.sampler_check_every, async_steps) and ro.out.logprobs is not None \
-        and plan.old_source != "sampler"
-
-
-def agreement_at_version(s: RLState, cfg: StepConfig, ro, plain, batch) -> dict:
-    """``rollout/token_prob_ratio`` of a batch drawn by an older weight version, scored by the trainer at that
-    version's kept parameters (one no-grad pass on q); {} for a version not kept (drawn before a resume)."""
-    if s.versions is None or ro.version not in s.versions.kept:
-        return {}
-    with s.versions.at(s.model, ro.version):
-        then = logprobs_no_grad(s.model, plain, len(ro.out.completion_ids), cfg.train.micro_batch_size,
-                                cfg.rollout.temperature, s.dist, cfg.train.micro_batch_tokens)
-    N = cfg.rollout.async_steps  # the version the workers started from is read by the N steps after this one too
-    s.versions.forget(ro.version, any(read_at(t, cfg.train.sampler_check_every, N)
-                                      for t in range(s.step + 1, ro.version + N + 1)))
-    ratio = token_prob_ratio(ro.out.logprobs, then, batch.completion_mask)
-    return {} if ratio is None else {"rollout/token_prob_ratio": ratio}
-
-
-def rollout_metrics(ro, batch, group_size: int) -> dict:
-    lengths = batch.completion_mask.sum(-1).float()
-    return {"reward/accuracy": ro.correct.mean().item(), "reward/mean": ro.rewards.mean().item(),
-            "rollout/response_len": lengths.mean().item(),
-            "rollout/truncated_share": 1 - sum(ro.out.finished) / len(ro.out.finished),
-            "rollout/prompts_drawn": ro.prompts_drawn, "rollout/generate_rounds": ro.rounds,
-            "rollout/prompts_over_length": float(ro.prompts_over_length),
-            "rollout/groups": len(ro.correct) // group_size,
-            **{f"reward/{name}": float(v.sum() if name == "scoring_errors" else v.mean())
-               for name, v in ro.reward_parts.items()}}
 
 
 def step_timing(metrics: dict, batch, t0: float) -> dict:
@@ -257,17 +167,15 @@ def step_timing(metrics: dict, batch, t0: float) -> dict:
     return {**metrics, "perf/step_s": seconds, "perf/tokens_per_s": float(batch.attention_mask.sum()) / seconds}
 
 
-def step_diagnostics(s: RLState, cfg: StepConfig, batch, numerator, ro, lp, adv: Advantages, is_weight, step_seed: int):
-    """RCC's diagnostics on this step's batch (delta by reward, gradient variance over group splits),
-    measured without changing the update: gradients are cleared before it. Returns (metrics, the raw
-    per-sample record for bicc.evaluation.plots)."""
-    metrics, delta = {}, adv.delta
+def step_diagnostics(s: RLState, cfg: StepConfig, batch, numerator, ro, old, ref, adv, delta, is_weight, seed: int):
+    """RCC's diagnostics on this step's batch (delta by reward, gradient variance over group splits; Cov(r, delta)
+    when RCC is off), measured without changing the update: gradients are cleared before it."""
+    metrics = {}
     if not cfg.rcc.enabled:
         _, rcc_metrics = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
         metrics.update({k: v for k, v in rcc_metrics.items() if k.startswith("rcc/")})
-    loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, lp.old, lp.kl_ref, adv.values, cfg, is_weight)
+    loss_of_rows = loss_of_rows_fn(s.model, numerator, batch, old, ref, adv, cfg, is_weight)
     s.model.train()
-    grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(adv.values.device), cfg.diag.splits,
-                                 torch.Generator().manual_seed(step_seed), cfg.train.micro_batch_size)
-    metrics.update({**delta_by_reward(delta, ro.correct), "rcc/grad_var": grad_var})
-    return metrics, {"step": s.step + 1, "delta": delta.tolist(), "correct": ro.correct.tolist(), "grad_var": grad_var}
+    grad_var = gradient_variance(s.model, loss_of_rows, ro.group_ids.to(adv.device), cfg.diag.splits,
+                                 torch.Generator().manual_seed(seed), cfg.train.micro_batch_size)
+    return {**metrics, **delta_by_reward(delta, ro.correct), "rcc/grad_var": grad_var}

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from bicc.method.advantages import Advantages
 from bicc.method.correction import correct
 from bicc.method.losses import LOSSES, StepTotals
 from bicc.method.losses.tis import sampler_grid
@@ -116,14 +115,14 @@ def test_update_policy_applies_the_weights():
         a = adv.clone()
         if name == "row0_off":
             weight[0] = 0.0
-        metrics, _, _ = update_policy(state, batch, plain, old, None, Advantages.given(a), cfg, 0, is_weight=weight)
+        metrics, _ = update_policy(state, batch, plain, old, None, a, cfg, 0, is_weight=weight)
         losses[name] = metrics["train/loss"]
         params[name] = {k: v.detach().clone() for k, v in state.model.state_dict().items()}
     assert losses["two"] == pytest.approx(2 * losses["none"], rel=1e-6) and losses["none"] != 0
     state, batch, cfg = guard_setup()  # row 0's advantage zeroed instead of its weight: the same update
     plain = QueryRows(batch)
     old = logprobs_no_grad(state.model, plain, 4, 4, 1.0)
-    update_policy(state, batch, plain, old, None, Advantages.given(torch.tensor([0.0, -0.5, -0.25, 0.5])), cfg, 0)
+    update_policy(state, batch, plain, old, None, torch.tensor([0.0, -0.5, -0.25, 0.5]), cfg, 0)
     for k, v in state.model.state_dict().items():
         torch.testing.assert_close(v, params["row0_off"][k], atol=1e-7, rtol=0)
     assert any(not torch.equal(params["row0_off"][k], params["none"][k]) for k in params["none"])

@@ -23,33 +23,11 @@ estimator is one module (and its conf/algo YAML).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional
-
 import torch
 
 from bicc.registry import Registry
 
 ADVANTAGES: Registry = Registry("advantage estimator")
-
-
-@dataclass
-class Advantages:
-    """One step's advantages [N], RCC's per-sample delta [N] they were computed from (None: none), and the
-    estimator's metrics."""
-
-    values: torch.Tensor
-    delta: Optional[torch.Tensor] = None
-    metrics: dict = field(default_factory=dict)
-
-    @staticmethod
-    def given(values: torch.Tensor) -> "AdvantageFn":
-        """An advantage function that ignores delta's log-probs and returns ``values`` (fixed advantages)."""
-        return lambda delta_logp: Advantages(values)
-
-
-# delta's log pi_theta_old(o | x^c or q) [N, L] (None: no delta this step) -> the step's advantages
-AdvantageFn = Callable[[Optional[torch.Tensor]], Advantages]
 
 
 def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
