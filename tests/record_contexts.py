@@ -9,19 +9,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import bicc.trainer.step as step  # noqa: E402
+import bicc.kernels.rows as rows  # noqa: E402
 
 read: dict[int, list[str]] = {}
-ContextRows = step.ContextRows
+ContextRows = rows.ContextRows
 
 
 def recording(contexts, *args, **kwargs):
-    state = sys._getframe(1).f_locals["s"]  # step_rows(s, ...): the step being built is s.step + 1
+    if sys._getframe(1).f_code.co_name != "step_rows":  # the rows on q (train.share_prompts), not on x^c
+        return ContextRows(contexts, *args, **kwargs)
+    state = sys._getframe(2).f_locals["s"]  # rl_step(s, ...) through step_rows: the step being built is s.step + 1
     read[state.step + 1] = [state.tokenizer.decode(ids) for ids in contexts.prompt_ids]
     run_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("hydra.run.dir="))
     Path(run_dir, "contexts_read.json").write_text(json.dumps(read))
     return ContextRows(contexts, *args, **kwargs)
 
 
-step.ContextRows = recording
+rows.ContextRows = recording
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

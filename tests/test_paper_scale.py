@@ -169,23 +169,25 @@ class Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("helper", ["global_totals", "all_reduce_sum", "global_max"])
+@pytest.mark.parametrize("helper", ["totals", "sum_value", "micro_batches"])
 def test_collectives_take_tensors_on_the_groups_device(monkeypatch, helper):
-    """NCCL has no CPU path: a CPU tensor reduced on an NCCL group crashes the first update. The helpers
-    put their tensors on ``Dist.device``; a stand-in group checks it (a meta device plays the GPU)."""
+    """NCCL has no CPU path: a CPU tensor reduced on an NCCL group crashes the first update. The step's collectives
+    (``Ranks``) put their tensors on ``Dist.device``; a stand-in group checks it (a meta device plays the GPU)."""
+    from bicc.machine import ranks
     seen = []
 
     def all_reduce(tensor, *args, **kwargs):
         seen.append(tensor.device)
         raise Stop
 
-    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(ranks.collective, "all_reduce", all_reduce)
+    monkeypatch.setattr(ranks, "is_sharded", lambda model: True)
     d = Dist(rank=0, world=2, strategy="fsdp2", device="meta")
     from bicc.method.losses import StepTotals
 
-    call = {"global_totals": lambda: distributed.global_totals(StepTotals(3.0, 1.0, 8.0), d),
-            "all_reduce_sum": lambda: distributed.all_reduce_sum(1.0, d),
-            "global_max": lambda: distributed.global_max(2, d)}[helper]
+    on = ranks.Ranks(d)
+    call = {"totals": lambda: on.totals(StepTotals(3.0, 1.0, 8.0)), "sum_value": lambda: on.sum_value(1.0),
+            "micro_batches": lambda: on.micro_batches([torch.arange(2)], None)}[helper]
     with pytest.raises(Stop):
         call()
     assert seen == [torch.device("meta")]

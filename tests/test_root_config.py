@@ -121,7 +121,7 @@ def test_the_steps_body_names_no_rank_and_no_collective():
 def test_fsdps_hooks_live_in_one_named_place():
     users = {p.relative_to(ROOT).as_posix() for p in library_files()
              if any(h in p.read_text() for h in FSDP_HOOKS)}
-    assert users == {"bicc/machine/distributed.py"}, users
+    assert users == {"bicc/machine/ranks.py"}, users
 
 
 def test_no_engine_is_named_outside_its_own_module():

@@ -29,19 +29,17 @@ def test_the_cosine_spans_steps_times_epochs_times_minibatches(tmp_path):
 def test_the_state_carries_the_runs_backward_hooks_and_collection_rule(tmp_path):
     """What the step takes from the state rather than the run config: FSDP2's backward hooks from the dist group
     (the update calls them; ``tests/test_update.py`` holds when) and the collection rule from algo, rollout and data."""
-    from bicc.machine.distributed import BackwardHooks
     from bicc.machine.ranks import Ranks
     from bicc.rollout.collect import Collection
 
     model, tok = build_tiny(ARCH, seed=0)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    for options, hooks in (([], BackwardHooks(False, False)),
-                           (["dist.reduce_grads=step"], BackwardHooks(True, False)),
-                           (["dist.reshard_after_backward=false", "algo=dapo"], BackwardHooks(False, True))):
+    for options, hooks in (([], (False, False)), (["dist.reduce_grads=step"], (True, False)),
+                           (["dist.reshard_after_backward=false", "algo=dapo"], (False, True))):
         cfg = compose_cfg(["rcc=off", *options])
         s = build_rl_state(cfg, str(tmp_path), str(tmp_path), torch.device("cpu"))
-        assert s.ranks == Ranks(s.dist, hooks)
+        assert s.ranks == Ranks(s.dist, *hooks)
         assert s.collection == Collection.of(cfg.algo, cfg.rollout, cfg.data)
         assert s.collection.dynamic_sampling == ("algo=dapo" in options)
 

@@ -210,7 +210,7 @@ def test_old_reference_and_kl_reference_wiring(form):
     ref_xc = logprobs_no_grad(ref, numerator, 4, 4, 1.0)
     assert not torch.allclose(on_q, on_xc)  # the context changes the log-probs: the checks below can fail
     plan = StepPlan.from_config(cfg, False, diagnostics=True)
-    lp = step_logprobs(plan, {"model": policy, "ref": ref}, {"q": plain, "xc": numerator}, None, cfg)
+    lp = step_logprobs(plan, {"model": policy, "ref": ref}, {"q": plain, "xc": numerator}, None, batch.completion_mask, cfg)
     torch.testing.assert_close(lp["model", "q"], on_q)
     torch.testing.assert_close(lp["ref", "q"], ref_q)  # RCC's delta: pi_ref on q in every form
     old, kl_ref = lp["model", plan.old_context], lp["ref", plan.ref_context]
@@ -230,7 +230,8 @@ def test_rcc_delta_context(form, context):
     cfg.rcc.delta_context = context
     policy, _ = build_tiny(ARCH, seed=0)
     plan = StepPlan.from_config(cfg, False)
-    got = step_logprobs(plan, {"model": policy, "ref": None}, {"q": plain, "xc": numerator}, None, cfg)["model", plan.delta]
+    lp = step_logprobs(plan, {"model": policy, "ref": None}, {"q": plain, "xc": numerator}, None, batch.completion_mask, cfg)
+    got = lp["model", plan.delta]
     expected = logprobs_no_grad(policy, plain if context == "q" else numerator, 4, 4, 1.0)
     torch.testing.assert_close(got, expected)
 
@@ -298,14 +299,14 @@ def test_first_pass_log_ratio_is_each_row_before_any_update():
 
 @pytest.mark.parametrize("share", [False, True], ids=["one-row-per-output", "kv-reuse"])
 @pytest.mark.parametrize("field, hook, default, option", [
-    ("dist.reduce_grads", "reduce_after_backward", "micro_batch", "step"),
-    ("dist.reshard_after_backward", "reshard_after_backward", "true", "false")], ids=["reduce", "reshard"])
+    ("dist.reduce_grads", "set_requires_gradient_sync", "micro_batch", "step"),
+    ("dist.reshard_after_backward", "set_reshard_after_backward", "true", "false")], ids=["reduce", "reshard"])
 def test_fsdp2_options_act_in_a_minibatch_last_backward_only(share, field, hook, default, option, monkeypatch):
     """``dist.reduce_grads=step`` / ``dist.reshard_after_backward=false``: FSDP2 is told to reduce the gradients /
     free the gathered weights in a minibatch's last backward only: its last micro-batch's, or under KV reuse the
     prompts' prefix backward on leaving the contexts (then every micro-batch's is off). The default never touches
     the setting. (Two ranks against one process: ``tests/test_distributed.py``.)"""
-    import bicc.machine.distributed
+    import bicc.machine.ranks
     from bicc.kernels.batching import micro_batches
     from bicc.kernels.rows import query_rows
     from bicc.machine.distributed import Dist
@@ -316,10 +317,11 @@ def test_fsdp2_options_act_in_a_minibatch_last_backward_only(share, field, hook,
     numerator = query_rows(batch, prompts, completions, share, 0, torch.device("cpu"))
     adv = torch.linspace(-1.5, 1.5, 12, dtype=torch.float64)
     calls = []
-    monkeypatch.setattr(bicc.machine.distributed, hook, lambda model, on: calls.append(on))
+    monkeypatch.setattr(bicc.machine.ranks, "is_sharded", lambda model: True)  # FSDP2's methods stand in below
     for setting in (default, option):
         cfg = compose_cfg(["train.micro_batch_size=4", "rollout.max_new_tokens=12", f"{field}={setting}"])
         model = build_tiny(ARCH, seed=0)[0].double()
+        setattr(model, hook, calls.append)
         state = sgd_state(model)
         state.ranks = Ranks.of(Dist(), cfg.dist)  # as build_rl_state sets them from the dist group
         update_policy(state, batch, numerator, None, None, adv, cfg, step_seed=0)

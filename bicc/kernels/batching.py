@@ -91,8 +91,8 @@ def micro_batches(rows: torch.Tensor, inputs, size: int, tokens: int, model, ran
     """``rows`` cut into micro-batches (fixed, or by length under ``train.micro_batch_tokens``, on real tokens where
     ``inputs`` go padding-free), as many on every rank as ``ranks`` needs (``Ranks.micro_batches``: the extra ones
     empty, no-op forwards)."""
-    return ranks.micro_batches(plan_micro_batches(rows, inputs.lengths, size, tokens,
-                                                  ragged=inputs.kv and padding_free(model)), model)
+    plan = plan_micro_batches(rows, inputs.lengths, size, tokens, ragged=inputs.kv and padding_free(model))
+    return ranks.micro_batches(plan, model)
 
 
 @torch.no_grad()

@@ -58,6 +58,15 @@ def trimmed_logprobs(model, batch: TokenBatch, temperature: float, with_entropy:
     return to_grid(logp, part.completion_mask, length), to_grid(entropy, part.completion_mask, length)
 
 
+def step_rows(batch: TokenBatch, out, contexts: ConditionedPrompts | None, train, pad_id: int) -> dict:
+    """The rows a step's passes read: {"q": on q (``query_rows``), "xc": on x^c (``ContextRows`` over ``contexts``; q's
+    with BiCC off)}. ``out``: the rollout's ``RolloutOutput``; ``train``: what ``Packing`` reads."""
+    device = batch.input_ids.device
+    plain = query_rows(batch, out.prompt_ids, out.completion_ids, train.share_prompts, pad_id, device)
+    return {"q": plain, "xc": plain if contexts is None else ContextRows(contexts, out.completion_ids, batch.completion_len,
+                                                                         train, pad_id, device)}
+
+
 def query_rows(batch: TokenBatch, prompt_ids: list[list[int]], completion_ids: list[list[int]], share: bool,
                pad_id: int, device: torch.device):
     """The rows on q. ``share`` (``train.share_prompts``): each distinct prompt is computed once per step and its

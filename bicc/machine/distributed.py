@@ -1,5 +1,5 @@
-"""Training on several processes under ``torchrun``: process group, FSDP2 or DDP, global loss totals,
-prompt shards, and checkpoints of a sharded model.
+"""Training on several processes under ``torchrun``: process group, FSDP2 or DDP, prompt shards, and checkpoints of
+a sharded model (what the ranks share inside a step: ``bicc.machine.ranks``).
 
 A process started without torchrun leaves everything as it is: ``Dist()`` is rank 0 of 1 and every helper here
 is then the identity. Under torchrun every process joins the process group, one process included
@@ -10,7 +10,7 @@ code.
 How a step is split. The ``rollout.shards`` slices of each step's queries are sampled with their own
 seeds (``bicc.rollout.collect.collect_rollout``); rank r takes shards ``r*S/W .. (r+1)*S/W - 1``. A whole group
 stays on one rank, so advantages, BiCC contexts and RCC's covariance never need another rank. Losses are
-normalised by totals summed over all ranks (``global_totals``), and gradients are summed, so one process
+normalised by totals summed over all ranks (``bicc.machine.ranks.Ranks``), and gradients are summed, so one process
 running the same shards one after another computes the same update (``tests/test_distributed.py``).
 
 Strategies (``dist.strategy``):
@@ -155,107 +155,12 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def global_totals(totals, d: Dist):
-    """``StepTotals`` summed over ranks (tokens, sequences); ``max_len`` is a setting, not a count."""
-    if not d.enabled:
-        return totals
-    t = torch.tensor([totals.tokens, totals.seqs], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t)
-    tokens, seqs = t.tolist()
-    return type(totals)(tokens=tokens, seqs=seqs, max_len=totals.max_len)
-
-
-def global_max(value: int, d: Dist) -> int:
-    """The largest ``value`` over ranks: how many forwards every rank runs when under FSDP2 each forward
-    and backward is a collective and ranks hold different numbers of rows (DAPO's dynamic sampling)."""
-    if not d.enabled:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def loss_scale(d: Dist) -> float:
-    """FSDP2 averages gradients over ranks; losses normalised by global totals need their sum."""
-    return float(d.world) if d.enabled and d.strategy == "fsdp2" else 1.0
-
-
-@dataclass(frozen=True)
-class BackwardHooks:
-    """FSDP2's hooks around a minibatch's backwards, in one place: with ``dist.reduce_grads=step`` the gradients are
-    reduced and, with ``dist.reshard_after_backward=false``, the gathered weights freed in the minibatch's last
-    backward only (kept gathered past it, they would be the weights before its optimizer step). Unsharded, or with
-    FSDP2's defaults, nothing is touched. The update calls ``before(model, last)`` before each backward."""
-
-    reduce_once: bool = False  # dist.reduce_grads=step
-    keep_gathered: bool = False  # dist.reshard_after_backward=false
-
-    @classmethod
-    def of(cls, dist_cfg) -> "BackwardHooks":
-        return cls(dist_cfg.reduce_grads == "step", not dist_cfg.reshard_after_backward)
-
-    def before(self, model, last: bool) -> None:
-        """Before a backward of ``model``; ``last``: the minibatch's last one."""
-        if self.reduce_once:
-            reduce_after_backward(model, last)
-        if self.keep_gathered:
-            reshard_after_backward(model, last)
-
-
 def reshard(model) -> None:
     """FSDP2: free every gathered parameter, so that ``model.parameters()`` are this rank's shards again (under
     ``dist.reshard_after_forward=false`` a forward leaves them gathered, in the compute dtype); else nothing."""
     for module in model.modules():
         if is_sharded(module):
             module.reshard()
-
-
-def reduce_after_backward(model, on: bool) -> None:
-    """FSDP2 (``dist.reduce_grads=step``): whether the next backwards reduce-scatter the gradients (on) or
-    accumulate them unreduced for a later one (off); a no-op unsharded."""
-    if is_sharded(model):
-        model.set_requires_gradient_sync(on)
-
-
-def reshard_after_backward(model, on: bool) -> None:
-    """FSDP2 (``dist.reshard_after_backward=false``): whether the next backwards free the gathered parameters
-    (on) or keep them for the next micro-batch's forward (off); a no-op unsharded."""
-    if is_sharded(model):
-        model.set_reshard_after_backward(on)
-
-
-def sync_gradients(model, d: Dist, bucket_numel: int = 1 << 24) -> None:
-    """DDP: sum every gradient over ranks, in flat buckets of at most ``bucket_numel`` elements."""
-    if not d.enabled or d.strategy != "ddp":
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    buckets: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for p in params:
-        if p.grad is None:  # unused on this rank in this step: contributes zero, but must join the sum
-            p.grad = torch.zeros_like(p)
-        if buckets[-1] and size + p.numel() > bucket_numel:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p.grad)
-        size += p.numel()
-    for bucket in buckets:
-        if not bucket:
-            continue
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def all_reduce_sum(value: float, d: Dist) -> float:
-    if not d.enabled:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t)
-    return float(t.item())
 
 
 def broadcast_object(obj, d: Dist):
@@ -310,18 +215,4 @@ def merge_shard_positions(positions: list[int], rollout_cfg, d: Dist) -> list[in
     gathered = all_gather_objects(positions, d)
     per_rank = num_shards(rollout_cfg, d) // d.world
     return [gathered[shard // per_rank][shard] for shard in range(len(positions))]
-
-
-def summed_over_ranks(d: Dist):
-    """A function summing a CPU tensor over every rank (the identity in one process): what a statistic over the
-    whole step's outputs needs when each rank holds its shards (``bicc.method.advantages``, ``reads``)."""
-    if not d.enabled:
-        return lambda t: t
-
-    def total(t: torch.Tensor) -> torch.Tensor:
-        out = t.to(d.device, torch.float64)
-        dist.all_reduce(out)
-        return out.cpu()
-
-    return total
 

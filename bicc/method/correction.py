@@ -101,12 +101,14 @@ def correct(log_ratio, mask, level: str, is_threshold, batch_normalize: bool, ro
     """The whole correction of a step: (importance weights [N, L] or None at level ``none``, the mask the update
     trains [N, L], ``rollout_corr/`` metrics). ``log_ratio`` = log pi_old - log pi_sampler (0 where the sampler gave
     none)."""
+    criteria = criteria_of(rollout_rs)  # the settings read first, each parsed once
+    bounds = is_bounds(is_threshold) if level != "none" else None
+    criteria_bounds = rs_bounds(criteria, rs_threshold) if criteria else {}
     weight, metrics = None, {}
     if level != "none":
-        weight, metrics = importance_weights(log_ratio, mask, level, is_bounds(is_threshold), batch_normalize, step_sum)
+        weight, metrics = importance_weights(log_ratio, mask, level, bounds, batch_normalize, step_sum)
     kept = mask.to(log_ratio.dtype)
-    criteria = criteria_of(rollout_rs)
     if criteria:
-        kept, rs_metrics = rejection_mask(log_ratio, mask, criteria, rs_bounds(criteria, rs_threshold))
+        kept, rs_metrics = rejection_mask(log_ratio, mask, criteria, criteria_bounds)
         metrics.update(rs_metrics)
     return weight, kept, metrics

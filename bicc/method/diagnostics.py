@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from bicc.config import StepConfig
 
 
 @torch.no_grad()
@@ -41,15 +45,6 @@ def shift_and_delta(log_w: torch.Tensor, delta: torch.Tensor | None, rewards: to
         denom = (d.norm() * w.norm()).item()
         metrics["rcc/delta_log_w_corr"] = float((d * w).sum().item() / denom) if denom > 0 else 0.0
     return metrics
-
-
-def sequence_delta(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, reduce: str = "sum") -> torch.Tensor:
-    """RCC's delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q) per sequence [N], from per-token
-    log-probs [N, L] on the completion grid: summed over the output's tokens (the paper) or their mean."""
-    diff = ((logp - ref_logp) * mask).sum(-1)
-    if reduce == "mean":
-        diff = diff / mask.sum(-1).clamp(min=1)
-    return diff.detach()
 
 
 @torch.no_grad()
@@ -123,3 +118,30 @@ def gradient_variance(model, loss_of_rows, group_ids: torch.Tensor, splits: int,
         moments.add([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
     model.zero_grad(set_to_none=True)
     return moments.variances() if absolute else moments.relative_variance()
+
+
+def gradient_diagnostics(model, numerator, batch, old_logp, ref_logp, adv, is_weight, cfg: StepConfig, ro, delta,
+                         seed: int) -> dict:
+    """RCC's diagnostics on a step's batch: delta by reward, the gradient variance of the update's loss
+    (``numerator``'s rows, as ``bicc.trainer.update`` computes it) over ``diag.splits`` group splits and, without RCC,
+    Cov(r, delta). Gradients are cleared before the update."""
+    from bicc.method.advantages import ADVANTAGES
+
+    metrics = {}
+    if not cfg.rcc.enabled:
+        _, rcc_metrics = ADVANTAGES.get("rcc")(ro.rewards, ro.group_ids, delta, cfg.algo)
+        metrics.update({k: v for k, v in rcc_metrics.items() if k.startswith("rcc/")})
+    model.train()
+    loss_of_rows = functools.partial(update_loss, model, numerator, batch, old_logp, ref_logp, adv, is_weight, cfg)
+    grad_var = gradient_variance(model, loss_of_rows, ro.group_ids.to(adv.device), cfg.diag.splits,
+                                 torch.Generator().manual_seed(seed), cfg.train.micro_batch_size)
+    return {**metrics, **delta_by_reward(delta, ro.correct), "rcc/grad_var": grad_var}
+
+
+def update_loss(model, numerator, batch, old_logp, ref_logp, adv, is_weight, cfg: StepConfig, rows, norm_rows):
+    """The update's loss on ``rows`` normalised over ``norm_rows`` (a diagnostic split), differentiable."""
+    from bicc.method.losses import StepTotals, rows_loss
+
+    totals = StepTotals.of(batch.completion_mask[norm_rows], cfg.rollout.max_new_tokens)
+    logp, _ = numerator.logprobs(model, rows, cfg.rollout.temperature)
+    return rows_loss(logp, rows, batch.completion_mask[rows], old_logp, ref_logp, adv, cfg.algo, totals, is_weight)[0]

@@ -15,10 +15,9 @@ import functools
 import torch
 
 from bicc.config import StepConfig, corrects, is_level
-from bicc.method.advantages import ADVANTAGES, inputs_of
+from bicc.method.advantages import ADVANTAGES, inputs_of, sequence_delta
 from bicc.method.conditioning import build_contexts, positives
 from bicc.method.correction import correct
-from bicc.method.diagnostics import sequence_delta
 from bicc.method.losses import LOSSES, StepTotals
 from bicc.method.losses.tis import sampler_grid
 from bicc.model.logprobs import batch_logprobs, make_token_batch

@@ -254,8 +254,9 @@ def _fitting_problems(task, tokenizer, plan: Collection, cursor: DataCursor, wan
     return [p for p, _ in kept], [ids for _, ids in kept], skipped
 
 
-def rollout_metrics(ro, batch, group_size: int) -> dict:
-    lengths = batch.completion_mask.sum(-1).float()
+def rollout_metrics(ro: Rollout, group_size: int) -> dict:
+    """``reward/`` and ``rollout/`` of a step's rollout, its groups of ``group_size`` outputs."""
+    lengths = torch.tensor([len(c) for c in ro.out.completion_ids], dtype=torch.float32)
     return {"reward/accuracy": ro.correct.mean().item(), "reward/mean": ro.rewards.mean().item(),
             "rollout/response_len": lengths.mean().item(),
             "rollout/truncated_share": 1 - sum(ro.out.finished) / len(ro.out.finished),

@@ -32,7 +32,7 @@ from bicc.rollout.workers import RolloutWorkers
 from bicc.trainer import checkpoint as checkpoints
 from bicc.trainer.banner import describe_choices, forward_layout
 from bicc.trainer.fit import check_workers, launch_check, predicted_run, preemption_check
-from bicc.trainer.samples import write_samples
+from bicc.trainer.samples import sample_rows, write_samples
 from bicc.trainer.sft import config_hash, warm_start
 from bicc.trainer.state import RLState, build_rl_state
 from bicc.trainer.step import rl_step
@@ -170,8 +170,9 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preempt
         step_start = time.perf_counter()
         metrics, diag_record = step_on_every_rank(s, step_cfg)
         step_s = time.perf_counter() - step_start
-        if s.samples and s.dist.is_main:  # the step's rows kept for reading (python -m bicc.trainer.samples)
-            write_samples(run_dir, s.samples, tracker)
+        every = cfg.logger.samples_every
+        if every and s.step % every == 0 and s.samples and s.dist.is_main:  # rows kept for reading
+            write_samples(run_dir, sample_rows(s.step, *s.samples, s.tokenizer, cfg.logger), tracker)
         s.samples = None
         if diag_record and s.dist.is_main:  # raw per-sample values for the delta histograms (bicc.evaluation.plots)
             with open(run_dir / "diagnostics.jsonl", "a", encoding="utf-8") as f:
@@ -196,8 +197,8 @@ def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preempt
                   f"{100 * metrics['bicc/dropped_share']:.0f}% of attempts dropped by the budget "
                   f"bicc.context_ratio x bicc.max_tokens = {context_budget(cfg.bicc)} tokens)")
         out_of_time = cfg.train.time_budget_s and time.perf_counter() - start > cfg.train.time_budget_s
-        out_of_time = bool(distributed.all_reduce_sum(float(bool(out_of_time)), s.dist))  # all stop together
-        preempted = bool(distributed.all_reduce_sum(float(preemption.requested), s.dist))  # any rank's signal
+        out_of_time = bool(s.ranks.sum_value(float(bool(out_of_time))))  # all stop together
+        preempted = bool(s.ranks.sum_value(float(preemption.requested)))  # any rank's signal
         diverged = s.nonfinite_streak >= cfg.train.max_nonfinite_steps
         mismatch = gate.check(metrics.get("rollout/token_prob_ratio"), s.step)  # the ranks' mean: one verdict
         ckpt = run_dir / "checkpoints" / f"step_{s.step}"

@@ -24,9 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from bicc.config import StepConfig, corrects, diag_every
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.machine.ranks import Ranks
+from bicc.method.losses.tis import sampler_grid
 
 NAMES = {"q": "q", "xc": "x^c"}
 
@@ -105,11 +108,17 @@ def loads_reference(cfg: StepConfig) -> bool:
     return reads_reference(cfg.algo) or cfg.rcc.enabled or diag_every(cfg.diag, cfg.rcc) > 0
 
 
-def step_logprobs(plan: StepPlan, models: dict, rows: dict, sampled, cfg: StepConfig, ranks: Ranks = Ranks()) -> dict:
+def step_logprobs(plan: StepPlan, models: dict, rows: dict, sampled, mask, cfg: StepConfig, ranks: Ranks = Ranks()) -> dict:
     """The plan's no-grad passes: {(policy, context): log-probs [N, L]}, zeros past each output. ``models``: "model"
     and "ref" (None: not loaded); ``rows``: the rows on "q" and "xc" (``bicc.kernels.rows``; q's with BiCC off);
-    ``sampled``: the engine's sampling log-probs on the grid, pi_old on q under ``rollout.old_from_sampler``."""
-    out = {("model", "q"): sampled} if plan.old_source == "sampler" else {}
+    ``sampled``: the engine's per-output sampling log-probs, pi_old on q under ``rollout.old_from_sampler``; ``mask``
+    [N, L]: the completion mask."""
+    out = {}
+    if plan.old_source == "sampler":
+        grid, valid = sampler_grid(sampled, torch.zeros(mask.shape), mask.cpu())
+        if not bool(valid[mask.cpu().bool()].all()):
+            raise ValueError("rollout.old_from_sampler: the engine returned no log-prob for some sampled tokens")
+        out["model", "q"] = grid.to(mask.device)
     for policy, ctx in plan.passes:
         if models[policy] is not None and (policy, ctx) not in out:
             out[policy, ctx] = logprobs_no_grad(models[policy], rows[ctx], len(rows[ctx].lengths),

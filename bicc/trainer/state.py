@@ -48,7 +48,7 @@ class RLState:
     workers: Any = None  # the rollout workers under rollout.async_steps (bicc.rollout.workers.RolloutWorkers)
     pending: Optional[dict] = None  # ... and the batches they had drawn, as a checkpoint holds them
     versions: Any = None  # ... and the weights of the versions they draw with (bicc.rollout.agreement.WeightVersions)
-    samples: Optional[list] = None  # the step's rows kept for reading (bicc.trainer.samples), until the loop writes them
+    samples: Optional[tuple] = None  # the last step's rollout, advantages and contexts, until the loop keeps rows of them
     # this process's prompt shards, of how many (``distributed.local_shards``, ``num_shards``): resolved once
     shards: range = range(1)
     num_shards: int = 1

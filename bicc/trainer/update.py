@@ -13,33 +13,9 @@ from bicc.config import StepConfig
 from bicc.kernels.batching import micro_batches
 from bicc.kernels.compiled_loss import loss_function
 from bicc.machine.distributed import full_tensor
-from bicc.method.losses import LOSSES, StepTotals, masked_mean
+from bicc.method.losses import StepTotals, masked_mean, rows_loss
 from bicc.model.logprobs import TokenBatch, on_device
 from bicc.trainer.state import RLState
-
-
-def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, algo, totals, is_weight=None, loss_fn=None):
-    """The loss on ``rows`` (one micro-batch; ``mask`` [n, L]) from their log-probs ``logp`` [n, L] with their
-    graph, normalised by ``totals``: (differentiable loss, its metrics, pi_old [n, L]). ``old_logp`` None: pi_old is
-    this forward, detached (``StepPlan.old_source`` "update"). ``loss_fn``: the registered ``algo.loss`` or its
-    compiled form; None: the registered one. Each [N, ...] tensor is indexed on its own device."""
-    pick = lambda x: None if x is None else x[rows if rows.device == x.device else rows.to(x.device)]  # noqa: E731
-    old = logp.detach() if old_logp is None else pick(old_logp)
-    loss, metrics = (loss_fn or LOSSES.get(algo.loss))(logp, old, pick(ref_logp), pick(adv), mask, algo, totals,
-                                                      is_weight=pick(is_weight))
-    return loss, metrics, old
-
-
-def loss_of_rows_fn(model, numerator, batch: TokenBatch, old_logp, ref_logp, adv, cfg: StepConfig, is_weight=None):
-    """``loss(rows, norm_rows)``: the update's loss on ``rows`` normalised over ``norm_rows`` (a whole minibatch or a
-    diagnostic split), as a differentiable scalar."""
-
-    def loss(rows, norm_rows):
-        totals = StepTotals.of(batch.completion_mask[norm_rows], cfg.rollout.max_new_tokens)
-        logp, _ = numerator.logprobs(model, rows, cfg.rollout.temperature)
-        return rows_loss(logp, rows, batch.completion_mask[rows], old_logp, ref_logp, adv, cfg.algo, totals, is_weight)[0]
-
-    return loss
 
 
 def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_logp, adv: torch.Tensor, cfg: StepConfig,
@@ -49,7 +25,8 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
     (None: this update's first forward, detached) and the loss's pi_ref; ``adv`` [N]; ``is_weight`` [N, L]: the
     sampler correction or None. Returns (metrics, ``first`` [N, L]: each row's log-probs in the first epoch's forward,
     detached: the numerator at theta_old)."""
-    model, ranks, train, T = state.model, state.ranks, cfg.train, cfg.rollout.temperature
+    model, ranks = state.model, state.ranks
+    train, T = cfg.train, cfg.rollout.temperature
     mask = batch.completion_mask
     first = None
     sums: dict[str, torch.Tensor | float] = {}  # summed as they come, on the model's device; read once at the end

@@ -124,6 +124,15 @@ def inputs_of(estimator, ro, lengths: torch.Tensor, step_sum=None, positive=None
     return inputs
 
 
+def sequence_delta(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, reduce: str = "sum") -> torch.Tensor:
+    """RCC's delta_i = log pi_theta(o_i | x^c) - log pi_ref(o_i | q) per sequence [N], from per-token
+    log-probs [N, L] on the completion grid: summed over the output's tokens (the paper) or their mean."""
+    diff = ((logp - ref_logp) * mask).sum(-1)
+    if reduce == "mean":
+        diff = diff / mask.sum(-1).clamp(min=1)
+    return diff.detach()
+
+
 def advantage_name(algo, rcc) -> str:
     """The run's advantage estimator: RCC's (``rcc=on``; ``rcc=std`` its diagnostic form divided by the group's
     std) when RCC is on, else the variant's own (``algo.advantage``)."""
