@@ -17,10 +17,11 @@ def conditioning_weights(log_w: torch.Tensor, conditioned: torch.Tensor, correct
     log w (w itself is a product over tokens and overflows) and the share with w > 1."""
     metrics = {}
     for name, side in (("pos", correct == 1), ("neg", correct != 1)):
-        sel = conditioned & side
+        sel = conditioned.to(log_w.device) & side.to(log_w.device)  # masked, not indexed: static shapes (fake tensors)
         if sel.any():
-            metrics[f"bicc/log_w_{name}"] = log_w[sel].mean().item()
-            metrics[f"bicc/w_gt1_share_{name}"] = (log_w[sel] > 0).float().mean().item()
+            count = sel.sum()
+            metrics[f"bicc/log_w_{name}"] = (torch.where(sel, log_w, 0.0).sum() / count).item()
+            metrics[f"bicc/w_gt1_share_{name}"] = ((sel & (log_w > 0)).sum() / count).item()
     return metrics
 
 
