@@ -195,3 +195,19 @@ def collect_ids(tok, problem):
     from bicc.data import encode_prompt
 
     return encode_prompt(tok, problem.prompt)
+
+
+def test_rollout_metrics_by_hand():
+    """Two groups of two: outputs of 3, 5, 1 and 7 tokens (mean 4), one cut at max_new_tokens; the verdicts 1, 0, 1, 1
+    and a shaped reward below them; a scoring error counted, a reward part averaged."""
+    from bicc.rollout.collect import Rollout, rollout_metrics
+
+    out = RolloutOutput([[1]] * 4, [[5] * 3, [5] * 5, [5], [5] * 7], ["a", "b", "c", "d"], [True, True, False, True])
+    ro = Rollout(out, ["q1", "q1", "q2", "q2"], torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0.5, 0.0, 1.0, 0.5]),
+                 torch.tensor([0, 0, 1, 1]), prompts_drawn=3, rounds=2,
+                 reward_parts={"scoring_errors": torch.tensor([0.0, 1.0, 0.0, 1.0]), "boxed": torch.tensor([1.0, 0, 0, 0])})
+    got = rollout_metrics(ro, group_size=2)
+    assert got == {"reward/accuracy": 0.75, "reward/mean": 0.5, "rollout/response_len": 4.0,
+                   "rollout/truncated_share": 0.25, "rollout/prompts_drawn": 3, "rollout/generate_rounds": 2,
+                   "rollout/prompts_over_length": 0.0, "rollout/groups": 2, "reward/scoring_errors": 2.0,
+                   "reward/boxed": 0.25}

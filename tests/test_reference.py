@@ -92,6 +92,8 @@ COMBINATIONS += [("released", "off", 0.0, 0.0, "xc", f"{RELEASED} algo.overlong_
 COMBINATIONS += [("on", "on", 0.0, 0.0, "q", switch) for switch in
                  ("bicc.context_in=denominator", "bicc.mode=last", "bicc.layout=released", "bicc.mode=last bicc.truncate=none")]
 COMBINATIONS += [("on", "off", 0.0, 0.0, "xc", "algo.advantage=src")]
+# ... and a temperature other than 1: every pass scores the outputs at the sampling temperature
+COMBINATIONS += [(bicc, "on", 0.05, 1.2, "xc", "rollout.temperature=0.7") for bicc in ("off", "on", "stable")]
 # ... and the rollout correction's other forms (tis 1.2 gives the sampler's log-probs, e^{-0.3 sin(i + t)} apart from
 # pi_old's; the overrides after it set the correction): sequence-level weights, IcePop's band normalised over the
 # step, a token rejection, and two criteria chained; a rejected token leaves the loss and every normaliser
