@@ -2,9 +2,8 @@
 
     fn(rewards [N], group_ids [N], delta [N] | None, cfg, **inputs) -> (advantages [N], metrics)
 
-``group_ids`` says which query each sample answers (integers, any order). ``delta`` is RCC's per-sample sequence
-log-prob shift (``sequence_delta``), computed for an estimator that declares ``fn.reads = ("delta",)`` (RCC's own, or
-one's own; ``rcc.delta_context`` and ``rcc.delta`` say how) and None for the others.
+``group_ids`` says which query each sample answers (integers, any order). ``delta`` is the per-sample
+sequence log-prob shift used by reward-confidence correction; estimators that do not use it ignore it.
 Every group needs at least 2 samples: a group-relative advantage of one sample is meaningless.
 
 An estimator declares what else it reads, and the step gives it that alone (``inputs_of``):
@@ -134,11 +133,6 @@ def sequence_delta(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tenso
     return diff.detach()
 
 
-def reads_delta(algo, rcc) -> bool:
-    """Whether the run's estimator (``advantage_name``) reads RCC's delta: the step computes it then."""
-    return "delta" in getattr(ADVANTAGES.get(advantage_name(algo, rcc)), "reads", ())
-
-
 def advantage_name(algo, rcc) -> str:
     """The run's advantage estimator: RCC's (``rcc=on``; ``rcc=std`` its diagnostic form divided by the group's
     std) when RCC is on, else the variant's own (``algo.advantage``)."""
@@ -192,9 +186,6 @@ def rcc_std_advantage(rewards, group_ids, delta, cfg):
     adv, metrics = rcc_advantage(rewards, group_ids, delta, cfg)
     _, std, _ = group_stats(rewards, group_ids)
     return (adv.double() / (std + cfg.adv_eps)).to(rewards.dtype), metrics
-
-
-rcc_advantage.reads = rcc_std_advantage.reads = ("delta",)
 
 
 def _import_all() -> None:
