@@ -109,3 +109,28 @@ def is_level(r) -> str:
 def corrects(r) -> bool:
     """Whether the sampler's tokens are corrected at all: weighted or rejected."""
     return is_level(r) != "none" or bool(r.correction.rollout_rs)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """``rollout.correction`` parsed once: the weights' level and bounds (None at level ``none``), their batch
+    normalisation, the rejection's criteria and each criterion's bounds. Raises ValueError naming what is wrong."""
+
+    level: str
+    bounds: Optional[Bounds]
+    batch_normalize: bool
+    criteria: tuple
+    criteria_bounds: dict
+
+    @classmethod
+    def parse(cls, level: str, is_threshold, batch_normalize: bool, rollout_rs, rs_threshold) -> "Correction":
+        criteria = criteria_of(rollout_rs)
+        return cls(level, is_bounds(is_threshold) if level != "none" else None, bool(batch_normalize), tuple(criteria),
+                   rs_bounds(criteria, rs_threshold) if criteria else {})
+
+    @classmethod
+    def of(cls, r) -> "Correction":
+        """The rollout config ``r``'s correction."""
+        c = r.correction
+        return cls.parse(is_level(r), c.rollout_is_threshold, c.rollout_is_batch_normalize, c.rollout_rs,
+                         c.rollout_rs_threshold)

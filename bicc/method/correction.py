@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from bicc.config.correction import CRITERIA, LEVELS, Bounds, criteria_of, is_bounds, rs_bounds  # noqa: F401
+from bicc.config.correction import CRITERIA, LEVELS, Bounds, Correction, criteria_of, is_bounds, rs_bounds  # noqa: F401
 
 SAFETY_BOUND = 20.0  # exp(+-20): the log-ratio's clamp before any exp, as verl's
 
@@ -98,17 +98,19 @@ def rejection_mask(log_ratio, mask, criteria: list[str], bounds: dict[str, Bound
 
 def correct(log_ratio, mask, level: str, is_threshold, batch_normalize: bool, rollout_rs: str | None, rs_threshold,
             step_sum=None):
+    """``apply`` with the settings as ``rollout.correction`` writes them."""
+    return apply(log_ratio, mask, Correction.parse(level, is_threshold, batch_normalize, rollout_rs, rs_threshold), step_sum)
+
+
+def apply(log_ratio, mask, spec: Correction, step_sum=None):
     """The whole correction of a step: (importance weights [N, L] or None at level ``none``, the mask the update
     trains [N, L], ``rollout_corr/`` metrics). ``log_ratio`` = log pi_old - log pi_sampler (0 where the sampler gave
-    none)."""
-    criteria = criteria_of(rollout_rs)  # the settings read first, each parsed once
-    bounds = is_bounds(is_threshold) if level != "none" else None
-    criteria_bounds = rs_bounds(criteria, rs_threshold) if criteria else {}
+    none); ``spec``: the parsed settings."""
     weight, metrics = None, {}
-    if level != "none":
-        weight, metrics = importance_weights(log_ratio, mask, level, bounds, batch_normalize, step_sum)
+    if spec.level != "none":
+        weight, metrics = importance_weights(log_ratio, mask, spec.level, spec.bounds, spec.batch_normalize, step_sum)
     kept = mask.to(log_ratio.dtype)
-    if criteria:
-        kept, rs_metrics = rejection_mask(log_ratio, mask, criteria, criteria_bounds)
+    if spec.criteria:
+        kept, rs_metrics = rejection_mask(log_ratio, mask, list(spec.criteria), spec.criteria_bounds)
         metrics.update(rs_metrics)
     return weight, kept, metrics

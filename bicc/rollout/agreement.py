@@ -22,10 +22,11 @@ from contextlib import contextmanager
 
 import torch
 
-from bicc.config import StepConfig, corrects, is_level
+from bicc.config import StepConfig, corrects
+from bicc.config.correction import Correction
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.machine.distributed import reshard
-from bicc.method.correction import correct
+from bicc.method.correction import apply
 from bicc.method.losses.tis import sampler_grid, sampler_logprob_diff
 
 CAUSES = ("a weight push that did not reach the sampler (its version advanced, its weights did not); weights "
@@ -162,13 +163,11 @@ def sampler_correction(ro, plan, on_q, batch, rollout, fresh: bool, step_sum=Non
         metrics["rollout/token_prob_ratio"] = ratio
     if not corrects(rollout):
         return None, metrics, None
+    spec = Correction.of(rollout)
     sampled, valid = sampler_grid(ro.out.logprobs, q, mask)
-    c = rollout.correction
-    weight, kept, corr_metrics = correct(torch.where(valid, q - sampled, torch.zeros_like(q)), mask, is_level(rollout),
-                                         c.rollout_is_threshold, c.rollout_is_batch_normalize, c.rollout_rs,
-                                         c.rollout_rs_threshold, step_sum)
+    weight, kept, corr_metrics = apply(torch.where(valid, q - sampled, torch.zeros_like(q)), mask, spec, step_sum)
     metrics.update(corr_metrics)
-    return (None if weight is None else weight.to(device)), metrics, (kept.to(device) if c.rollout_rs else None)
+    return (None if weight is None else weight.to(device)), metrics, (kept.to(device) if spec.criteria else None)
 
 
 def read_at(step: int, every: int | None, async_steps: int) -> bool:
