@@ -47,7 +47,9 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
             totals = ranks.totals(StepTotals.of(mask[mb_rows], cfg.rollout.max_new_tokens))  # over every rank
             state.optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float64, device=mask.device)
+            start = time.perf_counter()
             with numerator.contexts_once(model, mb_rows):  # shared contexts or prompts: once per minibatch
+                timers["forward"] += time.perf_counter() - start  # their forward, on entering
                 plan = micro_batches(mb_rows, numerator, train.micro_batch_size, train.micro_batch_tokens, model, ranks)
                 for i, rows in enumerate(plan):
                     # FSDP2's hooks: the last backward is this micro-batch's, or the contexts' own on leaving them
@@ -58,7 +60,7 @@ def update_policy(state: RLState, batch: TokenBatch, numerator, old_logp, ref_lo
                         continue
                     at = on_device(rows, mask.device)  # sent once, without a sync
                     logp, entropy = numerator.logprobs(model, rows, T, with_entropy=True)
-                    loss, metrics, old = rows_loss(logp, at, mask[at], old_logp, ref_logp, adv, cfg.algo, totals,
+                    loss, metrics = rows_loss(logp, at, mask[at], old_logp, ref_logp, adv, cfg.algo, totals,
                                                    is_weight, loss_fn)
                     if epoch == 0:
                         first = mask.new_zeros(mask.shape, dtype=logp.dtype) if first is None else first

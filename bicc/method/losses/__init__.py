@@ -31,14 +31,14 @@ LOSSES: Registry = Registry("policy loss")
 
 def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, algo, totals, is_weight=None, loss_fn=None):
     """The loss on ``rows`` (one micro-batch; ``mask`` [n, L]) from their log-probs ``logp`` [n, L] with their
-    graph, normalised by ``totals``: (differentiable loss, its metrics, pi_old [n, L]). ``old_logp`` None: pi_old is
+    graph, normalised by ``totals``: (differentiable loss, its metrics). ``old_logp`` None: pi_old is
     this forward, detached (``StepPlan.old_source`` "update"). ``loss_fn``: the registered ``algo.loss`` or its
     compiled form; None: the registered one. Each [N, ...] tensor is indexed on its own device."""
     pick = lambda x: None if x is None else x[rows if rows.device == x.device else rows.to(x.device)]  # noqa: E731
     old = logp.detach() if old_logp is None else pick(old_logp)
     loss, metrics = (loss_fn or LOSSES.get(algo.loss))(logp, old, pick(ref_logp), pick(adv), mask, algo, totals,
                                                       is_weight=pick(is_weight))
-    return loss, metrics, old
+    return loss, metrics
 
 
 def _import_all() -> None:
