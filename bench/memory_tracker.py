@@ -136,7 +136,7 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
         with torch.no_grad():  # FSDP2's lazy init: its persistent all-gather buffers are fake from here on
             model(input_ids=torch.zeros(1, 8, dtype=torch.long))
         ref = None
-        if loads_reference(cfg):  # as bicc.trainer.state.build_rl_state loads it: RCC's delta or a KL term
+        if loads_reference(StepConfig.of(cfg)):  # as bicc.trainer.state.build_rl_state loads it: RCC's delta or a KL term
             previous = torch.get_default_dtype()
             torch.set_default_dtype(DTYPES[cfg.model.dtype])
             ref = Qwen3ForCausalLM(hf_config(arch, layers))

@@ -42,7 +42,7 @@ import time
 import torch
 
 from bench.common import compose_cfg, drawn_lengths
-from bicc.config import TinyArchConfig
+from bicc.config import StepConfig, TinyArchConfig
 from bicc.kernels.rows import QueryRows
 from bicc.machine.host import torch_threads
 from bicc.machine.memory import QWEN3_4B
@@ -179,7 +179,7 @@ def layout_times(rates: dict, train_tokens: float, no_grad_tokens: float, longes
 
 def layouts(mean_len: float, longest: int) -> None:
     cfg = compose_cfg(["experiment=paper_qwen3_4b", "diag.every=0", "bicc=on", "rcc=on"])
-    plan = StepPlan.from_config(cfg, True)
+    plan = StepPlan.from_config(StepConfig.of(cfg), True)
     n = LAYOUT_QUERIES * G
     q_tokens = LAYOUT_QUERIES * PROMPT + n * mean_len
     xc_tokens = LAYOUT_QUERIES * 2 * (PROMPT + int(0.4 * MAX_TOKENS)) + n * mean_len
@@ -227,7 +227,7 @@ def main() -> None:
                             ("BiCC+RCC, Algorithm 1's delta on x^c", ["bicc=on", "rcc=on", "rcc.delta_context=xc"]),
                             ("BiCC+RCC, pi_old from the sampler", ["bicc=on", "rcc=on", "rollout.old_from_sampler=true"])):
         cfg = compose_cfg(["experiment=paper_qwen3_4b", "diag.every=0", *overrides])
-        plan = StepPlan.from_config(cfg, cfg.rollout.old_from_sampler)
+        plan = StepPlan.from_config(StepConfig.of(cfg), cfg.rollout.old_from_sampler)
         phases = step_phases(plan, cost, mean_len, MAX_TOKENS, cfg.train.share_prompts)
         total = totals[name] = sum(phases.values())
         top = max(phases, key=phases.get)

@@ -54,13 +54,14 @@ def test_the_push_bench_measures_both_hand_offs():
 def test_step_model_phases_follow_the_plan():
     from bench.common import compose_cfg
     from bench.step_model import step_phases
+    from bicc.config import StepConfig
     from bicc.trainer.plan import StepPlan
 
     cost = {"forward": 1.0, "forward_backward": 3.0, "decode": 10.0}
-    grpo = step_phases(StepPlan.from_config(compose_cfg(["bicc=off", "rcc=off"]), False), cost, 100.0, 2048)
+    grpo = step_phases(StepPlan.from_config(StepConfig.of(compose_cfg(["bicc=off", "rcc=off"])), False), cost, 100.0, 2048)
     xc = ["bicc=on", "rcc=on", "rcc.delta_context=xc"]  # Algorithm 1's delta: a pass of its own on x^c
-    paper = step_phases(StepPlan.from_config(compose_cfg(xc), False), cost, 100.0, 2048)
-    on_q = step_phases(StepPlan.from_config(compose_cfg(["bicc=on", "rcc=on"]), False), cost, 100.0, 2048)
+    paper = step_phases(StepPlan.from_config(StepConfig.of(compose_cfg(xc)), False), cost, 100.0, 2048)
+    on_q = step_phases(StepPlan.from_config(StepConfig.of(compose_cfg(["bicc=on", "rcc=on"])), False), cost, 100.0, 2048)
     assert list(grpo) == ["rollout", "update"]
     assert len(paper) == 5  # rollout, three no-grad passes, update
     assert list(on_q) == [k for k in paper if "x^c" not in k]  # delta on q: pi_old's own
@@ -68,7 +69,7 @@ def test_step_model_phases_follow_the_plan():
     # once per output; update = (3 + 1) per token (checkpointing replays the forward)
     assert grpo["update"] == (8 * 300 + 64 * 100) * 4.0
     assert paper["pi_ref on q"] == (8 * 300 + 64 * 100) * 1.0
-    plan = StepPlan.from_config(compose_cfg(["bicc=off", "rcc=off"]), False)
+    plan = StepPlan.from_config(StepConfig.of(compose_cfg(["bicc=off", "rcc=off"])), False)
     assert step_phases(plan, cost, 100.0, 2048, share_prompts=False)["update"] == 64 * 400 * 4.0
 
 
@@ -100,6 +101,7 @@ def test_plan_flops_count_each_pass_of_the_plan():
     pi_old and pi_ref on q, then the update on x^c; with delta's own pass, one more forward on x^c."""
     from bench.common import compose_cfg
     from bench.flops import plan_flops, work_flops
+    from bicc.config import StepConfig
     from bicc.model.load import build_tiny
     from bicc.trainer.plan import StepPlan
     from tests.helpers import ARCH, kv_case
@@ -110,7 +112,7 @@ def test_plan_flops_count_each_pass_of_the_plan():
     model, _ = build_tiny(ARCH, seed=0)
     q, xc = work_flops(model, on_q, 1), work_flops(model, on_xc, 1)
     assert q != xc
-    plan = lambda *o: StepPlan.from_config(compose_cfg(list(o)), False)  # noqa: E731
+    plan = lambda *o: StepPlan.from_config(StepConfig.of(compose_cfg(list(o))), False)  # noqa: E731
     assert plan_flops(plan("bicc=off", "rcc=off"), model, on_q, on_xc) == 3 * q
     assert plan_flops(plan("bicc=on", "rcc=on"), model, on_q, on_xc) == 2 * q + 3 * xc  # delta on q: pi_old's
     assert plan_flops(plan("bicc=on", "rcc=on", "rcc.delta_context=xc"), model, on_q, on_xc) == 2 * q + 4 * xc

@@ -46,9 +46,14 @@ from bicc.rollout.hf import HFEngine
 
 
 def centred(rewards, group_ids, delta, cfg):
+    """Centred rewards, less a tenth of RCC's delta: an estimator that reads delta without RCC."""
     groups = int(group_ids.max()) + 1
     mean = torch.zeros(groups, dtype=torch.float64).index_add_(0, group_ids, rewards.double()) / torch.bincount(group_ids)
-    return (rewards.double() - mean[group_ids]).float(), {"adv/centred_calls": 1.0}
+    return (rewards.double() - mean[group_ids] - 0.1 * delta.double()).float(), {
+        "adv/centred_calls": 1.0, "adv/delta_abs_mean": float(delta.abs().mean())}
+
+
+centred.reads = ("delta",)
 
 
 def three_eighths(completion, problem):
@@ -99,14 +104,16 @@ def test_a_variant_of_ones_own_is_a_module_and_a_yaml(tmp_path):
 @pytest.mark.launch
 def test_an_advantage_reward_dataset_and_engine_of_ones_own_need_no_edit_of_the_library(tmp_path):
     """docs/extending.md's right column: an advantage, a reward and an engine in one module of the user's package,
-    and the user's problems as JSONL files, run a ``train.py`` step by name, with no file of the library touched."""
+    and the user's problems as JSONL files, run a ``train.py`` step by name, with no file of the library touched. The
+    advantage reads RCC's delta without RCC (``reads = ("delta",)``): the step computes it for it."""
     package = tmp_path / "src" / "mine"
     package.mkdir(parents=True)
     (package / "parts.py").write_text(textwrap.dedent(OTHERS), encoding="utf-8")
     problems = [{"question": f"{a}+{b}", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
     for name in ("train", "test"):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in problems), encoding="utf-8")
-    args = [*[a for a in SMALL if not a.startswith(("data.reward", "bicc=", "rcc="))], "bicc=off", "rcc=off",
+    args = [*[a for a in SMALL if not a.startswith(("data.reward", "bicc=", "rcc="))], "bicc=on", "rcc=off",
+            "bicc.reward_threshold=0.5",
             "sft.steps=0", "train.steps=1", "data=jsonl", f"data.math.train_source={tmp_path / 'train.jsonl'}",
             f"data.math.test_source={tmp_path / 'test.jsonl'}", "data.math.problem_field=question",
             "data.math.answer_field=solution", "data.reward=mine.parts:three_eighths",
@@ -116,6 +123,7 @@ def test_an_advantage_reward_dataset_and_engine_of_ones_own_need_no_edit_of_the_
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     step = next(r for r in rows if r.get("step") == 1 and "train/loss" in r)
     assert step["adv/centred_calls"] == 1.0 and step["reward/mean"] == 0.375  # the user's advantage and reward
+    assert step["adv/delta_abs_mean"] > 0 and step["perf/no_grad_passes"] == 2  # delta: pi_old and pi_ref on q
     assert step["rollout/prompts_drawn"] >= 1
 
 

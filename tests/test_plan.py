@@ -4,7 +4,7 @@ skips is replaced by the same numbers, and the HF engine's sampling log-probs.""
 import pytest
 import torch
 
-from bicc.config import TinyArchConfig, diag_every
+from bicc.config import StepConfig, TinyArchConfig, diag_every
 from bicc.data import encode_prompt
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import QueryRows
@@ -19,7 +19,7 @@ from tests.helpers import ARCH, rows, state_for
 
 def passes(overrides, sampler=False, diagnostics=False):
     cfg = compose_cfg(overrides)
-    return StepPlan.from_config(cfg, sampler, diagnostics).describe()
+    return StepPlan.from_config(StepConfig.of(cfg), sampler, diagnostics).describe()
 
 
 @pytest.mark.parametrize("overrides, loads", [
@@ -31,7 +31,7 @@ def passes(overrides, sampler=False, diagnostics=False):
     (["bicc=off", "rcc=off", "algo.ratio_denominator=ref"], True),
 ])
 def test_the_run_loads_the_reference_exactly_when_a_step_plan_reads_it(overrides, loads):
-    cfg = compose_cfg(["sft.cache_dir=/tmp/x", *overrides])
+    cfg = StepConfig.of(compose_cfg(["sft.cache_dir=/tmp/x", *overrides]))
     assert loads_reference(cfg) is loads
     plans = [StepPlan.from_config(cfg, False), StepPlan.from_config(cfg, False, diagnostics=True)]
     reads = [any(policy == "ref" for policy, _ in p.passes) for p in plans]
@@ -74,9 +74,9 @@ def test_passes_per_configuration():
 
 def test_plan_errors_name_the_field():
     with pytest.raises(ValueError, match="old_from_sampler.*old_on_context"):
-        StepPlan.from_config(compose_cfg(["bicc=stable", "rollout.old_from_sampler=true"]), True)
+        StepPlan.from_config(StepConfig.of(compose_cfg(["bicc=stable", "rollout.old_from_sampler=true"])), True)
     with pytest.raises(ValueError, match="old_from_sampler needs sampling log-probs"):
-        StepPlan.from_config(compose_cfg(["rollout.old_from_sampler=true"]), False)
+        StepPlan.from_config(StepConfig.of(compose_cfg(["rollout.old_from_sampler=true"])), False)
 
 
 def test_pi_old_from_the_update_forward_gives_the_same_update():

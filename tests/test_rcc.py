@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bicc.config import TinyArchConfig
+from bicc.config import StepConfig, TinyArchConfig
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import ContextRows, Packing, QueryRows
 from bicc.method.advantages import ADVANTAGES, sequence_delta
@@ -100,7 +100,7 @@ def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
     # the paper: delta on x^c, from its own no-grad pass
     cfg = compose_cfg(["bicc=on", "rcc=on", "rcc.delta_context=xc", "train.micro_batch_size=2"])
     models, on = {"model": policy, "ref": ref}, {"q": plain, "xc": numerator}
-    lp = step_logprobs(StepPlan.from_config(cfg, False), models, on, None, batch.completion_mask, cfg)
+    lp = step_logprobs(StepPlan.from_config(StepConfig.of(cfg), False), models, on, None, batch.completion_mask, cfg)
     delta = sequence_delta(lp["model", "xc"], lp["ref", "q"], batch.completion_mask)
     # by hand: each output scored alone after its conditioned prompt (policy) and after q (reference)
     for i, completion in enumerate(completions):
@@ -111,7 +111,7 @@ def test_delta_uses_conditioned_numerator_and_unconditioned_reference():
         assert delta[i].item() == pytest.approx((a - b).item(), abs=1e-4)
     # the plain numerator gives delta on q instead, which differs
     cfg.rcc.delta_context = "q"
-    lp_q = step_logprobs(StepPlan.from_config(cfg, False), models, on, None, batch.completion_mask, cfg)
+    lp_q = step_logprobs(StepPlan.from_config(StepConfig.of(cfg), False), models, on, None, batch.completion_mask, cfg)
     delta_q = sequence_delta(lp_q["model", "q"], lp_q["ref", "q"], batch.completion_mask)
     assert (delta_q - delta).abs().max() > 1e-3
 

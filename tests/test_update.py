@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from bicc.config import StepConfig
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.kernels.rows import ContextRows, QueryRows
 from bicc.method.conditioning import ConditionedPrompts
@@ -82,6 +83,7 @@ FSDP2_ONE_RANK = """
 import sys
 import torch
 from bench.update_vs_bare import fsdp_one_rank
+from bicc.config import StepConfig
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.model.logprobs import make_token_batch
 from bicc.model.load import build_tiny
@@ -209,7 +211,7 @@ def test_old_reference_and_kl_reference_wiring(form):
     ref_q = logprobs_no_grad(ref, plain, 4, 4, 1.0)
     ref_xc = logprobs_no_grad(ref, numerator, 4, 4, 1.0)
     assert not torch.allclose(on_q, on_xc)  # the context changes the log-probs: the checks below can fail
-    plan = StepPlan.from_config(cfg, False, diagnostics=True)
+    plan = StepPlan.from_config(StepConfig.of(cfg), False, diagnostics=True)
     lp = step_logprobs(plan, {"model": policy, "ref": ref}, {"q": plain, "xc": numerator}, None, batch.completion_mask, cfg)
     torch.testing.assert_close(lp["model", "q"], on_q)
     torch.testing.assert_close(lp["ref", "q"], ref_q)  # RCC's delta: pi_ref on q in every form
@@ -229,7 +231,7 @@ def test_rcc_delta_context(form, context):
     cfg, batch, plain, numerator = bicc_setup(form)
     cfg.rcc.delta_context = context
     policy, _ = build_tiny(ARCH, seed=0)
-    plan = StepPlan.from_config(cfg, False)
+    plan = StepPlan.from_config(StepConfig.of(cfg), False)
     lp = step_logprobs(plan, {"model": policy, "ref": None}, {"q": plain, "xc": numerator}, None, batch.completion_mask, cfg)
     got = lp["model", plan.delta]
     expected = logprobs_no_grad(policy, plain if context == "q" else numerator, 4, 4, 1.0)

@@ -82,15 +82,20 @@ class GroupsView:
 
     @classmethod
     def of(cls, run: RunConfig):
-        """The view's groups of a composed run config."""
-        return cls(**{f.name: getattr(run, f.name) for f in dataclasses.fields(cls)})
+        """The view's groups of a composed run config, and what it derives from them (``derived``)."""
+        view = cls(**{f.name: getattr(run, f.name) for f in dataclasses.fields(cls) if f.name not in cls.DERIVED})
+        return dataclasses.replace(view, **view.derived()) if cls.DERIVED else view
+
+    DERIVED: tuple = ()  # fields looked up from the view's groups, not read from the run config
 
 
 @dataclass(frozen=True)
 class StepConfig(GroupsView):
     """What one RL step reads (``bicc.trainer.step.rl_step``, its plan and update, ``bicc.method.reference``): the
     method's groups and the trainer's, typed, and the run's seed. The run loop builds it once (``StepConfig.of``);
-    nothing past the loop sees the model, data, evaluation or launch groups."""
+    nothing past the loop sees the model, data, evaluation or launch groups. ``reads``: what the run's advantage
+    estimator declares it reads (``fn.reads``; ``("delta",)`` for RCC's), looked up once here, so that the plan
+    computes RCC's delta for whichever estimator reads it."""
 
     algo: AlgoConfig
     bicc: BiccConfig
@@ -101,6 +106,14 @@ class StepConfig(GroupsView):
     diag: DiagConfig
     logger: LoggerConfig
     seed: int = 0
+    reads: tuple = ()
+
+    DERIVED = ("reads",)
+
+    def derived(self) -> dict:
+        from bicc.method.advantages import ADVANTAGES, advantage_name
+
+        return {"reads": tuple(getattr(ADVANTAGES.get(advantage_name(self.algo, self.rcc)), "reads", ()))}
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ Every no-grad forward has to earn its place:
   ``bicc.old_on_context`` a KL term compares like with like, KL(pi_theta(.|x^c) || pi_ref(.|x^c)), which costs
   pi_ref on x^c too: against pi_ref(.|q) the k3 estimator grows as exp(log pi_ref(o|q) - log pi_theta(o|x^c)) and
   swamps the update (BiCC-Dr.GRPO collapsed).
-- RCC's delta reads log pi_theta_old(o | q) (Section 4.2: pi_old on q, the sampler's under
-  ``rollout.old_from_sampler``, as in the ratio) or (o | x^c) (Algorithm 1, ``rcc.delta_context=xc``: one more pass
-  on x^c in the paper's form).
+- RCC's delta, for an estimator that reads it (``StepConfig.reads``), reads log pi_theta_old(o | q) (Section 4.2:
+  pi_old on q, the sampler's under ``rollout.old_from_sampler``, as in the ratio) or (o | x^c) (Algorithm 1,
+  ``rcc.delta_context=xc``: one more pass on x^c in the paper's form).
 Passes that read the same policy on the same rows are one pass.
 """
 
@@ -68,7 +68,7 @@ class StepPlan:
         if from_sampler and not sampler_logprobs:
             raise ValueError(f"rollout.old_from_sampler needs sampling log-probs from the engine "
                              f"(rollout={cfg.rollout.engine} returns none)")
-        delta = (cfg.rcc.delta_context if conditioned else "q") if cfg.rcc.enabled or diagnostics else None
+        delta = (cfg.rcc.delta_context if conditioned else "q") if "delta" in cfg.reads or diagnostics else None
         weighted = sampler_logprobs and corrects(cfg.rollout) and not from_sampler  # weights or rejection, pre-loss
         single = cfg.train.epochs_per_rollout == 1 and cfg.train.minibatches_per_rollout == 1
         source = "sampler" if from_sampler else \
@@ -105,7 +105,7 @@ def reads_reference(algo) -> bool:
 def loads_reference(cfg: StepConfig) -> bool:
     """Whether the run loads the frozen initial policy: some step's plan reads pi_ref (every step's, or the
     diagnostics' steps')."""
-    return reads_reference(cfg.algo) or cfg.rcc.enabled or diag_every(cfg.diag, cfg.rcc) > 0
+    return reads_reference(cfg.algo) or "delta" in cfg.reads or diag_every(cfg.diag, cfg.rcc) > 0
 
 
 def step_logprobs(plan: StepPlan, models: dict, rows: dict, sampled, mask, cfg: StepConfig, ranks: Ranks = Ranks()) -> dict:

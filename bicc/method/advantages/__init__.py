@@ -2,8 +2,9 @@
 
     fn(rewards [N], group_ids [N], delta [N] | None, cfg, **inputs) -> (advantages [N], metrics)
 
-``group_ids`` says which query each sample answers (integers, any order). ``delta`` is the per-sample
-sequence log-prob shift used by reward-confidence correction; estimators that do not use it ignore it.
+``group_ids`` says which query each sample answers (integers, any order). ``delta`` is RCC's per-sample sequence
+log-prob shift (``sequence_delta``), computed for an estimator that declares ``fn.reads = ("delta",)`` (RCC's own, or
+one's own; ``rcc.delta_context`` and ``rcc.delta`` say how) and None for the others.
 Every group needs at least 2 samples: a group-relative advantage of one sample is meaningless.
 
 An estimator declares what else it reads, and the step gives it that alone (``inputs_of``):
@@ -15,7 +16,9 @@ An estimator declares what else it reads, and the step gives it that alone (``in
   every rank (the identity in one process), for statistics over the whole batch (verl computes those on its driver,
   over the whole batch; here each rank holds its shards, so the sums are a collective).
 - ``fn.reads = ("positive",)``: ``positive=`` [N] bool, O+ by ``algo.partition``: the partition BiCC's contexts
-  read too (``bicc.method.conditioning.positives``), so the two never disagree.
+  read too (``bicc.method.conditioning.positives``), so the two never disagree;
+- ``fn.reads = ("delta",)``: ``delta`` (the third argument) is RCC's delta rather than None: the step's plan reads
+  the declaration (``StepConfig.reads``) and adds the passes delta needs (pi_ref on q, pi_old on delta's context).
 
 This module holds the paper's estimators and what they share. Every module of this folder is imported here, so a new
 estimator is one module (and its conf/algo YAML).
@@ -186,6 +189,9 @@ def rcc_std_advantage(rewards, group_ids, delta, cfg):
     adv, metrics = rcc_advantage(rewards, group_ids, delta, cfg)
     _, std, _ = group_stats(rewards, group_ids)
     return (adv.double() / (std + cfg.adv_eps)).to(rewards.dtype), metrics
+
+
+rcc_advantage.reads = rcc_std_advantage.reads = ("delta",)
 
 
 def _import_all() -> None:
