@@ -6,8 +6,8 @@ import copy
 
 import torch
 
-from bicc.rollout.hf import HFEngine
-from bicc.rollout.vllm import VLLMEngine
+from bicc.rollout.engines.hf import HFEngine
+from bicc.rollout.engines.vllm import VLLMEngine
 
 
 class SkippedPush(HFEngine):
@@ -36,7 +36,7 @@ class SmallBlocks(VLLMEngine):
     the prefix cache then holds."""
 
     def __init__(self, *args, **kwargs):
-        from bicc.rollout import vllm
+        from bicc.rollout.engines import vllm
 
         args_of = vllm.engine_args
         vllm.engine_args = lambda *a, **k: {**args_of(*a, **k), "block_size": 32}

@@ -10,7 +10,7 @@ import random
 import torch
 
 from bicc.rollout import RolloutOutput, SamplingParams
-from bicc.rollout.hf import HFEngine
+from bicc.rollout.engines.hf import HFEngine
 
 GOLD = "\\frac{1}{2}"
 # answer -> its score against GOLD (math-verify decides each: none is the gold's text, none is a plain number pair)

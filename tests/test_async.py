@@ -14,7 +14,7 @@ from bicc.data import build_task
 from bicc.method.reference import stale_loop
 from bicc.rollout import EngineOptions
 from bicc.rollout.collect import Collection, DataCursor, collect_rollout, step_seed
-from bicc.rollout.hf import HFEngine
+from bicc.rollout.engines.hf import HFEngine
 from bicc.rollout.worker import FAULT_ENV
 from bicc.rollout.workers import RolloutWorkers, WorkerFailure, check_staleness, fresh_pending
 from bicc.trainer import step as step_module

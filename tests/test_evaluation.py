@@ -52,7 +52,7 @@ def test_eval_engine_config_is_an_engine_config():
     from omegaconf.errors import ConfigAttributeError
 
     from bicc.rollout import EngineOptions, eval_engine_config
-    from bicc.rollout.vllm import engine_args
+    from bicc.rollout.engines.vllm import engine_args
     from tests.conftest import compose_cfg
 
     cfg = compose_cfg(["rollout=vllm", "rollout.sleep=true", "rollout.old_from_sampler=true", "eval.batch_size=7"])

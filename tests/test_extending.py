@@ -42,7 +42,7 @@ OTHERS = '''
 """An advantage, a reward and an engine of one's own."""
 import torch
 
-from bicc.rollout.hf import HFEngine
+from bicc.rollout.engines.hf import HFEngine
 
 
 def centred(rewards, group_ids, delta, cfg):

@@ -102,7 +102,7 @@ def test_vllm_on_a_host_without_a_utf8_locale_says_what_to_set(monkeypatch):
 
     import pytest
 
-    import bicc.rollout.vllm as engine
+    import bicc.rollout.engines.vllm as engine
 
     monkeypatch.setattr(engine.locale, "getpreferredencoding", lambda do_setlocale=True: "ANSI_X3.4-1968")
     monkeypatch.setattr(engine, "sys", SimpleNamespace(flags=SimpleNamespace(utf8_mode=0)))

@@ -79,7 +79,7 @@ def test_vllm_engine_per_rank_from_an_hf_id(fake_vllm):
 
 
 def test_engine_args_one_process_and_gpu_sleep():
-    from bicc.rollout.vllm import engine_args
+    from bicc.rollout.engines.vllm import engine_args
 
     rollout = OmegaConf.structured(RolloutConfig(engine="vllm", sleep=True, max_model_len=None))
     one = engine_args("m", "bfloat16", rollout, EngineOptions(max_model_len=300), cuda=True)
@@ -91,7 +91,7 @@ def test_engine_args_one_process_and_gpu_sleep():
 def test_kv_space_is_computed_from_the_model_and_the_rows():
     from types import SimpleNamespace
 
-    from bicc.rollout.vllm import engine_args, kv_cache_bytes, kv_space
+    from bicc.rollout.engines.vllm import engine_args, kv_cache_bytes, kv_space
 
     tiny = SimpleNamespace(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                            hidden_size=32, max_position_embeddings=1024)
@@ -130,7 +130,7 @@ def test_a_runs_vllm_engine_on_cpu_gets_the_kv_space_of_its_own_rows(fake_vllm, 
     sequence; not vLLM's 256 rows."""
     from bicc.config import TinyArchConfig
     from bicc.model.load import build_tiny
-    from bicc.rollout.vllm import kv_cache_bytes
+    from bicc.rollout.engines.vllm import kv_cache_bytes
     from bicc.trainer.state import build_rl_state
     from tests.conftest import compose_cfg
 

@@ -21,7 +21,7 @@ from bicc.data import encode_prompt  # noqa: E402
 from bicc.model.load import build_tiny, load_pretrained  # noqa: E402
 from bicc.model.logprobs import batch_logprobs, make_token_batch  # noqa: E402
 from bicc.rollout import SamplingParams, build_engine  # noqa: E402
-from bicc.rollout.vllm import named_parameters_full  # noqa: E402
+from bicc.rollout.engines.vllm import named_parameters_full  # noqa: E402
 from bicc.trainer.checkpoint import save_hf  # noqa: E402
 from tests.helpers import ROOT, SMALL, conditioned_steps, run_script, small_numa_node  # noqa: E402
 
@@ -177,7 +177,7 @@ def test_every_sample_of_a_call_has_its_own_seed(engines):
     from vllm import SamplingParams as VSampling
     from vllm.v1.engine.parallel_sampling import ParentRequest
 
-    from bicc.rollout.vllm import request_seed
+    from bicc.rollout.engines.vllm import request_seed
 
     sampling = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3)
     seeds = []

@@ -73,7 +73,7 @@ def test_two_rl_steps_of_the_paper_method_on_vllm_and_the_checkpoint_reads_back_
     from vllm import SamplingParams as VSampling
 
     from bicc.model.gguf import resolve_model_path
-    from bicc.rollout.vllm import kv_cache_bytes
+    from bicc.rollout.engines.vllm import kv_cache_bytes
 
     run_dir = tmp_path / "run"
     args = ["model=smollm2_135m", "algo=dapo", "bicc=on", "rcc=on", *ENGINE, *CONSTRUCTED_REWARD, "train.steps=2",

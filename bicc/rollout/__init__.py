@@ -1,16 +1,17 @@
-"""Rollout: engines that generate G samples per prompt and accept new weights (this module, ``hf``, ``vllm``), the
-step's collection of a rollout (``collect``: prompts, dynamic sampling's refill, rewards), and rollout workers
-(``workers``: the trainer's side; ``worker``: a worker process; ``line`` and ``channel``: their messages over a
-TCPStore; ``weight_sync``: weights over a process group; ``vllm_transfer``: vLLM's own NCCL weight transfer), and
-whether a sampler draws from the weights it was given (``agreement``: ``rollout/token_prob_ratio`` and its gate).
+"""Rollout: engines that generate G samples per prompt and accept new weights (this module, and ``engines/``: ``hf``
+and ``vllm``, each found on disk), the step's collection of a rollout (``collect``: prompts, dynamic sampling's
+refill, rewards), and rollout workers (``workers``: the trainer's side; ``worker``: a worker process; ``line`` and
+``channel``: their messages over a TCPStore; ``weight_sync``: weights over a process group; ``vllm_transfer``: vLLM's
+own NCCL weight transfer), and whether a sampler draws from the weights it was given (``agreement``:
+``rollout/token_prob_ratio`` and its gate).
 
 An engine is built by name (``build_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout, options)``) and
 implements the whole of ``Engine`` below: generating, taking new weights, freeing its memory while the trainer
 updates, shutting down, and saying whether it returns sampling log-probs, which HF module it samples with and how
 much KV space it holds. A member that means nothing for an engine is a no-op (the defaults ``Engine`` gives its
-subclasses), so the trainer never asks an engine what it has, and HF ``generate`` (``hf.py``) and vLLM
-(``vllm.py``) are interchangeable. ``EngineOptions`` carries what an engine needs beyond its config: the tokens
-that end an output, the process layout, the longest sequence it must hold.
+subclasses), so the trainer never asks an engine what it has, and HF ``generate`` (``engines/hf.py``) and vLLM
+(``engines/vllm.py``) are interchangeable. ``EngineOptions`` carries what an engine needs beyond its config: the
+tokens that end an output, the process layout, the longest sequence it must hold.
 """
 
 from __future__ import annotations
@@ -154,4 +155,4 @@ def end_ids_of(tokenizer, options: EngineOptions) -> list[int]:
     return list(options.end_ids) or [tokenizer.eos_token_id]
 
 
-from bicc.rollout import hf, vllm  # noqa: E402,F401  (registers "hf", "vllm"; vllm imports lazily)
+import bicc.rollout.engines  # noqa: E402,F401  (each module of engines/ registers its engine)
