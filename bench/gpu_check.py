@@ -25,7 +25,7 @@ left: ``--compile --skip-tests --skip-baseline --budget-s 590`` runs the compile
 job limited to 10 minutes.
 
 ``--compile`` runs the rehearsal with ``model.compile=on`` (each decoder layer compiled for the update and the
-log-prob passes, ``bicc.kernels.compile``) and ``rollout.static_cache=true`` (HF generate into a static KV cache, whose
+log-prob passes, ``bicc.kernels.compile``) and ``rollout.hf.static_cache=true`` (HF generate into a static KV cache, whose
 decoding steps transformers compiles), and the baseline with ``--compile``: run the check once without and once
 with it to compare them on one GPU (``perf/generate_s`` and ``perf/update_s`` tell the two apart). Each of its
 three processes compiles (the second leg and the baseline from Inductor's caches): on one H100 with empty caches
@@ -259,7 +259,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help=f"the whole check's wall time (default {BUDGET_S}, {COMPILE_BUDGET_S} with --compile)")
     parser.add_argument("--compile", action="store_true",
-                        help="model.compile=on and rollout.static_cache=true in the rehearsal, --compile in the baseline")
+                        help="model.compile=on and rollout.hf.static_cache=true in the rehearsal, --compile in the baseline")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the rehearsal, the baseline's update and the "
                         "memory model (e.g. dist.reshard_after_forward=false)")
     args = parser.parse_args()
@@ -300,7 +300,7 @@ def main() -> int:
     if not args.skip_tests:
         phase("GPU tests", lambda s: run_phase("GPU tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu",
                                                              "tests/test_gpu.py"], env, s), 0.25)
-    compiled = ("model.compile=on", "rollout.static_cache=true") if args.compile else ()
+    compiled = ("model.compile=on", "rollout.hf.static_cache=true") if args.compile else ()
     overrides = tuple(args.overrides)
     done = phase("rehearsal", lambda s: rehearse(out, QWEN3_06B, env, extra=compiled + overrides, budget_s=s),
                  1.0 if args.skip_baseline else 0.8)

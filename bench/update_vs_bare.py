@@ -131,9 +131,10 @@ def memory_run(cfg, rows, prompt_tokens: int, sharded: bool, compiled: bool, dev
     ``rollout.max_new_tokens``, ``rows``' count, no reference, no BiCC contexts, the bench's compute dtype (bf16 on
     CUDA, fp32 on CPU); no sampler, rollout or evaluation (vLLM's share of the GPU 0: those phases hold only the
     weights and AdamW's moments)."""
+    from bicc.config import StepConfig
     from bicc.trainer.fit import run_of
 
-    run = run_of(cfg, cfg.model, cfg.eval, cfg.dist, 1, sharded, 0.0, prompt_tokens)
+    run = run_of(StepConfig.of(cfg), cfg.model, cfg.eval, cfg.dist, 1, sharded, 0.0, prompt_tokens)
     return dataclasses.replace(run, rows=len(rows[1]), compute_bytes=2 if device.type == "cuda" else 4, reference=False,
                                bicc=False, no_grad_on_context=False, compiled=compiled,
                                vllm=True, eval_vllm=True, vllm_utilization=0.0)

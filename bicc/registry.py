@@ -1,8 +1,10 @@
-"""Name registries for pluggable components (losses, advantages, rollout engines, tasks).
+"""Name registries for pluggable components, and the four kinds a run picks by name: policy losses, advantage
+estimators, rollout engines and tasks (below, each with its home: the package whose modules register its entries).
 
 A registry maps a name to a callable. Registering a name twice is an error, and looking up
 an unknown name raises an error that lists the valid names, so a typo in a config fails
-loudly and says how to fix it.
+loudly and says how to fix it. A registry with a home imports it on the first look-up, so any layer can look a name
+up (the step's config reads what its advantage estimator declares) without importing the package above it.
 
 A name of the form ``package.module:attribute`` is imported on first use (as ``data.reward`` is), so a component
 in your own package needs no edit of the library, and a process that only receives the name (a rollout worker)
@@ -19,8 +21,8 @@ T = TypeVar("T", bound=Callable)
 class Registry(Generic[T]):
     """A named table of callables of one kind (e.g. "loss")."""
 
-    def __init__(self, kind: str):
-        self.kind = kind
+    def __init__(self, kind: str, home: str | None = None):
+        self.kind, self.home = kind, home
         self._entries: dict[str, T] = {}
 
     def register(self, name: str, params: type | None = None) -> Callable[[T], T]:
@@ -38,6 +40,7 @@ class Registry(Generic[T]):
         return decorator
 
     def get(self, name: str) -> T:
+        self._load_home()
         if name not in self._entries and ":" in name:
             self._entries[name] = self._imported(name)
         if name not in self._entries:
@@ -47,6 +50,7 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         """The registered names (imported ``module:attribute`` ones aside)."""
+        self._load_home()
         return sorted(n for n in self._entries if ":" not in n)
 
     def __contains__(self, name: str) -> bool:
@@ -55,6 +59,13 @@ class Registry(Generic[T]):
         except KeyError:
             return False
         return True
+
+    def _load_home(self) -> None:
+        if self.home is not None:
+            import importlib
+
+            home, self.home = self.home, None  # once: its modules register into this registry as they load
+            importlib.import_module(home)
 
     def _imported(self, name: str) -> T:
         import importlib
@@ -67,3 +78,9 @@ class Registry(Generic[T]):
         if not callable(found):
             raise KeyError(f"{self.kind} '{name}' is not callable")
         return found
+
+
+LOSSES: Registry = Registry("policy loss", home="bicc.method.losses")
+ADVANTAGES: Registry = Registry("advantage estimator", home="bicc.method.advantages")
+ENGINES: Registry = Registry("rollout engine", home="bicc.rollout")
+TASKS: Registry = Registry("task", home="bicc.data")

@@ -32,9 +32,10 @@ def algo_preset(name: str) -> dict:
 
 def run_of(cfg, *args, **kwargs):
     """``bicc.trainer.fit.run_of`` of a composed run config: its step groups, model, evaluation and distribution."""
+    from bicc.config import StepConfig
     from bicc.trainer.fit import run_of as of_groups
 
-    return of_groups(cfg, cfg.model, cfg.eval, cfg.dist, *args, **kwargs)
+    return of_groups(StepConfig.of(cfg), cfg.model, cfg.eval, cfg.dist, *args, **kwargs)
 
 
 @pytest.fixture

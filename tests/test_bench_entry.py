@@ -177,7 +177,7 @@ def test_peer_trl_runs_trl_in_colocate_mode_only_beside_our_vllm_rollouts(monkey
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "")  # so that the test's own setting is undone after it
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     assert trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout=hf"])) == {}
-    args = trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout.gpu_memory_utilization=0.2"]))
+    args = trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout.vllm.gpu_memory_utilization=0.2"]))
     assert args["use_vllm"] and args["vllm_mode"] == "colocate" and args["vllm_gpu_memory_utilization"] == 0.2
     assert args["vllm_importance_sampling_correction"] is False  # ours: none without workers
     assert trl_vllm_args(compose_cfg(["experiment=smollm2_arith", "rollout.correction.rollout_is=token"]))[

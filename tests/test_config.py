@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,21 @@ def test_validation_names_the_field(override, field):
     cfg = compose_cfg([override, "sft.cache_dir=/tmp/x"])
     with pytest.raises(ValueError, match=f"config field '{field}'"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("old, new", [("gpu_memory_utilization=0.3", "rollout.vllm.gpu_memory_utilization=0.3"),
+                                      ("sleep=true", "rollout.vllm.sleep=True"),
+                                      ("enforce_eager=true", "rollout.vllm.enforce_eager=True"),
+                                      ("max_model_len=4096", "rollout.vllm.max_model_len=4096"),
+                                      ("kv_cache_bytes=1000", "rollout.vllm.kv_cache_bytes=1000"),
+                                      ("worker_gpu_memory_utilization=0.8", "rollout.vllm.worker_gpu_memory_utilization=0.8"),
+                                      ("static_cache=true", "rollout.hf.static_cache=True")])
+def test_an_engine_key_of_the_flat_rollout_group_is_refused_naming_its_new_place(old, new):
+    """Each engine's settings are a group of its own (rollout.vllm, rollout.hf): the old flat key stops the run before
+    any model loads, with the command line that sets the new one; the new one validates."""
+    with pytest.raises(ValueError, match=f"config field 'rollout.{old.split('=')[0]}': is now .*: {re.escape(new)}"):
+        validate(compose_cfg([f"rollout.{old}", "sft.cache_dir=/tmp/x"]))
+    validate(compose_cfg([new.replace("True", "true"), "sft.cache_dir=/tmp/x"]))
 
 
 def test_algo_presets_match_their_papers():

@@ -48,17 +48,17 @@ def test_headline_is_the_paper_sampling_with_training_temperature_and_greedy_bes
 
 def test_eval_engine_config_is_an_engine_config():
     """Evaluation's engine gets the run's rollout engine settings, evaluation's batch size, no sleep mode and
-    no sampling log-probs; the eval config alone lacks what a vLLM engine reads (``sleep``)."""
+    no sampling log-probs; the eval config alone lacks what a vLLM engine reads (``vllm.sleep``)."""
     from omegaconf.errors import ConfigAttributeError
 
     from bicc.rollout import EngineOptions, eval_engine_config
     from bicc.rollout.engines.vllm import engine_args
     from tests.conftest import compose_cfg
 
-    cfg = compose_cfg(["rollout=vllm", "rollout.sleep=true", "rollout.old_from_sampler=true", "eval.batch_size=7"])
+    cfg = compose_cfg(["rollout=vllm", "rollout.vllm.sleep=true", "rollout.old_from_sampler=true", "eval.batch_size=7"])
     engine_cfg = eval_engine_config(cfg.rollout, cfg.eval)
-    assert engine_cfg.batch_size == 7 and engine_cfg.sleep is False and engine_cfg.old_from_sampler is False
-    assert engine_cfg.gpu_memory_utilization == cfg.rollout.gpu_memory_utilization
+    assert engine_cfg.batch_size == 7 and engine_cfg.vllm.sleep is False and engine_cfg.old_from_sampler is False
+    assert engine_cfg.vllm.gpu_memory_utilization == cfg.rollout.vllm.gpu_memory_utilization
     assert engine_args("m", "bfloat16", engine_cfg, EngineOptions(), cuda=True)["enable_sleep_mode"] is False
     with pytest.raises(ConfigAttributeError):
         engine_args("m", "bfloat16", cfg.eval, EngineOptions(), cuda=True)

@@ -184,7 +184,7 @@ def test_compile_reaches_the_rehearsal_and_the_baseline(flag, monkeypatch, tmp_p
     model's prediction (the phases stubbed: what each was asked to run). The budget is 720 s with the flag (each
     process compiles), 480 s without."""
     asked = stub_phases(monkeypatch, tmp_path, ["--skip-tests", *flag])
-    rehearsal = ("model.compile=on", "rollout.static_cache=true", *flag[1:]) if flag else ()
+    rehearsal = ("model.compile=on", "rollout.hf.static_cache=true", *flag[1:]) if flag else ()
     assert asked == {"rehearsal": rehearsal, "baseline": ("--compile", *flag[1:]) if flag else (), "predicted": rehearsal,
                      "rehearsal_s": 0.8 * (720 if flag else 480), "exit": 0}  # its share of the budget
     assert f"budget {720 if flag else 480} s" in capsys.readouterr().out
@@ -195,7 +195,7 @@ def test_without_the_baseline_the_rehearsal_takes_the_whole_budget(monkeypatch, 
     left is all of it (590 s of ``--budget-s 590``, not 0.8 x 590 = 472), so both compiled legs get a 10-minute
     job's time."""
     asked = stub_phases(monkeypatch, tmp_path, ["--compile", "--skip-tests", "--skip-baseline", "--budget-s", "590"])
-    compiled = ("model.compile=on", "rollout.static_cache=true")
+    compiled = ("model.compile=on", "rollout.hf.static_cache=true")
     assert asked == {"rehearsal": compiled, "rehearsal_s": 590, "predicted": compiled, "exit": 0}
     out = capsys.readouterr().out
     assert "RESULT gpu_train_mfu=" in out and "gpu_update_vs_bare" not in out and "bare baseline" not in out

@@ -36,7 +36,7 @@ ARITH = ["data.arith.max_operands=2", "data.arith.max_operand=19", "data.arith.t
 WARM = [*ARITH, "eval.num_problems=4", "stage=sft", "sft.steps=100", "sft.batch_size=16", "logger.wandb_mode=disabled",
         "logger.progress=false", "threads=2"]
 SHRINK = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "bicc.max_tokens=40",
-          "rollout.gpu_memory_utilization=0.15", "rollout.enforce_eager=true", "train.micro_batch_size=3",
+          "rollout.vllm.gpu_memory_utilization=0.15", "rollout.vllm.enforce_eager=true", "train.micro_batch_size=3",
           "train.save_every=2", "optim.warmup_steps=1", "eval.limit=2", "eval.samples_per_problem=2",
           "eval.max_new_tokens=24", "eval.checker_workers=1", "logger.wandb_mode=disabled", "logger.progress=false",
           "diag.every=0"]

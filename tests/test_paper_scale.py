@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bicc.config import RolloutConfig
+from bicc.config import RolloutConfig, VllmConfig
 from bicc.machine import distributed
 from bicc.machine.distributed import Dist
 from bicc.rollout import EngineOptions
@@ -67,7 +67,7 @@ def test_vllm_engine_per_rank_from_an_hf_id(fake_vllm):
     from bicc.rollout import build_engine
 
     model, tok = hub_model()
-    rollout = OmegaConf.structured(RolloutConfig(engine="vllm", gpu_memory_utilization=0.4, sleep=True))
+    rollout = OmegaConf.structured(RolloutConfig(engine="vllm", vllm=VllmConfig(gpu_memory_utilization=0.4, sleep=True)))
     d = Dist(rank=3, world=4, local_rank=3, strategy="fsdp2", device="cuda:3")
     build_engine("vllm", model, tok, rollout, EngineOptions(end_ids=(2, 7), dist=d, max_model_len=5000, dtype="bfloat16"))
     kwargs = fake_vllm.calls[0][1]
@@ -81,10 +81,10 @@ def test_vllm_engine_per_rank_from_an_hf_id(fake_vllm):
 def test_engine_args_one_process_and_gpu_sleep():
     from bicc.rollout.engines.vllm import engine_args
 
-    rollout = OmegaConf.structured(RolloutConfig(engine="vllm", sleep=True, max_model_len=None))
+    rollout = OmegaConf.structured(RolloutConfig(engine="vllm", vllm=VllmConfig(sleep=True)))
     one = engine_args("m", "bfloat16", rollout, EngineOptions(max_model_len=300), cuda=True)
     assert "distributed_executor_backend" not in one and one["enable_sleep_mode"] and one["max_model_len"] == 300
-    rollout.max_model_len = 4096  # an explicit setting wins over the derived length
+    rollout.vllm.max_model_len = 4096  # an explicit setting wins over the derived length
     assert engine_args("m", "bfloat16", rollout, EngineOptions(max_model_len=300), cuda=False)["max_model_len"] == 4096
 
 
@@ -109,9 +109,9 @@ def test_kv_space_is_computed_from_the_model_and_the_rows():
     assert kv_space(tiny, "float32", rollout, options, cuda=False) == 756_941
     assert kv_space(tiny, "float32", rollout, options, cuda=True) is None  # gpu_memory_utilization decides
     assert kv_space(tiny, "float32", rollout, EngineOptions(), cuda=False) == kv_cache_bytes(tiny, "float32", 256, 1024)
-    rollout.max_model_len = 300  # the rollout's own setting wins over the derived length: 3 blocks
+    rollout.vllm.max_model_len = 300  # the rollout's own setting wins over the derived length: 3 blocks
     assert kv_space(tiny, "float32", rollout, options, cuda=False) == 1_015_808 + 101_581  # 31 blocks
-    rollout.kv_cache_bytes = 12345  # an explicit size wins on either device
+    rollout.vllm.kv_cache_bytes = 12345  # an explicit size wins on either device
     assert kv_space(tiny, "float32", rollout, options, cuda=False) == kv_space(tiny, "float32", rollout, options, True) == 12345
     assert engine_args("m", "float32", rollout, options, cuda=False, kv_bytes=12345)["kv_cache_memory_bytes"] == 12345
     # the rows a call holds: a prompt shard's samples (16 queries over 4 shards x G 8 = 32) or an evaluation call
@@ -153,7 +153,7 @@ def test_vllm_sleeps_at_level_2_and_wakes_weights_before_the_sync(fake_vllm):
     from bicc.rollout import build_engine
 
     model, tok = hub_model()
-    engine = build_engine("vllm", model, tok, OmegaConf.structured(RolloutConfig(engine="vllm", sleep=True)),
+    engine = build_engine("vllm", model, tok, OmegaConf.structured(RolloutConfig(engine="vllm", vllm=VllmConfig(sleep=True))),
                           EngineOptions(dtype="bfloat16"))
     engine.sleep_enabled = True  # as on a GPU
     engine.sleep()

@@ -89,13 +89,14 @@ def test_sampling_at_top_p_1_draws_from_the_whole_vocabulary():
 
 
 def test_a_static_cache_samples_what_the_growing_cache_samples(engine):
-    """rollout.static_cache: the same greedy and seeded samples and the same sampling log-probs as transformers'
+    """rollout.hf.static_cache: the same greedy and seeded samples and the same sampling log-probs as transformers'
     growing cache, over ragged left-padded prompts in several chunks (the cache allocated whole for each call)."""
     from types import SimpleNamespace
 
     tok, model = engine.tokenizer, engine.model
     ps = prompts(tok)
-    engines = [build_engine("hf", model, tok, SimpleNamespace(batch_size=6, old_from_sampler=True, static_cache=static))
+    engines = [build_engine("hf", model, tok, SimpleNamespace(batch_size=6, old_from_sampler=True,
+                                                              hf=SimpleNamespace(static_cache=static)))
                for static in (False, True)]
     assert [e.cache for e in engines] == [None, "static"]
     caches = []  # the cache each forward of generate got: the check below would pass with the same kind twice

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.launch
 
 pytest.importorskip("vllm")
 
-from bicc.config import ModelConfig, RolloutConfig, TinyArchConfig  # noqa: E402
+from bicc.config import ModelConfig, RolloutConfig, TinyArchConfig, VllmConfig  # noqa: E402
 from bicc.data import encode_prompt  # noqa: E402
 from bicc.model.load import build_tiny, load_pretrained  # noqa: E402
 from bicc.model.logprobs import batch_logprobs, make_token_batch  # noqa: E402
@@ -26,7 +26,7 @@ from bicc.trainer.checkpoint import save_hf  # noqa: E402
 from tests.helpers import ROOT, SMALL, conditioned_steps, run_script, small_numa_node  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-VLLM_CFG = ["rollout=vllm", "rollout.gpu_memory_utilization=0.1", "rollout.enforce_eager=true"]
+VLLM_CFG = ["rollout=vllm", "rollout.vllm.gpu_memory_utilization=0.1", "rollout.vllm.enforce_eager=true"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def engines(tmp_path_factory):
                                        torch.device("cpu"))
     with small_numa_node():  # the engine's KV space is its own: the host's memory does not decide it
         vllm_engine = build_engine("vllm", model, tokenizer, OmegaConf.structured(
-            RolloutConfig(engine="vllm", gpu_memory_utilization=0.1, enforce_eager=True)))
+            RolloutConfig(engine="vllm", vllm=VllmConfig(gpu_memory_utilization=0.1, enforce_eager=True))))
     hf_engine = build_engine("hf", model, tokenizer, OmegaConf.structured(RolloutConfig(engine="hf")))
     prompts = [encode_prompt(tokenizer, f"Compute {i}+{2 * i + 3}.") for i in range(6)]
     return model, tokenizer, vllm_engine, hf_engine, prompts
@@ -76,14 +76,14 @@ import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import torch
 from omegaconf import OmegaConf
-from bicc.config import ModelConfig, RolloutConfig
+from bicc.config import ModelConfig, RolloutConfig, VllmConfig
 from bicc.data import encode_prompt
 from bicc.model.load import load_pretrained
 from bicc.rollout import EngineOptions, SamplingParams, build_engine
 model, tok = load_pretrained({str(tmp_path / "policy")!r}, OmegaConf.structured(ModelConfig(name="t", path="x")),
                              torch.device("cpu"))
-engine = build_engine("vllm", model, tok, OmegaConf.structured(RolloutConfig(engine="vllm", enforce_eager=True,
-                      max_model_len=256)), EngineOptions(rows=1))
+engine = build_engine("vllm", model, tok, OmegaConf.structured(RolloutConfig(engine="vllm", vllm=VllmConfig(
+                      enforce_eager=True, max_model_len=256))), EngineOptions(rows=1))
 out = engine.generate([encode_prompt(tok, "Compute 1+2.")], SamplingParams(n=1, temperature=1.0, top_p=1.0,
                       max_new_tokens=200, seed=0))
 print("ROWS", len(out.completion_ids), "KV", engine.kv_bytes)
@@ -141,9 +141,9 @@ def test_two_step_training_run_with_vllm_rollouts(tmp_path):
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     run_dir = tmp_path / "run"
     proc = run_script("train.py", [*SMALL, *VLLM_CFG, "bicc=stable", "rollout.correction.rollout_is=token",
-                                   "rollout.kv_cache_bytes=100000000", f"hydra.run.dir={run_dir}"], ROOT, env, timeout=600)
+                                   "rollout.vllm.kv_cache_bytes=100000000", f"hydra.run.dir={run_dir}"], ROOT, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "vLLM KV space 0.09 GiB" in proc.stdout  # rollout.kv_cache_bytes, as given
+    assert "vLLM KV space 0.09 GiB" in proc.stdout  # rollout.vllm.kv_cache_bytes, as given
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -252,7 +252,7 @@ def test_a_vllm_rollout_worker_draws_each_batch_with_the_weights_of_its_version(
     weighs (on by default under async)."""
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled"}
     run_dir = tmp_path / "run"
-    proc = run_script("train.py", [*SMALL, *VLLM_CFG, "train.steps=3", "optim.lr=1e-3", "rollout.kv_cache_bytes=100000000",
+    proc = run_script("train.py", [*SMALL, *VLLM_CFG, "train.steps=3", "optim.lr=1e-3", "rollout.vllm.kv_cache_bytes=100000000",
                                    "rollout.async_steps=1", "train.sampler_check_every=1", f"hydra.run.dir={run_dir}"],
                       ROOT, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -159,8 +159,8 @@ def test_a_prefix_cache_not_reset_after_a_push_stops_the_run(tmp_path):
     source = tmp_path / "problems.jsonl"
     args = [*[a for a in RUN if not a.startswith("sft.")], "sft.steps=0", "train.steps=6", "data=jsonl",
             f"data.math.train_source={source}", f"data.math.test_source={source}", "data.math.problem_field=question",
-            "data.math.answer_field=solution", "rollout=vllm", "rollout.enforce_eager=true",
-            "rollout.kv_cache_bytes=100000000", "rollout.engine=tests.sampler_faults:StalePrefixCache",
+            "data.math.answer_field=solution", "rollout=vllm", "rollout.vllm.enforce_eager=true",
+            "rollout.vllm.kv_cache_bytes=100000000", "rollout.engine=tests.sampler_faults:StalePrefixCache",
             f"hydra.run.dir={tmp_path / 'run'}"]
     proc = run_train(args, tmp_path, check=False, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUTF8": "1"})
     out = proc.stdout + proc.stderr

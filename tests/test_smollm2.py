@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 QUESTIONS = ["What is 17 + 25?", "What is 9 times 8?",
              "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
              "clips did Natalia sell altogether in April and May?"]
-ENGINE = ["rollout=vllm", "rollout.enforce_eager=true"]
+ENGINE = ["rollout=vllm", "rollout.vllm.enforce_eager=true"]
 
 
 @pytest.fixture(scope="module")

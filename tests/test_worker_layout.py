@@ -54,13 +54,13 @@ def test_the_sampler_checks_host_copies_at_the_paper_preset(roomy_host):
 
 
 def test_a_vllm_worker_alone_on_its_gpu_takes_its_own_share():
-    """vLLM's share in a worker (bicc.rollout.worker.worker_rollout): rollout.worker_gpu_memory_utilization on a GPU of
-    its own, the colocated rollout.gpu_memory_utilization beside a training rank (share_gpus) and on CPU."""
+    """vLLM's share in a worker (bicc.rollout.worker.worker_rollout): rollout.vllm.worker_gpu_memory_utilization on a
+    GPU of its own, the colocated rollout.vllm.gpu_memory_utilization beside a training rank (share_gpus) and on CPU."""
     rollout = compose_cfg(["rollout=vllm"]).rollout
-    shares = {(device, shared): worker_rollout(rollout, {"device": device, "shares_gpu": shared}).gpu_memory_utilization
+    shares = {(device, shared): worker_rollout(rollout, {"device": device, "shares_gpu": shared}).vllm.gpu_memory_utilization
               for device in ("cuda", "cpu") for shared in (False, True)}
     assert shares == {("cuda", False): 0.9, ("cuda", True): 0.4, ("cpu", False): 0.4, ("cpu", True): 0.4}
-    assert worker_rollout(rollout, {"device": "cuda", "shares_gpu": False}).sleep is False
+    assert worker_rollout(rollout, {"device": "cuda", "shares_gpu": False}).vllm.sleep is False
 
 
 def test_a_low_open_file_limit_is_raised_or_named(roomy_host, monkeypatch):
@@ -115,8 +115,8 @@ def test_the_launch_check_refuses_a_bad_gpu_layout_before_anything_loads(roomy_h
     with pytest.raises(ValueError, match=r"'rollout.devices': rollout worker GPU: predicted .* of 0\.0 GiB \(hf\): it "
                                          r"does not fit. Lower rollout.batch_size"):
         check(["rollout.devices=[2,3]", "train.memory_gib=0.01"], env)
-    with pytest.raises(ValueError, match="Lower rollout.worker_gpu_memory_utilization"):
-        check(["rollout=vllm", "rollout.devices=[2]", "train.memory_gib=8", "rollout.worker_gpu_memory_utilization=0.95",
+    with pytest.raises(ValueError, match="Lower rollout.vllm.worker_gpu_memory_utilization"):
+        check(["rollout=vllm", "rollout.devices=[2]", "train.memory_gib=8", "rollout.vllm.worker_gpu_memory_utilization=0.95",
                "rollout.push_bucket_mib=512"], env)  # its share and the transfer's two buffers: 7.6 + 1 GiB
     # a vLLM worker alone on its GPU takes 0.9 of it (72 GiB of 80), not the colocated engine's 0.4
     (line, _) = check(["rollout=vllm", "rollout.devices=[2]", "train.memory_gib=80"], env)

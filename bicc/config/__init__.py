@@ -10,7 +10,7 @@ the registries and the checks across groups, before any model is loaded, naming 
 | module | groups |
 | --- | --- |
 | ``method.py`` | ``algo``, ``bicc``, ``rcc`` |
-| ``run.py`` | ``model``, ``rollout``, ``optim``, ``train``, ``dist``, ``sft``, ``diag`` |
+| ``run.py`` | ``model``, ``rollout`` (``rollout.vllm``, ``rollout.hf``), ``optim``, ``train``, ``dist``, ``sft``, ``diag`` |
 | ``correction.py`` | ``rollout.correction`` |
 | ``data.py`` | ``data`` |
 | ``evaluation.py`` | ``eval``, ``logger`` |
@@ -32,18 +32,21 @@ from bicc.config.correction import CorrectionConfig, corrects, is_level
 from bicc.config.data import ArithConfig, DataConfig, MathDataConfig
 from bicc.config.evaluation import BenchmarkConfig, EvalConfig, LoggerConfig
 from bicc.config.fields import choice, need
-from bicc.config.method import AlgoConfig, BiccConfig, RccConfig
+from bicc.config.method import AlgoConfig, BiccConfig, RccConfig, advantage_name
 from bicc.config.run import (
     DiagConfig,
     DistConfig,
+    HfConfig,
     ModelConfig,
     OptimConfig,
     RolloutConfig,
     SFTConfig,
     TinyArchConfig,
     TrainConfig,
+    VllmConfig,
     diag_every,
 )
+from bicc.registry import ADVANTAGES
 
 
 @dataclass
@@ -111,8 +114,6 @@ class StepConfig(GroupsView):
     DERIVED = ("reads",)
 
     def derived(self) -> dict:
-        from bicc.method.advantages import ADVANTAGES, advantage_name
-
         return {"reads": tuple(getattr(ADVANTAGES.get(advantage_name(self.algo, self.rcc)), "reads", ()))}
 
 
@@ -168,5 +169,5 @@ __all__ = [
     "AlgoConfig", "ArithConfig", "BenchmarkConfig", "BiccConfig", "DataConfig", "DiagConfig",
     "DistConfig", "EvalConfig", "LoggerConfig", "MathDataConfig", "ModelConfig", "OptimConfig", "RccConfig",
     "RolloutConfig", "RunConfig", "SFTConfig", "StepConfig", "WarmStartConfig", "TinyArchConfig", "TrainConfig", "diag_every",
-    "register_configs", "CorrectionConfig", "corrects", "is_level",
+    "register_configs", "CorrectionConfig", "corrects", "is_level", "VllmConfig", "HfConfig",
 ]

@@ -96,3 +96,11 @@ class RccConfig:
     delta: str = choice(Literal["sum", "mean"], "mean")
     delta_context: str = choice(Literal["xc", "q"], "q")
     scale: str = choice(Literal["none", "std"], "none")
+
+
+def advantage_name(algo, rcc) -> str:
+    """The run's advantage estimator: RCC's (``rcc=on``; ``rcc=std`` its diagnostic form divided by the group's
+    std) when RCC is on, else the variant's own (``algo.advantage``)."""
+    if not rcc.enabled:
+        return algo.advantage
+    return "rcc_std" if rcc.scale == "std" else "rcc"

@@ -4,7 +4,7 @@ range checks of its own fields (the data group's: ``bicc.config.data``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from omegaconf import MISSING
 
@@ -71,6 +71,33 @@ class ModelConfig:
 
 
 @dataclass
+class VllmConfig:
+    """vLLM's own settings (``rollout.vllm``; read by ``rollout=vllm`` alone)."""
+
+    gpu_memory_utilization: float = 0.5
+    sleep: bool = False
+    enforce_eager: bool = False
+    max_model_len: Optional[int] = None
+    kv_cache_bytes: Optional[int] = None
+    worker_gpu_memory_utilization: float = 0.9
+
+    @staticmethod
+    def check(v) -> None:
+        at_least(v, "rollout.vllm", ("max_model_len",), 1)
+        for key in ("gpu_memory_utilization", "worker_gpu_memory_utilization"):
+            need(0 < v[key] <= 1, f"rollout.vllm.{key}", f"must be in (0, 1], got {v[key]}")
+        need(v.kv_cache_bytes is None or v.kv_cache_bytes > 0, "rollout.vllm.kv_cache_bytes",
+             f"must be null (what the run needs, on CPU) or a positive number of bytes, got {v.kv_cache_bytes}")
+
+
+@dataclass
+class HfConfig:
+    """HF generate's own settings (``rollout.hf``; read by ``rollout=hf`` alone)."""
+
+    static_cache: bool = False
+
+
+@dataclass
 class RolloutConfig:
     """Rollout engine and sampling at training time (conf/rollout)."""
 
@@ -82,15 +109,10 @@ class RolloutConfig:
     max_new_tokens: int = 320
     batch_size: int = 256
     shards: Optional[int] = None
-    gpu_memory_utilization: float = 0.5
-    sleep: bool = False
-    enforce_eager: bool = False
-    max_model_len: Optional[int] = None
-    kv_cache_bytes: Optional[int] = None
-    tis_cap: Optional[float] = None  # replaced by correction: refused unless null (check)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    hf: HfConfig = field(default_factory=HfConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     old_from_sampler: bool = False
-    static_cache: bool = False
     async_steps: int = 0
     devices: Optional[list[int]] = None
     cpu_workers: int = 1
@@ -98,9 +120,20 @@ class RolloutConfig:
     worker_port: Optional[int] = None
     share_gpus: bool = False
     push_bucket_mib: float = 32.0
-    worker_gpu_memory_utilization: float = 0.9
     worker_start_minutes: float = 20.0
+    # keys that moved (``MOVED``), refused unless null, naming where they went
+    tis_cap: Any = None
+    gpu_memory_utilization: Any = None
+    sleep: Any = None
+    enforce_eager: Any = None
+    max_model_len: Any = None
+    kv_cache_bytes: Any = None
+    worker_gpu_memory_utilization: Any = None
+    static_cache: Any = None
 
+    MOVED = {**{k: f"rollout.vllm.{k}" for k in ("gpu_memory_utilization", "sleep", "enforce_eager", "max_model_len",
+                                                 "kv_cache_bytes", "worker_gpu_memory_utilization")},
+             "static_cache": "rollout.hf.static_cache"}
     MAX_ASYNC_STEPS = 64
     MAX_CPU_WORKERS = 256
 
@@ -112,9 +145,11 @@ class RolloutConfig:
         need(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
         need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
         need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
-        at_least(r, "rollout", ("batch_size", "max_model_len"), 1)
-        need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
-             f"must be in (0, 1], got {r.gpu_memory_utilization}")
+        for key, new in RolloutConfig.MOVED.items():
+            need(r[key] is None, f"rollout.{key}", f"is now {new} (each engine's settings are a group of its own): "
+                 f"{new}={r[key]}")
+        at_least(r, "rollout", ("batch_size",), 1)
+        VllmConfig.check(r.vllm)
         need(r.async_steps <= RolloutConfig.MAX_ASYNC_STEPS, "rollout.async_steps",
              f"must be <= {RolloutConfig.MAX_ASYNC_STEPS} (batches drawn ahead, each held until trained), got {r.async_steps}")
         need(r.cpu_workers <= RolloutConfig.MAX_CPU_WORKERS, "rollout.cpu_workers",
@@ -134,11 +169,7 @@ class RolloutConfig:
         need(not r.remote_workers or r.worker_port is not None, "rollout.worker_port",
              f"must be set when rollout.remote_workers={r.remote_workers}: workers on other nodes connect to it")
         need(r.push_bucket_mib > 0, "rollout.push_bucket_mib", f"must be > 0, got {r.push_bucket_mib}")
-        need(0 < r.worker_gpu_memory_utilization <= 1, "rollout.worker_gpu_memory_utilization",
-             f"must be in (0, 1], got {r.worker_gpu_memory_utilization}")
         need(r.worker_start_minutes > 0, "rollout.worker_start_minutes", f"must be > 0, got {r.worker_start_minutes}")
-        need(r.kv_cache_bytes is None or r.kv_cache_bytes > 0, "rollout.kv_cache_bytes",
-             f"must be null (what the run needs, on CPU) or a positive number of bytes, got {r.kv_cache_bytes}")
         need(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",
              f"must be null (one per process) or a divisor of rollout.prompts_per_step={r.prompts_per_step}, "
              f"got {r.shards}")

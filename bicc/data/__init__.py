@@ -13,9 +13,7 @@ functions, TRL's signature included), ``benchmarks`` (evaluation's datasets).
 
 from dataclasses import dataclass
 
-from bicc.registry import Registry
-
-TASKS: Registry = Registry("task")
+from bicc.registry import TASKS
 
 
 @dataclass(frozen=True)

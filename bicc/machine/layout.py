@@ -139,7 +139,7 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
 
 def worker_gpu(arch, run, hf: bool, rows: int, bucket_bytes: int) -> dict[str, float]:
     """Bytes a rollout worker holds on its GPU (``bicc.machine.memory``'s terms). vLLM: its share of the GPU (weights,
-    KV cache, activations: ``rollout.gpu_memory_utilization``) and the two packed buffers of a bucket that vLLM's
+    KV cache, activations: ``rollout.vllm.gpu_memory_utilization``) and the two packed buffers of a bucket that vLLM's
     weight transfer receives into. HF: the policy in the compute dtype, one generate call of ``rows`` rows
     (``rollout.batch_size`` at most), the push's receive bucket, the runtime, and 10% fragmentation on the tensors."""
     from bicc.machine.memory import hf_generate

@@ -109,7 +109,7 @@ class Run:
     contexts: int = 16  # distinct contexts per GPU: rollout.prompts_per_step x 2 sides / world
     reference: bool = True  # RCC's delta (or a KL term) loads the frozen reference
     chunk_tokens: int = 1024  # train.logprob_chunk_tokens
-    vllm_utilization: float = 0.4  # rollout.gpu_memory_utilization
+    vllm_utilization: float = 0.4  # rollout.vllm.gpu_memory_utilization
     gpu_gib: float = 80.0
     compute_bytes: int = 2  # bf16
     rows: int = 64  # this GPU's sequences per step: rollout.prompts_per_step x G / world

@@ -19,9 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Protocol, runtime_checkable
 
-from bicc.registry import Registry
-
-ENGINES: Registry = Registry("rollout engine")
+from bicc.registry import ENGINES
 
 
 @dataclass(frozen=True)
@@ -83,8 +81,8 @@ class Engine(Protocol):
     # - it samples from an HF module it is handed: a full copy beside a sharded policy, and in a rollout worker a
     #   loaded module that pushes land in (else it holds weights of its own, loaded from the model's files);
     samples_from_module: bool = True
-    # - it holds a share of its GPU's memory for its weights and KV cache (``rollout.gpu_memory_utilization``, a
-    #   worker's ``rollout.worker_gpu_memory_utilization``) rather than growing with ``rollout.batch_size``;
+    # - it holds a share of its GPU's memory for its weights and KV cache (``rollout.vllm.gpu_memory_utilization``, a
+    #   worker's ``rollout.vllm.worker_gpu_memory_utilization``) rather than growing with ``rollout.batch_size``;
     reserves_memory_share: bool = False
     # - how a rollout worker's push reaches it between GPUs: "nccl" (a broadcast into its module's tensors) or
     #   "vllm" (vLLM's own weight transfer, ``vllm_transfer``);
@@ -142,7 +140,7 @@ def eval_engine_config(rollout_cfg, eval_cfg):
     (``cfg.eval`` alone is not an engine config: a vLLM engine built from it had no ``sleep`` setting)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.merge(rollout_cfg, {"batch_size": eval_cfg.batch_size, "sleep": False, "old_from_sampler": False})
+    return OmegaConf.merge(rollout_cfg, {"batch_size": eval_cfg.batch_size, "vllm": {"sleep": False}, "old_from_sampler": False})
 
 
 def engine_rows(rollout_cfg, eval_cfg, shards: int = 1) -> int:

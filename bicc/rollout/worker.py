@@ -178,12 +178,12 @@ def build_sampler(spec: dict, rollout, model_cfg, eval_cfg, device):
 
 def worker_rollout(rollout, spec: dict):
     """The rollout settings a worker's engine runs with: no sleep (the device is the worker's: nothing to free while
-    the trainer updates) and, alone on its GPU, ``rollout.worker_gpu_memory_utilization`` of it (its KV cache and
+    the trainer updates) and, alone on its GPU, ``rollout.vllm.worker_gpu_memory_utilization`` of it (its KV cache and
     batch take what a colocated engine leaves to training)."""
     rollout_cfg = copy.deepcopy(rollout)
-    rollout_cfg.sleep = False
+    rollout_cfg.vllm.sleep = False
     if spec["device"] == "cuda" and not spec["shares_gpu"]:
-        rollout_cfg.gpu_memory_utilization = rollout.worker_gpu_memory_utilization
+        rollout_cfg.vllm.gpu_memory_utilization = rollout.vllm.worker_gpu_memory_utilization
     return rollout_cfg
 
 

@@ -58,7 +58,7 @@ def run_of(cfg: StepConfig, model_cfg, eval_cfg, dist_cfg, world: int, sharded: 
                context_ratio=(cfg.bicc.context_ratio if cfg.bicc.truncate != "none"  # attempts whole: all they hold
                               else context_budget(cfg.bicc, r.max_new_tokens) / r.max_new_tokens), bicc=bool(cfg.bicc.enabled),
                contexts=max(1, 2 * r.prompts_per_step // world), reference=loads_reference(cfg),
-               chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.gpu_memory_utilization, gpu_gib=gpu_gib,
+               chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.vllm.gpu_memory_utilization, gpu_gib=gpu_gib,
                compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
                no_grad_on_context=any(ctx == "xc" for _, ctx in plan.passes),
                master_bytes=DTYPES[model_cfg.master_dtype].itemsize, sharded=sharded, vllm=engine.reserves_memory_share,
@@ -99,7 +99,7 @@ def resolve_checkpoint_layers(arch: Arch, run: Run, budget_gib: float) -> int:
 def knob(phase: str, run: Run) -> str:
     """The settings that shrink ``phase``'s peak."""
     if phase in ("rollout", "evaluation") and run.vllm:
-        return "rollout.gpu_memory_utilization (vLLM's share of the GPU)"
+        return "rollout.vllm.gpu_memory_utilization (vLLM's share of the GPU)"
     if phase == "evaluation":
         return "eval.batch_tokens (rows x tokens per HF generate call)"
     if phase == "optimizer step":
@@ -243,14 +243,15 @@ def check_workers(rollout, train, predict, d, device, environ=None, device_count
     rows = min(r.batch_size, max(1, r.prompts_per_step * r.group_size // max(1, len(places) + r.remote_workers)))
     bucket = int(r.push_bucket_mib * 2**20)
     shared = any(p.shares for p in places)
-    share = r.gpu_memory_utilization if shared else r.worker_gpu_memory_utilization  # bicc.rollout.worker.worker_rollout
+    # as bicc.rollout.worker.worker_rollout gives it
+    share = r.vllm.gpu_memory_utilization if shared else r.vllm.worker_gpu_memory_utilization
     worker = sum(worker_gpu(arch, dataclasses.replace(run, vllm_utilization=share), engine.samples_from_module, rows,
                             bucket).values())
     value = worker + (trainer_peak(arch, run)[1] if shared else 0)
     line = (f"rollout worker GPU: predicted {value / GIB:.1f} GiB of {budget:.1f} GiB ({r.engine}"
             + (", beside a training rank" if shared else "") + ")")
     if value > budget * GIB:
-        knob = ((f"rollout.{'gpu' if shared else 'worker_gpu'}_memory_utilization (the engine's share)")
+        knob = ((f"rollout.vllm.{'gpu' if shared else 'worker_gpu'}_memory_utilization (the engine's share)")
                 if engine.reserves_memory_share else "rollout.batch_size")
         raise ValueError(f"config field 'rollout.devices': {line}: it does not fit. Lower {knob}"
                          + (", or give the workers GPUs of their own" if shared else "")

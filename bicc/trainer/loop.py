@@ -280,7 +280,7 @@ def run(cfg, d: distributed.Dist, run_dir: Path, choices: dict) -> dict:
     status("loading the policy")
     s = start_or_resume(cfg.resume, build, init_path, run_dir, cfg.rollout.async_steps, d)
     if d.is_main and s.engine.kv_bytes:
-        print(f"[rollout] vLLM KV space {s.engine.kv_bytes / 2**30:.2f} GiB (rollout.kv_cache_bytes)")
+        print(f"[rollout] vLLM KV space {s.engine.kv_bytes / 2**30:.2f} GiB (rollout.vllm.kv_cache_bytes)")
     if s.step > 0 and d.is_main:  # rows of steps after the checkpoint are recomputed, identically: drop the old ones
         for name in ("metrics.jsonl", "diagnostics.jsonl", "samples.jsonl"):
             rewind_jsonl(run_dir / name, s.step)

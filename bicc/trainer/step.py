@@ -40,7 +40,7 @@ def rl_step(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
                                           s.num_shards), {}
     metrics.update({**rollout_metrics(ro, cfg.rollout.group_size), **check_staleness(ro, s.step, N)})
     t_rollout, busy_start = time.perf_counter(), time.monotonic()
-    s.engine.sleep()  # vLLM with rollout.sleep on GPU: free its memory until the sync
+    s.engine.sleep()  # vLLM with rollout.vllm.sleep on GPU: free its memory until the sync
 
     # ---- 3. partition O+ / O- (algo.partition) and BiCC's contexts x+ = [q; O-], x- = [q; O+]
     positive = functools.partial(positives, ro, cfg.algo.partition, cfg.bicc.reward_threshold)  # O+ [N], one rule

@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from bicc.registry import Registry
-
-ADVANTAGES: Registry = Registry("advantage estimator")
+from bicc.config.method import advantage_name  # noqa: F401  (the run's estimator, by the switches)
+from bicc.registry import ADVANTAGES
 
 
 def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,14 +133,6 @@ def sequence_delta(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tenso
     if reduce == "mean":
         diff = diff / mask.sum(-1).clamp(min=1)
     return diff.detach()
-
-
-def advantage_name(algo, rcc) -> str:
-    """The run's advantage estimator: RCC's (``rcc=on``; ``rcc=std`` its diagnostic form divided by the group's
-    std) when RCC is on, else the variant's own (``algo.advantage``)."""
-    if not rcc.enabled:
-        return algo.advantage
-    return "rcc_std" if rcc.scale == "std" else "rcc"
 
 
 def advantage_metrics(adv: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:

@@ -24,9 +24,7 @@ Every module of this folder is imported here, so a new variant is one module (an
 
 from bicc.method.losses.agg import AGGREGATIONS, StepTotals, aggregate, masked_mean  # noqa: F401
 from bicc.method.losses.kl import KL_ESTIMATORS  # noqa: F401
-from bicc.registry import Registry
-
-LOSSES: Registry = Registry("policy loss")
+from bicc.registry import LOSSES
 
 
 def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, algo, totals, is_weight=None, loss_fn=None):

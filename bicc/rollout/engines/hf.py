@@ -5,7 +5,7 @@ copy. Under FSDP2 the trained module is sharded and the engine holds a full copy
 ``update_weights`` refreshes from the gathered full state dict. Prompts are left-padded per chunk of at most
 ``rollout.batch_size`` output rows. With ``rollout.old_from_sampler`` it also returns each sampled token's
 log-prob, log softmax(logits / T), recorded during sampling (``_RecordLogprobs``) so that the trainer can
-skip its own pi_old pass. ``rollout.static_cache`` generates into a KV cache allocated whole for each call (rows x
+skip its own pi_old pass. ``rollout.hf.static_cache`` generates into a KV cache allocated whole for each call (rows x
 (longest prompt + max new tokens)), the form transformers compiles the decoding steps for on CUDA.
 """
 
@@ -27,7 +27,7 @@ class HFEngine(Engine):
         # an evaluation's engine config has neither switch (bicc.rollout.eval_engine_config)
         self.returns_logprobs = bool(getattr(rollout_cfg, "old_from_sampler", False)) or options.logprobs
         # a KV cache of the whole length up front, which transformers compiles the decoding steps for on CUDA
-        self.cache = "static" if getattr(rollout_cfg, "static_cache", False) else None
+        self.cache = "static" if getattr(getattr(rollout_cfg, "hf", None), "static_cache", False) else None
 
     def update_weights(self, model, version: int) -> None:
         if model is not self.model:  # a copy beside a sharded policy: streamed in, one gathered tensor at a time

