@@ -4,8 +4,8 @@ import random
 import pytest
 
 from bicc.data import build_task, encode_prompt
-from bicc.data.arith import _parse
 from bicc.data.rewards import exact_match_reward
+from bicc.data.tasks.arith import _parse
 from bicc.model.tokenizer import build_char_tokenizer
 
 

@@ -127,6 +127,116 @@ def test_an_advantage_reward_dataset_and_engine_of_ones_own_need_no_edit_of_the_
     assert step["rollout/prompts_drawn"] >= 1
 
 
+TASK = '''
+"""A throwaway task: a + b up to a bound of its own (data.params.top), answered after "Answer:", scored by the
+output's length parity so that a random model's groups are mixed."""
+import random
+from dataclasses import dataclass
+
+from bicc.config.fields import need
+from bicc.data import Problem
+from bicc.data.answers import answer_anchors
+
+
+@dataclass(frozen=True)
+class SumsParams:
+    top: int = 9
+
+    def check(self):
+        need(self.top >= 1, "data.params.top", f"must be >= 1, got {self.top}")
+
+
+class Sums:
+    params = SumsParams
+    answer_anchors = answer_anchors(["answer_line"])
+
+    def __init__(self, data_cfg):
+        self.top, self.seed = SumsParams(**data_cfg.params).top, data_cfg.seed
+        print(f"[sums] up to {self.top}", flush=True)
+
+    def _problem(self, split, index):
+        rng = random.Random(f"{split}/{self.seed}/{index}")
+        a, b = rng.randint(1, self.top), rng.randint(1, self.top)
+        return Problem(f"{split}-{index}", f"What is {a} + {b}? End with Answer: <n>.", str(a + b))
+
+    def train_problem(self, index):
+        return self._problem("train", index)
+
+    def test_problems(self, n):
+        return [self._problem("test", i) for i in range(n)]
+
+    def reward(self, completion, problem):
+        return float(len(completion) % 2 == 0)
+'''
+
+ENGINE = '''
+"""An engine of one\'s own: HF generate, saying so."""
+from bicc.rollout.engines.hf import HFEngine
+
+
+class LoudEngine(HFEngine):
+    def generate(self, prompts, sampling):
+        print(f"[my engine] {len(prompts)} prompts", flush=True)
+        return super().generate(prompts, sampling)
+'''
+
+TASK_YAML = '''
+# The throwaway task, up to 5.
+defaults:
+  - arith
+  - _self_
+
+# The task's class, from the user's package.
+task: mine.sums:Sums
+# Its own settings (SumsParams).
+params:
+  top: 5
+'''
+
+
+@pytest.mark.launch
+def test_a_task_and_an_engine_of_ones_own_run_the_papers_method_with_no_edit_of_the_library(tmp_path):
+    """A task is a module and a YAML of the user's (its own settings under data.params, checked against the dataclass
+    it declares), an engine one module: a ``train.py`` step under ``bicc=on rcc=on`` samples the task's problems with
+    the engine, BiCC builds its contexts and RCC corrects, and nothing of the library is touched."""
+    package, conf = tmp_path / "src" / "mine", tmp_path / "my_conf" / "data"
+    package.mkdir(parents=True)
+    conf.mkdir(parents=True)
+    written = {package / "sums.py": TASK, conf / "sums.yaml": TASK_YAML, package / "loud.py": ENGINE}
+    for path, text in written.items():
+        path.write_text(textwrap.dedent(text), encoding="utf-8")
+    args = [*[a for a in SMALL if not a.startswith(("data.reward", "bicc=", "rcc="))], "bicc=on", "rcc=on", "sft.steps=0",
+            "train.steps=1", "data=sums", "rollout.engine=mine.loud:LoudEngine", "bicc.min_attempt_tokens=1",
+            f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_train(args, tmp_path, env={"PYTHONPATH": str(tmp_path / "src")})
+    assert "[sums] up to 5" in proc.stdout and "[my engine] 4 prompts" in proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    step = next(r for r in rows if r.get("step") == 1 and "train/loss" in r)
+    assert 0 < step["reward/mean"] < 1 and step["bicc/samples_conditioned_share"] > 0 and "rcc/cov" in step
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".py", ".yaml")
+                  and "run" not in p.relative_to(tmp_path).parts[:1]) == sorted(written)
+
+
+def test_a_tasks_own_settings_are_checked_against_what_it_declares(tmp_path, monkeypatch):
+    """``data.params`` against the task's ``params`` dataclass before any model loads: its own check names the key, an
+    unknown key is named with the task's parameters, and a task that declares none takes none."""
+    from bicc.trainer.validation import validate
+    from tests.conftest import compose_cfg
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "sums.py").write_text(textwrap.dedent(TASK), encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["data.task=mine.sums:Sums", "sft.cache_dir=/tmp/x"]
+    validate(compose_cfg([*base, "+data.params.top=3"]))
+    with pytest.raises(ValueError, match="config field 'data.params.top': must be >= 1, got 0"):
+        validate(compose_cfg([*base, "+data.params.top=0"]))
+    with pytest.raises(ValueError, match="'data.params.bound': is not a parameter of the task 'mine.sums:Sums' \\(its "
+                                         "parameters: top\\)"):
+        validate(compose_cfg([*base, "+data.params.bound=3"]))
+    with pytest.raises(ValueError, match="'data.params.top': is not a parameter of the task 'arith' \\(it takes none\\)"):
+        validate(compose_cfg(["sft.cache_dir=/tmp/x", "+data.params.top=3"]))
+
+
 def test_the_docs_name_the_files_each_new_loss_is():
     """docs/extending.md's loss row names the files a variant in the library is: each variant whose loss has a module
     of its own name has exactly those (module, YAML, test), and its module registers that name."""
@@ -145,3 +255,31 @@ def test_the_docs_name_the_files_each_new_loss_is():
     assert {"cispo", "sapo", "clip_cov", "kl_cov"} <= set(own)
     for name in own:
         assert LOSSES.get(name).__module__ == f"bicc.method.losses.{name}"
+
+
+@pytest.mark.parametrize("kind, folder, group, key", [("advantage", "bicc/method/advantages", "algo", "advantage"),
+                                                      ("task", "bicc/data/tasks", "data", "task"),
+                                                      ("rollout engine", "bicc/rollout/engines", "rollout", "engine")])
+def test_the_docs_count_the_files_of_every_other_kind(kind, folder, group, key):
+    """docs/extending.md's row of each kind holds for every entry of the library that is a module of its own name: the
+    module registers that name, a conf option selects it (``<key>: <name>``) and its test names it; the row lists
+    those three and nothing else, so the files it counts are the files an entry is."""
+    import re
+
+    from bicc.registry import ADVANTAGES, ENGINES, TASKS
+    from tests.conftest import CONF, ROOT
+
+    registry = {"advantage": ADVANTAGES, "task": TASKS, "rollout engine": ENGINES}[kind]
+    row = next(line for line in (ROOT / "docs" / "extending.md").read_text(encoding="utf-8").splitlines()
+               if line.startswith(f"| {kind} |")).split("|")[2]
+    assert row.count(",") == 2 and f"`{folder}/<name>.py`" in row and f"conf/{group}/" in row, row
+    tests = re.findall(r"`(tests/[^`]+)`", row)  # one named test file, or "its test"
+    modules = [p.stem for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"]
+    assert modules
+    for name in modules:
+        entry = registry.get(name)  # the module registers its own name
+        assert entry.__module__ == f"{folder.replace('/', '.')}.{name}"
+        options = [p for p in (CONF / group).glob("*.yaml") if re.search(rf"^{key}: {name}$", p.read_text(), re.M)]
+        assert options, f"no conf/{group} option sets {key}: {name}"
+        files = [ROOT / t.replace("<name>", name) for t in tests] or list((ROOT / "tests").glob("test_*.py"))
+        assert any(re.search(rf"\b{name}\b", f.read_text(encoding="utf-8")) for f in files if f.exists()), name

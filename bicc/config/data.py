@@ -4,7 +4,7 @@ rewards, with the range checks of its own fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 from omegaconf import MISSING
 
@@ -85,6 +85,8 @@ class DataConfig:
     reward_errors: str = choice(Literal["raise", "zero"], "raise")
     arith: ArithConfig = field(default_factory=ArithConfig)
     math: MathDataConfig = field(default_factory=MathDataConfig)
+    # a task's own settings outside the library, declared by its class (``params = MyParams``), as ``algo.params``
+    params: Dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def check(d) -> None:

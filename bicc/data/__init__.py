@@ -2,13 +2,16 @@
 
 A task is built by name from the ``data`` config (``TASKS.get(cfg.data.task)(cfg.data)``) and offers:
 ``train_problem(index)`` (deterministic in the index, so the data position is one integer that a
-checkpoint can store), ``test_problems(n)`` and, when it supports supervised warm starts,
-``demonstration(problem, rng)``.
+checkpoint can store), ``test_problems(n)``, ``reward(completion, problem)``, ``answer_anchors`` and, when it
+supports supervised warm starts, ``demonstration(problem, rng)``. What the trainer reads of a task's class before one is
+built, never testing its name: ``params`` (the dataclass of its own settings, ``data.params``, for a task outside the
+library; the library's have groups of their own, ``data.arith`` and ``data.math``), ``check(data_cfg, eval_cfg)``
+(its checks across groups, before any model loads) and ``describe(data_cfg)`` (words for the start-up line).
 
-Modules: ``arith`` (the embedded sums task), ``math`` (math problems from JSONL, parquet or HF datasets),
-``answers`` (answer extractors, and the anchors BiCC's truncation keeps), ``checking`` (the math checker: exact
-match, then math-verify in processes of its own, each a ``verify_worker``), ``rewards`` (a user's reward
-functions, TRL's signature included), ``benchmarks`` (evaluation's datasets).
+Modules: ``tasks/`` (one module per task, found on disk: ``arith``, the embedded sums; ``math``, math problems from
+JSONL, parquet or HF datasets), ``answers`` (answer extractors, and the anchors BiCC's truncation keeps),
+``checking`` (the math checker: exact match, then math-verify in processes of its own, each a ``verify_worker``),
+``rewards`` (a user's reward functions, TRL's signature included), ``benchmarks`` (evaluation's datasets).
 """
 
 from dataclasses import dataclass
@@ -59,4 +62,4 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     )
 
 
-from bicc.data import arith, math  # noqa: E402,F401  (registers "arith", "math")
+import bicc.data.tasks  # noqa: E402,F401  (each module of tasks/ registers its task)

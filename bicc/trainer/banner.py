@@ -4,6 +4,7 @@ named as such (``describe_choices``), and how its forwards lay out their rows (`
 from __future__ import annotations
 
 from bicc.config import StepConfig, corrects, is_level
+from bicc.data import TASKS
 from bicc.kernels.packing import padding_free
 from bicc.method.conditioning import context_budget
 from bicc.trainer.state import peak_lr
@@ -37,8 +38,9 @@ def describe_choices(choices, cfg: StepConfig, model, data, sft) -> str:
         text += f", rollout workers {r.async_steps} step(s) ahead with {correction_words(r)}"
     elif corrects(r):
         text += f", sampler correction: {correction_words(r)}"
-    if model.tiny is not None and data.task == "arith":
-        text += f", arith slips {data.arith.slip_rate:g} at {data.arith.slip_step} step"
+    task = TASKS.get(data.task)
+    if model.tiny is not None and hasattr(task, "describe"):
+        text += f", {task.describe(data)}"
     if model.tiny is not None and sft.context_share > 0:
         text += f", warm start shows {sft.context_attempts} attempts on {sft.context_share:g} of its prompts"
     return text

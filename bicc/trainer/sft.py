@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from bicc.config import WarmStartConfig
-from bicc.data import encode_prompt
+from bicc.data import TASKS, encode_prompt
 from bicc.machine.progress import progress as progress_bar
 from bicc.method.conditioning import context_budget, render_context
 from bicc.model.load import build_tiny
@@ -54,9 +54,11 @@ def cache_key(cfg: WarmStartConfig) -> str:
     data = OmegaConf.to_container(cfg.data, resolve=True)
     for key in NOT_IN_WARM_START:  # read by RL only: a run that sets them reuses the warm start of one that does not
         data.pop(key, None)
-    for task in ("arith", "math"):  # only the active task's settings shape the warm start
+    for task in TASKS.names():  # only the active task's settings shape the warm start
         if data["task"] != task:
             data.pop(task, None)
+    if not data["params"]:  # a task outside the library's own settings (none: the keys warm starts had before them)
+        data.pop("params")
     keyed = {"model": OmegaConf.to_container(cfg.model.tiny, resolve=True), "data": data,
              "sft": sft, "seed": sft_seed(cfg), "format": 2}
     if cfg.sft.context_share > 0:  # the template shown in SFT prompts then shapes the checkpoint too

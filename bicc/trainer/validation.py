@@ -34,7 +34,11 @@ def validate(cfg: Any) -> None:
     # bicc.max_tokens follows rollout.max_new_tokens (conf/bicc): named where it is set, before BiCC's own check
     need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {cfg.rollout.max_new_tokens}")
     check_schema(cfg, RunConfig)
-    check_variant_params(cfg.algo, LOSSES.get(cfg.algo.loss))
+    check_params("algo.params", f"the loss '{cfg.algo.loss}'", cfg.algo.params, LOSSES.get(cfg.algo.loss))
+    task = TASKS.get(cfg.data.task)
+    check_params("data.params", f"the task '{cfg.data.task}'", cfg.data.params, task)
+    if hasattr(task, "check"):  # the task's own checks across groups
+        task.check(cfg.data, cfg.eval)
 
     need(cfg.algo.partition == "correct" or cfg.bicc.reward_threshold is None, "bicc.reward_threshold",
          f"splits the task's verdicts (algo.partition=correct); under algo.partition={cfg.algo.partition} O+ is the "
@@ -50,13 +54,6 @@ def validate(cfg: Any) -> None:
     need(rows <= MAX_ROWS_PER_STEP, "rollout.prompts_per_step",
          f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} x rollout.group_size={cfg.rollout.group_size} = "
          f"{rows:.3g} rows a step, over {MAX_ROWS_PER_STEP:.0e} (the paper's: 128; DAPO's: 8192)")
-    if cfg.data.task == "arith" and any(b.source == "task" for b in cfg.eval.benchmarks):
-        need(cfg.eval.num_problems <= cfg.data.arith.test_size, "eval.num_problems",
-             f"must be <= data.arith.test_size={cfg.data.arith.test_size} (the task's test split), got "
-             f"{cfg.eval.num_problems}")
-    if cfg.data.task == "math":  # data=jsonl leaves both empty for the user to fill
-        for split in ("train_source", "test_source"):
-            need(bool(cfg.data.math[split]), f"data.math.{split}", "is empty: set a .jsonl/.parquet path or an HF dataset id")
     if cfg.bicc.enabled and cfg.train.context_packing and cfg.train.context_packing_impl == "mask":
         from bicc.kernels.packing import MASK_ATTENTION
         from bicc.model.load import resolve_attn_implementation
@@ -70,18 +67,19 @@ def validate(cfg: Any) -> None:
 MAX_ROWS_PER_STEP = 10**6
 
 
-def check_variant_params(algo_cfg: Any, loss) -> None:
-    """``algo.params`` against the dataclass the loss declares (``LOSSES.register(name, params=...)``): every key
-    one of its fields, then its own ``check()``."""
+def check_params(field_name: str, owner: str, values: Any, entry) -> None:
+    """``values`` (``algo.params``, ``data.params``) against the dataclass ``entry`` declares (``entry.params``: a
+    loss's, ``LOSSES.register(name, params=...)``, or a task class's): every key one of its fields, then its own
+    ``check()``."""
     import dataclasses
 
-    spec = getattr(loss, "params", None)
+    spec = getattr(entry, "params", None)
     known = [f.name for f in dataclasses.fields(spec)] if spec else []
-    for key in algo_cfg.params or {}:
-        need(key in known, f"algo.params.{key}", f"is not a parameter of the loss '{algo_cfg.loss}' "
+    for key in values or {}:
+        need(key in known, f"{field_name}.{key}", f"is not a parameter of {owner} "
              f"({'its parameters: ' + ', '.join(known) if known else 'it takes none'})")
     if spec is not None and hasattr(spec, "check"):
-        spec(**(algo_cfg.params or {})).check()
+        spec(**(values or {})).check()
 
 
 def longest(problems, encode) -> tuple[int, object]:

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig, OmegaConf
 
+from bicc.config.fields import need
 from bicc.data import TASKS, Problem
 from bicc.data.answers import EXTRACTORS, answer_anchors, extract, normalize_answer
 from bicc.data.rewards import exact_match_reward
@@ -46,6 +47,19 @@ def _rng(seed: int, stream: str, index: int) -> random.Random:
 class ArithTask:
     # what exact_match_reward extracts, which BiCC truncation keeps
     answer_anchors = answer_anchors(("boxed", "answer_number"))
+
+    @staticmethod
+    def check(data_cfg, eval_cfg) -> None:
+        """Evaluation on the task's test split draws no more problems than it holds."""
+        if any(b.source == "task" for b in eval_cfg.benchmarks):
+            need(eval_cfg.num_problems <= data_cfg.arith.test_size, "eval.num_problems",
+                 f"must be <= data.arith.test_size={data_cfg.arith.test_size} (the task's test split), got "
+                 f"{eval_cfg.num_problems}")
+
+    @staticmethod
+    def describe(data_cfg) -> str:
+        """The warm start's slips, for the start-up line (a tiny model's demonstrations)."""
+        return f"arith slips {data_cfg.arith.slip_rate:g} at {data_cfg.arith.slip_step} step"
 
     def __init__(self, data_cfg):
         # plain values: drawing the test split reads them some 10^4 times, which through OmegaConf took 0.8 s a process

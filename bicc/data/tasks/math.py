@@ -5,6 +5,7 @@ the caller (``encode_prompt``)."""
 
 from __future__ import annotations
 
+from bicc.config.fields import need
 from bicc.data import TASKS, Problem
 from bicc.data.answers import answer_anchors
 from bicc.data.benchmarks import FieldNames, load_problems
@@ -13,6 +14,12 @@ from bicc.data.checking import MathChecker
 
 @TASKS.register("math")
 class MathTask:
+    @staticmethod
+    def check(data_cfg, eval_cfg) -> None:
+        """Both sources are set (``data=jsonl`` leaves them empty for the user to fill)."""
+        for split in ("train_source", "test_source"):
+            need(bool(data_cfg.math[split]), f"data.math.{split}", "is empty: set a .jsonl/.parquet path or an HF dataset id")
+
     def __init__(self, data_cfg):
         cfg = data_cfg.math
         fields = FieldNames(cfg.problem_field, cfg.answer_field, cfg.id_field)
