@@ -72,3 +72,19 @@ def test_every_figure_in_the_readme_is_in_the_doc_it_cites():
 def test_the_readme_and_performance_page_stay_short():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 150
     assert len((ROOT / "docs" / "performance.md").read_text(encoding="utf-8").splitlines()) <= 250
+
+
+# A hexadecimal word of 7-12 characters with a digit and a letter: how a commit is cited.
+HASH = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,12}\b")
+# the authors' released repository, read at its own commit (docs/method.md, "The released code")
+OTHER_REPOSITORIES = {"0c14b23"}
+
+
+def test_commits_are_cited_in_the_results_page_only():
+    """The README and the reference pages say how things work; which commit measured what is docs/results.md's
+    (and the dated pages under docs/history/). A hash elsewhere goes there, with what it measured."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    cited = [f"{page.relative_to(ROOT)}: {h}" for page in pages if page.name != "results.md"
+             for h in HASH.findall(page.read_text(encoding="utf-8")) if h not in OTHER_REPOSITORIES]
+    assert not cited, cited
+    assert HASH.findall((ROOT / "docs" / "results.md").read_text(encoding="utf-8"))  # the pattern finds them there
