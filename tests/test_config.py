@@ -166,45 +166,51 @@ def test_the_bicc_template_counts_toward_the_positions():
         _lengths(["rollout.max_new_tokens=400", "bicc.max_tokens=100", "eval.max_new_tokens=64"])
 
 
-def _default_mismatches(schema, composed, path=""):
-    """(field, schema default, composed value) wherever a schema default disagrees with what the default composition
-    gives the field; fields the YAML leaves to the schema agree by construction. Values compared unresolved."""
-    from omegaconf import OmegaConf
-
-    out = []
-    for key in schema:
-        node = schema._get_node(key)
-        if node._is_missing() or key not in composed:  # required from the YAML, or left to the schema
-            continue
-        if OmegaConf.is_dict(node) and not node._is_none():
-            out += _default_mismatches(schema[key], composed[key], f"{path}{key}.")
-            continue
-        want, got = node._value(), composed._get_node(key)._value()
-        if OmegaConf.is_config(want) or OmegaConf.is_config(got):
-            want, got = OmegaConf.to_container(node), OmegaConf.to_container(composed._get_node(key))
-        if want != got:
-            out.append((f"{path}{key}", want, got))
-    return out
+def _leaves(node, prefix=""):
+    return {k: v for key, value in node.items()
+            for k, v in (_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
+                         {f"{prefix}{key}": value}).items()}
 
 
-def test_schema_defaults_equal_the_yaml_defaults():
-    """One default per field: every schema default equals what ``python train.py`` composes for it (train.yaml
-    and each group's default option), or the YAML does not set the field."""
+def _own_keys(path):
+    """The leaf keys a YAML file sets itself (its defaults list and Hydra's settings aside)."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    data.pop("defaults", None)
+    data.pop("hydra", None)
+    return _leaves(data)
+
+
+def _parents(path):
+    """The options of the same group this one builds on (its defaults list), nearest last."""
+    import yaml
+
+    names = [d for d in (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("defaults", [])
+             if isinstance(d, str) and d not in ("_self_",) and not d.endswith("_schema")]
+    return [p for name in names for p in (*_parents(path.parent / f"{name}.yaml"), path.parent / f"{name}.yaml")]
+
+
+def test_each_default_is_written_once():
+    """A default lives in the schema (bicc/config/), where its comment says what it means; a group's YAML option sets
+    only what differs from it, or puts back what an option it builds on changed. (An experiment preset may pin a value
+    it depends on: conf/experiment is not held to this.)"""
     from omegaconf import OmegaConf
 
     from bicc import config as C
 
-    composed = compose_cfg([])
-    groups = {"algo": C.AlgoConfig, "bicc": C.BiccConfig, "rcc": C.RccConfig, "model": C.ModelConfig,
-              "data": C.DataConfig, "rollout": C.RolloutConfig, "eval": C.EvalConfig, "logger": C.LoggerConfig}
-    mismatches = _default_mismatches(OmegaConf.structured(C.RunConfig), composed)
-    for group, schema in groups.items():
-        mismatches += _default_mismatches(OmegaConf.structured(schema), composed[group], f"{group}.")
-    specific = {"sft.cache_dir",  # resolved from the environment or the working directory
-                "logger.wandb_mode",  # the environment's WANDB_MODE, else offline (the schema's default)
-                "model.tiny",  # the default model option builds a tiny model; pretrained options leave it null
-                "eval.benchmarks", "eval.also_temperatures"}  # each eval option names its benchmarks (arith adds T = 1)
-    assert not [m for m in mismatches if m[0] not in specific], mismatches
+    schemas = {"algo": C.AlgoConfig, "bicc": C.BiccConfig, "rcc": C.RccConfig, "model": C.ModelConfig,
+               "data": C.DataConfig, "rollout": C.RolloutConfig, "eval": C.EvalConfig, "logger": C.LoggerConfig}
+    restated = []
+    for path in [CONF / "train.yaml", *sorted(p for g in schemas for p in (CONF / g).glob("*.yaml"))]:
+        schema = schemas.get(path.parent.name, C.RunConfig)
+        defaults = _leaves(OmegaConf.to_container(OmegaConf.structured(schema), resolve=False))
+        inherited = {}
+        for parent in _parents(path):
+            inherited.update(_own_keys(parent))
+        restated += [f"{path.relative_to(CONF)}: {key}" for key, value in _own_keys(path).items()
+                     if key in defaults and defaults[key] == value and inherited.get(key, value) == value]
+    assert not restated, restated
 
 
 def test_closed_choices_come_from_literal_types_at_any_depth():

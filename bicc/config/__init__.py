@@ -1,16 +1,18 @@
 """Typed config schemas (Hydra ConfigStore).
 
-Every YAML file under ``conf/`` is checked against these dataclasses when Hydra composes it, so a
-misspelt key fails at start-up. Fields without a sensible default are ``MISSING``: a config group
-must set them. Each schema default is the one the YAML composes (tests/test_config.py holds them
-together). Closed choices are ``Literal`` types on their fields (``bicc.config.fields.choice``) and each
-schema's ``check`` holds the ranges of its own fields; ``bicc.trainer.validation.validate`` runs them all, with
-the registries and the checks across groups, before any model is loaded, naming the field and the fix.
+Every YAML file under ``conf/`` is checked against these dataclasses when Hydra composes it, so a misspelt key fails
+at start-up. Fields without a sensible default are ``MISSING``: a config group must set them. Each default is
+written here once, with a comment saying what the field means; a YAML option sets only what differs from it
+(tests/test_config.py holds that). Closed choices are ``Literal`` types on their fields
+(``bicc.config.fields.choice``) and each schema's ``check`` holds the ranges of its own fields;
+``bicc.trainer.validation.validate`` runs them all, with the registries and the checks across groups, before any
+model is loaded, naming the field and the fix.
 
 | module | groups |
 | --- | --- |
 | ``method.py`` | ``algo``, ``bicc``, ``rcc`` |
-| ``run.py`` | ``model``, ``rollout`` (``rollout.vllm``, ``rollout.hf``), ``optim``, ``train``, ``dist``, ``sft``, ``diag`` |
+| ``run.py`` | ``model``, ``optim``, ``train``, ``dist``, ``sft``, ``diag`` |
+| ``rollout.py`` | ``rollout`` (its engines' ``rollout.vllm``, ``rollout.hf``) |
 | ``correction.py`` | ``rollout.correction`` |
 | ``data.py`` | ``data`` |
 | ``evaluation.py`` | ``eval``, ``logger`` |
@@ -33,17 +35,15 @@ from bicc.config.data import ArithConfig, DataConfig, MathDataConfig
 from bicc.config.evaluation import BenchmarkConfig, EvalConfig, LoggerConfig
 from bicc.config.fields import choice, need
 from bicc.config.method import AlgoConfig, BiccConfig, RccConfig, advantage_name
+from bicc.config.rollout import HfConfig, RolloutConfig, VllmConfig
 from bicc.config.run import (
     DiagConfig,
     DistConfig,
-    HfConfig,
     ModelConfig,
     OptimConfig,
-    RolloutConfig,
     SFTConfig,
     TinyArchConfig,
     TrainConfig,
-    VllmConfig,
     diag_every,
 )
 from bicc.registry import ADVANTAGES
@@ -66,12 +66,18 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     diag: DiagConfig = field(default_factory=DiagConfig)
+    # Global seed: model init, SFT data, rollout sampling (each step's seed derives from it).
     seed: int = 0
+    # What to run: all (SFT warm start if the model is tiny, then RL, then eval) | sft (warm start only).
     stage: str = choice(Literal["all", "sft"], "all")
+    # auto = cuda when available, else cpu.
     device: str = "auto"
+    # CPU threads for torch; 0 = all cores.
     threads: int = 0
     run_name: str = MISSING
+    # Checkpoint dir to resume from, or "auto" for the latest complete checkpoint of this run dir.
     resume: Optional[str] = None
+    # Checkpoint (HF dir or run dir) to evaluate; used by eval.py.
     ckpt: Optional[str] = None
 
     @staticmethod

@@ -74,10 +74,19 @@ def criteria_of(rollout_rs: str | None) -> list[str]:
 class CorrectionConfig:
     """Importance weights pi_old / pi_sampler and rejection of tokens or sequences far from the sampler."""
 
+    # Importance weights pi_old / pi_sampler: none | token | sequence (the product over the output's tokens); null =
+    # token under async_steps, none without.
     rollout_is: Optional[str] = None
+    # C truncates the weights at C (TIS); "lo_hi" zeroes those outside [lo, hi] (IcePop, e.g. 0.5_2.0).
     rollout_is_threshold: str = "2.0"
+    # Divide the weights by their mean over the step (its tokens, or its sequences), every rank's.
     rollout_is_batch_normalize: bool = False
+    # Reject tokens or sequences far from the sampler, comma-separated criteria that must all pass (quote a list on the
+    # command line): token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2, seq_max_k3; null = none. A rejected
+    # token leaves the loss and every normaliser, as a masked token does.
     rollout_rs: Optional[str] = None
+    # One threshold for every criterion, or one each (comma-separated): k1 a ratio band "lo_hi" (one value u: 1/u_u), k2
+    # and k3 an upper bound.
     rollout_rs_threshold: Optional[str] = None
 
     @staticmethod

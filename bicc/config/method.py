@@ -20,17 +20,31 @@ class AlgoConfig:
     loss: str = MISSING
     advantage: str = MISSING
     loss_agg: str = MISSING
+    # Lower clip: ratio floor 1 - eps.
     clip_eps_low: float = 0.2
+    # Upper clip of the IS weight: ceiling 1 + eps.
     clip_eps_high: float = 0.2
+    # Dual clip constant c for A < 0 (per-token loss capped at -c*A); 0 = off.
     dual_clip_c: float = 0.0
+    # Denominator of the ratio: old (sampling policy) | ref (frozen initial policy).
     ratio_denominator: str = choice(Literal["old", "ref"], "old")
+    # KL penalty coefficient to the frozen initial policy (0 = off, no reference model is loaded).
     kl_coef: float = 0.0
+    # KL estimator: k1 | k2 | k3.
     kl_estimator: str = "k3"
+    # Added to the group std before dividing.
     adv_eps: float = 1e-6
+    # Drop groups whose rewards are all equal and draw more prompts until the batch is full (DAPO).
     dynamic_sampling: bool = False
+    # Most generate rounds per step when dynamic sampling refills the batch.
     max_sampling_rounds: int = 4
+    # Overlong reward shaping buffer L_cache as a share of rollout.max_new_tokens (DAPO: 0.2); 0 = off.
     overlong_buffer_share: float = 0.0
+    # Penalty at the length limit for overlong shaping (reward -= penalty * overshoot / L_cache).
     overlong_penalty: float = 1.0
+    # O+, which BiCC's contexts and an advantage that partitions (src) both read: correct = the task's verdict r = 1
+    # (the paper's); reward = the shaped reward above 0.5 (the released code's rule: a correct output the overlong
+    # penalty takes to 0.5 or below counts as wrong).
     partition: str = choice(Literal["correct", "reward"], "correct")
     # the variant's own hyperparameters, declared by its loss (``LOSSES.register(name, params=...)``)
     params: Dict[str, Any] = field(default_factory=dict)
@@ -54,20 +68,32 @@ class BiccConfig:
     """Bilateral Context Conditioning (conf/bicc): what the trainable numerator is conditioned on."""
 
     enabled: bool = MISSING
+    # partition: every sample sees the whole opposite partition (Algorithm 1) | paired: k attempts round-robin.
     mode: str = choice(Literal["partition", "paired", "last"], "partition")
+    # Opposite attempts per sample in paired mode.
     paired_k: int = 1
+    # The opposite attempts of one context take at most floor(context_ratio x max_tokens) tokens.
     context_ratio: float = 0.4
     max_tokens: int = MISSING
+    # How an attempt longer than its share is cut: middle (head + final answer) | head | tail.
     truncate: str = choice(Literal["middle", "head", "tail", "none"], "middle")
+    # Attempts whose share falls below this many tokens are dropped, not cut further.
     min_attempt_tokens: int = 12
+    # Partition threshold for non-binary rewards; null = rewards must be exactly 0 or 1.
     reward_threshold: Optional[float] = None
+    # Placed after the problem, before the attempts (inside the user turn).
     preamble: str = "\n\nOther attempts at this problem:"
+    # Header of each attempt; {i} is its number.
     attempt_header: str = "\nAttempt {i}:\n"
+    # Marker where the middle of a truncated attempt was cut.
     elision: str = " ... "
+    # Stabiliser: evaluate pi_old on x^c too, so the ratio starts at 1 (the paper: false).
     old_on_context: bool = False
+    # Stabiliser: multiply optim.lr by this while BiCC is on; 1 = the base variant's lr (the paper).
     lr_scale: float = 1.0
     context_in: str = choice(Literal["numerator", "denominator"], "numerator")
     layout: str = choice(Literal["paper", "released"], "paper")
+    # The separator: token id 2, whatever it is in the model's vocabulary (the released code's constant).
     separator_id: int = 2
 
     @staticmethod
@@ -93,8 +119,11 @@ class RccConfig:
     """Reward-confidence correction (conf/rcc)."""
 
     enabled: bool = MISSING
+    # Per-token mean of log pi_theta(o_i | q) - log pi_ref(o_i | q) (delta's context as under rcc=on).
     delta: str = choice(Literal["sum", "mean"], "mean")
+    # Where log pi_theta(o_i | .) in delta is evaluated (read by the diagnostics): q (as under rcc=on) | xc.
     delta_context: str = choice(Literal["xc", "q"], "q")
+    # Scale of the corrected advantage (unused while off).
     scale: str = choice(Literal["none", "std"], "none")
 
 

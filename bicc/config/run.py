@@ -1,14 +1,13 @@
-"""Schemas of the run's other groups: model, rollout, optimizer, RL and SFT stages, distribution, each with the
-range checks of its own fields (the data group's: ``bicc.config.data``)."""
+"""Schemas of the run's other groups: model, optimizer, RL and SFT stages, diagnostics, distribution, each with the
+range checks of its own fields (the data group's: ``bicc.config.data``; the rollout's: ``bicc.config.rollout``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 from omegaconf import MISSING
 
-from bicc.config.correction import CorrectionConfig
 from bicc.config.fields import Dtype, at_least, choice, need
 
 
@@ -16,14 +15,23 @@ from bicc.config.fields import Dtype, at_least, choice, need
 class TinyArchConfig:
     """Architecture of a model built from a config (random init), used by ``model=tiny``."""
 
+    # Width of the residual stream.
     hidden_size: int = 128
+    # Decoder layers.
     num_hidden_layers: int = 3
+    # MLP width.
     intermediate_size: int = 256
+    # Query heads.
     num_attention_heads: int = 4
+    # Key/value heads (grouped-query attention).
     num_key_value_heads: int = 2
+    # Per-head width.
     head_dim: int = 32
+    # Longest sequence the rotary embedding is configured for.
     max_position_embeddings: int = 1024
+    # Share the input embedding and the output projection.
     tie_word_embeddings: bool = True
+    # Dropout on attention weights in train mode (0 = none; > 0 makes training consume the global RNG).
     attention_dropout: float = 0.0
 
     # a model built from a config is for tests and the embedded task on a CPU; a real one is model.path
@@ -50,15 +58,34 @@ class ModelConfig:
     """Policy model (conf/model). ``path`` is an HF id or a local dir; ``tiny`` builds one instead."""
 
     name: str = MISSING
+    # HF id or local dir to load; null = build from `tiny` below (then warm-started by SFT).
     path: Optional[str] = None
     tiny: Optional[TinyArchConfig] = None
+    # Attention kernel (SDPA on CPU).
     attn_implementation: str = "sdpa"
+    # Under a kernel that takes ragged sequences (flash_attention_2), the prefix-cache forwards (shared prompts, BiCC's
+    # contexts) compute no padding: each micro-batch's rows laid end to end. false: padded rows.
     padding_free: bool = True
+    # Compute dtype: fp32 on CPU.
     dtype: str = choice(Dtype, "float32")
+    # Dtype of the trainable policy's master weights, gradients and optimizer state (fp32: at lr 1e-6 bf16 weights round
+    # most updates away).
     master_dtype: str = choice(Dtype, "float32")
+    # Recompute activations in backward.
     gradient_checkpointing: bool = False
+    # Under gradient_checkpointing, what a layer's backward recomputes: full (its whole forward) | save_attention (every
+    # op but attention: the attention kernel's output and log-sum-exp kept from the forward, about 8 KiB per token and
+    # layer at Qwen3-4B's width in bf16) | recompute_mlp (the MLP only: the q/k/v and output projections' outputs kept
+    # too, about 25 KiB per token and layer there; bicc.model.load.checkpoint_kwargs).
     checkpoint_policy: str = choice(Literal["full", "save_attention", "recompute_mlp"], "full")
+    # torch.compile each decoder layer's forward for the log-prob forwards and the update, the log-prob head and the
+    # loss (bicc/kernels/compile.py): on | off | auto (CUDA only). Off by default: on a GPU the compiled update ran
+    # 1.3-1.6x the eager one, for about two minutes of compiling per process (docs/performance.md). On an H100 the
+    # compiled run trained, saved and evaluated; its resume from a checkpoint has yet to run on a GPU.
     compile: str = choice(Literal["off", "on", "auto"], "off")
+    # Under compile and gradient_checkpointing: a layer's recompute traced into its compiled backward (true: the
+    # partitioner recomputes only what the backward reads, without the MLP's down projection) or the eager checkpoint
+    # replaying the compiled forward (false). The same update either way (bicc.kernels.compile._recomputed).
     checkpoint_in_graph: bool = True
     checkpoint_layers: str = "all"  # all | auto | N: the first N decoder layers checkpointed (bicc.model.load, bicc.trainer.fit)
 
@@ -71,117 +98,20 @@ class ModelConfig:
 
 
 @dataclass
-class VllmConfig:
-    """vLLM's own settings (``rollout.vllm``; read by ``rollout=vllm`` alone)."""
-
-    gpu_memory_utilization: float = 0.5
-    sleep: bool = False
-    enforce_eager: bool = False
-    max_model_len: Optional[int] = None
-    kv_cache_bytes: Optional[int] = None
-    worker_gpu_memory_utilization: float = 0.9
-
-    @staticmethod
-    def check(v) -> None:
-        at_least(v, "rollout.vllm", ("max_model_len",), 1)
-        for key in ("gpu_memory_utilization", "worker_gpu_memory_utilization"):
-            need(0 < v[key] <= 1, f"rollout.vllm.{key}", f"must be in (0, 1], got {v[key]}")
-        need(v.kv_cache_bytes is None or v.kv_cache_bytes > 0, "rollout.vllm.kv_cache_bytes",
-             f"must be null (what the run needs, on CPU) or a positive number of bytes, got {v.kv_cache_bytes}")
-
-
-@dataclass
-class HfConfig:
-    """HF generate's own settings (``rollout.hf``; read by ``rollout=hf`` alone)."""
-
-    static_cache: bool = False
-
-
-@dataclass
-class RolloutConfig:
-    """Rollout engine and sampling at training time (conf/rollout)."""
-
-    engine: str = MISSING
-    prompts_per_step: int = 16
-    group_size: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 320
-    batch_size: int = 256
-    shards: Optional[int] = None
-    vllm: VllmConfig = field(default_factory=VllmConfig)
-    hf: HfConfig = field(default_factory=HfConfig)
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
-    old_from_sampler: bool = False
-    async_steps: int = 0
-    devices: Optional[list[int]] = None
-    cpu_workers: int = 1
-    remote_workers: int = 0
-    worker_port: Optional[int] = None
-    share_gpus: bool = False
-    push_bucket_mib: float = 32.0
-    worker_start_minutes: float = 20.0
-    # keys that moved (``MOVED``), refused unless null, naming where they went
-    tis_cap: Any = None
-    gpu_memory_utilization: Any = None
-    sleep: Any = None
-    enforce_eager: Any = None
-    max_model_len: Any = None
-    kv_cache_bytes: Any = None
-    worker_gpu_memory_utilization: Any = None
-    static_cache: Any = None
-
-    MOVED = {**{k: f"rollout.vllm.{k}" for k in ("gpu_memory_utilization", "sleep", "enforce_eager", "max_model_len",
-                                                 "kv_cache_bytes", "worker_gpu_memory_utilization")},
-             "static_cache": "rollout.hf.static_cache"}
-    MAX_ASYNC_STEPS = 64
-    MAX_CPU_WORKERS = 256
-
-    @staticmethod
-    def check(r) -> None:
-        need(r.group_size >= 2, "rollout.group_size",
-             f"must be >= 2 (a group-relative advantage needs 2+ samples), got {r.group_size}")
-        need(r.prompts_per_step >= 1, "rollout.prompts_per_step", f"must be >= 1, got {r.prompts_per_step}")
-        need(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
-        need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
-        need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
-        for key, new in RolloutConfig.MOVED.items():
-            need(r[key] is None, f"rollout.{key}", f"is now {new} (each engine's settings are a group of its own): "
-                 f"{new}={r[key]}")
-        at_least(r, "rollout", ("batch_size",), 1)
-        VllmConfig.check(r.vllm)
-        need(r.async_steps <= RolloutConfig.MAX_ASYNC_STEPS, "rollout.async_steps",
-             f"must be <= {RolloutConfig.MAX_ASYNC_STEPS} (batches drawn ahead, each held until trained), got {r.async_steps}")
-        need(r.cpu_workers <= RolloutConfig.MAX_CPU_WORKERS, "rollout.cpu_workers",
-             f"must be <= {RolloutConfig.MAX_CPU_WORKERS} (processes on one node), got {r.cpu_workers}")
-        need(r.tis_cap is None, "rollout.tis_cap", f"was replaced by rollout.correction (verl's rollout correction): "
-             f"rollout.tis_cap={r.tis_cap} is rollout.correction.rollout_is=token "
-             f"rollout.correction.rollout_is_threshold={r.tis_cap} (0: rollout.correction.rollout_is=none)")
-        CorrectionConfig.check(r.correction, r.async_steps)
-        need(r.async_steps >= 0, "rollout.async_steps",
-             f"must be >= 0 (0 = synchronous; N = batches sampled by weights up to N steps old), got {r.async_steps}")
-        need(r.devices is None or (len(r.devices) >= 1 and all(int(d) >= 0 for d in r.devices)), "rollout.devices",
-             f"must be null (chosen for rollout.async_steps) or a non-empty list of CUDA ids or CPU cores, got {r.devices}")
-        need(r.cpu_workers >= 1, "rollout.cpu_workers", f"must be >= 1, got {r.cpu_workers}")
-        need(r.remote_workers >= 0, "rollout.remote_workers", f"must be >= 0, got {r.remote_workers}")
-        need(r.worker_port is None or 1 <= r.worker_port <= 65535, "rollout.worker_port",
-             f"must be null (a free port) or a port number, got {r.worker_port}")
-        need(not r.remote_workers or r.worker_port is not None, "rollout.worker_port",
-             f"must be set when rollout.remote_workers={r.remote_workers}: workers on other nodes connect to it")
-        need(r.push_bucket_mib > 0, "rollout.push_bucket_mib", f"must be > 0, got {r.push_bucket_mib}")
-        need(r.worker_start_minutes > 0, "rollout.worker_start_minutes", f"must be > 0, got {r.worker_start_minutes}")
-        need(r.shards is None or (r.shards >= 1 and r.prompts_per_step % r.shards == 0), "rollout.shards",
-             f"must be null (one per process) or a divisor of rollout.prompts_per_step={r.prompts_per_step}, "
-             f"got {r.shards}")
-
-
-@dataclass
 class OptimConfig:
+    # Peak learning rate (the paper uses 1e-6 for 4B models; the tiny model needs a larger one). On the embedded task
+    # higher rates sharpen sampling faster but cost more greedy accuracy (docs/history/results-2026-11.md: "Why RL costs
+    # greedy accuracy here"); bicc=stable runs at a third of it.
     lr: float = 5e-5
+    # AdamW betas.
     betas: tuple[float, float] = (0.9, 0.999)
+    # AdamW weight decay.
     weight_decay: float = 0.01
+    # Linear warmup steps before the cosine decay.
     warmup_steps: int = 10
+    # Final LR as a fraction of the peak.
     min_lr_ratio: float = 0.1
+    # Max global gradient norm.
     clip_grad: float = 1.0
 
     @staticmethod
@@ -198,28 +128,72 @@ class OptimConfig:
 class TrainConfig:
     """The RL stage."""
 
+    # Optimizer steps of RL (each consumes one rollout batch per epoch/minibatch split).
     steps: int = 250
+    # Stop RL early after this many seconds; 0 = no limit (steps decide).
     time_budget_s: float = 0.0
+    # Passes over each rollout batch (PPO epochs).
     epochs_per_rollout: int = 1
+    # Optimizer steps per epoch over a rollout batch.
     minibatches_per_rollout: int = 1
+    # Sequences per forward/backward; gradients accumulate up to a minibatch.
     micro_batch_size: int = 128
+    # Length-aware micro-batches: rows sorted by length and cut so that rows x longest row <= this many tokens (and at
+    # most micro_batch_size rows); each micro-batch is padded to its own longest row only. 0 = fixed slices of
+    # micro_batch_size rows. The gradient is the same either way (step-wide normalisers).
     micro_batch_tokens: int = 0
+    # Compute each prompt q once per step for all of its G outputs, whose tokens attend to its cached keys/values (the
+    # KV reuse BiCC's contexts use), in the update and the passes on q; false = one padded row per output. Same
+    # log-probs and gradient either way (to float rounding).
     share_prompts: bool = True
+    # Tokens per chunk of the output projection when computing log-probs (peak memory ~ chunk x vocab x 4 bytes). A
+    # forward of several chunks recomputes each in its backward; one of a single chunk keeps its logits.
     logprob_chunk_tokens: int = 1024
+    # Log every N steps.
     log_every: int = 1
+    # Evaluate (the eval group's set, sharded over the processes as the final evaluation is) every N steps, logged under
+    # eval/ at that step; 0 = only before and after RL.
     eval_every: int = 0
+    # Checkpoint every N steps (0 = only at the end).
     save_every: int = 100
+    # Keep the newest K checkpoints (0 = keep all).
     keep_last: int = 2
+    # Stop (with a checkpoint) after this many optimizer steps in a row skipped for a non-finite loss/grad.
     max_nonfinite_steps: int = 5
+    # The sampler against the trainer at the weights that sampled (bicc/rollout/agreement.py): rollout/token_prob_ratio,
+    # the mean over sampled tokens of exp|log pi_sampler - log pi_trainer|, 1 at agreement. Above max_sampler_mismatch a
+    # step warns once; sampler_mismatch_steps such steps in a row stop the run with a checkpoint, naming the likely
+    # causes (0 = off). null = by model.dtype: 1.01 in float32 (healthy runs measure 1.0000001 on CPU, HF workers and
+    # vLLM alike), 1.1 in 16-bit (1.001 measured on CPU in bfloat16; NeMo-RL gates its GPU runs at 1.1).
+    # docs/reliability.md has the measurements.
     max_sampler_mismatch: Optional[float] = None
+    # Measured steps in a row above it that stop the run.
     sampler_mismatch_steps: int = 3
+    # Measure every N steps (0 = never). Under rollout workers each costs one no-grad pass on q at the batch's weight
+    # version and, on each rank, a host copy of its shard of the parameters of each version such a step reads, held from
+    # the push until that step (ceil((async_steps + 1) / N) copies at once). null = 1 without workers (free), and
+    # async_steps + 1 under workers: one host copy at most.
     sampler_check_every: Optional[int] = None
+    # Seconds between the scheduler's first signal and its kill (Slurm's --signal=B:USR1@600: 600), checked at launch
+    # with torchrun's --shutdown-timeout against the predicted save of a preempted step (docs/reliability.md); null =
+    # not known, not checked.
     preemption_lead_s: Optional[float] = None
+    # The rate a node writes a checkpoint at, in GiB/s, for that prediction (a parallel file system's share per node;
+    # local NVMe writes several times faster).
     checkpoint_write_gib_s: float = 1.0
+    # Before the first step, bicc.machine.memory predicts the run's peak per GPU (every output at
+    # rollout.max_new_tokens) and refuses a run that would not fit train.memory_gib, naming the setting to lower; false
+    # = start anyway.
     memory_check: bool = True
+    # The memory one GPU may use, in GiB; null = the CUDA device's total (on CPU: no check).
     memory_gib: Optional[float] = None
+    # BiCC: compute each shared context once for all the outputs behind it (context_packing_impl); false = one row per
+    # output. The same log-probs and gradient either way (to float rounding).
     context_packing: bool = True
+    # kv: the contexts computed once per step and their keys/values reused by every output behind them (cost linear in
+    # outputs) | mask: one packed row [prefix; o_1; ...; o_k] with a 4-D mask (outputs share attention cost).
     context_packing_impl: str = choice(Literal["kv", "mask"], "kv")
+    # Longest packed row in tokens (context_packing_impl=mask); longer packs are split.
     max_packed_len: int = 4096
 
     @staticmethod
@@ -249,8 +223,12 @@ class TrainConfig:
 class DiagConfig:
     """The paper's diagnostics (delta by reward, Cov(R, delta), gradient variance); they never change the update."""
 
+    # Run them every N steps; 0 = never; null = every 10 steps while RCC is on, never while it is off (they need the
+    # frozen reference model for delta and passes of their own).
     every: Optional[int] = None
+    # Disjoint sets of groups whose gradients are compared for the gradient-variance diagnostic.
     splits: int = 4
+    # Steps per training stage when diagnostics are averaged and plotted by stage (the paper uses 500).
     stage_steps: int = 100
 
     @staticmethod
@@ -276,13 +254,27 @@ def diag_every(diag, rcc) -> int:
 class DistConfig:
     """Multi-process training under torchrun (bicc/machine/distributed.py); one process ignores it."""
 
+    # Under torchrun with more than one process: fsdp2 (fully_shard per decoder layer and at the root) | ddp. One
+    # process ignores this section.
     strategy: str = choice(Literal["fsdp2", "ddp"], "fsdp2")
+    # Process-group backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo.
     backend: str = choice(Literal["auto", "nccl", "gloo"], "auto")
+    # FSDP2 parameter dtype for compute; null = model.dtype.
     param_dtype: Optional[str] = choice(Optional[Dtype], None)
+    # FSDP2 gradient reduce-scatter dtype.
     reduce_dtype: str = choice(Dtype, "float32")
+    # FSDP2: free the gathered parameters after each layer's forward (less memory, one more all-gather).
     reshard_after_forward: bool = True
+    # FSDP2: free the gathered parameters after every micro-batch's backward (true) or keep them through a minibatch's
+    # micro-batches, freed after its last backward (false: with reshard_after_forward false, each layer is gathered once
+    # per optimizer step instead of twice per micro-batch; one copy of the model per GPU).
     reshard_after_backward: bool = True
+    # FSDP2: reduce-scatter the gradients after every micro-batch's backward (micro_batch: the least memory) or once per
+    # optimizer step (step: the backwards before the last accumulate unreduced fp32 gradients, the whole model's per
+    # GPU; far fewer ops per step, see docs/performance.md).
     reduce_grads: str = choice(Literal["micro_batch", "step"], "micro_batch")
+    # How long a collective may wait for the other ranks (torch's default is 10 minutes; one evaluation call of
+    # 4,096-token outputs, or a checkpoint written to a slow file system, can take longer).
     timeout_minutes: float = 60.0
 
     @staticmethod
@@ -295,15 +287,28 @@ class SFTConfig:
     """Supervised warm start on demonstrations (some with deliberate slips); it runs whenever the model is a
     tiny one built from ``model.tiny`` (a pretrained model needs none)."""
 
+    # SFT optimizer steps (1,500 x 64 narrows the spread over seeds of 900 x 64: docs/history/log.md, 2026-11-24).
     steps: int = 1500
+    # Stop SFT early after this many seconds; 0 = no limit.
     time_budget_s: float = 0.0
+    # Demonstrations per SFT step.
     batch_size: int = 64
+    # SFT peak learning rate.
     lr: float = 3e-3
+    # SFT warmup steps.
     warmup_steps: int = 50
+    # SFT final LR as a fraction of the peak.
     min_lr_ratio: float = 0.05
+    # SFT weight decay.
     weight_decay: float = 0.0
+    # Share of SFT prompts that also show other attempts under the BiCC template (0 = plain prompts only).
     context_share: float = 0.0
+    # What those attempts are: independent (further demonstrations, slips at the task's rate; the target as for a plain
+    # prompt) | informative (each correct or slipped with probability 1/2, the target correct: reading the attempts
+    # pays, as BiCC's contexts assume).
     context_attempts: str = choice(Literal["independent", "informative"], "independent")
+    # Seed of the warm start (model init and demonstrations); null = the global seed. Fix it to compare RL seeds from
+    # one SFT checkpoint.
     seed: Optional[int] = None
     cache_dir: str = MISSING
 
