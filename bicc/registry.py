@@ -80,6 +80,16 @@ class Registry(Generic[T]):
         return found
 
 
+def import_folder(package: str, path) -> None:
+    """Import every module of a package's folder (``__name__``, ``__path__``), so that each registers its entries: a
+    new loss, estimator, engine or task is its module, with no import to add anywhere."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(path):
+        importlib.import_module(f"{package}.{module.name}")
+
+
 LOSSES: Registry = Registry("policy loss", home="bicc.method.losses")
 ADVANTAGES: Registry = Registry("advantage estimator", home="bicc.method.advantages")
 ENGINES: Registry = Registry("rollout engine", home="bicc.rollout")

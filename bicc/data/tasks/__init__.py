@@ -4,8 +4,6 @@ problems from JSONL, parquet or HF datasets, scored by the math checker (``data.
 its ``conf/data/<name>.yaml``, with no import to add here.
 """
 
-import importlib
-import pkgutil
+from bicc.registry import import_folder
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+import_folder(__name__, __path__)

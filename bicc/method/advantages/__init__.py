@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from bicc.config.method import advantage_name  # noqa: F401  (the run's estimator, by the switches)
-from bicc.registry import ADVANTAGES
+from bicc.registry import ADVANTAGES, import_folder
 
 
 def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -185,15 +185,5 @@ def rcc_std_advantage(rewards, group_ids, delta, cfg):
 rcc_advantage.reads = rcc_std_advantage.reads = ("delta",)
 
 
-def _import_all() -> None:
-    """Every module of this folder, so that each registers its estimator: a new one is its module, with no import to
-    add here."""
-    import importlib
-    import pkgutil
-
-    for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
-
-
-_import_all()
+import_folder(__name__, __path__)  # every module of this folder registers its entries
 

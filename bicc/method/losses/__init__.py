@@ -24,7 +24,7 @@ Every module of this folder is imported here, so a new variant is one module (an
 
 from bicc.method.losses.agg import AGGREGATIONS, StepTotals, aggregate, masked_mean  # noqa: F401
 from bicc.method.losses.kl import KL_ESTIMATORS  # noqa: F401
-from bicc.registry import LOSSES
+from bicc.registry import LOSSES, import_folder
 
 
 def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, algo, totals, is_weight=None, loss_fn=None):
@@ -39,14 +39,4 @@ def rows_loss(logp, rows, mask, old_logp, ref_logp, adv, algo, totals, is_weight
     return loss, metrics
 
 
-def _import_all() -> None:
-    """Every module of this folder, so that each registers its loss: a new variant is its module, with no import
-    to add here."""
-    import importlib
-    import pkgutil
-
-    for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
-
-
-_import_all()
+import_folder(__name__, __path__)  # every module of this folder registers its entries
