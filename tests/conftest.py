@@ -160,6 +160,7 @@ HEAVY = (
     "test_memory_tracker.py::test_four_layers_of_the_paper_width_trace_every_phase_and_their_weights_are_the_models",
     "test_resume.py::test_async_sigkill_then_resume_is_bit_identical[6]",
     "test_resume.py::test_a_dead_worker_stops_the_run_and_its_checkpoint_resumes",
+    "test_resume.py::test_sigkill_then_resume_is_bit_identical_with_lora_adapters",
     "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[a-step-before-sync]",
     "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[a-step-before-async]",
     "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[at-the-wrap-async]",

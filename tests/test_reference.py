@@ -29,17 +29,25 @@ from tests.losses.helpers import VARIANTS, split_invariant
 # uneven splits); DAPO's loss and sampling on one
 PACKINGS = ("context_packing_impl=kv", "context_packing_impl=mask", "context_packing=false")
 CASES = [("grpo", packing, micro) for packing in PACKINGS for micro in (64, 5)] + [("dapo", "context_packing_impl=kv", 5)]
+# ... and LoRA adapters (model.lora), moved off zero first so that pi_ref (the policy with them off) is not the policy
+LORA = ("grpo", "context_packing_impl=kv", 5, ("model.lora.rank=4", "model.lora.alpha=8"))
 
 
-@pytest.mark.parametrize(("algo", "packing", "micro_batch"), CASES)
-def test_rl_step_is_algorithm1(algo, packing, micro_batch, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("algo", "packing", "micro_batch", "extra"), [(*c, ()) for c in CASES] + [LORA],
+                         ids=[f"{a}-{p}-{m}" for a, p, m in CASES] + ["lora"])
+def test_rl_step_is_algorithm1(algo, packing, micro_batch, extra, tmp_path, monkeypatch):
     tok = policy_and_reference(tmp_path)
     # 32-token outputs: a 12-token context budget, above min_attempt_tokens 4, so mixed groups are conditioned
     cfg = compose_cfg([f"algo={algo}", "bicc=on", "rcc=on", "rcc.delta_context=xc", f"train.{packing}",
                        f"train.micro_batch_size={micro_batch}", "sft.cache_dir=/tmp/x", "rollout.prompts_per_step=4",
                        "rollout.group_size=4", "rollout.max_new_tokens=32", "bicc.min_attempt_tokens=4",
-                       "diag.every=0", "optim.warmup_steps=0", "optim.clip_grad=1e9"])
+                       "diag.every=0", "optim.warmup_steps=0", "optim.clip_grad=1e9", *extra])
     s = build_rl_state(cfg, str(tmp_path / "policy"), str(tmp_path / "init"), torch.device("cpu"))
+    if extra:  # B off zero: the adapters change the policy, and pi_ref (them off) differs from it
+        with torch.no_grad():
+            for name, p in s.model.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.2)
     ref_model = copy.deepcopy(s.ref_model)
     s.task = CoinTask(s.task)
     sgd(s)

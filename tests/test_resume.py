@@ -59,8 +59,10 @@ def sync_reference(tmp_path_factory):
 def same_as_uninterrupted(reference, other):
     """Bit-identical weights, optimizer, schedule and data position at step 8, and logs that read as one run: every
     step once, with the uninterrupted run's values."""
-    a = load_file(reference / "checkpoints" / "step_8" / "model.safetensors")
-    b = load_file(other / "checkpoints" / "step_8" / "model.safetensors")
+    weights = "adapter_model.safetensors" if (reference / "checkpoints" / "step_8" / "adapter_config.json").exists() \
+        else "model.safetensors"  # a LoRA run's checkpoint holds its adapters
+    a = load_file(reference / "checkpoints" / "step_8" / weights)
+    b = load_file(other / "checkpoints" / "step_8" / weights)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     sa = torch.load(reference / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
     sb = torch.load(other / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
@@ -81,6 +83,19 @@ def test_sigkill_then_resume_is_bit_identical(sync_reference, tmp_path):
     out = train([*RUN, "resume=auto", f"hydra.run.dir={killed}"], sync_reference)
     assert "resumed from" in out.stdout
     same_as_uninterrupted(sync_reference / "reference", killed)
+
+
+def test_sigkill_then_resume_is_bit_identical_with_lora_adapters(tmp_path):
+    """model.lora: the checkpoint holds the adapters (and the base's path) with the trainer state, the resume loads
+    base and adapters and ends where the uninterrupted run does, pi_ref (the adapters off) read at every step."""
+    lora = [*RUN, "model.lora.rank=4", "model.lora.alpha=8"]
+    train([*lora, f"hydra.run.dir={tmp_path / 'reference'}"], tmp_path)
+    assert not list((tmp_path / "reference" / "checkpoints").rglob("model.safetensors"))  # adapters only
+    killed = tmp_path / "killed"
+    kill_mid_way(lora, killed, env(tmp_path), after=5)
+    out = train([*lora, "resume=auto", f"hydra.run.dir={killed}"], tmp_path)
+    assert "resumed from" in out.stdout and "in LoRA adapters, which alone train" in out.stdout
+    same_as_uninterrupted(tmp_path / "reference", killed)
 
 
 # ---- Preemption: SIGTERM / SIGUSR1 finish the step, save it and exit REQUEUE_EXIT (bicc.machine.preemption) --------
@@ -137,8 +152,10 @@ def async_reference(tmp_path_factory):
 
 def same_run(reference, other):
     """The two run dirs end with the same weights, optimizer and data position, and log the same steps."""
-    a = load_file(reference / "checkpoints" / "step_8" / "model.safetensors")
-    b = load_file(other / "checkpoints" / "step_8" / "model.safetensors")
+    weights = "adapter_model.safetensors" if (reference / "checkpoints" / "step_8" / "adapter_config.json").exists() \
+        else "model.safetensors"  # a LoRA run's checkpoint holds its adapters
+    a = load_file(reference / "checkpoints" / "step_8" / weights)
+    b = load_file(other / "checkpoints" / "step_8" / weights)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     sa = torch.load(reference / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
     sb = torch.load(other / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)

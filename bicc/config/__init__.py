@@ -39,6 +39,7 @@ from bicc.config.rollout import HfConfig, RolloutConfig, VllmConfig
 from bicc.config.run import (
     DiagConfig,
     DistConfig,
+    LoraConfig,
     ModelConfig,
     OptimConfig,
     SFTConfig,
@@ -175,5 +176,5 @@ __all__ = [
     "AlgoConfig", "ArithConfig", "BenchmarkConfig", "BiccConfig", "DataConfig", "DiagConfig",
     "DistConfig", "EvalConfig", "LoggerConfig", "MathDataConfig", "ModelConfig", "OptimConfig", "RccConfig",
     "RolloutConfig", "RunConfig", "SFTConfig", "StepConfig", "WarmStartConfig", "TinyArchConfig", "TrainConfig", "diag_every",
-    "register_configs", "CorrectionConfig", "corrects", "is_level", "VllmConfig", "HfConfig",
+    "register_configs", "CorrectionConfig", "corrects", "is_level", "VllmConfig", "HfConfig", "LoraConfig",
 ]

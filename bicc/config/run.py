@@ -3,8 +3,8 @@ range checks of its own fields (the data group's: ``bicc.config.data``; the roll
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
 
 from omegaconf import MISSING
 
@@ -54,6 +54,29 @@ class TinyArchConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (``model.lora``; peft, through transformers' ``add_adapter``): what trains is the adapters, and
+    pi_ref is the same module with them off."""
+
+    # Adapter rank r; 0 = no adapters (full fine-tuning).
+    rank: int = 0
+    # Scale alpha: an adapter adds (alpha / r) B A x to its layer's output.
+    alpha: float = 16.0
+    # Dropout on an adapter's input in train mode.
+    dropout: float = 0.0
+    # The linear layers that get adapters, by module name ("all-linear": every linear layer but the output head).
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"])
+
+    @staticmethod
+    def check(lo) -> None:
+        at_least(lo, "model.lora", ("rank",), 0)
+        need(lo.alpha > 0, "model.lora.alpha", f"must be > 0, got {lo.alpha}")
+        need(0 <= lo.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lo.dropout}")
+        need(len(lo.target_modules) > 0, "model.lora.target_modules", "names no layer")
+
+
+@dataclass
 class ModelConfig:
     """Policy model (conf/model). ``path`` is an HF id or a local dir; ``tiny`` builds one instead."""
 
@@ -88,6 +111,8 @@ class ModelConfig:
     # replaying the compiled forward (false). The same update either way (bicc.kernels.compile._recomputed).
     checkpoint_in_graph: bool = True
     checkpoint_layers: str = "all"  # all | auto | N: the first N decoder layers checkpointed (bicc.model.load, bicc.trainer.fit)
+    # LoRA adapters on the policy (bicc/model/lora.py): rank 0 = none, the whole model trains.
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @staticmethod
     def check(m) -> None:
@@ -95,6 +120,7 @@ class ModelConfig:
              "set exactly one of model.path (HF id or local dir) and model.tiny (build from a config)")
         need(m.checkpoint_layers in ("all", "auto") or str(m.checkpoint_layers).isdigit(), "model.checkpoint_layers",
              f"must be all, auto or a number of layers (0 or more), got {m.checkpoint_layers!r}")
+        LoraConfig.check(m.lora)
 
 
 @dataclass

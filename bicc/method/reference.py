@@ -21,6 +21,7 @@ from bicc.method.correction import correct
 from bicc.method.losses import LOSSES, StepTotals
 from bicc.method.losses.tis import sampler_grid
 from bicc.model.logprobs import batch_logprobs, make_token_batch
+from bicc.model.lora import module_of
 
 
 def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg: StepConfig, anchors, end_ids) -> dict:
@@ -32,7 +33,8 @@ def algorithm1_step(model, ref_model, optimizer, scheduler, tokenizer, ro, cfg: 
     mask = make_token_batch(q, outputs, pad).completion_mask  # [N, L]
 
     def logp(policy, prompts):  # [N, L]: log policy(o_i | prompts[i]), one forward per sequence
-        rows = [batch_logprobs(policy, make_token_batch([p], [o], pad), temperature)[0][0] for p, o in zip(prompts, outputs)]
+        with module_of(policy) as module:  # pi_ref under model.lora: the policy with its adapters off
+            rows = [batch_logprobs(module, make_token_batch([p], [o], pad), temperature)[0][0] for p, o in zip(prompts, outputs)]
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
     # partition O+ / O- per group (algo.partition: by the verdict, or the shaped reward > 0.5); x+ = [q; O-], x- = [q; O+]

@@ -25,6 +25,7 @@ from bicc.machine.tracking import Tracker, rewind_jsonl
 from bicc.method.conditioning import context_budget
 from bicc.model.gguf import resolve_model_path
 from bicc.model.load import num_parameters, tokenizer_and_positions
+from bicc.model.lora import has_adapters
 from bicc.rollout import EngineOptions, build_engine, eval_engine_config
 from bicc.rollout.agreement import SamplerGate, mismatch_limit
 from bicc.rollout.collect import DataCursor
@@ -155,7 +156,9 @@ def step_on_every_rank(s: RLState, cfg: StepConfig) -> tuple[dict, dict]:
 
 def run_rl(s: RLState, cfg, run_dir: Path, tracker: Tracker, preemption: Preemption | None = None) -> RLState:
     if s.dist.is_main:
-        print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters, {cfg.train.steps} steps of "
+        trains = sum(p.numel() for p in s.model.parameters() if p.requires_grad)
+        adapters = f" ({trains / 1e6:.3f}M of them in LoRA adapters, which alone train)" if has_adapters(s.model) else ""
+        print(f"[rl] {cfg.algo.name}: {num_parameters(s.model) / 1e6:.2f}M parameters{adapters}, {cfg.train.steps} steps of "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples on {s.dist.world} process(es)")
         every = diag_every(cfg.diag, cfg.rcc)
         extra = f"; every {every} steps the diagnostics add their own" if every else ""

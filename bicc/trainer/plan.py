@@ -30,6 +30,7 @@ from bicc.config import StepConfig, corrects, diag_every
 from bicc.kernels.batching import logprobs_no_grad
 from bicc.machine.ranks import Ranks
 from bicc.method.losses.tis import sampler_grid
+from bicc.model.lora import module_of
 
 NAMES = {"q": "q", "xc": "x^c"}
 
@@ -121,7 +122,7 @@ def step_logprobs(plan: StepPlan, models: dict, rows: dict, sampled, mask, cfg: 
         out["model", "q"] = grid.to(mask.device)
     for policy, ctx in plan.passes:
         if models[policy] is not None and (policy, ctx) not in out:
-            out[policy, ctx] = logprobs_no_grad(models[policy], rows[ctx], len(rows[ctx].lengths),
-                                                cfg.train.micro_batch_size, cfg.rollout.temperature, ranks,
-                                                cfg.train.micro_batch_tokens)
+            with module_of(models[policy]) as module:  # pi_ref under model.lora: the policy, adapters off
+                out[policy, ctx] = logprobs_no_grad(module, rows[ctx], len(rows[ctx].lengths), cfg.train.micro_batch_size,
+                                                    cfg.rollout.temperature, ranks, cfg.train.micro_batch_tokens)
     return out

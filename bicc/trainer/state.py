@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from bicc.config import StepConfig
+from bicc.config.fields import need
 from bicc.data import build_task
 from bicc.kernels.compile import compile_layers, should_compile
 from bicc.machine import distributed
@@ -16,6 +17,7 @@ from bicc.machine.distributed import DTYPES, Dist
 from bicc.machine.ranks import Ranks
 from bicc.machine.tracking import PhasePeaks
 from bicc.model.load import compute_copy, end_token_ids, frozen_copy, load_policy
+from bicc.model.lora import AdaptersOff, has_adapters
 from bicc.rollout import ENGINES, EngineOptions, build_engine, engine_rows
 from bicc.rollout.collect import Collection, DataCursor
 from bicc.trainer.optim import build_optimizer, warmup_cosine
@@ -100,13 +102,18 @@ def peak_lr(optim, bicc) -> float:
 
 def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
                    d: distributed.Dist = distributed.Dist(), max_model_len: int | None = None) -> RLState:
-    """Policy from ``policy_path`` (the initial policy, or a checkpoint when resuming) in fp32 master
-    weights computing in ``model.dtype``; the frozen reference is always the initial policy at ``init_path``
-    (a full copy in the compute dtype on every process). Under FSDP2 the HF rollout engine gets its own
-    full copy of the policy in the compute dtype; otherwise it samples from the policy itself."""
+    """Policy from ``policy_path`` (the initial policy, or a checkpoint when resuming) in fp32 master weights computing
+    in ``model.dtype``; the frozen reference is always the initial policy at ``init_path`` (a full copy in the
+    compute dtype on every process; under ``model.lora`` the policy with its adapters off). Under FSDP2 the HF
+    rollout engine gets its own full copy of the policy in the compute dtype; otherwise it samples from the
+    policy itself."""
     model, tokenizer = load_policy(policy_path, cfg.model, device, cfg.train.logprob_chunk_tokens)
     step_cfg = StepConfig.of(cfg)
-    ref_model = frozen_copy(init_path, cfg.model, device) if loads_reference(step_cfg) else None
+    ref_model = None if not loads_reference(step_cfg) else \
+        AdaptersOff(model) if has_adapters(model) else frozen_copy(init_path, cfg.model, device)  # no second base
+    need(not has_adapters(model) or not d.enabled, "model.lora",
+         f"adapters under torchrun ({d.world} processes, dist.strategy={cfg.dist.strategy}) are not built yet: "
+         "train them in one process (model.lora.rank=0 trains the whole model on every layout)")
     sharded_hf = d.enabled and d.strategy == "fsdp2" and ENGINES.get(cfg.rollout.engine).samples_from_module
     sampler = compute_copy(model, cfg.model) if sharded_hf else model
     if should_compile(cfg.model.compile, device):  # the trainer's forwards only (generation stays eager)

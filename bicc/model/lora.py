@@ -1,0 +1,88 @@
+"""LoRA adapters on the policy (``model.lora``), through transformers' PEFT integration (``add_adapter``; peft is the
+dependency): the adapters are put into the module in place, so every forward of the trainer (packed rows, shared
+prompts, BiCC's contexts, the chunked log-prob head) runs through them unchanged.
+
+- **What trains** is the adapters alone: the base's parameters are frozen, so the optimizer, its state and gradient
+  clipping hold only the adapters (``bicc.trainer.optim.build_optimizer`` takes what requires grad).
+- **pi_ref** is the same module with its adapters off (``AdaptersOff``): no second copy of the base. The adapters
+  start at zero (B = 0), so pi_ref is the initial policy, to the bit.
+- **A checkpoint** holds the adapters (``adapter_model.safetensors``, and ``adapter_config.json`` naming the base) with
+  the trainer state; transformers loads base and adapters from it (``from_pretrained``), so a resume and ``eval.py
+  ckpt=`` read it as any checkpoint.
+- **An export** folds each adapter into its layer's weight (``merged_state_dict``), for bare transformers or vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def add_adapters(model, lora_cfg) -> int:
+    """Adapters of ``model.lora`` (rank, alpha, dropout, target modules) on ``model``, or, for a model loaded from an
+    adapter checkpoint, its adapters; they alone train. Returns how many parameters train."""
+    if not getattr(model, "_hf_peft_config_loaded", False):
+        from peft import LoraConfig
+
+        target = lora_cfg.target_modules
+        model.add_adapter(LoraConfig(r=int(lora_cfg.rank), lora_alpha=float(lora_cfg.alpha),
+                                     lora_dropout=float(lora_cfg.dropout),
+                                     target_modules="all-linear" if list(target) == ["all-linear"] else list(target)))
+    trainable = 0
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" in name)
+        trainable += param.numel() if param.requires_grad else 0
+    if not trainable:
+        raise ValueError(f"config field 'model.lora.target_modules': {list(lora_cfg.target_modules)} matched no layer "
+                         f"of {type(model).__name__}")
+    return trainable
+
+
+def has_adapters(model) -> bool:
+    return bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+class AdaptersOff:
+    """pi_ref as the policy's own module with its adapters off; ``with AdaptersOff(model) as module:`` runs ``module``
+    so, and turns them back on after."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.model.disable_adapters()
+        return self.model
+
+    def __exit__(self, *exc) -> None:
+        self.model.enable_adapters()
+
+
+def module_of(model):
+    """A context that gives the module to run: ``model`` itself, or, for ``AdaptersOff``, the policy with its
+    adapters off."""
+    return model if isinstance(model, AdaptersOff) else contextlib.nullcontext(model)
+
+
+def merged_state_dict(model) -> dict:
+    """The base model's state dict (its own parameter names) with each adapter folded into its layer's weight,
+    W + (alpha / r) B A, in the weight's dtype: what a model without adapters loads."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    merged = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer):
+                base = module.get_base_layer()
+                weight = base.weight.detach().clone()
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A:
+                        weight += module.get_delta_weight(adapter).to(weight.dtype)
+                merged[f"{name}.weight"] = weight
+        for key, value in model.state_dict().items():
+            if ".lora_" in key:
+                continue
+            plain = key.replace(".base_layer.", ".")
+            merged.setdefault(plain, value)
+    return merged

@@ -1,0 +1,144 @@
+"""LoRA adapters on the policy (``model.lora``, bicc/model/lora.py): they start as the base to the bit, their
+gradient is the hand-written one, pi_ref with them off is the base, the sampler draws with them on, a checkpoint holds
+them and loads back to the same policy, a merged export is the adapted policy without them, and the settings not
+built for them yet are refused naming the field."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bicc.config import LoraConfig
+from bicc.data import encode_prompt
+from bicc.model.load import build_tiny, load_policy
+from bicc.model.logprobs import batch_logprobs, make_token_batch
+from bicc.model.lora import AdaptersOff, add_adapters, has_adapters, merged_state_dict, module_of
+from bicc.trainer.checkpoint import save_hf
+from bicc.trainer.optim import build_optimizer
+from bicc.trainer.validation import validate
+from tests.conftest import compose_cfg
+from tests.helpers import ARCH
+
+LORA = OmegaConf.structured(LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"]))
+
+
+def adapted(seed=0):
+    """A tiny model, a copy of it without adapters, and a batch of two prompts with outputs."""
+    model, tok = build_tiny(ARCH, seed=seed)
+    base = copy.deepcopy(model).eval()
+    add_adapters(model, LORA)
+    prompts = [encode_prompt(tok, f"Compute {i}+1.") for i in (3, 14)]
+    batch = make_token_batch(prompts, [[5, 9, 17, 4], [23, 8]], tok.pad_token_id)
+    return model.eval(), base, tok, batch
+
+
+def perturb(model, seed=1):
+    """Every adapter matrix drawn at random (B starts at zero: the adapters change nothing until it moves)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def test_a_new_adapter_is_the_base_to_the_bit_and_alone_trains():
+    model, base, _, batch = adapted()
+    assert torch.equal(batch_logprobs(model, batch)[0], batch_logprobs(base, batch)[0])
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    # q, v and the MLP's down projection of each of the 2 layers: A and B each
+    assert len(trainable) == 2 * 3 * 2 and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    optimizer = build_optimizer(model, 1e-3, (0.9, 0.999), 0.0)
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == sum(
+        p.numel() for p in model.parameters() if p.requires_grad) < sum(p.numel() for p in base.parameters()) / 10
+
+
+def test_the_adapters_gradient_is_the_hand_written_one():
+    """One adapted projection, y = W x + (alpha / r) B A x: with g = dL/dy read at the layer, dL/dB = s g^T (A x)
+    and dL/dA = s B^T g^T x, summed over tokens; the adapters' .grad equals them."""
+    model, _, _, batch = adapted()
+    perturb(model)
+    layer = model.model.layers[1].self_attn.q_proj
+    seen = {}
+    hook = layer.register_forward_hook(lambda m, args, out: seen.update(x=args[0].detach(), y=out))
+    logp = batch_logprobs(model, batch)[0]
+    y = seen["y"]
+    y.retain_grad()
+    (logp * batch.completion_mask).sum().backward()
+    hook.remove()
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    s = LORA.alpha / LORA.rank
+    x, g = seen["x"].reshape(-1, a.shape[1]).double(), y.grad.reshape(-1, b.shape[0]).double()
+    assert torch.allclose(b.grad.double(), s * g.T @ (x @ a.double().T), rtol=1e-5, atol=1e-7)
+    assert torch.allclose(a.grad.double(), s * (b.double().T @ g.T) @ x, rtol=1e-5, atol=1e-7)
+    assert a.grad.abs().sum() > 0 and layer.base_layer.weight.grad is None  # the base does not train
+
+
+def test_pi_ref_is_the_policy_with_its_adapters_off_and_they_come_back_on():
+    model, base, _, batch = adapted()
+    perturb(model)
+    on = batch_logprobs(model, batch)[0]
+    with module_of(AdaptersOff(model)) as module:
+        assert module is model and torch.equal(batch_logprobs(module, batch)[0], batch_logprobs(base, batch)[0])
+    assert torch.equal(batch_logprobs(model, batch)[0], on) and not torch.equal(on, batch_logprobs(base, batch)[0])
+    with module_of(base) as module:  # a reference of its own runs as it is
+        assert module is base
+
+
+def test_the_sampler_draws_with_the_adapters_on():
+    """The HF engine samples from the policy's own module: its sampling log-probs are the trainer's with the adapters,
+    not the base's."""
+    from bicc.rollout import SamplingParams, build_engine
+
+    model, base, tok, _ = adapted()
+    perturb(model)
+    engine = build_engine("hf", model, tok, SimpleNamespace(batch_size=8, old_from_sampler=True))
+    prompts = [encode_prompt(tok, "Compute 2+2.")]
+    out = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=0))
+    batch = make_token_batch(out.prompt_ids, out.completion_ids, tok.pad_token_id)
+    mask = batch.completion_mask.bool()
+    sampled = torch.nn.utils.rnn.pad_sequence([torch.tensor(lp) for lp in out.logprobs], batch_first=True)
+    trainer, plain = batch_logprobs(model, batch)[0], batch_logprobs(base, batch)[0]
+    assert torch.allclose(sampled[mask], trainer[mask], atol=1e-5)
+    assert not torch.allclose(sampled[mask], plain[mask], atol=1e-3)
+
+
+def test_a_checkpoint_holds_the_adapters_and_loads_back_to_the_same_policy(tmp_path):
+    """load_policy under model.lora puts adapters on the loaded base; save_pretrained writes them and the base's path;
+    load_policy reads base and adapters back (a resume, ``eval.py ckpt=``), the adapters alone trainable again; a
+    merged export loads in bare transformers as the adapted policy."""
+    from transformers import AutoModelForCausalLM
+
+    _, base, tok, batch = adapted()
+    save_hf(base, tok, tmp_path / "base")
+    on = compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]).model
+    model, _ = load_policy(str(tmp_path / "base"), on, torch.device("cpu"))
+    assert has_adapters(model) and torch.equal(batch_logprobs(model.eval(), batch)[0], batch_logprobs(base, batch)[0])
+    perturb(model)
+    save_hf(model, tok, tmp_path / "ckpt")
+    assert {p.name for p in (tmp_path / "ckpt").glob("*.safetensors")} == {"adapter_model.safetensors"}
+    off = compose_cfg(["sft.cache_dir=/tmp/x"]).model  # model.lora off: the checkpoint's own adapters load
+    back, _ = load_policy(str(tmp_path / "ckpt"), off, torch.device("cpu"))
+    assert has_adapters(back)
+    assert torch.equal(batch_logprobs(back.eval(), batch)[0], batch_logprobs(model, batch)[0])
+    assert {n for n, p in back.named_parameters() if p.requires_grad} == {
+        n for n, p in model.named_parameters() if p.requires_grad}
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(merged_state_dict(model), strict=True)
+    plain.save_pretrained(tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert not has_adapters(exported)
+    assert torch.allclose(batch_logprobs(exported, batch)[0], batch_logprobs(model, batch)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("override, field", [("rollout=vllm", "rollout.engine"),
+                                             ("rollout.async_steps=1", "rollout.async_steps"),
+                                             ("model.compile=on", "model.compile"),
+                                             ("model.lora.rank=-1", "model.lora.rank"),
+                                             ("model.lora.dropout=1", "model.lora.dropout")])
+def test_what_adapters_do_not_run_with_yet_is_refused_naming_it(override, field):
+    rank = [] if override.startswith("model.lora.rank") else ["model.lora.rank=8"]
+    with pytest.raises(ValueError, match=f"config field '{field}'"):
+        validate(compose_cfg(["sft.cache_dir=/tmp/x", *rank, override]))
+    validate(compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.rank=8", "bicc=on", "rcc=on"]))
