@@ -28,9 +28,10 @@ def resolve_checkpoint(ckpt: str, cache_dir: str) -> Path:
     found = list_checkpoints(path / "checkpoints")
     if found:
         return found[-1]
-    if (path / "config.json").exists():
+    if (path / "config.json").exists() or (path / "adapter_config.json").exists():  # a model, or LoRA adapters
         return path
-    raise FileNotFoundError(f"ckpt={ckpt}: not an HF model dir (no config.json) nor a run dir with checkpoints/")
+    raise FileNotFoundError(f"ckpt={ckpt}: not an HF model dir (no config.json), a checkpoint of LoRA adapters (no "
+                            "adapter_config.json) nor a run dir with checkpoints/")
 
 
 def score_main() -> None:

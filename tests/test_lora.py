@@ -118,6 +118,11 @@ def test_a_checkpoint_holds_the_adapters_and_loads_back_to_the_same_policy(tmp_p
     perturb(model)
     save_hf(model, tok, tmp_path / "ckpt")
     assert {p.name for p in (tmp_path / "ckpt").glob("*.safetensors")} == {"adapter_model.safetensors"}
+    from bicc.model.load import tokenizer_and_positions
+    from eval import resolve_checkpoint
+
+    assert resolve_checkpoint(str(tmp_path / "ckpt"), "/tmp/x") == tmp_path / "ckpt"  # eval.py ckpt= takes it
+    assert tokenizer_and_positions(on, str(tmp_path / "ckpt"))[1] == ARCH.max_position_embeddings  # the base's config
     off = compose_cfg(["sft.cache_dir=/tmp/x"]).model  # model.lora off: the checkpoint's own adapters load
     back, _ = load_policy(str(tmp_path / "ckpt"), off, torch.device("cpu"))
     assert has_adapters(back)
@@ -132,8 +137,7 @@ def test_a_checkpoint_holds_the_adapters_and_loads_back_to_the_same_policy(tmp_p
     assert torch.allclose(batch_logprobs(exported, batch)[0], batch_logprobs(model, batch)[0], atol=1e-5)
 
 
-@pytest.mark.parametrize("override, field", [("rollout=vllm", "rollout.engine"),
-                                             ("rollout.async_steps=1", "rollout.async_steps"),
+@pytest.mark.parametrize("override, field", [("rollout.async_steps=1", "rollout.async_steps"),
                                              ("model.compile=on", "model.compile"),
                                              ("model.lora.rank=-1", "model.lora.rank"),
                                              ("model.lora.dropout=1", "model.lora.dropout")])
@@ -141,4 +145,4 @@ def test_what_adapters_do_not_run_with_yet_is_refused_naming_it(override, field)
     rank = [] if override.startswith("model.lora.rank") else ["model.lora.rank=8"]
     with pytest.raises(ValueError, match=f"config field '{field}'"):
         validate(compose_cfg(["sft.cache_dir=/tmp/x", *rank, override]))
-    validate(compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.rank=8", "bicc=on", "rcc=on"]))
+    validate(compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.rank=8", "bicc=on", "rcc=on", "rollout=vllm"]))

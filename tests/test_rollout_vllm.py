@@ -266,3 +266,44 @@ def test_a_vllm_rollout_worker_draws_each_batch_with_the_weights_of_its_version(
     # ... which the agreement gate does not count: it scores each batch at the weights that drew it
     assert all(r["rollout/token_prob_ratio"] - 1 < min(1e-5, d / 10) for r, d in zip(steps[1:], diff[1:]))
     assert all("rollout_corr/rollout_is_mean" in r for r in steps)
+
+
+def test_vllm_samples_a_lora_policy_through_its_merged_weights(tmp_path):
+    """model.lora with rollout=vllm: vLLM loads the base from its files and is pushed the adapters folded into the
+    weights, at its build and at each sync, so it draws what the trainer's adapted module computes, not the base."""
+    from bicc.config import LoraConfig
+    from bicc.model.load import load_policy
+
+    base, tokenizer = build_tiny(TinyArchConfig(), seed=0)
+    with torch.no_grad():  # a random init that does not collapse onto one token under greedy decoding
+        for p in base.parameters():
+            p.mul_(4.0)
+    save_hf(base, tokenizer, tmp_path / "base")
+    cfg = OmegaConf.structured(ModelConfig(name="t", path=str(tmp_path / "base"), lora=LoraConfig(rank=4, alpha=8.0)))
+    policy, tokenizer = load_policy(str(tmp_path / "base"), cfg, torch.device("cpu"))
+    with torch.no_grad():  # adapters off zero: the adapted policy is not the base
+        for name, p in policy.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    with small_numa_node():
+        vllm_engine = build_engine("vllm", policy, tokenizer, OmegaConf.structured(
+            RolloutConfig(engine="vllm", vllm=VllmConfig(gpu_memory_utilization=0.1, enforce_eager=True))))
+    adapted = build_engine("hf", policy, tokenizer, OmegaConf.structured(RolloutConfig(engine="hf")))
+    plain = build_engine("hf", base, tokenizer, OmegaConf.structured(RolloutConfig(engine="hf")))
+    prompts = [encode_prompt(tokenizer, f"Compute {i}+{2 * i + 3}.") for i in range(6)]
+    greedy = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=16, seed=0)
+    drawn = vllm_engine.generate(prompts, greedy).completion_ids
+    assert drawn == adapted.generate(prompts, greedy).completion_ids != plain.generate(prompts, greedy).completion_ids
+    with torch.no_grad():  # a step moves the adapters; the sync pushes them merged again
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.mul_(-1.0)
+    vllm_engine.update_weights(policy, 1)
+    sampled = vllm_engine.generate(prompts, SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=3))
+    batch = make_token_batch(sampled.prompt_ids, sampled.completion_ids, tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer_lp = batch_logprobs(policy.eval(), batch)[0]
+    for i, lp in enumerate(sampled.logprobs):
+        n = len(sampled.completion_ids[i])
+        assert torch.allclose(torch.tensor(lp[:n]), trainer_lp[i, :n].float(), atol=1e-3), i
+    vllm_engine.close()

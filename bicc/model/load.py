@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 
 from bicc.machine.distributed import DTYPES
 from bicc.model.logprobs import DEFAULT_CHUNK_TOKENS, install_logprob_head
-from bicc.model.lora import add_adapters, has_adapters
+from bicc.model.lora import add_adapters, base_path, has_adapters
 from bicc.model.tokenizer import build_char_tokenizer
 
 
@@ -203,7 +203,7 @@ def tokenizer_and_positions(model_cfg, path: str | None = None) -> tuple:
     from transformers import AutoConfig
 
     path = path or model_cfg.path
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(base_path(path))  # an adapter checkpoint's: its base's
     return (AutoTokenizer.from_pretrained(path), config.max_position_embeddings, f"{path} config.json",
             longrope_limit(config))
 

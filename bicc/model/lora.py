@@ -43,6 +43,23 @@ def has_adapters(model) -> bool:
     return bool(getattr(model, "_hf_peft_config_loaded", False))
 
 
+def base_path(path: str) -> str:
+    """The dir (or HF id) of an adapter checkpoint's base model, which ``adapter_config.json`` names; any other path
+    as it is."""
+    import json
+    from pathlib import Path
+
+    config = Path(path) / ADAPTER_CONFIG
+    return json.loads(config.read_text(encoding="utf-8"))["base_model_name_or_path"] if config.exists() else path
+
+
+def model_base(model) -> str:
+    """The HF id or dir ``model`` was loaded from; with adapters, that of the base they sit on."""
+    if has_adapters(model):
+        return model.peft_config["default"].base_model_name_or_path
+    return getattr(model, "name_or_path", None) or model.config._name_or_path
+
+
 class AdaptersOff:
     """pi_ref as the policy's own module with its adapters off; ``with AdaptersOff(model) as module:`` runs ``module``
     so, and turns them back on after."""

@@ -43,17 +43,20 @@ import sys
 
 import torch
 
+from bicc.model.lora import has_adapters, merged_state_dict, model_base
 from bicc.rollout import ENGINES, Engine, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
 
 
 def named_parameters_full(model, dtype: torch.dtype | None = None):
     """(name, full tensor) pairs of the policy, HF names, gathered one at a time under FSDP2 and cast to
     the engine's ``dtype`` (the fp32 master weights are not what it computes in); the tied output
-    projection is added as ``lm_head.weight``."""
+    projection is added as ``lm_head.weight``. LoRA adapters (``model.lora``) are folded into their layers'
+    weights: the sampler gets the merged policy."""
     from bicc.machine.distributed import full_tensor  # here: the engine registry is read before a run loads
 
     names = set()
-    for name, tensor in model.state_dict().items():
+    state = merged_state_dict(model) if has_adapters(model) else model.state_dict()  # LoRA: folded into the weights
+    for name, tensor in state.items():
         names.add(name)
         yield name, full_tensor(tensor).detach().to(dtype or tensor.dtype)  # FSDP2 DTensor: gathered alone
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
@@ -152,7 +155,7 @@ class VLLMEngine(Engine):
         except ImportError:
             raise ImportError("rollout=vllm (the paper presets' engine) needs vLLM: make setup-gpu on a CUDA machine "
                               "(or rollout=hf), make test installs the CPU build") from None
-        path = getattr(model, "name_or_path", None) or model.config._name_or_path
+        path = model_base(model)  # under model.lora the base; its adapters come with the first push below
         if not path:
             raise ValueError("rollout=vllm builds its engine from the policy's HF id or dir; the model has neither")
         self.tokenizer = tokenizer
@@ -165,6 +168,8 @@ class VLLMEngine(Engine):
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, cuda, self.kv_bytes))
         self.model = None  # no HF module: evaluation with this engine samples through vLLM as well
+        if has_adapters(model):  # the base loaded from its files: the adapted policy's weights, merged, pushed now
+            self.update_weights(model, self.version)
 
     def update_weights(self, model, version: int) -> None:
         """Push ``model``'s current parameters into vLLM and drop prefix-cache entries of the old ones."""
