@@ -146,3 +146,39 @@ def test_what_adapters_do_not_run_with_yet_is_refused_naming_it(override, field)
     with pytest.raises(ValueError, match=f"config field '{field}'"):
         validate(compose_cfg(["sft.cache_dir=/tmp/x", *rank, override]))
     validate(compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.rank=8", "bicc=on", "rcc=on", "rollout=vllm"]))
+
+
+def test_the_memory_model_counts_the_adapters_the_model_has():
+    """Arch.lora_params against the adapters add_adapters puts on a tiny model, and by hand at Qwen3-4B: r x (in + out)
+    per projection, 36 layers."""
+    from bicc.machine.memory import QWEN3_4B, Arch
+
+    model, _ = build_tiny(ARCH, seed=0)
+    trains = add_adapters(model, LORA)
+    arch = Arch(hidden=ARCH.hidden_size, layers=ARCH.num_hidden_layers, heads=ARCH.num_attention_heads,
+                kv_heads=ARCH.num_key_value_heads, head_dim=ARCH.head_dim, intermediate=ARCH.intermediate_size,
+                vocab=100, tied=True)
+    assert arch.lora_params(LORA.rank, LORA.target_modules) == trains == 2 * 4 * ((32 + 32) + (32 + 16) + (64 + 32))
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    per_layer = 64 * ((2560 + 4096) * 2 + (2560 + 1024) * 2 + (2560 + 9728) * 3)
+    assert QWEN3_4B.lora_params(64, every) == QWEN3_4B.lora_params(64, ["all-linear"]) == 36 * per_layer == 132_120_576
+
+
+def test_the_lora_preset_is_predicted_to_fit_one_80_gib_gpu_and_full_fine_tuning_is_not():
+    """experiment=paper_qwen3_4b_lora in one process on an 80 GiB GPU: adapters' master weights, moments and gradients,
+    a bf16 base, no reference copy; the same preset trained whole needs more than the GPU."""
+    from bicc.config import StepConfig
+    from bicc.machine.memory import GIB, QWEN3_4B, peak, phases
+    from bicc.trainer.fit import run_of
+
+    def predicted(*overrides):
+        cfg = compose_cfg(["sft.cache_dir=/tmp/x", "algo=dapo", *overrides])
+        run = run_of(StepConfig.of(cfg), cfg.model, cfg.eval, cfg.dist, 1, False, 80.0, 300)
+        return run, peak(QWEN3_4B, run)[1] / GIB
+
+    run, lora = predicted("experiment=paper_qwen3_4b_lora")
+    static = phases(QWEN3_4B, run)["optimizer step"]
+    assert not run.reference and static["LoRA adapters (fp32)"] == 4 * 132_120_576
+    assert static["AdamW moments (sharded)"] == 8 * 132_120_576 and static["frozen base (compute dtype)"] == 2 * QWEN3_4B.params()
+    assert lora < 80 - 8  # a margin of 8 GiB or more
+    assert predicted("experiment=paper_qwen3_4b")[1] > 80

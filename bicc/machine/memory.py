@@ -47,13 +47,15 @@ What is counted (bytes per GPU; N parameters, W ranks, b = compute bytes, 4 = ma
   (tokens x Hq x b) and log-sum-exp (4 bytes per token and head), held as the inputs are; ``recompute_mlp``: its
   q/k/v projections' outputs (Hq + 2 Hkv) and its output projection's (H) too;
 - ``model.compile`` (``bicc.kernels.fuse``): a layer's q/k/v and gate/up weights concatenated in its forward (again in the
-  recompute) and, in its backward, their gradient before it is split, one layer at a time.
+  recompute) and, in its backward, their gradient before it is split, one layer at a time;
+- ``model.lora``: the master weights, moments and gradients are the adapters'; the base is frozen in the compute dtype,
+  with no reference copy (pi_ref is the base) and no head gradient.
 
 The peak of a phase is the sum of what is alive in it; the run's peak is the largest phase. Attention keeps no
-T x T scores (flash-attention 2, or SDPA's fused kernels); under SDPA (``flash`` false) transformers repeats the
-keys/values to every query head, so a recomputed layer also holds them and their gradient (4 x Hq per token).
-Under FSDP2 the root's gradient (V x H, compute dtype, tied embeddings) is held unsharded from the head's backward
-to the embeddings'. ``allocated``: what ``torch.cuda.max_memory_allocated`` sees (no runtime, no allocator slack).
+T x T scores (flash-attention 2, or SDPA's fused kernels); under SDPA (``flash`` false) a recomputed layer holds the
+keys/values repeated to every query head and their gradient (4 x Hq per token). Under FSDP2 the root's gradient (V x
+H, compute dtype, tied) is held unsharded from the head's backward to the embeddings'. ``allocated``: what
+``torch.cuda.max_memory_allocated`` sees (no runtime, no allocator slack).
 """
 
 from __future__ import annotations
@@ -89,6 +91,13 @@ class Arch:
     def fused_params(self) -> int:
         """A layer's q/k/v and gate/up weights: what ``model.compile`` concatenates (``bicc.kernels.fuse``)."""
         return self.hidden * ((self.heads + 2 * self.kv_heads) * self.head_dim + 2 * self.intermediate)
+
+    def lora_params(self, rank: int, targets) -> int:
+        """LoRA adapters of ``rank`` on the named projections of every layer: r x (in + out) each."""
+        h, hq, hkv, m = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        sums = {"q_proj": h + hq, "k_proj": h + hkv, "v_proj": h + hkv, "o_proj": hq + h, "gate_proj": h + m,
+                "up_proj": h + m, "down_proj": m + h}  # a projection's in + out features
+        return self.layers * rank * sum(v for k, v in sums.items() if k in targets or list(targets) == ["all-linear"])
 
 
 # Shapes from the models' config.json (Qwen/Qwen3-4B-Instruct-2507, microsoft/Phi-4-mini-instruct).
@@ -132,6 +141,8 @@ class Run:
     checkpoint_policy: str = "full"  # model.checkpoint_policy: what every checkpointed layer keeps from its forward
     checkpoint_layers: int | None = None  # model.checkpoint_layers: how many layers are checkpointed (None: every one)
     push_bucket_bytes: int = 0  # rollout workers: rollout.push_bucket_mib (0: none, no push from the trainer)
+    lora_rank: int = 0  # model.lora.rank: adapters alone train, over a frozen base in the compute dtype (0: none)
+    lora_targets: tuple = ()  # model.lora.target_modules
 
 
 def kept_per_token(arch: Arch, b: int, policy: str) -> int:
@@ -183,10 +194,14 @@ def _activations(arch: Arch, run: Run) -> tuple[int, int, int]:
 def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     """Bytes alive in each phase, by component."""
     n, w, b = arch.params(), run.world if run.sharded else 1, run.compute_bytes
-    master = run.master_bytes * n / w
-    adam = 2 * 4 * n / w
-    grads = 4 * n / w
-    static = {"policy master weights (fp32, sharded)": master, "AdamW moments (sharded)": adam}
+    # model.lora: what trains is the adapters (master weights, moments, gradients); the base is frozen in the compute
+    # dtype, and pi_ref is the same module with the adapters off
+    trains = arch.lora_params(run.lora_rank, run.lora_targets) if run.lora_rank else n
+    adam = 2 * 4 * trains / w
+    grads = 4 * trains / w
+    static = {"frozen base (compute dtype)": b * n / w, "LoRA adapters (fp32)": run.master_bytes * trains / w} \
+        if run.lora_rank else {"policy master weights (fp32, sharded)": run.master_bytes * n / w}
+    static["AdamW moments (sharded)"] = adam
     if run.reference:
         static["reference (full, compute dtype)"] = b * n
     if run.sharded and not run.vllm:  # rollout=hf beside FSDP2: the sampler is a full copy (bicc.model.load.compute_copy)
@@ -194,7 +209,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     static["runtime"] = run.runtime_gib * GIB
     gathered = {}
     if not run.sharded and b < run.master_bytes:  # one process, autocast: compute-dtype copies of the weights
-        gathered = {"autocast weight copies (compute dtype)": b * n}
+        gathered = {"autocast weight copies (compute dtype)": b * trains}
     if run.sharded:
         gathered = {"FSDP2 gathered root (embeddings, head)": b * arch.root_params(),
                     "FSDP2 gathered layers (current + prefetch)": 2 * b * arch.layer_params()}
@@ -209,7 +224,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
                 "FSDP2 gathered layers (kept: dist.reshard_after_*=false)": arch.layers * layer_bytes}
 
     # dist.reduce_grads=step: from a minibatch's second micro-batch on every gradient is held unreduced
-    unreduced = {"unreduced gradients (fp32, unsharded: dist.reduce_grads=step)": 4 * n} if run.reduce_per_step else {}
+    unreduced = {"unreduced gradients (fp32, unsharded: dist.reduce_grads=step)": 4 * trains} if run.reduce_per_step else {}
     tokens, layer_act, context_tokens = _activations(arch, run)
     fused = (b if run.sharded else run.master_bytes) * arch.fused_params() if run.compiled else 0
     fused_pair = {"fused projection weights + their gradient (model.compile)": 2 * fused} if fused else {}
@@ -253,7 +268,7 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
         update["root gradient (compute dtype, unsharded)"] = b * arch.root_params()
     # the head's weight gradient (unsharded, in the compute dtype, until FSDP2 reduce-scatters it at the end of the
     # root's backward; fp32 in one process) and each chunk's V x H contribution before it is accumulated
-    head_grad_bytes = (b if run.sharded else 4) * arch.vocab * arch.hidden
+    head_grad_bytes = 0 if run.lora_rank else (b if run.sharded else 4) * arch.vocab * arch.hidden  # LoRA: frozen
     head_phase = {**static, **kept(keep_fwd or keep_bwd), **held_grads,
                   "head weight gradient + one chunk's": 2 * head_grad_bytes, "checkpointed layer inputs": inputs,
                   **saved, "log-prob head chunk": head, **contexts}
@@ -284,14 +299,11 @@ def phases(arch: Arch, run: Run) -> dict[str, dict[str, float]]:
     if run.vllm:
         rollout = {**awake, "vLLM (awake: weights + KV cache)": run.vllm_utilization * run.gpu_gib * GIB}
     else:  # HF generate: rollout.batch_size rows at a time, from the sampler copy (FSDP2) or the policy (autocast)
-        rows = min(run.rows, run.rollout_batch)
         rollout = {**awake, **({} if run.sharded else gathered),
-                   **hf_generate(arch, run, rows, run.output_tokens, "rollout.batch_size")}
+                   **hf_generate(arch, run, min(run.rows, run.rollout_batch), run.output_tokens, "rollout.batch_size")}
     out = {"rollout": rollout, "no-grad log-probs": logprob, "update: head backward": head_phase,
-           "update: layers backward": update, "update: contexts backward": context_phase}
-    if run.sharded:
-        out["update: root reduce-scatter"] = root_phase
-    out["optimizer step"] = optimizer
+           "update: layers backward": update, "update: contexts backward": context_phase,
+           **({"update: root reduce-scatter": root_phase} if run.sharded else {}), "optimizer step": optimizer}
     out["evaluation"] = _evaluation(arch, run, awake, gathered)
     if run.push_bucket_bytes:  # rank 0 gathers each tensor in the master dtype, casts it and packs it (vLLM: 2 buffers)
         largest = arch.vocab * arch.hidden  # the embedding: a dense decoder's largest tensor

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 
 from bicc.machine.distributed import DTYPES
 from bicc.model.logprobs import DEFAULT_CHUNK_TOKENS, install_logprob_head
-from bicc.model.lora import add_adapters, base_path, has_adapters
+from bicc.model.lora import add_adapters, base_path
 from bicc.model.tokenizer import build_char_tokenizer
 
 
@@ -164,9 +164,10 @@ def load_policy(path: str, model_cfg, device: torch.device, chunk_tokens: int = 
     they differ), and the chunked log-prob head; under ``model.lora`` its adapters alone train (a checkpoint of
     adapters loads its base and them)."""
     master, compute = DTYPES[model_cfg.master_dtype], DTYPES[model_cfg.dtype]
-    model, tokenizer = load_pretrained(path, model_cfg, device, dtype=master)
-    if model_cfg.lora.rank > 0 or has_adapters(model):
-        add_adapters(model, model_cfg.lora)
+    lora = model_cfg.lora.rank > 0 or base_path(path) != path  # adapters, new or a checkpoint's
+    model, tokenizer = load_pretrained(path, model_cfg, device, dtype=compute if lora else master)  # LoRA: frozen base
+    if lora:
+        add_adapters(model, model_cfg.lora, master)
     if master != compute:
         model.bicc_compute_dtype = compute
     install_logprob_head(model, chunk_tokens)

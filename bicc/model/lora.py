@@ -19,9 +19,10 @@ import contextlib
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def add_adapters(model, lora_cfg) -> int:
+def add_adapters(model, lora_cfg, dtype=None) -> int:
     """Adapters of ``model.lora`` (rank, alpha, dropout, target modules) on ``model``, or, for a model loaded from an
-    adapter checkpoint, its adapters; they alone train. Returns how many parameters train."""
+    adapter checkpoint, its adapters; they alone train, kept in ``dtype`` (the master dtype; the frozen base stays in
+    the compute dtype). Returns how many parameters train."""
     if not getattr(model, "_hf_peft_config_loaded", False):
         from peft import LoraConfig
 
@@ -32,6 +33,8 @@ def add_adapters(model, lora_cfg) -> int:
     trainable = 0
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
+        if param.requires_grad and dtype is not None:
+            param.data = param.data.to(dtype)
         trainable += param.numel() if param.requires_grad else 0
     if not trainable:
         raise ValueError(f"config field 'model.lora.target_modules': {list(lora_cfg.target_modules)} matched no layer "
@@ -81,25 +84,28 @@ def module_of(model):
     return model if isinstance(model, AdaptersOff) else contextlib.nullcontext(model)
 
 
-def merged_state_dict(model) -> dict:
-    """The base model's state dict (its own parameter names) with each adapter folded into its layer's weight,
-    W + (alpha / r) B A, in the weight's dtype: what a model without adapters loads."""
+def merged_weights(model):
+    """(name, tensor) pairs of the base model's state dict (its own parameter names), each adapter folded into its
+    layer's weight, W + (alpha / r) B A, in the weight's dtype: what a model without adapters loads. One merged tensor
+    at a time (a weight push streams them)."""
     import torch
     from peft.tuners.lora import LoraLayer
 
-    merged = {}
+    modules = dict(model.named_modules())
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, LoraLayer):
-                base = module.get_base_layer()
-                weight = base.weight.detach().clone()
-                for adapter in module.active_adapters:
-                    if adapter in module.lora_A:
-                        weight += module.get_delta_weight(adapter).to(weight.dtype)
-                merged[f"{name}.weight"] = weight
         for key, value in model.state_dict().items():
             if ".lora_" in key:
                 continue
-            plain = key.replace(".base_layer.", ".")
-            merged.setdefault(plain, value)
-    return merged
+            owner, _, leaf = key.rpartition(".base_layer.")
+            layer = modules.get(owner) if owner else None
+            if isinstance(layer, LoraLayer) and leaf == "weight":
+                value = value.detach().clone()
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        value += layer.get_delta_weight(adapter).to(value.dtype)
+            yield (f"{owner}.{leaf}" if owner else key), value
+
+
+def merged_state_dict(model) -> dict:
+    """``merged_weights`` as a state dict: an export's."""
+    return dict(merged_weights(model))

