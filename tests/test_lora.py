@@ -21,7 +21,7 @@ from bicc.trainer.validation import validate
 from tests.conftest import compose_cfg
 from tests.helpers import ARCH
 
-LORA = OmegaConf.structured(LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"]))
+LORA = OmegaConf.structured(LoraConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"]))
 
 
 def adapted(seed=0):
@@ -68,7 +68,7 @@ def test_the_adapters_gradient_is_the_hand_written_one():
     (logp * batch.completion_mask).sum().backward()
     hook.remove()
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-    s = LORA.alpha / LORA.rank
+    s = LORA.alpha / LORA.r
     x, g = seen["x"].reshape(-1, a.shape[1]).double(), y.grad.reshape(-1, b.shape[0]).double()
     assert torch.allclose(b.grad.double(), s * g.T @ (x @ a.double().T), rtol=1e-5, atol=1e-7)
     assert torch.allclose(a.grad.double(), s * (b.double().T @ g.T) @ x, rtol=1e-5, atol=1e-7)
@@ -112,7 +112,7 @@ def test_a_checkpoint_holds_the_adapters_and_loads_back_to_the_same_policy(tmp_p
 
     _, base, tok, batch = adapted()
     save_hf(base, tok, tmp_path / "base")
-    on = compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]).model
+    on = compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]"]).model
     model, _ = load_policy(str(tmp_path / "base"), on, torch.device("cpu"))
     assert has_adapters(model) and torch.equal(batch_logprobs(model.eval(), batch)[0], batch_logprobs(base, batch)[0])
     perturb(model)
@@ -139,13 +139,13 @@ def test_a_checkpoint_holds_the_adapters_and_loads_back_to_the_same_policy(tmp_p
 
 @pytest.mark.parametrize("override, field", [("rollout.async_steps=1", "rollout.async_steps"),
                                              ("model.compile=on", "model.compile"),
-                                             ("model.lora.rank=-1", "model.lora.rank"),
+                                             ("model.lora.r=-1", "model.lora.r"),
                                              ("model.lora.dropout=1", "model.lora.dropout")])
 def test_what_adapters_do_not_run_with_yet_is_refused_naming_it(override, field):
-    rank = [] if override.startswith("model.lora.rank") else ["model.lora.rank=8"]
+    adapters = [] if override.startswith("model.lora.r") else ["model.lora.r=8"]
     with pytest.raises(ValueError, match=f"config field '{field}'"):
-        validate(compose_cfg(["sft.cache_dir=/tmp/x", *rank, override]))
-    validate(compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.rank=8", "bicc=on", "rcc=on", "rollout=vllm"]))
+        validate(compose_cfg(["sft.cache_dir=/tmp/x", *adapters, override]))
+    validate(compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.r=8", "bicc=on", "rcc=on", "rollout=vllm"]))
 
 
 def test_the_memory_model_counts_the_adapters_the_model_has():
@@ -158,7 +158,7 @@ def test_the_memory_model_counts_the_adapters_the_model_has():
     arch = Arch(hidden=ARCH.hidden_size, layers=ARCH.num_hidden_layers, heads=ARCH.num_attention_heads,
                 kv_heads=ARCH.num_key_value_heads, head_dim=ARCH.head_dim, intermediate=ARCH.intermediate_size,
                 vocab=100, tied=True)
-    assert arch.lora_params(LORA.rank, LORA.target_modules) == trains == 2 * 4 * ((32 + 32) + (32 + 16) + (64 + 32))
+    assert arch.lora_params(LORA.r, LORA.target_modules) == trains == 2 * 4 * ((32 + 32) + (32 + 16) + (64 + 32))
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     per_layer = 64 * ((2560 + 4096) * 2 + (2560 + 1024) * 2 + (2560 + 9728) * 3)
     assert QWEN3_4B.lora_params(64, every) == QWEN3_4B.lora_params(64, ["all-linear"]) == 36 * per_layer == 132_120_576

@@ -30,7 +30,7 @@ from tests.losses.helpers import VARIANTS, split_invariant
 PACKINGS = ("context_packing_impl=kv", "context_packing_impl=mask", "context_packing=false")
 CASES = [("grpo", packing, micro) for packing in PACKINGS for micro in (64, 5)] + [("dapo", "context_packing_impl=kv", 5)]
 # ... and LoRA adapters (model.lora), moved off zero first so that pi_ref (the policy with them off) is not the policy
-LORA = ("grpo", "context_packing_impl=kv", 5, ("model.lora.rank=4", "model.lora.alpha=8"))
+LORA = ("grpo", "context_packing_impl=kv", 5, ("model.lora.r=4", "model.lora.alpha=8"))
 
 
 @pytest.mark.parametrize(("algo", "packing", "micro_batch", "extra"), [(*c, ()) for c in CASES] + [LORA],

@@ -88,7 +88,7 @@ def test_sigkill_then_resume_is_bit_identical(sync_reference, tmp_path):
 def test_sigkill_then_resume_is_bit_identical_with_lora_adapters(tmp_path):
     """model.lora: the checkpoint holds the adapters (and the base's path) with the trainer state, the resume loads
     base and adapters and ends where the uninterrupted run does, pi_ref (the adapters off) read at every step."""
-    lora = [*RUN, "model.lora.rank=4", "model.lora.alpha=8"]
+    lora = [*RUN, "model.lora.r=4", "model.lora.alpha=8"]
     train([*lora, f"hydra.run.dir={tmp_path / 'reference'}"], tmp_path)
     assert not list((tmp_path / "reference" / "checkpoints").rglob("model.safetensors"))  # adapters only
     killed = tmp_path / "killed"

@@ -279,7 +279,7 @@ def test_vllm_samples_a_lora_policy_through_its_merged_weights(tmp_path):
         for p in base.parameters():
             p.mul_(4.0)
     save_hf(base, tokenizer, tmp_path / "base")
-    cfg = OmegaConf.structured(ModelConfig(name="t", path=str(tmp_path / "base"), lora=LoraConfig(rank=4, alpha=8.0)))
+    cfg = OmegaConf.structured(ModelConfig(name="t", path=str(tmp_path / "base"), lora=LoraConfig(r=4, alpha=8.0)))
     policy, tokenizer = load_policy(str(tmp_path / "base"), cfg, torch.device("cpu"))
     with torch.no_grad():  # adapters off zero: the adapted policy is not the base
         for name, p in policy.named_parameters():

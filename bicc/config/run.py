@@ -58,8 +58,8 @@ class LoraConfig:
     """LoRA adapters (``model.lora``; peft, through transformers' ``add_adapter``): what trains is the adapters, and
     pi_ref is the same module with them off."""
 
-    # Adapter rank r; 0 = no adapters (full fine-tuning).
-    rank: int = 0
+    # Adapter rank r (peft's and TRL's r, verl's lora_rank); 0 = no adapters (full fine-tuning).
+    r: int = 0
     # Scale alpha: an adapter adds (alpha / r) B A x to its layer's output.
     alpha: float = 16.0
     # Dropout on an adapter's input in train mode.
@@ -70,7 +70,7 @@ class LoraConfig:
 
     @staticmethod
     def check(lo) -> None:
-        at_least(lo, "model.lora", ("rank",), 0)
+        at_least(lo, "model.lora", ("r",), 0)
         need(lo.alpha > 0, "model.lora.alpha", f"must be > 0, got {lo.alpha}")
         need(0 <= lo.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lo.dropout}")
         need(len(lo.target_modules) > 0, "model.lora.target_modules", "names no layer")
@@ -111,7 +111,7 @@ class ModelConfig:
     # replaying the compiled forward (false). The same update either way (bicc.kernels.compile._recomputed).
     checkpoint_in_graph: bool = True
     checkpoint_layers: str = "all"  # all | auto | N: the first N decoder layers checkpointed (bicc.model.load, bicc.trainer.fit)
-    # LoRA adapters on the policy (bicc/model/lora.py): rank 0 = none, the whole model trains.
+    # LoRA adapters on the policy (bicc/model/lora.py): r 0 = none, the whole model trains.
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     @staticmethod

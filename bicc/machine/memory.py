@@ -141,7 +141,7 @@ class Run:
     checkpoint_policy: str = "full"  # model.checkpoint_policy: what every checkpointed layer keeps from its forward
     checkpoint_layers: int | None = None  # model.checkpoint_layers: how many layers are checkpointed (None: every one)
     push_bucket_bytes: int = 0  # rollout workers: rollout.push_bucket_mib (0: none, no push from the trainer)
-    lora_rank: int = 0  # model.lora.rank: adapters alone train, over a frozen base in the compute dtype (0: none)
+    lora_rank: int = 0  # model.lora.r: adapters alone train, over a frozen base in the compute dtype (0: none)
     lora_targets: tuple = ()  # model.lora.target_modules
 
 

@@ -164,7 +164,7 @@ def load_policy(path: str, model_cfg, device: torch.device, chunk_tokens: int = 
     they differ), and the chunked log-prob head; under ``model.lora`` its adapters alone train (a checkpoint of
     adapters loads its base and them)."""
     master, compute = DTYPES[model_cfg.master_dtype], DTYPES[model_cfg.dtype]
-    lora = model_cfg.lora.rank > 0 or base_path(path) != path  # adapters, new or a checkpoint's
+    lora = model_cfg.lora.r > 0 or base_path(path) != path  # adapters, new or a checkpoint's
     model, tokenizer = load_pretrained(path, model_cfg, device, dtype=compute if lora else master)  # LoRA: frozen base
     if lora:
         add_adapters(model, model_cfg.lora, master)

@@ -20,14 +20,14 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def add_adapters(model, lora_cfg, dtype=None) -> int:
-    """Adapters of ``model.lora`` (rank, alpha, dropout, target modules) on ``model``, or, for a model loaded from an
+    """Adapters of ``model.lora`` (r, alpha, dropout, target modules) on ``model``, or, for a model loaded from an
     adapter checkpoint, its adapters; they alone train, kept in ``dtype`` (the master dtype; the frozen base stays in
     the compute dtype). Returns how many parameters train."""
     if not getattr(model, "_hf_peft_config_loaded", False):
         from peft import LoraConfig
 
         target = lora_cfg.target_modules
-        model.add_adapter(LoraConfig(r=int(lora_cfg.rank), lora_alpha=float(lora_cfg.alpha),
+        model.add_adapter(LoraConfig(r=int(lora_cfg.r), lora_alpha=float(lora_cfg.alpha),
                                      lora_dropout=float(lora_cfg.dropout),
                                      target_modules="all-linear" if list(target) == ["all-linear"] else list(target)))
     trainable = 0

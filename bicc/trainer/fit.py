@@ -58,7 +58,7 @@ def run_of(cfg: StepConfig, model_cfg, eval_cfg, dist_cfg, world: int, sharded: 
                context_ratio=(cfg.bicc.context_ratio if cfg.bicc.truncate != "none"  # attempts whole: all they hold
                               else context_budget(cfg.bicc, r.max_new_tokens) / r.max_new_tokens), bicc=bool(cfg.bicc.enabled),
                contexts=max(1, 2 * r.prompts_per_step // world),
-               reference=loads_reference(cfg) and not model_cfg.lora.rank,  # LoRA: the policy, adapters off
+               reference=loads_reference(cfg) and not model_cfg.lora.r,  # LoRA: the policy, adapters off
                chunk_tokens=t.logprob_chunk_tokens, vllm_utilization=r.vllm.gpu_memory_utilization, gpu_gib=gpu_gib,
                compute_bytes=compute.itemsize, rows=max(1, r.prompts_per_step * r.group_size // world),
                no_grad_on_context=any(ctx == "xc" for _, ctx in plan.passes),
@@ -73,8 +73,8 @@ def run_of(cfg: StepConfig, model_cfg, eval_cfg, dist_cfg, world: int, sharded: 
                checkpoint_policy=model_cfg.checkpoint_policy if model_cfg.gradient_checkpointing else "full",
                checkpoint_layers=checkpoint_setting(model_cfg),
                push_bucket_bytes=int(r.push_bucket_mib * 2**20) if r.async_steps else 0,
-               lora_rank=model_cfg.lora.rank,
-               lora_targets=tuple(model_cfg.lora.target_modules) if model_cfg.lora.rank else ())
+               lora_rank=model_cfg.lora.r,
+               lora_targets=tuple(model_cfg.lora.target_modules) if model_cfg.lora.r else ())
 
 
 def checkpoint_setting(model_cfg) -> int | None:
