@@ -14,7 +14,7 @@ from bicc.config import LoraConfig
 from bicc.data import encode_prompt
 from bicc.model.load import build_tiny, load_policy
 from bicc.model.logprobs import batch_logprobs, make_token_batch
-from bicc.model.lora import AdaptersOff, add_adapters, has_adapters, merged_state_dict, module_of
+from bicc.model.lora import AdaptersOff, add_adapters, export, has_adapters, module_of
 from bicc.trainer.checkpoint import save_hf
 from bicc.trainer.optim import build_optimizer
 from bicc.trainer.validation import validate
@@ -129,12 +129,12 @@ def test_a_checkpoint_holds_the_adapters_and_loads_back_to_the_same_policy(tmp_p
     assert torch.equal(batch_logprobs(back.eval(), batch)[0], batch_logprobs(model, batch)[0])
     assert {n for n, p in back.named_parameters() if p.requires_grad} == {
         n for n, p in model.named_parameters() if p.requires_grad}
-    plain = copy.deepcopy(base)
-    plain.load_state_dict(merged_state_dict(model), strict=True)
-    plain.save_pretrained(tmp_path / "export")
+    export(str(tmp_path / "ckpt"), str(tmp_path / "export"))  # python -m bicc.model.lora CKPT OUT
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
-    assert not has_adapters(exported)
+    assert not has_adapters(exported) and not (tmp_path / "export" / "adapter_config.json").exists()
     assert torch.allclose(batch_logprobs(exported, batch)[0], batch_logprobs(model, batch)[0], atol=1e-5)
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        export(str(tmp_path / "export"), str(tmp_path / "again"))
 
 
 @pytest.mark.parametrize("override, field", [("rollout.async_steps=1", "rollout.async_steps"),

@@ -9,7 +9,8 @@ prompts, BiCC's contexts, the chunked log-prob head) runs through them unchanged
 - **A checkpoint** holds the adapters (``adapter_model.safetensors``, and ``adapter_config.json`` naming the base) with
   the trainer state; transformers loads base and adapters from it (``from_pretrained``), so a resume and ``eval.py
   ckpt=`` read it as any checkpoint.
-- **An export** folds each adapter into its layer's weight (``merged_state_dict``), for bare transformers or vLLM.
+- **An export** folds each adapter into its layer's weight (``merged_state_dict``; ``python -m bicc.model.lora CKPT
+  OUT`` writes the plain model dir), for bare transformers or vLLM.
 """
 
 from __future__ import annotations
@@ -109,3 +110,28 @@ def merged_weights(model):
 def merged_state_dict(model) -> dict:
     """``merged_weights`` as a state dict: an export's."""
     return dict(merged_weights(model))
+
+
+def export(ckpt: str, out: str) -> None:
+    """A checkpoint of adapters as a plain HF model dir (what ``save_pretrained`` writes for a model without adapters):
+    the base's weights with the adapters folded in, its config, and the checkpoint's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapted = AutoModelForCausalLM.from_pretrained(ckpt)  # the base, then the adapters on it
+    if not has_adapters(adapted):
+        raise ValueError(f"{ckpt}: no LoRA adapters ({ADAPTER_CONFIG}) to merge")
+    plain = AutoModelForCausalLM.from_pretrained(base_path(ckpt), dtype=adapted.dtype)
+    plain.load_state_dict(merged_state_dict(adapted), strict=True)
+    plain.save_pretrained(out)
+    AutoTokenizer.from_pretrained(ckpt).save_pretrained(out)
+
+
+if __name__ == "__main__":  # python -m bicc.model.lora CKPT OUT
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Merge a checkpoint's LoRA adapters into a plain HF model dir.")
+    parser.add_argument("ckpt", help="a checkpoint of adapters (run_dir/checkpoints/step_N)")
+    parser.add_argument("out", help="the model dir to write")
+    args = parser.parse_args()
+    export(args.ckpt, args.out)
+    print(f"[lora] {args.ckpt}: adapters merged into {args.out}")
