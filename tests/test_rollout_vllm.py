@@ -47,6 +47,16 @@ def engines(tmp_path_factory):
     return model, tokenizer, vllm_engine, hf_engine, prompts
 
 
+def assert_logprobs_are_the_trainers(sampled, model, tokenizer):
+    """Each sampled token's vLLM log-prob equals the trainer's log-prob of it under ``model``."""
+    batch = make_token_batch(sampled.prompt_ids, sampled.completion_ids, tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer_lp = batch_logprobs(model.eval(), batch)[0]
+    for i, lp in enumerate(sampled.logprobs):
+        n = len(sampled.completion_ids[i])
+        assert torch.allclose(torch.tensor(lp[:n]), trainer_lp[i, :n].float(), atol=1e-3), i
+
+
 def train_one_step(model):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
     x = torch.randint(4, 90, (4, 24), generator=torch.Generator().manual_seed(0))
@@ -116,12 +126,7 @@ def test_after_a_step_and_a_sync_vllm_samples_the_updated_policy(engines):
 
     # sampled tokens: vLLM's log-probs are the trainer's log-probs of the same tokens under the new weights
     sampled = vllm_engine.generate(prompts, SamplingParams(n=3, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=1))
-    batch = make_token_batch(sampled.prompt_ids, sampled.completion_ids, tokenizer.pad_token_id)
-    with torch.no_grad():
-        trainer_lp = batch_logprobs(model.eval(), batch)[0]
-    for i, lp in enumerate(sampled.logprobs):
-        n = len(sampled.completion_ids[i])
-        assert torch.allclose(torch.tensor(lp[:n]), trainer_lp[i, :n].float(), atol=1e-3), i
+    assert_logprobs_are_the_trainers(sampled, model, tokenizer)
 
     # a rollout worker's push (bicc.rollout.weight_sync): each tensor of the manifest once, the tied output projection
     # through the embedding alone, streamed into load_weights
@@ -300,10 +305,5 @@ def test_vllm_samples_a_lora_policy_through_its_merged_weights(tmp_path):
                 p.mul_(-1.0)
     vllm_engine.update_weights(policy, 1)
     sampled = vllm_engine.generate(prompts, SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=3))
-    batch = make_token_batch(sampled.prompt_ids, sampled.completion_ids, tokenizer.pad_token_id)
-    with torch.no_grad():
-        trainer_lp = batch_logprobs(policy.eval(), batch)[0]
-    for i, lp in enumerate(sampled.logprobs):
-        n = len(sampled.completion_ids[i])
-        assert torch.allclose(torch.tensor(lp[:n]), trainer_lp[i, :n].float(), atol=1e-3), i
+    assert_logprobs_are_the_trainers(sampled, policy, tokenizer)
     vllm_engine.close()

@@ -24,7 +24,7 @@ def add_adapters(model, lora_cfg, dtype=None) -> int:
     """Adapters of ``model.lora`` (r, alpha, dropout, target modules) on ``model``, or, for a model loaded from an
     adapter checkpoint, its adapters; they alone train, kept in ``dtype`` (the master dtype; the frozen base stays in
     the compute dtype). Returns how many parameters train."""
-    if not getattr(model, "_hf_peft_config_loaded", False):
+    if not has_adapters(model):
         from peft import LoraConfig
 
         target = lora_cfg.target_modules
