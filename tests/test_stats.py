@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from bicc.evaluation.stats import bootstrap_ci, paired_bootstrap_diff, pass_at_k, wilcoxon_paired
+from bicc.evaluation.stats import bootstrap_ci, crossed_bootstrap_diff, paired_bootstrap_diff, pass_at_k, wilcoxon_paired
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 6])
@@ -60,6 +60,41 @@ def test_paired_bootstrap_difference():
     assert diff == pytest.approx(0.25) and lo <= diff <= hi
     with pytest.raises(ValueError, match="same problems"):
         paired_bootstrap_diff(a, b[:3])
+
+
+def test_crossed_bootstrap_resamples_seeds():
+    """Two seeds whose differences are 0 and 1 on every problem: a draw of two seeds means 0, 0.5 or 1 with
+    probabilities 1/4, 1/2, 1/4, whatever problems it draws, so the 95% interval is [0, 1] around 0.5. Resampling
+    problems alone (the per-seed paired bootstrap) would give a zero-width interval at 0.5."""
+    a = np.zeros((2, 50))
+    b = np.array([[0.0] * 50, [1.0] * 50])
+    diff, lo, hi = crossed_bootstrap_diff(a, b)
+    assert (diff, lo, hi) == pytest.approx((0.5, 0.0, 1.0), abs=1e-12)
+
+
+def test_crossed_bootstrap_resamples_problems():
+    """Three identical seeds: only the problems vary, so the interval is the problem bootstrap's, about
+    2 x 1.96 x sqrt(0.25 / 400) = 0.098 wide around the mean (differences of 0 and 1, half each)."""
+    b = np.tile(np.array([0.0, 1.0] * 200), (3, 1))
+    diff, lo, hi = crossed_bootstrap_diff(np.zeros_like(b), b)
+    assert diff == 0.5 and 0.085 < hi - lo < 0.11 and abs((lo + hi) / 2 - 0.5) < 0.01
+
+
+def test_crossed_bootstrap_equals_a_loop_over_draws():
+    """The weighted form (how often each seed and problem was drawn) against the plain loop: draw S seeds and P
+    problems, average the differences over every drawn pair; the same random draws, the same quantiles."""
+    rng = np.random.default_rng(3)
+    a, b = rng.random((3, 7)), rng.random((3, 7))
+    diff, lo, hi = crossed_bootstrap_diff(a, b, num_samples=300, seed=5)
+    draws = np.random.default_rng(5)
+    seeds, problems = draws.integers(0, 3, size=(300, 3)), draws.integers(0, 7, size=(300, 7))
+    means = [(b - a)[np.ix_(s, p)].mean() for s, p in zip(seeds, problems)]
+    assert diff == pytest.approx((b - a).mean())
+    assert (lo, hi) == pytest.approx((np.quantile(means, 0.025), np.quantile(means, 0.975)), abs=1e-12)
+    with pytest.raises(ValueError, match="seeds, problems"):
+        crossed_bootstrap_diff(a, b[:, :3])
+    with pytest.raises(ValueError, match="seeds, problems"):
+        crossed_bootstrap_diff(a[0], b[0])
 
 
 def test_wilcoxon_known_case():
