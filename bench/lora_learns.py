@@ -17,7 +17,7 @@ The rule, written before the runs:
   end is above -5; **worse** if its high end is below 0; else **undecided**.
 - Fewer than 3 seeds of a row: provisional.
 
-Runs go seed by seed, one at a time on all cores; a finished run is pruned to its record (``results.json``,
+Runs go one at a time on all cores, LoRA's three seeds first; a finished run is pruned to its record (``results.json``,
 ``metrics.jsonl``, the final evaluation's ``per_problem.jsonl``, ``wall_s.txt``, ``commit.txt``) under
 ``bench/runs/lora/``, and a later call continues. Run: ``.venv/bin/python -m bench.lora_learns [--max-minutes M]
 [--report-only]`` (6 runs, 5-13 min each on 2 cores). Ends with ``RESULT lora_learns=<0|1> target=1`` and
@@ -119,15 +119,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     t0 = time.monotonic()
-    for seed in range(SEEDS):
-        for name in ROWS if not args.report_only else ():
-            if args.max_minutes is not None and time.monotonic() - t0 > 60 * args.max_minutes:
-                break
-            d = run_dir_of(OUT, name, seed)
-            if (d / "results.json").exists():
-                continue
-            shutil.rmtree(d, ignore_errors=True)
-            prune(run_one(name, [*TASK, *ROWS[name]], seed, 20, args.threads, OUT, []))
+    for name, seed in [] if args.report_only else [(n, s) for n in ("LoRA r16", "Full fine-tuning") for s in range(SEEDS)]:
+        if args.max_minutes is not None and time.monotonic() - t0 > 60 * args.max_minutes:
+            break
+        d = run_dir_of(OUT, name, seed)
+        if (d / "results.json").exists():
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        prune(run_one(name, [*TASK, *ROWS[name]], seed, 20, args.threads, OUT, []))
     print("\n".join(report()))
 
 

@@ -171,6 +171,7 @@ HEAVY = (
     "test_distributed.py::test_fsdp2_at_another_split_matches_one_process",
     "test_distributed.py::test_fsdp2_with_dynamic_sampling_and_uneven_ranks_matches_one_process[once-a-step]",
     "test_distributed.py::test_ddp_checkpoint_resumes_in_two_processes",
+    "test_distributed.py::test_lora_adapters_under_ddp_and_fsdp2_match_one_process_and_resume_in_one",
     "test_distributed.py::test_fsdp2_rank_with_one_token_outputs_stays_in_step[padding_free]",
     "test_preemption.py::test_a_preempted_rehearsal_saves_its_last_step_past_torchruns_default_30_s",
     "test_preemption.py::test_a_worker_killed_in_a_push_ends_the_rehearsal_naming_it",

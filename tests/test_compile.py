@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -262,6 +263,43 @@ def test_a_layer_that_fails_to_compile_runs_eagerly():
     assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
     for p, q in zip(compiled.parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, atol=1e-12, rtol=0)
+
+
+def test_adapted_layers_compile_to_the_eager_update_and_pi_ref_runs_them_off():
+    """model.lora with model.compile: the adapters train through the compiled layers (their update equals eager's,
+    the frozen base untouched), and pi_ref's pass, the same compiled layers with the adapters off, is the base's
+    log-probs."""
+    from bicc.model.lora import AdaptersOff, add_adapters, module_of
+
+    lora = SimpleNamespace(r=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    eager, compiled = checkpointed_pair()
+    base = copy.deepcopy(eager)
+    for m in (eager, compiled):
+        add_adapters(m, lora, torch.float64)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # B off zero, so that the adapters change the policy
+            for name, p in m.named_parameters():
+                if ".lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_layers(compiled, backend=counter)
+    frozen = {n: p.clone() for n, p in compiled.named_parameters() if not p.requires_grad}
+    adapters = {n: p.clone() for n, p in compiled.named_parameters() if p.requires_grad}
+    expected, got = update(eager, True, one_pass=True), update(compiled, True, one_pass=True)
+    assert counter.frame_count > 0 and compiled_layers(compiled) == ARCH.num_hidden_layers
+    assert got["train/loss"] == pytest.approx(expected["train/loss"], abs=1e-12)
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-12, rtol=0)
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
+    prompts, completions = rows()
+    batch = make_token_batch(prompts[:2], completions[:2], 0)
+    with module_of(AdaptersOff(compiled)) as module:
+        off = logprobs_no_grad(module, QueryRows(batch), 2, 2, 1.0)
+    on = logprobs_no_grad(compiled, QueryRows(batch), 2, 2, 1.0)
+    torch.testing.assert_close(off, logprobs_no_grad(base, QueryRows(batch), 2, 2, 1.0), atol=1e-12, rtol=0)
+    assert not torch.allclose(on, off)
+    assert all(not torch.equal(p, adapters[n]) for n, p in compiled.named_parameters() if n in adapters)  # they trained
 
 
 def test_generation_stays_eager_and_a_copy_runs_its_own_weights():

@@ -179,6 +179,32 @@ def test_ddp_checkpoint_resumes_in_two_processes(runs):
     assert max_diff(weights(resumed, 2), weights(out["ddp"], 2)) <= 1e-6
 
 
+def adapters(run_dir: Path, step: int) -> dict:
+    return load_file(run_dir / "checkpoints" / f"step_{step}" / "adapter_model.safetensors")
+
+
+def test_lora_adapters_under_ddp_and_fsdp2_match_one_process_and_resume_in_one(tmp_path):
+    """model.lora over 2 ranks: DDP sums the adapters' gradients alone (the base has none), FSDP2 shards a frozen base
+    beside the trained adapters; both end where one process does. FSDP2's checkpoint (the adapters, the optimizer
+    sharded) resumes in one process to the uninterrupted run's step 2."""
+    lora = ["model.lora.r=4", "model.lora.alpha=8"]
+    single, ddp, fsdp2, resumed = (tmp_path / name for name in ("single", "ddp", "fsdp2", "resumed"))
+    one_process([*lora, f"hydra.run.dir={single}"], tmp_path)
+    two_processes([*lora, f"hydra.run.dir={ddp}", "dist.strategy=ddp"], tmp_path)
+    two_processes([*lora, f"hydra.run.dir={fsdp2}", "dist.strategy=fsdp2"], tmp_path)
+    trained = adapters(single, 2)  # B starts at zero: it moved 10x the tolerance below
+    assert max(v.abs().max().item() for k, v in trained.items() if ".lora_B." in k) > 1e-4
+    for multi in (ddp, fsdp2):
+        assert all(abs(a - b) <= 1e-5 for a, b in zip(losses(single), losses(multi)))
+        for step in (1, 2):
+            assert max_diff(adapters(single, step), adapters(multi, step)) <= 1e-5
+    ckpt = fsdp2 / "checkpoints" / "step_1"
+    assert (ckpt / "optim_dcp").is_dir() and not (ckpt / "model.safetensors").exists()
+    proc = one_process([*lora, f"hydra.run.dir={resumed}", f"resume={ckpt}"], tmp_path)
+    assert "resumed from" in proc.stdout
+    assert max_diff(adapters(resumed, 2), adapters(single, 2)) <= 1e-5
+
+
 def test_a_signal_to_one_rank_stops_both_after_the_step_and_the_resume_matches(runs):
     """SIGTERM to rank 1 alone, in its first update (as a scheduler may reach one process first): both ranks finish
     step 1 and stop together (the flag is summed over the ranks), rank 0 writing the checkpoint; each rank exits

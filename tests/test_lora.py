@@ -1,7 +1,7 @@
 """LoRA adapters on the policy (``model.lora``, bicc/model/lora.py): they start as the base to the bit, their
 gradient is the hand-written one, pi_ref with them off is the base, the sampler draws with them on, a checkpoint holds
-them and loads back to the same policy, a merged export is the adapted policy without them, and the settings not
-built for them yet are refused naming the field."""
+them and loads back to the same policy, a merged export is the adapted policy without them, and a bad setting is
+refused naming the field."""
 
 import copy
 from types import SimpleNamespace
@@ -137,15 +137,14 @@ def test_a_checkpoint_holds_the_adapters_and_loads_back_to_the_same_policy(tmp_p
         export(str(tmp_path / "export"), str(tmp_path / "again"))
 
 
-@pytest.mark.parametrize("override, field", [("rollout.async_steps=1", "rollout.async_steps"),
-                                             ("model.compile=on", "model.compile"),
-                                             ("model.lora.r=-1", "model.lora.r"),
-                                             ("model.lora.dropout=1", "model.lora.dropout")])
-def test_what_adapters_do_not_run_with_yet_is_refused_naming_it(override, field):
-    adapters = [] if override.startswith("model.lora.r") else ["model.lora.r=8"]
+@pytest.mark.parametrize("override, field", [("model.lora.r=-1", "model.lora.r"),
+                                             ("model.lora.dropout=1", "model.lora.dropout"),
+                                             ("model.lora.alpha=0", "model.lora.alpha")])
+def test_a_bad_adapter_setting_is_refused_naming_it_and_every_path_composes(override, field):
     with pytest.raises(ValueError, match=f"config field '{field}'"):
-        validate(compose_cfg(["sft.cache_dir=/tmp/x", *adapters, override]))
-    validate(compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.r=8", "bicc=on", "rcc=on", "rollout=vllm"]))
+        validate(compose_cfg(["sft.cache_dir=/tmp/x", override]))
+    for path in (["bicc=on", "rcc=on", "rollout=vllm"], ["rollout.async_steps=2"], ["model.compile=on"]):
+        validate(compose_cfg(["sft.cache_dir=/tmp/x", "model.lora.r=8", *path]))
 
 
 def test_the_memory_model_counts_the_adapters_the_model_has():

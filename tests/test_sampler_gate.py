@@ -114,6 +114,21 @@ def test_the_default_check_under_workers_keeps_one_host_copy(tmp_path):
     assert max(r["perf/gate_host_bytes"] for r in steps) == weight_bytes(tmp_path / "run")
 
 
+@pytest.mark.launch
+def test_lora_workers_are_pushed_the_adapted_policy_and_the_gate_keeps_only_the_adapters(tmp_path):
+    """model.lora under rollout workers: each push sends the weights with the adapters folded in (the workers hold a
+    model without adapters), so a batch drawn after a push scores at its version as the trainer's adapted policy does;
+    the gate's host copies are the adapters alone, the frozen base never changing."""
+    run_train([*RUN, "train.steps=4", "rollout.async_steps=1", "model.lora.r=4", "model.lora.alpha=8",
+               "optim.lr=5e-2", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    steps = steps_of(tmp_path / "run")
+    assert [r["rollout/weight_version"] for r in steps] == [0, 0, 1, 2]
+    assert all(r["rollout/token_prob_ratio"] < 1 + 1e-5 for r in steps), [r["rollout/token_prob_ratio"] for r in steps]
+    assert min(r["rollout/logprob_diff"] for r in steps[2:]) > 1e-3  # the adapters moved between pushes
+    adapters = load_file(tmp_path / "run" / "checkpoints" / "step_4" / "adapter_model.safetensors")
+    assert max(r["perf/gate_host_bytes"] for r in steps) == 2 * 4 * sum(t.numel() for t in adapters.values())
+
+
 def weight_bytes(run_dir) -> int:
     """One fp32 copy of the policy's parameters (its checkpoint's tensors: a tied head once)."""
     tensors = load_file(run_dir / "checkpoints" / "step_5" / "model.safetensors")

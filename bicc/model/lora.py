@@ -85,26 +85,45 @@ def module_of(model):
     return model if isinstance(model, AdaptersOff) else contextlib.nullcontext(model)
 
 
-def merged_weights(model):
-    """(name, tensor) pairs of the base model's state dict (its own parameter names), each adapter folded into its
-    layer's weight, W + (alpha / r) B A, in the weight's dtype: what a model without adapters loads. One merged tensor
-    at a time (a weight push streams them)."""
-    import torch
+def adapted_layers(model) -> dict:
+    """The name a model without adapters gives each adapted layer's weight (``...q_proj.weight``) -> that LoRA layer;
+    empty for a model without adapters."""
+    if not has_adapters(model):
+        return {}
     from peft.tuners.lora import LoraLayer
 
-    modules = dict(model.named_modules())
+    return {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in the model without adapters (``...q_proj.base_layer.weight`` -> ``...q_proj.weight``)."""
+    return name.replace(".base_layer.", ".")
+
+
+def fold(layer, gather=lambda t: t):
+    """An adapted layer's weight with its active adapters folded in, W + (alpha / r) B A, summed in fp32 and returned
+    in W's dtype; ``gather`` gives each tensor whole (``full_tensor`` under FSDP2, a collective)."""
+    import torch
+
     with torch.no_grad():
-        for key, value in model.state_dict().items():
-            if ".lora_" in key:
-                continue
-            owner, _, leaf = key.rpartition(".base_layer.")
-            layer = modules.get(owner) if owner else None
-            if isinstance(layer, LoraLayer) and leaf == "weight":
-                value = value.detach().clone()
-                for adapter in layer.active_adapters:
-                    if adapter in layer.lora_A:
-                        value += layer.get_delta_weight(adapter).to(value.dtype)
-            yield (f"{owner}.{leaf}" if owner else key), value
+        weight = gather(layer.base_layer.weight).detach()
+        total = weight.float()
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                a, b = gather(layer.lora_A[adapter].weight), gather(layer.lora_B[adapter].weight)
+                total = total + (b.float() @ a.float()) * layer.scaling[adapter]
+        return total.to(weight.dtype)
+
+
+def merged_weights(model):
+    """(name, tensor) pairs of the base model's state dict (its own parameter names), each adapter folded into its
+    layer's weight (``fold``): what a model without adapters loads. One merged tensor at a time (a push streams
+    them)."""
+    layers = adapted_layers(model)
+    for key, value in model.state_dict().items():
+        if ".lora_" not in key:
+            name = plain_name(key)
+            yield name, fold(layers[name]) if name in layers else value
 
 
 def merged_state_dict(model) -> dict:

@@ -75,7 +75,8 @@ def check_every(every: int | None, async_steps: int) -> int:
 
 class WeightVersions:
     """Host copies of the policy's parameters at the weight versions a rollout worker may still draw a checked
-    batch with (this process's shards under FSDP2, in the master dtype), each dropped once its batch is read."""
+    batch with (this process's shards under FSDP2, in the master dtype), each dropped once its batch is read: those
+    that train (``trained``), as the others never change (under ``model.lora``, the adapters alone)."""
 
     def __init__(self):
         self.kept: dict[int, list[torch.Tensor]] = {}
@@ -83,7 +84,7 @@ class WeightVersions:
     def keep(self, model, version: int) -> None:
         reshard(model)  # the shards, not parameters a forward left gathered (dist.reshard_after_forward=false)
         with torch.no_grad():
-            self.kept[version] = [local(p).detach().to("cpu", copy=True) for p in model.parameters()]
+            self.kept[version] = [local(p).detach().to("cpu", copy=True) for p in trained(model)]
 
     def forget(self, version: int, still_read: bool = False) -> None:
         """Drop the copies of ``version`` (unless ``still_read``: a later checked step reads it too) and older."""
@@ -99,13 +100,17 @@ class WeightVersions:
         place, one tensor at a time (no second host copy); the parameters a forward inside leaves gathered are
         freed on the way out, so that no later forward computes with them."""
         reshard(model)
-        params, kept = [local(p) for p in model.parameters()], self.kept[version]
+        params, kept = [local(p) for p in trained(model)], self.kept[version]
         swap(params, kept)
         try:
             yield model
         finally:
             reshard(model)
             swap(params, kept)
+
+
+def trained(model) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 @torch.no_grad()

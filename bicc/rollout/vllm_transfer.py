@@ -17,8 +17,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
 from bicc.machine import distributed
-from bicc.machine.distributed import full_tensor
-from bicc.rollout.weight_sync import tensors_of
+from bicc.rollout.weight_sync import pushed
 
 
 class PolicySource(WeightSource):
@@ -31,9 +30,9 @@ class PolicySource(WeightSource):
         return [ParamMeta(e.name, self.dtype, tuple(e.shape)) for e in self.entries]
 
     def __iter__(self):
-        tensors = tensors_of(self.model)
+        tensor = pushed(self.model)
         for e in self.entries:
-            yield e.name, full_tensor(tensors[e.name]).detach().to(self.dtype)
+            yield e.name, tensor(e.name).detach().to(self.dtype)
 
 
 class WorkersClient:

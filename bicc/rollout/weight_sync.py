@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bicc.machine.distributed import full_tensor
+from bicc.model.lora import adapted_layers, fold, plain_name
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,10 @@ class Entry:
 def manifest(model) -> list[Entry]:
     """What a push sends, in order: every parameter once (``named_parameters`` lists a tied weight under its first
     name only) and every floating-point persistent buffer (what the state dict holds beside the parameters; an
-    integer one, such as a table of positions, is no weight and never changes)."""
+    integer one, such as a table of positions, is no weight and never changes). Under ``model.lora`` the names and
+    shapes of the model without adapters: a push sends each adapted weight with its adapters folded in (``pushed``)."""
     every = dict(model.named_parameters(remove_duplicate=False))
-    entries = [Entry(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    entries = [Entry(plain_name(name), tuple(p.shape)) for name, p in model.named_parameters() if ".lora_" not in name]
     buffers = dict(model.named_buffers())
     entries += [Entry(name, tuple(buffers[name].shape)) for name in model.state_dict()
                 if name not in every and name in buffers and buffers[name].is_floating_point()]
@@ -54,8 +56,17 @@ def manifest(model) -> list[Entry]:
 
 
 def tensors_of(model) -> dict:
-    """Name -> tensor (a DTensor shard under FSDP2) for every name a manifest may hold."""
+    """Name -> tensor (a DTensor shard under FSDP2) for every name a manifest of a model without adapters holds (a
+    receiver's own parameters)."""
     return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+
+
+def pushed(model):
+    """A function: a manifest's name -> the whole tensor a push sends under it (gathered under FSDP2, a collective of
+    every rank); under ``model.lora`` an adapted layer's weight with its adapters folded in."""
+    tensors = {plain_name(name): t for name, t in tensors_of(model).items() if ".lora_" not in name}
+    layers = adapted_layers(model)
+    return lambda name: fold(layers[name], full_tensor) if name in layers else full_tensor(tensors[name])
 
 
 def plan(entries: list[Entry], bucket_elems: int) -> list[list[tuple[int, int, int]]]:
@@ -104,14 +115,14 @@ def broadcast(group, tensor: torch.Tensor) -> None:
 def send(model, entries: list[Entry], buckets, group, dtype: torch.dtype, device, capacity: int) -> int:
     """Push ``model``'s weights: every trainer rank calls this (under FSDP2 each tensor is gathered by all); rank 0
     passes the ``group`` and broadcasts, the others pass None. Returns the bytes sent (0 off rank 0)."""
-    tensors = tensors_of(model)
+    tensor = pushed(model)
     buffer = torch.empty(capacity, dtype=dtype, device=device) if group is not None else None
     current, flat, sent = -1, None, 0
     for bucket in buckets:
         offset = 0
         for i, start, stop in bucket:
             if i != current:  # gathered once, however many buckets it spans
-                current, flat = i, full_tensor(tensors[entries[i].name]).detach().reshape(-1)
+                current, flat = i, tensor(entries[i].name).detach().reshape(-1)
             if buffer is not None:
                 buffer[offset : offset + stop - start].copy_(flat[start:stop])
             offset += stop - start

@@ -9,7 +9,6 @@ from typing import Any, Optional
 import torch
 
 from bicc.config import StepConfig
-from bicc.config.fields import need
 from bicc.data import build_task
 from bicc.kernels.compile import compile_layers, should_compile
 from bicc.machine import distributed
@@ -111,9 +110,6 @@ def build_rl_state(cfg, policy_path: str, init_path: str, device: torch.device,
     step_cfg = StepConfig.of(cfg)
     ref_model = None if not loads_reference(step_cfg) else \
         AdaptersOff(model) if has_adapters(model) else frozen_copy(init_path, cfg.model, device)  # no second base
-    need(not has_adapters(model) or not d.enabled, "model.lora",
-         f"adapters under torchrun ({d.world} processes, dist.strategy={cfg.dist.strategy}) are not built yet: "
-         "train them in one process (model.lora.r=0 trains the whole model on every layout)")
     sharded_hf = d.enabled and d.strategy == "fsdp2" and ENGINES.get(cfg.rollout.engine).samples_from_module
     sampler = compute_copy(model, cfg.model) if sharded_hf else model
     if should_compile(cfg.model.compile, device):  # the trainer's forwards only (generation stays eager)

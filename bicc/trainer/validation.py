@@ -35,7 +35,6 @@ def validate(cfg: Any) -> None:
     need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {cfg.rollout.max_new_tokens}")
     check_schema(cfg, RunConfig)
     check_params("algo.params", f"the loss '{cfg.algo.loss}'", cfg.algo.params, LOSSES.get(cfg.algo.loss))
-    check_lora(cfg.model, cfg.rollout)
     task = TASKS.get(cfg.data.task)
     check_params("data.params", f"the task '{cfg.data.task}'", cfg.data.params, task)
     if hasattr(task, "check"):  # the task's own checks across groups
@@ -66,18 +65,6 @@ def validate(cfg: Any) -> None:
 
 # A step's rows (prompts x samples) beyond any RL recipe: refused before anything is drawn or allocated.
 MAX_ROWS_PER_STEP = 10**6
-
-
-def check_lora(model_cfg: Any, rollout_cfg: Any) -> None:
-    """What ``model.lora`` runs with today: the synchronous step in one process (HF generate samples from the policy's
-    own module, adapters on; vLLM is pushed the merged weights); the rest is refused before any model loads, naming
-    the setting."""
-    if model_cfg.lora.r == 0:
-        return
-    need(rollout_cfg.async_steps == 0, "rollout.async_steps",
-         "rollout workers get the weights pushed, and a push of adapters is not built yet: under model.lora use 0")
-    need(model_cfg.compile == "off", "model.compile", "compiled layers with adapters are not built yet: under "
-         "model.lora use model.compile=off")
 
 
 def check_params(field_name: str, owner: str, values: Any, entry) -> None:
