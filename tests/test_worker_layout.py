@@ -41,13 +41,19 @@ def test_host_warnings_name_their_fix(roomy_host, monkeypatch):
 def test_the_sampler_checks_host_copies_at_the_paper_preset(roomy_host):
     """Qwen3-4B (4,022,468,096 parameters, fp32 master: 16.09 GB) on 4 FSDP2 ranks, 2 batches drawn ahead: checking
     every step holds 3 copies of each rank's quarter (12.07 GB a rank, 48.27 GB a node); the default, every third
-    step, holds one (4.02 GB a rank). DDP holds whole copies. The launch check names the setting when they do not fit."""
+    step, holds one (4.02 GB a rank). DDP holds whole copies; LoRA, the adapters'. The launch check names the setting
+    when they do not fit."""
     run = Run(world=4, sharded=True)
     quarter = 4_022_468_096 * 4 // 4
     assert gate_host_bytes(QWEN3_4B, run, 2, 1) == 3 * quarter == 12_067_404_288
     assert gate_host_bytes(QWEN3_4B, run, 2, None) == quarter
     assert gate_host_bytes(QWEN3_4B, Run(world=4, sharded=False), 2, None) == 4 * quarter
     assert gate_host_bytes(QWEN3_4B, run, 2, 0) == 0
+    # model.lora r 64 on the seven projections: 64 x (2560+4096 + 2 x (2560+1024) + 4096+2560 + 2 x (2560+9728) +
+    # 9728+2560) = 3,670,016 adapter parameters a layer, x 36 layers; only they change between versions
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapters = Run(world=4, sharded=True, lora_rank=64, lora_targets=every)
+    assert gate_host_bytes(QWEN3_4B, adapters, 2, 1) == 3 * 3_670_016 * 36 * 4 // 4
     (memory,) = host_warnings("gloo", 0, 41 * GIB, 4 * 3 * quarter, meminfo=str(roomy_host))
     assert "the sampler check holds 45.0 GiB while training" in memory and "train.sampler_check_every" in memory
     assert host_warnings("gloo", 0, 41 * GIB, 4 * quarter, meminfo=str(roomy_host)) == []  # the default fits 85.8

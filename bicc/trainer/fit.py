@@ -204,8 +204,9 @@ def gate_copies(async_steps: int, every: int | None) -> int:
 def gate_host_bytes(arch: Arch, run: Run, async_steps: int, every: int | None) -> int:
     """Host bytes one training process holds for ``rollout/token_prob_ratio`` under rollout workers
     (``bicc.rollout.agreement.WeightVersions``): its share of the master weights (1/world under FSDP2), once for
-    each version a checked step will read."""
-    share = arch.params() * run.master_bytes // (run.world if run.sharded else 1)
+    each version a checked step will read; under ``model.lora`` the adapters' alone (what trains)."""
+    trains = arch.lora_params(run.lora_rank, run.lora_targets) if run.lora_rank else arch.params()
+    share = trains * run.master_bytes // (run.world if run.sharded else 1)
     return gate_copies(async_steps, every) * share
 
 
