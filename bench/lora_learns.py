@@ -37,7 +37,7 @@ import numpy as np
 from bench.common import ROOT, per_problem, results, run_dir_of, run_one
 from bicc.evaluation.stats import crossed_bootstrap_diff
 
-TASK = ["experiment=smollm2_arith20", "bicc=off", "rcc=off", "diag.every=0"]
+TASK = ["experiment=smollm2_arith20", "bicc=off", "rcc=off"]  # bench.common.run_one adds diag.every=10
 ROWS = {"Full fine-tuning": ["optim.lr=1e-5"],
         "LoRA r16": ["model.lora.r=16", "model.lora.alpha=32", "optim.lr=1e-4"]}
 SEEDS = 3
