@@ -85,8 +85,9 @@ def learns(run_dir: Path) -> bool:
 
 def report() -> list[str]:
     done = finished()
-    lines = ["| row | seeds | pass@1 start → end, mean | train accuracy, steps 1–5 → 16–20 | learns (seeds) | minutes a run |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    # (no wall times: the runs shared the cores unevenly; bench/lora.py times a step of each in one run)
+    lines = ["| row | seeds | pass@1 start → end, mean | train accuracy, steps 1–5 → 16–20 | learns (seeds) |",
+             "| --- | --- | --- | --- | --- |"]
     for name, runs in done.items():
         if not runs:
             continue
@@ -94,9 +95,8 @@ def report() -> list[str]:
         end = np.mean([results(d)["final"]["eval/pass@1"] for d in runs.values()]) * 100
         head = np.mean([accuracy(d, 1, 5) for d in runs.values()])
         tail = np.mean([accuracy(d, 16, 20) for d in runs.values()])
-        minutes = np.mean([float((d / "wall_s.txt").read_text()) for d in runs.values()]) / 60
         lines.append(f"| {name} | {len(runs)} | {start:.1f} → {end:.1f} | {head:.2f} → {tail:.2f} "
-                     f"| {sum(map(learns, runs.values()))} of {len(runs)} | {minutes:.1f} |")
+                     f"| {sum(map(learns, runs.values()))} of {len(runs)} |")
     out = []
     if done["LoRA r16"]:
         ok = all(map(learns, done["LoRA r16"].values()))
