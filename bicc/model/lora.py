@@ -115,15 +115,15 @@ def fold(layer, gather=lambda t: t):
         return total.to(weight.dtype)
 
 
-def merged_weights(model):
+def merged_weights(model, gather=lambda t: t):
     """(name, tensor) pairs of the base model's state dict (its own parameter names), each adapter folded into its
-    layer's weight (``fold``): what a model without adapters loads. One merged tensor at a time (a push streams
-    them)."""
+    layer's weight (``fold``, each tensor through ``gather``: ``full_tensor`` under FSDP2): what a model without
+    adapters loads. One merged tensor at a time (a push streams them)."""
     layers = adapted_layers(model)
     for key, value in model.state_dict().items():
         if ".lora_" not in key:
             name = plain_name(key)
-            yield name, fold(layers[name]) if name in layers else value
+            yield name, fold(layers[name], gather) if name in layers else gather(value)
 
 
 def merged_state_dict(model) -> dict:

@@ -55,7 +55,7 @@ def named_parameters_full(model, dtype: torch.dtype | None = None):
     from bicc.machine.distributed import full_tensor  # here: the engine registry is read before a run loads
 
     names = set()
-    state = merged_weights(model) if has_adapters(model) else model.state_dict().items()  # LoRA: folded in, streamed
+    state = merged_weights(model, full_tensor) if has_adapters(model) else model.state_dict().items()  # LoRA: folded
     for name, tensor in state:
         names.add(name)
         yield name, full_tensor(tensor).detach().to(dtype or tensor.dtype)  # FSDP2 DTensor: gathered alone
