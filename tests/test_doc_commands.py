@@ -52,6 +52,7 @@ COMMANDS = {
         "tests/test_lora.py::test_the_lora_preset_is_predicted_to_fit_one_80_gib_gpu_and_full_fine_tuning_is_not; "
         "a LoRA run resumed after SIGKILL: tests/test_resume.py::test_sigkill_then_resume_is_bit_identical_with_lora_adapters",
     "python -m bench.lora": "needs make setup-smollm2 (SmolLM2-135M); LoRA's parts: tests/test_lora.py",
+    ".venv/bin/python -m bench.lora_learns": ["-m", "bench.lora_learns", "--report-only"],  # the study's table, from its records
     "python -m bicc.model.lora": "tests/test_lora.py::test_a_checkpoint_holds_the_adapters_and_loads_back_to_the_same_policy",
     "python train.py hydra.searchpath=": "tests/test_extending.py (a loss and its YAML outside the library)",
     ".venv/bin/python -m tests.presets": "tests/test_layout.py::test_every_preset_resolves_as_recorded (its record)",
