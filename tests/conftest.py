@@ -154,6 +154,7 @@ HEAVY = (
     "test_compile.py::test_the_headline_form_trains_compiled_under_torchrun_and_fsdp2",
     "test_compile.py::test_every_layer_runs_the_same_graphs_under_kv_reuse",
     "test_compile.py::test_the_prefix_pass_runs_compiled_and_the_floats_are_constants",
+    "test_compile.py::test_adapted_layers_compile_to_the_eager_update_and_pi_ref_runs_them_off",
     "test_compile_graphs.py::test_an_update_under_fsdp2_compiles_a_graph_per_kind_of_pass",
     "test_checkpoint_policy.py::test_keeping_attention_works_through_compiled_layers",
     "test_head_memory.py::test_one_head_chunk_holds_what_the_memory_model_counts[compiled]",
