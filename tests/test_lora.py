@@ -181,3 +181,24 @@ def test_the_lora_preset_is_predicted_to_fit_one_80_gib_gpu_and_full_fine_tuning
     assert static["AdamW moments (sharded)"] == 8 * 132_120_576 and static["frozen base (compute dtype)"] == 2 * QWEN3_4B.params()
     assert lora < 80 - 8  # a margin of 8 GiB or more
     assert predicted("experiment=paper_qwen3_4b")[1] > 80
+
+
+def test_vllm_serving_the_adapters_is_built_for_their_rank_and_refused_beside_rollout_workers():
+    """rollout.vllm.lora_adapters: the engine is built with vLLM's LoRA layers at the least rank vLLM takes that holds
+    model.lora.r (12 -> 16), one adapter at a time; rollout workers are pushed merged weights, so the setting is
+    refused beside them, naming the field; a rank vLLM cannot serve is refused naming it too."""
+    pytest.importorskip("vllm")
+    from bicc.rollout import EngineOptions
+    from bicc.rollout.engines.vllm import engine_args, served_rank
+
+    on = ["sft.cache_dir=/tmp/x", "model.lora.r=12", "rollout=vllm", "rollout.vllm.lora_adapters=true"]
+    validate(compose_cfg(on))
+    with pytest.raises(ValueError, match="config field 'rollout.vllm.lora_adapters'.*rollout.async_steps=2"):
+        validate(compose_cfg([*on, "rollout.async_steps=2"]))
+    assert [served_rank(r) for r in (1, 2, 12, 16, 17, 64)] == [1, 8, 16, 16, 32, 64]
+    with pytest.raises(ValueError, match="'rollout.vllm.lora_adapters'.*model.lora.r is 600"):
+        served_rank(600)
+    rollout = compose_cfg(on).rollout
+    args = engine_args("m", "float32", rollout, EngineOptions(), cuda=False, lora_rank=16)
+    assert (args["enable_lora"], args["max_lora_rank"], args["max_loras"]) == (True, 16, 1)
+    assert "enable_lora" not in engine_args("m", "float32", rollout, EngineOptions(), cuda=False)

@@ -273,9 +273,9 @@ def test_a_vllm_rollout_worker_draws_each_batch_with_the_weights_of_its_version(
     assert all("rollout_corr/rollout_is_mean" in r for r in steps)
 
 
-def test_vllm_samples_a_lora_policy_through_its_merged_weights(tmp_path):
-    """model.lora with rollout=vllm: vLLM loads the base from its files and is pushed the adapters folded into the
-    weights, at its build and at each sync, so it draws what the trainer's adapted module computes, not the base."""
+def lora_policy(tmp_path, r=4):
+    """A tiny base saved under ``tmp_path/base``, the policy loaded on it with rank-``r`` adapters drawn away from zero
+    (so the adapted policy is not the base), and the base itself."""
     from bicc.config import LoraConfig
     from bicc.model.load import load_policy
 
@@ -284,12 +284,19 @@ def test_vllm_samples_a_lora_policy_through_its_merged_weights(tmp_path):
         for p in base.parameters():
             p.mul_(4.0)
     save_hf(base, tokenizer, tmp_path / "base")
-    cfg = OmegaConf.structured(ModelConfig(name="t", path=str(tmp_path / "base"), lora=LoraConfig(r=4, alpha=8.0)))
+    cfg = OmegaConf.structured(ModelConfig(name="t", path=str(tmp_path / "base"), lora=LoraConfig(r=r, alpha=8.0)))
     policy, tokenizer = load_policy(str(tmp_path / "base"), cfg, torch.device("cpu"))
-    with torch.no_grad():  # adapters off zero: the adapted policy is not the base
+    with torch.no_grad():
         for name, p in policy.named_parameters():
             if ".lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    return policy, tokenizer, base
+
+
+def test_vllm_samples_a_lora_policy_through_its_merged_weights(tmp_path):
+    """model.lora with rollout=vllm: vLLM loads the base from its files and is pushed the adapters folded into the
+    weights, at its build and at each sync, so it draws what the trainer's adapted module computes, not the base."""
+    policy, tokenizer, base = lora_policy(tmp_path)
     with small_numa_node():
         vllm_engine = build_engine("vllm", policy, tokenizer, OmegaConf.structured(
             RolloutConfig(engine="vllm", vllm=VllmConfig(gpu_memory_utilization=0.1, enforce_eager=True))))
@@ -307,3 +314,48 @@ def test_vllm_samples_a_lora_policy_through_its_merged_weights(tmp_path):
     sampled = vllm_engine.generate(prompts, SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=3))
     assert_logprobs_are_the_trainers(sampled, policy, tokenizer)
     vllm_engine.close()
+
+
+def test_vllm_serves_the_adapters_themselves_and_bare_vllm_loads_the_merged_export(tmp_path):
+    """rollout.vllm.lora_adapters: vLLM keeps the base it loaded and serves each sync's adapters with its LoRA layers,
+    in the engine's dtype, as a LoRA of a new id: it draws the adapted policy (greedy as HF's adapted module, not the
+    base) and after the adapters move, sampling log-probs equal the trainer's at the new adapters. A LoRA of rank 12
+    is served at vLLM's rank 16. The merged export (``python -m bicc.model.lora``) of the same policy is a plain model
+    dir that a bare ``vllm.LLM`` loads and samples as the adapted policy."""
+    from vllm import LLM
+    from vllm import SamplingParams as VSampling
+
+    from bicc.model.lora import export
+
+    policy, tokenizer, base = lora_policy(tmp_path, r=12)
+    with small_numa_node():
+        served = build_engine("vllm", policy, tokenizer, OmegaConf.structured(RolloutConfig(
+            engine="vllm", vllm=VllmConfig(gpu_memory_utilization=0.1, enforce_eager=True, lora_adapters=True))))
+    assert served.llm.llm_engine.vllm_config.lora_config.max_lora_rank == 16
+    adapted = build_engine("hf", policy, tokenizer, OmegaConf.structured(RolloutConfig(engine="hf")))
+    plain = build_engine("hf", base, tokenizer, OmegaConf.structured(RolloutConfig(engine="hf")))
+    prompts = [encode_prompt(tokenizer, f"Compute {i}+{2 * i + 3}.") for i in range(6)]
+    greedy = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=16, seed=0)
+    expected = adapted.generate(prompts, greedy).completion_ids
+    assert served.generate(prompts, greedy).completion_ids == expected != plain.generate(prompts, greedy).completion_ids
+    save_hf(policy, tokenizer, tmp_path / "ckpt")  # an adapter checkpoint, exported merged before the adapters move
+    export(str(tmp_path / "ckpt"), str(tmp_path / "export"))
+
+    with torch.no_grad():  # a step moves the adapters; the sync writes them again
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.mul_(-1.0)
+    served.update_weights(policy, 1)
+    assert served.lora_request.lora_int_id == 2 and load_file(f"{served.adapter_dir}/adapter_model.safetensors")[
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].dtype == torch.float32
+    sampled = served.generate(prompts, SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=3))
+    assert_logprobs_are_the_trainers(sampled, policy, tokenizer)
+    served.close()
+    assert not os.path.exists(served.adapter_dir)
+
+    with small_numa_node():  # bare vLLM: the export dir, its dtype (vLLM's "auto" halves fp32), a CPU engine's KV space
+        bare = LLM(model=str(tmp_path / "export"), dtype="float32", kv_cache_memory_bytes=2**28, enforce_eager=True)
+    out = bare.generate([{"prompt_token_ids": ids} for ids in prompts],
+                        VSampling(temperature=0.0, max_tokens=16, stop_token_ids=[tokenizer.eos_token_id]), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in out] == expected
+    bare.llm_engine.engine_core.shutdown()

