@@ -8,16 +8,21 @@ setup-smollm2``. Each mode (``full``: ``model.lora.r=0``; ``lora``: ``=r``, vLLM
 rollouts) in a process of its own, so that its peak resident memory is its own; the rounds alternate the modes. Each
 process times ``--steps`` calls of ``rl_step`` after one warm-up and reports the medians of the step, of its
 generation and of its weight sync, the optimizer's state bytes (AdamW's moments: what trains, twice) and
-``ru_maxrss``. Ends with ``RESULT lora_step_ratio`` (LoRA over full fine-tuning, medians over rounds), ``RESULT
-lora_optimizer_bytes_ratio``, ``RESULT lora_peak_rss_ratio``, and for the default of ``rollout.vllm.lora_adapters``
-(off) ``RESULT lora_adapters_step_ratio`` (adapters served over merged; above 1: merged is the faster), with the sync's
-and generation's ratios. Timings mean something only on a quiet machine.
+``ru_maxrss``. The children run with glibc's mmap threshold fixed (``--mmap-threshold``, 128 KiB): a freed tensor
+then goes back to the system, so the peak is what was live; with glibc's default the threshold rises after the first
+large frees and what a sync's transient tensors held stays resident (LoRA's merged push folds a copy of every adapted
+weight), which made LoRA's peak look 1.06-1.16x full fine-tuning's. Ends with ``RESULT lora_step_ratio`` (LoRA over
+full fine-tuning, medians over rounds), ``RESULT lora_optimizer_bytes_ratio``, ``RESULT lora_peak_rss_ratio``, and for
+the default of ``rollout.vllm.lora_adapters`` (off) ``RESULT lora_adapters_step_ratio`` (adapters served over merged;
+above 1: merged is the faster), with the sync's and generation's ratios. Timings mean something only on a quiet
+machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -70,6 +75,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per process")
     parser.add_argument("--rounds", type=int, default=1, help="processes per mode, alternated")
     parser.add_argument("--rank", type=int, default=16, help="model.lora.r of the LoRA mode")
+    parser.add_argument("--mmap-threshold", type=int, default=128 * 1024,
+                        help="glibc's M_MMAP_THRESHOLD for the children in bytes (0: glibc's default, which rises)")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -77,10 +84,12 @@ def main() -> None:
         print("BENCH " + json.dumps(child(args.child, args.rank, args.steps, args.overrides)), flush=True)
         return
     runs = {mode: [] for mode in MODES}
+    print(f"glibc mmap threshold: {args.mmap_threshold or 'the default (dynamic)'}", flush=True)
     for r in range(args.rounds):
         for mode in MODES:
+            env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {})}
             proc = subprocess.run([sys.executable, "-m", "bench.lora", "--child", mode, "--rank", str(args.rank),
-                                   "--steps", str(args.steps), *args.overrides], capture_output=True, text=True)
+                                   "--steps", str(args.steps), *args.overrides], capture_output=True, text=True, env=env)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH ")), None)
             if proc.returncode != 0 or line is None:
                 raise SystemExit(f"bench.lora: the {mode} process failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
