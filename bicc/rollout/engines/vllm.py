@@ -44,7 +44,6 @@ from __future__ import annotations
 import codecs
 import locale
 import os
-import shutil
 import sys
 import tempfile
 
@@ -192,7 +191,8 @@ class VLLMEngine(Engine):
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         # model.lora with rollout.vllm.lora_adapters: vLLM serves the adapters, written here at each sync
         self.adapters = has_adapters(model) and bool(rollout_cfg.vllm.lora_adapters)
-        self.adapter_dir = tempfile.mkdtemp(prefix="bicc-lora-") if self.adapters else None
+        self.adapter_tmp = tempfile.TemporaryDirectory(prefix="bicc-lora-") if self.adapters else None  # gone at exit
+        self.adapter_dir = self.adapter_tmp.name if self.adapters else None
         self.lora_request, self.adapter_pushes = None, 0
         lora_rank = served_rank(model.peft_config["default"].r) if self.adapters else 0
         self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, cuda, self.kv_bytes, lora_rank))
@@ -245,8 +245,8 @@ class VLLMEngine(Engine):
         """Shut the engine down while the process group it joined still exists (under torchrun its
         shutdown destroys its own subgroups; after ``destroy_process_group`` that raises at exit)."""
         self.llm.llm_engine.engine_core.shutdown()
-        if self.adapter_dir:
-            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        if self.adapter_tmp is not None:
+            self.adapter_tmp.cleanup()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         from vllm import SamplingParams as VSampling
