@@ -202,3 +202,45 @@ def test_vllm_serving_the_adapters_is_built_for_their_rank_and_refused_beside_ro
     args = engine_args("m", "float32", rollout, EngineOptions(), cuda=False, lora_rank=16)
     assert (args["enable_lora"], args["max_lora_rank"], args["max_loras"]) == (True, 16, 1)
     assert "enable_lora" not in engine_args("m", "float32", rollout, EngineOptions(), cuda=False)
+
+
+def test_vllm_serving_the_adapters_sleeps_keeping_its_base_and_merged_drops_it():
+    """Under rollout.vllm.sleep (GPU) the engine serving adapters sleeps at level 1: its base weights go to host memory
+    and come back, since no sync pushes them again; pushed merged weights at every sync, it drops them (level 2)."""
+    pytest.importorskip("vllm")
+    from bicc.rollout.engines.vllm import VLLMEngine
+
+    calls = []
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.sleep_enabled, engine.llm = True, SimpleNamespace(sleep=lambda level: calls.append(level))
+    for engine.adapters in (True, False):
+        engine.sleep()
+    assert calls == [1, 2]
+
+
+def test_each_sync_writes_the_adapters_alone_in_the_engines_dtype_as_a_new_lora(tmp_path):
+    """What an engine serving the adapters loads at each sync: PEFT's file of the adapters alone (the names
+    ``adapter_model.safetensors`` gives them, each tensor equal to the policy's, cast to the engine's dtype) beside
+    the adapter config, under a LoRA id one higher than the last, so vLLM loads it rather than serve the cached one."""
+    pytest.importorskip("vllm")
+    import json
+
+    from safetensors.torch import load_file
+
+    from bicc.rollout.engines.vllm import VLLMEngine
+
+    model, _, _, _ = adapted()
+    perturb(model)
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.dtype, engine.adapter_dir, engine.adapter_pushes = "bfloat16", str(tmp_path), 0
+    for pushes in (1, 2):
+        engine.write_adapters(model)
+        assert engine.lora_request.lora_int_id == pushes and engine.lora_request.lora_path == str(tmp_path)
+    written = load_file(tmp_path / "adapter_model.safetensors")
+    own = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+    assert len(written) == len(own) == 3 * 2 * ARCH.num_hidden_layers  # A and B of three projections a layer
+    for name, p in own.items():
+        tensor = written["base_model.model." + name.replace(".default.", ".")]
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, p.detach().to(torch.bfloat16))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8.0, ["down_proj", "q_proj", "v_proj"])
