@@ -166,6 +166,7 @@ HEAVY = (
     "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[a-step-before-async]",
     "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[at-the-wrap-async]",
     "test_rollout_vllm.py::test_a_run_with_vllm_rollouts_resumes_from_its_checkpoint_to_the_uninterrupted_weights",
+    "test_rollout_vllm.py::test_an_engine_sized_for_one_row_serves_one_row_of_its_whole_length",
     "test_host.py::test_numerics_hold_without_vector_instructions",
     "test_sampler_gate.py::test_a_planted_fault_stops_the_run_naming_the_setting_and_its_causes[WrongDtypePush]",
     "test_sampler_gate.py::test_a_prefix_cache_not_reset_after_a_push_stops_the_run",
@@ -174,6 +175,7 @@ HEAVY = (
     "test_distributed.py::test_ddp_checkpoint_resumes_in_two_processes",
     "test_distributed.py::test_lora_adapters_under_ddp_and_fsdp2_match_one_process_and_resume_in_one",
     "test_distributed.py::test_fsdp2_rank_with_one_token_outputs_stays_in_step[padding_free]",
+    "test_distributed.py::test_rollout_workers_under_torchrun_match_one_process[reshard_after_forward=false]",
     "test_preemption.py::test_a_preempted_rehearsal_saves_its_last_step_past_torchruns_default_30_s",
     "test_preemption.py::test_a_worker_killed_in_a_push_ends_the_rehearsal_naming_it",
     *(f"test_algorithms.py::test_each_verl_entry_trains_under_bicc_and_rollout_workers[{case}]" for case in (
