@@ -167,6 +167,7 @@ HEAVY = (
     "test_resume.py::test_a_resume_about_the_epochs_wrap_reads_the_rows_of_the_uninterrupted_run[at-the-wrap-async]",
     "test_rollout_vllm.py::test_a_run_with_vllm_rollouts_resumes_from_its_checkpoint_to_the_uninterrupted_weights",
     "test_rollout_vllm.py::test_an_engine_sized_for_one_row_serves_one_row_of_its_whole_length",
+    "test_rollout_vllm.py::test_a_training_run_samples_through_the_adapters_vllm_serves",
     "test_host.py::test_numerics_hold_without_vector_instructions",
     "test_sampler_gate.py::test_a_planted_fault_stops_the_run_naming_the_setting_and_its_causes[WrongDtypePush]",
     "test_sampler_gate.py::test_a_prefix_cache_not_reset_after_a_push_stops_the_run",

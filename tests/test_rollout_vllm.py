@@ -359,3 +359,20 @@ def test_vllm_serves_the_adapters_themselves_and_bare_vllm_loads_the_merged_expo
                         VSampling(temperature=0.0, max_tokens=16, stop_token_ids=[tokenizer.eos_token_id]), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in out] == expected
     bare.llm_engine.engine_core.shutdown()
+
+
+def test_a_training_run_samples_through_the_adapters_vllm_serves(tmp_path):
+    """train.py with model.lora and rollout.vllm.lora_adapters: the run's engine serves the adapters (it says so), and
+    at each step the sampler's log-probs are the trainer's pi_old, though the adapters move between the steps."""
+    env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    run_dir = tmp_path / "run"
+    proc = run_script("train.py", [*SMALL, *VLLM_CFG, "model.lora.r=4", "model.lora.alpha=8", "optim.lr=5e-2",
+                                   "rollout.vllm.lora_adapters=true", "rollout.vllm.kv_cache_bytes=100000000",
+                                   f"hydra.run.dir={run_dir}"], ROOT, env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "vLLM serves the adapters itself (rollout.vllm.lora_adapters): rank 4 in LoRA layers of rank 8" in proc.stdout
+    steps = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["rollout/token_prob_ratio"] < 1 + 1e-5 and r["rollout/logprob_diff"] < 1e-3 for r in steps)

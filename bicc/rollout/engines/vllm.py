@@ -196,6 +196,9 @@ class VLLMEngine(Engine):
         self.lora_request, self.adapter_pushes = None, 0
         lora_rank = served_rank(model.peft_config["default"].r) if self.adapters else 0
         self.llm = LLM(**engine_args(path, self.dtype, rollout_cfg, options, cuda, self.kv_bytes, lora_rank))
+        if self.adapters and (options.dist is None or options.dist.is_main):
+            print(f"[rollout] vLLM serves the adapters itself (rollout.vllm.lora_adapters): rank "
+                  f"{model.peft_config['default'].r} in LoRA layers of rank {lora_rank}, each sync writes them alone")
         self.model = None  # no HF module: evaluation with this engine samples through vLLM as well
         if has_adapters(model):  # the base loaded from its files: the adapted policy (merged, or its adapters) now
             self.update_weights(model, self.version)
