@@ -75,29 +75,28 @@ def run_train(args, tmp_path, check=True, torchrun: int = 0, timeout: int = 300,
               env: dict | None = None):
     """``train.py <args>`` (or ``script``, a path from the repo root) in a subprocess started in ``tmp_path`` (a run
     without ``hydra.run.dir`` writes there, not into the repo), with its own cache and ``env`` added to the
-    environment; under ``torchrun --nproc_per_node=<torchrun>`` when that is set; asserts success unless ``check``
-    is off."""
+    environment; as ``torchrun --nproc_per_node=<torchrun>``'s ranks when that is set (``run_script``); asserts
+    success unless ``check`` is off."""
     env = {**os.environ, "BICC_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
            **(env or {})}
-    if torchrun:
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
-        proc = subprocess.run([sys.executable, *launcher, str(ROOT / script), *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    else:
-        proc = run_script(script, args, tmp_path, env, timeout)
+    proc = run_script(script, args, tmp_path, env, timeout, ranks=torchrun)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
-def run_script(script: str, args, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+def run_script(script: str, args, cwd, env: dict, timeout: float, ranks: int = 0) -> subprocess.CompletedProcess:
     """``python <script> <args>`` (a path from the repo root) in ``cwd`` with the environment ``env``, its output
     captured as text, in a process group of its own: forked from this test process's pre-imported server
-    (tests/zygote.py) when it can be, else started."""
+    (tests/zygote.py) when it can be, else started. ``ranks``: the script's ranks under ``torchrun --standalone
+    --nproc_per_node=<ranks>`` instead, each forked from the server (the variables torchrun gives a rank, the first
+    failure stopping the others), else under torchrun itself. A test of what torchrun does (its agent, its signals,
+    its messages) starts torchrun."""
     if not forkable(env):
-        return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=timeout, process_group=0)
-    run = Zygote.get().start(script, args, cwd, env)
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks else []
+        return subprocess.run([sys.executable, *launcher, str(ROOT / script), *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=timeout, process_group=0)
+    run = Zygote.get().start(script, args, cwd, env, ranks=ranks)
     try:
         run.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -160,22 +159,23 @@ class Zygote:
         assert line, f"the run server (tests/zygote.py) ended with {self.server.wait()}"
         return json.loads(line)
 
-    def start(self, script, args, cwd, env, capture: bool = True) -> "Forked":
+    def start(self, script, args, cwd, env, capture: bool = True, ranks: int = 0) -> "Forked":
         assert self.running is None or self.running.poll() is not None, "the run server runs one run at a time"
         refuse_unmarked_launch(f"a run forked by tests/zygote.py ({script})")  # as a process started apart would
         out, err = ((tempfile.mkstemp(prefix=f"run_{name}_")[1] if capture else os.devnull) for name in ("stdout", "stderr"))
         request = {"script": script, "args": [str(a) for a in args], "cwd": str(cwd), "env": env, "stdout": out,
-                   "stderr": err}
+                   "stderr": err, "ranks": ranks}
         self.server.stdin.write(json.dumps(request) + "\n")
-        self.running = Forked(self, [script, *request["args"]], self.answer()["pid"], Path(out), Path(err))
+        self.running = Forked(self, [script, *request["args"]], self.answer()["pid"], Path(out), Path(err), ranks)
         return self.running
 
 
 class Forked:
     """A run forked by the server: ``pid``, ``returncode``, ``poll``, ``wait``, ``kill`` as a ``subprocess.Popen``'s."""
 
-    def __init__(self, zygote, args, pid, out, err):
+    def __init__(self, zygote, args, pid, out, err, ranks: int = 0):
         self.zygote, self.args, self.pid, self.out, self.err, self.returncode = zygote, args, pid, out, err, None
+        self.ranks = ranks
 
     def poll(self, wait: float | None = 0.0):
         if self.returncode is None and (answer := self.zygote.answer(wait)) is not None:
@@ -188,8 +188,12 @@ class Forked:
         return self.returncode
 
     def kill(self) -> None:
+        """SIGKILL to the run, and to the ranks of a torchrun one (its process group)."""
         if self.returncode is None:
-            os.kill(self.pid, 9)
+            try:
+                (os.killpg if self.ranks else os.kill)(self.pid, 9)
+            except ProcessLookupError:  # ended meanwhile
+                pass
 
     def output(self) -> tuple[str, str]:
         """Its stdout and stderr, once it has ended (the files are removed)."""

@@ -1,5 +1,7 @@
 """torchrun with 2 CPU processes (gloo): FSDP2 and DDP give the update of one process on the same global
-batch, and a checkpoint written by 2 processes resumes in 1."""
+batch, and a checkpoint written by 2 processes resumes in 1. torchrun itself launches the runs where what it does
+is part of the test (the fixture's FSDP2 run as a user starts it, a signal it forwards, two nodes); the others' ranks
+are forked from the tests' server (tests/zygote.py), past the imports each rank would pay again."""
 
 import json
 import os
@@ -41,9 +43,15 @@ def one_process(args, tmp_path):
     return proc
 
 
-def two_processes(args, tmp_path, script="train.py", cwd=ROOT):
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-                *RUN, *args], tmp_path, cwd)
+def two_processes(args, tmp_path, script="train.py", cwd=ROOT, torchrun=False):
+    """``torchrun --standalone --nproc_per_node=2 <script> <RUN> <args>``: its two ranks forked from the tests' server
+    (tests/zygote.py), or under ``torchrun`` itself."""
+    if torchrun:
+        return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                    *RUN, *args], tmp_path, cwd)
+    proc = run_script(str(script), [*RUN, *args], cwd, env(tmp_path), timeout=600, ranks=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -69,7 +77,7 @@ def runs(tmp_path_factory):
     # (tests/launch_apart.py), in a working dir of its own
     cwd = tmp / "launch"
     cwd.mkdir()
-    two_processes(["dist.strategy=fsdp2"], tmp, script=ROOT / "tests" / "launch_apart.py", cwd=cwd)
+    two_processes(["dist.strategy=fsdp2"], tmp, script=ROOT / "tests" / "launch_apart.py", cwd=cwd, torchrun=True)
     out["fsdp2_dirs"] = sorted(p.parent for p in (cwd / "outputs").glob("*/*/*/.hydra"))
     out["fsdp2"] = out["fsdp2_dirs"][0]
     two_processes([f"hydra.run.dir={out['ddp']}", "dist.strategy=ddp"], tmp)
@@ -157,8 +165,9 @@ def test_one_process_under_torchrun_is_the_multi_process_code(runs):
     process's update: a one-GPU check covers the code 4 GPUs run."""
     tmp, out = runs
     run_dir = tmp / "torchrun_one"
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py", *RUN,
-                f"hydra.run.dir={run_dir}", "dist.strategy=fsdp2"], tmp)
+    proc = run_script("train.py", [*RUN, f"hydra.run.dir={run_dir}", "dist.strategy=fsdp2"], ROOT, env(tmp), timeout=600,
+                      ranks=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert "[dist] rank 0/1 " in proc.stdout
     assert (run_dir / "checkpoints" / "step_1" / "optim_dcp").is_dir()  # FSDP2's sharded optimizer state
     assert all(abs(a - b) <= 1e-5 for a, b in zip(losses(out["single"]), losses(run_dir)))
@@ -293,10 +302,8 @@ def test_fsdp2_rank_with_one_token_outputs_stays_in_step(tmp_path, layout):
     unsharded process."""
     from tests.helpers import prefix_cache_case, prefix_cache_logprobs, tiny
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/fsdp_one_token.py",
-           "30", layout, str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**env(tmp_path), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_script("tests/fsdp_one_token.py", ["30", layout, str(tmp_path)], ROOT,
+                      {**env(tmp_path), "PYTHONPATH": str(ROOT)}, timeout=300, ranks=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (logp0, _), _ = ([float(v) for v in (tmp_path / f"rank{r}.txt").read_text().split()] for r in (0, 1))
     model, tok = tiny()

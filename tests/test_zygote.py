@@ -1,6 +1,6 @@
 """The tests' run server (tests/zygote.py, tests.helpers.run_script): a run forked from it is the run a process of
 its own is, in what a test reads of it (exit code, output, argv, working dir, environment, import path, process
-group), and one the server cannot stand for is started as a process."""
+group), forked ranks are torchrun's, and one the server cannot stand for is started as a process."""
 
 import os
 import subprocess
@@ -66,3 +66,46 @@ def test_a_run_past_its_timeout_is_killed_and_a_started_one_can_be(tmp_path, pro
     assert run.wait(30) == -9
     after = run_script("tests/zygote_probe.py", ["0"], tmp_path, probe_env, timeout=60)  # the server serves on
     assert after.returncode == 0 and report(after)["parent"] == str(Zygote.get().server.pid)
+
+
+def rank_lines(proc) -> list[str]:
+    return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
+
+
+def test_forked_ranks_see_what_torchruns_ranks_see(tmp_path, probe_env, monkeypatch):
+    """The variables torchrun gives each rank, a gloo group over them, torch's threads: as under torchrun itself."""
+    env = {k: v for k, v in probe_env.items() if k != "OMP_NUM_THREADS"}
+    forked = run_script("tests/zygote_rank_probe.py", ["ok"], tmp_path, env, timeout=120, ranks=2)
+    monkeypatch.setenv("BICC_TEST_FORK", "0")
+    started = run_script("tests/zygote_rank_probe.py", ["ok"], tmp_path, env, timeout=120, ranks=2)
+    assert forked.returncode == started.returncode == 0, forked.stderr[-2000:] + started.stderr[-2000:]
+    assert rank_lines(forked) == rank_lines(started)
+    assert [line.split()[0] for line in rank_lines(forked)] == ["rank0", "rank1"]
+    assert all("sum=3.0" in line and "WORLD_SIZE=2" in line and "threads=1" in line for line in rank_lines(forked))
+
+
+def test_a_failing_forked_rank_stops_the_others(tmp_path, probe_env):
+    """Rank 1 exits 3; rank 0, asleep, gets SIGTERM: the run ends at once, with torchrun's code 1."""
+    import time
+
+    start = time.monotonic()
+    proc = run_script("tests/zygote_rank_probe.py", ["fail"], tmp_path, probe_env, timeout=120, ranks=2)
+    assert proc.returncode == 1 and time.monotonic() - start < 60
+    assert "rank 1 exited with code 3" in proc.stderr and len(rank_lines(proc)) == 2
+
+
+def test_the_librarys_process_a_forked_run_starts_is_forked_and_is_its_child(probe_env, monkeypatch):
+    """``python -m tests.<module>`` (as the trainer starts ``bicc.rollout.worker``) from a forked run: forked from a
+    clean copy of the run, yet the run's child, with the argv, environment, import path and exit code a started one
+    has."""
+    forked = report(run_script("tests/zygote_probe.py", ["0", "child"], ROOT, probe_env, timeout=60))
+    monkeypatch.setenv("BICC_TEST_FORK", "0")
+    started = report(run_script("tests/zygote_probe.py", ["0", "child"], ROOT, probe_env, timeout=60))
+    for probe in (forked, started):
+        assert probe["child_code"] == "5" and probe.pop("child_pid") == probe.pop("started_pid")
+        assert probe.pop("child_parent") == probe["pid"]  # the run's child, which it waited for
+    children = [{k: v for k, v in probe.items() if k.startswith("child_")} for probe in (forked, started)]
+    assert children[0].pop("child_preloaded") == "True" and children[1].pop("child_preloaded") == "False"
+    assert children[0] == children[1]
+    assert children[0]["child_argv"] == repr(["two words"]) and children[0]["child_var"] == "set"
+    assert children[0]["child_path0"] == str(ROOT) and children[0]["child_main"] == "True"
