@@ -121,22 +121,24 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
-# The longest test files, longest first (their seconds under `make test` on a 2-core AMD EPYC, heavy tier left out:
-# about 260, 130, 115, 105, 100, then 55 to 35; test_paper_rehearsal.py is all make test-heavy's, its longest): a
-# file runs whole on one worker, so one of these left to the end kept a worker busy for minutes after the other had
-# finished. `make test` passes `--no-loadscope-reorder`, without which pytest-xdist queues the files with the most
-# tests first instead.
-LONGEST_FIRST = ("test_paper_rehearsal.py", "test_distributed.py", "test_resume.py", "test_rollout_vllm.py",
-                 "test_async.py", "test_reference.py", "test_doc_commands.py", "test_checkpoint_layers.py",
-                 "test_split_invariance.py", "test_update.py", "test_compile.py", "test_host.py",
-                 "test_recompute_in_graph.py", "test_bench_entry.py", "test_train_smoke.py", "test_experiments.py")
+# The longest test files, longest first: a file runs whole on one worker, so one of these left to the end kept a
+# worker busy for minutes after the other had finished. Their seconds on a 2-core AMD EPYC, make test's then make
+# test-heavy's: test_paper_rehearsal.py 0 and 190, then 96/82, 83/34, 30/87, 7/83, 64/55, 60/0, 50/33, 9/41, 17/37,
+# 8/32, then 32 to 10 in make test. `make test` passes `--no-loadscope-reorder`, without which pytest-xdist queues the
+# files with the most tests first instead.
+LONGEST_FIRST = ("test_paper_rehearsal.py", "test_distributed.py", "test_async.py", "test_compile.py",
+                 "test_preemption.py", "test_rollout_vllm.py", "test_reference.py", "test_resume.py",
+                 "test_memory_tracker.py", "test_recompute_in_graph.py", "test_compile_graphs.py", "test_experiments.py",
+                 "test_doc_commands.py", "test_split_invariance.py", "test_config.py", "test_host.py",
+                 "test_checking.py", "test_update.py", "test_gpu_check.py", "test_train_smoke.py",
+                 "test_readme_commands.py", "test_checkpoint_layers.py", "test_update_vs_bare.py", "test_sampler_gate.py")
 
 
 # ---- make test-heavy: the long variants of paths make test already runs ---------------------------------------
 # Each of these is a second form of something a shorter test in `make test` runs end to end (another kill point,
 # fault, staleness or epoch boundary, the paper presets' rehearsals with a vLLM engine per process, the compiled form
-# of an eager check, a bench's measurement, the paper width of a traced run, another FSDP2 split), at 10-220 s apiece
-# (`make test-heavy` at 9488c4f: 657.6 s on a 2-core EPYC with AVX-512, 680.1 s on one with AVX2 only).
+# of an eager check, a bench's measurement, the paper width of a traced run, another FSDP2 split), at 2-130 s apiece
+# (docs/results.md has the suites' last timings).
 # `make test` leaves them out; `make test-heavy` runs them and CI runs it after `make test` (.ci/run). A test
 # file's name, '::', the test's name and, for one case of a parametrised test, its id in brackets.
 HEAVY = (
