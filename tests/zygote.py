@@ -56,7 +56,7 @@ def child(request: dict) -> int:
     return run(request["script"], request["args"])
 
 
-def run(script: str, args: list[str], module: str | None = None) -> int:
+def run(script: str | None, args: list[str], module: str | None = None) -> int:
     """``python <script> <args>`` (or ``python -m <module> <args>``) in this process, under its environment; the exit
     code. The processes of the library it starts are forked too (``start_spawner``)."""
     import atexit
@@ -68,7 +68,7 @@ def run(script: str, args: list[str], module: str | None = None) -> int:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    first = os.getcwd() if module else str(Path(ROOT / script).parent)
+    first = os.getcwd() if module else str((ROOT / script).parent)
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first, *extra, *BASE_PATH]
     sys.argv = [module or str(ROOT / script), *args]
@@ -155,7 +155,7 @@ def spawn(run_pid: int, asks: int, answer: int) -> None:
                             os.chdir(request["cwd"])
                             os.environ.clear()
                             os.environ.update(request["env"])
-                            code = run("", request["args"], module=request["module"])
+                            code = run(None, request["args"], module=request["module"])
                     finally:
                         os._exit(code)
                 os.write(handed, str(pid).encode())
